@@ -1,0 +1,91 @@
+"""The segment collector: removes finished segment files, never one in use.
+
+A segment is finished when it is sealed and none of its slots is LIVE (for
+the completion log: every result delivered). Every process that opens a
+segment holds a shared `flock` on it (see pipeline.segment.Segment); the
+collector removes a file only while it holds the exclusive lock, taken
+without blocking, and after checking the markers again under that lock.
+A file in use stays pending and is tried again on a later step.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeline.scan import SegmentSummary, scan_segment
+
+log = logging.getLogger("fabric.collector")
+
+
+@dataclass
+class CollectResult:
+    removed: list[Path] = field(default_factory=list)
+    in_use: list[Path] = field(default_factory=list)
+    not_finished: list[Path] = field(default_factory=list)
+
+
+class SegmentCollector:
+    """Removes finished segments offered to it; retries those in use on each step."""
+
+    def __init__(self, retry_s: float = 5.0) -> None:
+        self.retry_s = retry_s
+        self._pending: set[Path] = set()
+        self._next_try_s = 0.0
+
+    @property
+    def pending(self) -> frozenset[Path]:
+        return frozenset(self._pending)
+
+    def offer(self, segments: list[SegmentSummary] | list[Path]) -> CollectResult:
+        """Try to remove these segments now; those in use stay pending."""
+        paths = [s.path if isinstance(s, SegmentSummary) else Path(s) for s in segments]
+        result = CollectResult()
+        for path in paths:
+            outcome = self.remove_if_finished(path)
+            getattr(result, outcome).append(path)
+            if outcome == "in_use":
+                self._pending.add(path)
+            else:
+                self._pending.discard(path)
+        return result
+
+    def step(self, now_s: float) -> CollectResult:
+        """Retry pending removals, at most once every `retry_s`."""
+        if not self._pending or now_s < self._next_try_s:
+            return CollectResult()
+        self._next_try_s = now_s + self.retry_s
+        return self.offer(sorted(self._pending))
+
+    def remove_if_finished(self, path: Path) -> str:
+        """Remove `path` if finished and unused; returns removed, in_use or not_finished."""
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return "removed"
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return "in_use"
+            try:
+                same_file = os.stat(path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                return "removed"
+            summary = scan_segment(path)
+            if not same_file or not isinstance(summary, SegmentSummary) or not summary.finished:
+                log.warning("not removing %s: it is not a finished segment", path)
+                return "not_finished"
+            path.unlink()
+            dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+            log.info("removed finished segment %s (%d slots retired)", path.name, summary.dead)
+            return "removed"
+        finally:
+            os.close(fd)

@@ -1,0 +1,137 @@
+"""The one defaults table: every configuration key, its default and its meaning.
+
+`DEFAULTS` mirrors the TOML file: one nested dict per section, plus `models`,
+the list of `[[models]]` tables used when a file names none. `MODEL_DEFAULTS`
+holds the keys of one `[[models]]` table; `REQUIRED` marks the keys a table
+must set itself and `BY_ENGINE` a default taken from `ENGINE_ENDPOINTS`. `ENGINE_ENDPOINTS` is both the list of engines and the
+endpoints each one serves when a model does not set `endpoints`: embedding
+engines serve `/v1/embeddings`, every other engine serves chat and text
+completions.
+
+Units live in the key names (`_bytes`, `_s`, `_ms`, `_tokens`). Nothing else
+in the code base repeats these values: the frozen settings in
+`config/settings.py` are built from this table merged with the file, and
+`config/validate.py` holds the rule for each key. Treat these objects as
+read-only.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+# Marks a `[[models]]` key that has no default and must be set in each table.
+REQUIRED: Final = object()
+# Marks a `[[models]]` key whose default is the engine's entry in ENGINE_ENDPOINTS.
+BY_ENGINE: Final = object()
+
+DEFAULTS: Final[dict[str, Any]] = {
+    "broker": {
+        # Root of all durable state (segments, completion log, jobs, log/);
+        # relative paths resolve against the working directory at load time.
+        "data_dir": "var/fabric",
+        # An input segment file rotates when it reaches this size (256 MiB).
+        "segment_bytes": 256 * 1024 * 1024,
+        # A segment with no append for this long is sealed and rotated.
+        "segment_idle_s": 30.0,
+        # Lane edges in tokens: an item goes to the smallest lane >= its length.
+        "lanes": [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768],
+        # Processes that scan marker columns during recovery; 0 = one per CPU core.
+        "recovery_processes": 0,
+    },
+    "ingest": {
+        # Address the producer-facing front binds (submit, status, cancel).
+        "bind": "tcp://127.0.0.1:7710",
+        # Tokeniser processes behind the front.
+        "processes": 1,
+        # Largest producer message accepted, in bytes (64 MiB).
+        "max_message_bytes": 64 * 1024 * 1024,
+        # Items per submit chunk; a chunk is acknowledged once all of it is durable.
+        "chunk_items": 4096,
+    },
+    "router": {
+        # Router processes (assign model, shape and lane to each item).
+        "processes": 1,
+    },
+    "writers": {
+        # Segment writer processes.
+        "processes": 1,
+        # Group-commit window: appends arriving within it share one fsync; 0 = no wait.
+        "flush_ms": 2.0,
+    },
+    "dispatch": {
+        # Address GPU workers connect to for work and results.
+        "bind": "tcp://127.0.0.1:7711",
+        # Address workers send heartbeats and held-item reports to.
+        "heartbeat_bind": "tcp://127.0.0.1:7712",
+        # A dispatched item not finished or renewed within this long is reclaimed.
+        "lease_s": 300.0,
+        # A worker session silent for this long is declared gone.
+        "session_timeout_s": 30.0,
+        # Reclaims before an item is retired with an error result (dead-lettered).
+        "max_attempts": 3,
+    },
+    "completion": {
+        # Address results are delivered to clients and sinks from.
+        "bind": "tcp://127.0.0.1:7713",
+        # Completion processes (persist results, then tombstone inputs).
+        "processes": 1,
+        # Tombstones (retire markers) are flushed about this often.
+        "tombstone_flush_ms": 100.0,
+    },
+    "collector": {
+        # The segment collector looks for fully retired files this often.
+        "interval_s": 5.0,
+        # Delivered completion-log files are kept this long before removal (1 day).
+        "completion_retention_s": 86400.0,
+    },
+    "workers": {
+        # Worker processes the supervisor starts on this host; 0 = remote workers only.
+        "local": 1,
+    },
+    "supervisor": {
+        # Wait before restarting a stage that died.
+        "restart_backoff_s": 0.5,
+        # Restarts of one stage allowed within restart_window_s before the broker stops.
+        "max_restarts": 5,
+        # Sliding window over which max_restarts is counted.
+        "restart_window_s": 60.0,
+        # On shutdown, a stage still running this long after SIGTERM gets SIGKILL.
+        "stop_timeout_s": 30.0,
+    },
+    # Models served when the file has no [[models]] table.
+    "models": [
+        {"name": "minilm", "engine": "minilm"},
+    ],
+}
+
+# The keys of one [[models]] table.
+MODEL_DEFAULTS: Final[dict[str, Any]] = {
+    # What input lines name in body.model; letters, digits, '.', '_' and '-'.
+    "name": REQUIRED,
+    # Engine that runs the model: a key of ENGINE_ENDPOINTS.
+    "engine": REQUIRED,
+    # Path of the tokenizer.json used at ingest for text input; "" = token ids only.
+    "tokenizer": "",
+    # Longest prompt accepted, in tokens; must fit the largest lane.
+    "max_tokens": 32768,
+    # OpenAI Batch `url` values this model accepts; default: its engine's list below.
+    "endpoints": BY_ENGINE,
+}
+
+_EMBEDDINGS: Final = ["/v1/embeddings"]
+_COMPLETIONS: Final = ["/v1/chat/completions", "/v1/completions"]
+
+# Every engine, and the endpoints a model on it serves unless it sets `endpoints`.
+ENGINE_ENDPOINTS: Final[dict[str, list[str]]] = {
+    "echo": _COMPLETIONS,
+    "simulated": _COMPLETIONS,
+    "minilm": _EMBEDDINGS,
+    "transformers": _COMPLETIONS,
+    "vllm": _COMPLETIONS,
+}
+
+# Every endpoint a model may list.
+ENDPOINTS: Final[tuple[str, ...]] = (*_EMBEDDINGS, *_COMPLETIONS)
+
+# The plain sections of DEFAULTS, in file order (everything except `models`).
+SECTIONS: Final[tuple[str, ...]] = tuple(k for k in DEFAULTS if k != "models")

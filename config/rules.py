@@ -1,0 +1,197 @@
+"""What each configuration key allows: its type, its range, and how to say so.
+
+`RULES` holds one `Rule` per dotted key of the plain sections and
+`MODEL_RULES` one per key of a `[[models]]` table; a test keeps both in step
+with `config/defaults.py`. `config/validate.py` walks the data and applies
+them. Limits that are part of the contract live here as named constants.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final
+
+from config.defaults import ENDPOINTS, ENGINE_ENDPOINTS
+
+MIN_SEGMENT_BYTES: Final = 1024 * 1024
+MAX_LANE_TOKENS: Final = 1 << 20
+# Longest ipc:// path the OS accepts (sizeof(sockaddr_un.sun_path) - 1 on Linux).
+MAX_IPC_PATH_BYTES: Final = 107
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """How one key is checked: its type, what is allowed, and the value check.
+
+    `problem(value)` is called only on a value of the right type and returns
+    what is wrong with it ("is below 1") or None when it is fine.
+    """
+
+    kind: str
+    allowed: str
+    problem: Callable[[Any], str | None]
+
+    def accepts(self, value: Any) -> bool:
+        """True if `value` has this rule's type (an int counts as a number, a bool never)."""
+        return _has_kind(value, self.kind)
+
+
+def count(low: int, note: str = "") -> Rule:
+    """An integer >= `low`."""
+    return Rule(
+        "integer", f"an integer >= {low}{note}", lambda v: f"is below {low}" if v < low else None
+    )
+
+
+def interval(unit: str, *, zero_ok: bool) -> Rule:
+    """A finite number of `unit`s, > 0 (or >= 0 when `zero_ok`)."""
+
+    def problem(value: float) -> str | None:
+        if not math.isfinite(value):
+            return "is not a finite number"
+        if value < 0 or (value == 0 and not zero_ok):
+            return "is negative" if value < 0 else "is zero"
+        return None
+
+    return Rule("number", f"a number {'>=' if zero_ok else '>'} 0 ({unit})", problem)
+
+
+def _lanes_problem(lanes: list[int]) -> str | None:
+    if not lanes:
+        return "is empty"
+    if lanes[0] <= 0:
+        return f"starts at {lanes[0]}, not above 0"
+    for low, high in itertools.pairwise(lanes):
+        if high <= low:
+            return f"is not strictly increasing ({low} is followed by {high})"
+    if lanes[-1] > MAX_LANE_TOKENS:
+        return f"ends above {MAX_LANE_TOKENS} tokens ({lanes[-1]})"
+    return None
+
+
+TCP_ADDRESS = re.compile(
+    r"tcp://(?P<host>\*|\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(?P<port>[0-9]{1,5})"
+)
+
+
+def _address_problem(address: str) -> str | None:
+    if address.startswith("ipc://"):
+        path = address.removeprefix("ipc://")
+        if not path:
+            return "has an empty ipc path"
+        if len(path.encode()) > MAX_IPC_PATH_BYTES:
+            return f"has an ipc path longer than the OS limit of {MAX_IPC_PATH_BYTES} bytes"
+        return None
+    match = TCP_ADDRESS.fullmatch(address)
+    if match is None:
+        return "is not a tcp://host:port or ipc://path address"
+    if not 1 <= int(match["port"]) <= 65535:
+        return f"has port {int(match['port'])}, outside 1-65535 (clients must know the port)"
+    return None
+
+
+_NAME = re.compile(r"[A-Za-z0-9._-]+")
+
+
+def _endpoints_problem(endpoints: list[str]) -> str | None:
+    if not endpoints:
+        return "is empty"
+    for endpoint in endpoints:
+        if endpoint not in ENDPOINTS:
+            return f"names {json.dumps(endpoint)}, which is not an endpoint"
+    if len(set(endpoints)) < len(endpoints):
+        return "names an endpoint twice"
+    return None
+
+
+ADDRESS = Rule("string", "tcp://HOST:PORT (PORT 1-65535) or ipc://PATH", _address_problem)
+
+RULES: Final[dict[str, Rule]] = {
+    "broker.data_dir": Rule("string", "a non-empty path", lambda v: None if v else "is empty"),
+    "broker.segment_bytes": count(MIN_SEGMENT_BYTES, " (1 MiB)"),
+    "broker.segment_idle_s": interval("seconds", zero_ok=False),
+    "broker.lanes": Rule(
+        "list of integers",
+        f"a non-empty list of token counts, each > 0, strictly increasing, "
+        f"at most {MAX_LANE_TOKENS}, e.g. [64, 128, 256]",
+        _lanes_problem,
+    ),
+    "broker.recovery_processes": count(0, " (0 = one per CPU core)"),
+    "ingest.bind": ADDRESS,
+    "ingest.processes": count(1),
+    "ingest.max_message_bytes": count(1),
+    "ingest.chunk_items": count(1),
+    "router.processes": count(1),
+    "writers.processes": count(1),
+    "writers.flush_ms": interval("milliseconds", zero_ok=True),
+    "dispatch.bind": ADDRESS,
+    "dispatch.heartbeat_bind": ADDRESS,
+    "dispatch.lease_s": interval("seconds", zero_ok=False),
+    "dispatch.session_timeout_s": interval("seconds", zero_ok=False),
+    "dispatch.max_attempts": count(1),
+    "completion.bind": ADDRESS,
+    "completion.processes": count(1),
+    "completion.tombstone_flush_ms": interval("milliseconds", zero_ok=False),
+    "collector.interval_s": interval("seconds", zero_ok=False),
+    "collector.completion_retention_s": interval("seconds", zero_ok=True),
+    "workers.local": count(0, " (0 = remote workers only)"),
+    "supervisor.restart_backoff_s": interval("seconds", zero_ok=True),
+    "supervisor.max_restarts": count(0),
+    "supervisor.restart_window_s": interval("seconds", zero_ok=False),
+    "supervisor.stop_timeout_s": interval("seconds", zero_ok=False),
+}
+
+MODEL_RULES: Final[dict[str, Rule]] = {
+    "name": Rule(
+        "string",
+        "a non-empty name of letters, digits, '.', '_' and '-'",
+        lambda v: None if _NAME.fullmatch(v) else "is not a valid model name",
+    ),
+    "engine": Rule(
+        "string",
+        f"one of {', '.join(ENGINE_ENDPOINTS)}",
+        lambda v: None if v in ENGINE_ENDPOINTS else "is not a known engine",
+    ),
+    "tokenizer": Rule(
+        "string", 'a path to tokenizer.json, or "" for token ids only', lambda v: None
+    ),
+    "max_tokens": count(1, " that fits the largest lane"),
+    "endpoints": Rule(
+        "list of strings",
+        f"a non-empty list drawn from {', '.join(ENDPOINTS)}",
+        _endpoints_problem,
+    ),
+}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _has_kind(value: Any, kind: str) -> bool:
+    if kind == "integer":
+        return _is_int(value)
+    if kind == "number":
+        return _is_int(value) or isinstance(value, float)
+    if kind == "string":
+        return isinstance(value, str)
+    if kind == "list of integers":
+        return isinstance(value, list) and all(_is_int(v) for v in value)
+    if kind == "list of strings":
+        return isinstance(value, list) and all(isinstance(v, str) for v in value)
+    raise ValueError(f"rule kind {kind!r} is not one this module knows")
+
+
+def clash(a: str, b: str) -> bool:
+    """True if binding both addresses on one host would fail (same port, or same ipc path)."""
+    ma, mb = TCP_ADDRESS.fullmatch(a), TCP_ADDRESS.fullmatch(b)
+    if ma is None or mb is None:
+        return a == b
+    wildcard = {"*", "0.0.0.0"}
+    same_host = ma["host"] == mb["host"] or {ma["host"], mb["host"]} & wildcard
+    return int(ma["port"]) == int(mb["port"]) and bool(same_host)

@@ -1,0 +1,212 @@
+"""Typed, frozen settings: one object per section, one `Settings` holding them.
+
+The fields carry no defaults: every value comes from `config.defaults`
+merged with the file by `config.load.load_settings`, which validates before
+it calls `build_settings`. Sequences are tuples, so a `Settings` is immutable
+and hashable all the way down and can be handed to any stage as is.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from config.defaults import BY_ENGINE, DEFAULTS, ENGINE_ENDPOINTS, MODEL_DEFAULTS, SECTIONS
+from pipeline.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class BrokerSettings:
+    """[broker]: where durable state lives and how the input log is cut."""
+
+    data_dir: str
+    segment_bytes: int
+    segment_idle_s: float
+    lanes: tuple[int, ...]
+    recovery_processes: int
+
+    def lane_for(self, n_tokens: int) -> int | None:
+        """Return the smallest lane edge >= `n_tokens`, or None if no lane holds it.
+
+        A prompt of 0 tokens goes to the first lane. Raises ValueError for a
+        negative count (a caller's bug, not a configuration problem).
+        """
+        if n_tokens < 0:
+            raise ValueError(f"n_tokens = {n_tokens} is negative; a token count is >= 0")
+        i = bisect.bisect_left(self.lanes, n_tokens)
+        return self.lanes[i] if i < len(self.lanes) else None
+
+
+@dataclass(frozen=True, slots=True)
+class IngestSettings:
+    """[ingest]: the producer-facing front and its tokenisers."""
+
+    bind: str
+    processes: int
+    max_message_bytes: int
+    chunk_items: int
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSettings:
+    """[router]: processes assigning (model, shape, lane) to items."""
+
+    processes: int
+
+
+@dataclass(frozen=True, slots=True)
+class WriterSettings:
+    """[writers]: segment writers and their group commit."""
+
+    processes: int
+    flush_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchSettings:
+    """[dispatch]: the single dispatch owner, leases and worker sessions."""
+
+    bind: str
+    heartbeat_bind: str
+    lease_s: float
+    session_timeout_s: float
+    max_attempts: int
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionSettings:
+    """[completion]: result persistence, tombstones and delivery."""
+
+    bind: str
+    processes: int
+    tombstone_flush_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class CollectorSettings:
+    """[collector]: removal of finished segment and completion files."""
+
+    interval_s: float
+    completion_retention_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSettings:
+    """[workers]: worker processes started on this host."""
+
+    local: int
+
+
+@dataclass(frozen=True, slots=True)
+class SupervisorSettings:
+    """[supervisor]: restart policy and shutdown."""
+
+    restart_backoff_s: float
+    max_restarts: int
+    restart_window_s: float
+    stop_timeout_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSettings:
+    """One [[models]] table: a model name, its engine and what it accepts."""
+
+    name: str
+    engine: str
+    tokenizer: str
+    max_tokens: int
+    endpoints: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """The whole configuration, validated. Build it with `config.load_settings`.
+
+    `data_path` is `broker.data_dir` made absolute against the working
+    directory at load time (with `~` expanded), so a later `chdir` does not
+    move the data. `source` names where the values came from (a file path or
+    "<defaults>") for messages.
+    """
+
+    broker: BrokerSettings
+    ingest: IngestSettings
+    router: RouterSettings
+    writers: WriterSettings
+    dispatch: DispatchSettings
+    completion: CompletionSettings
+    collector: CollectorSettings
+    workers: WorkerSettings
+    supervisor: SupervisorSettings
+    models: tuple[ModelSettings, ...]
+    data_path: Path
+    source: str
+
+    def model(self, name: str) -> ModelSettings:
+        """Return the model called `name`; raise ConfigError naming the known ones."""
+        for model in self.models:
+            if model.name == name:
+                return model
+        known = ", ".join(m.name for m in self.models)
+        raise ConfigError(
+            f"{self.source}: unknown model {name!r}; known models: {known}; "
+            f"add a [[models]] table with name = {name!r} to serve it"
+        )
+
+
+_SECTION_TYPES: dict[str, type] = {
+    "broker": BrokerSettings,
+    "ingest": IngestSettings,
+    "router": RouterSettings,
+    "writers": WriterSettings,
+    "dispatch": DispatchSettings,
+    "completion": CompletionSettings,
+    "collector": CollectorSettings,
+    "workers": WorkerSettings,
+    "supervisor": SupervisorSettings,
+}
+
+
+def _typed(default: Any, value: Any) -> Any:
+    """Give `value` the Python type of its default: int -> float, list -> tuple."""
+    if isinstance(default, float):
+        return float(value)
+    if isinstance(value, list):
+        return tuple(value)
+    return value
+
+
+def build_model(table: Mapping[str, Any]) -> ModelSettings:
+    """Build one model from a validated [[models]] table, filling in defaults."""
+    values = {}
+    for key, default in MODEL_DEFAULTS.items():
+        if key in table:
+            values[key] = _typed(default, table[key])
+        elif default is BY_ENGINE:
+            values[key] = tuple(ENGINE_ENDPOINTS[table["engine"]])
+        else:
+            values[key] = default
+    return ModelSettings(**values)
+
+
+def build_settings(data: Mapping[str, Any], *, source: str, cwd: Path) -> Settings:
+    """Build `Settings` from validated data shaped like `DEFAULTS` (every key present).
+
+    The caller validates first (`config.validate.validate`); this function
+    only converts types and resolves `data_path` against `cwd`.
+    """
+    sections = {
+        name: _SECTION_TYPES[name](
+            **{key: _typed(DEFAULTS[name][key], value) for key, value in data[name].items()}
+        )
+        for name in SECTIONS
+    }
+    data_path = (cwd / Path(data["broker"]["data_dir"]).expanduser()).resolve()
+    return Settings(
+        **sections,
+        models=tuple(build_model(table) for table in data["models"]),
+        data_path=data_path,
+        source=source,
+    )

@@ -1,0 +1,178 @@
+"""The offline consistency check of a data dir (`python run.py check`).
+
+Walks both logs and reports, one line each: files that are not readable
+segments (bad magic, newer version, damaged header, wrong size), markers in
+no known state, advisory header counts that disagree with the markers,
+torn tails, LIVE slots whose checksum fails, orphan temporary files and
+stray files. With `fix`, it repairs what can be repaired without losing an
+acknowledged item (recount and rewrite headers, cut torn tails, remove
+orphan temporary files) and says what it did; everything else is reported
+and left alone. Every crash and stress test ends by running it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.datadir import DataDir
+from pipeline.scan import (
+    DEAD,
+    EMPTY,
+    LIVE,
+    STATE_MASK,
+    DamagedFile,
+    SegmentSummary,
+    bad_live_slots,
+    iter_markers,
+    scan_segment,
+)
+from pipeline.segment import SUFFIX, TMP_SUFFIX
+
+MAX_SLOTS_LISTED = 10
+
+
+@dataclass(frozen=True)
+class Finding:
+    path: Path
+    code: str
+    message: str
+    fixable: bool = False
+
+    def line(self) -> str:
+        return f"{self.path}: {self.code}: {self.message}"
+
+
+@dataclass
+class CheckReport:
+    findings: list[Finding] = field(default_factory=list)  # as found, before any fix
+    fixed: list[str] = field(default_factory=list)  # what --fix did
+    remaining: list[Finding] = field(default_factory=list)  # still true at the end
+    segments: int = 0
+
+    @property
+    def clean(self) -> bool:
+        return not self.remaining
+
+
+def _listed(slots: np.ndarray) -> str:
+    shown = ", ".join(str(int(s)) for s in slots[:MAX_SLOTS_LISTED])
+    more = len(slots) - MAX_SLOTS_LISTED
+    return shown + (f" and {more} more" if more > 0 else "")
+
+
+def _unknown_markers(path: Path, summary: SegmentSummary) -> np.ndarray:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        found = []
+        for first, markers in iter_markers(fd, summary.header):
+            states = markers & STATE_MASK
+            known = (markers >> 16 == 0) & ((states == EMPTY) | (states == LIVE) | (states == DEAD))
+            found.append(first + np.flatnonzero(~known))
+        return np.concatenate(found)
+    finally:
+        os.close(fd)
+
+
+def check_segment(path: Path) -> list[Finding]:
+    """Every finding for one segment file (read only)."""
+    summary = scan_segment(path)
+    if isinstance(summary, DamagedFile):
+        return [Finding(path, summary.code, summary.reason.removeprefix(f"{path}: "))]
+    findings = []
+    if summary.unknown:
+        slots = _unknown_markers(path, summary)
+        findings.append(
+            Finding(
+                path,
+                "unknown-marker",
+                f"{len(slots)} marker(s) in no known state: slot {_listed(slots)}",
+            )
+        )
+    on_disk_entries = summary.entries + len(summary.torn)
+    if (summary.header_entries, summary.header_deleted) != (on_disk_entries, summary.dead):
+        findings.append(
+            Finding(
+                path,
+                "count-mismatch",
+                f"header counts entries={summary.header_entries} deleted={summary.header_deleted}, "
+                f"markers say entries={on_disk_entries} deleted={summary.dead}",
+                fixable=True,
+            )
+        )
+    if summary.torn:
+        findings.append(
+            Finding(
+                path,
+                "torn-tail",
+                f"{len(summary.torn)} tail slot(s) with a LIVE marker and a bad checksum "
+                f"(never acknowledged): slot {_listed(np.array(summary.torn))}",
+                fixable=True,
+            )
+        )
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        bad = bad_live_slots(fd, summary.header, summary.end)
+    finally:
+        os.close(fd)
+    bad = bad[~np.isin(bad, summary.torn)]
+    for slot in bad[:MAX_SLOTS_LISTED]:
+        findings.append(
+            Finding(
+                path,
+                "bad-checksum",
+                f"LIVE slot {int(slot)} fails its checksum (corrupt; never dispatched)",
+            )
+        )
+    if len(bad) > MAX_SLOTS_LISTED:
+        findings.append(
+            Finding(
+                path,
+                "bad-checksum",
+                f"and {len(bad) - MAX_SLOTS_LISTED} more LIVE slots fail their checksum",
+            )
+        )
+    return findings
+
+
+def check_data_dir(data_dir: DataDir, fix: bool = False) -> CheckReport:
+    """Check every file under the data dir's logs; with `fix`, repair what is safe to repair."""
+    report = CheckReport()
+    for directory in (data_dir.segments, data_dir.completion):
+        if not directory.is_dir():
+            continue
+        for path in sorted(directory.iterdir()):
+            if path.name.endswith(TMP_SUFFIX):
+                report.findings.append(
+                    Finding(
+                        path,
+                        "orphan-temp",
+                        "temporary file of an interrupted segment creation",
+                        True,
+                    )
+                )
+                if fix:
+                    path.unlink(missing_ok=True)
+                    report.fixed.append(f"{path}: removed orphan temporary file")
+            elif path.name.endswith(SUFFIX):
+                report.segments += 1
+                findings = check_segment(path)
+                report.findings.extend(findings)
+                if fix and any(f.fixable for f in findings):
+                    summary = scan_segment(path, repair=True)
+                    if isinstance(summary, SegmentSummary):
+                        cut = f", cut {len(summary.torn)} torn slot(s)" if summary.torn else ""
+                        report.fixed.append(
+                            f"{path}: rewrote header counts (entries={summary.entries}, "
+                            f"deleted={summary.dead}), sealed{cut}"
+                        )
+            else:
+                report.findings.append(
+                    Finding(path, "stray-file", "not a segment file; left alone")
+                )
+    # After repairs, what is left is whatever a fresh read-only pass still finds.
+    report.remaining = check_data_dir(data_dir).findings if report.fixed else report.findings
+    return report

@@ -1,0 +1,7 @@
+"""Exit codes of `python run.py`, documented in docs/operations.md."""
+
+OK = 0  # success; `check`: no findings
+FINDINGS = 1  # `check`: findings remain (each printed on its own line)
+USAGE = 2  # bad command line (argparse's own code)
+CONFIG = 3  # the configuration file is missing or invalid
+LOCKED = 4  # the data dir is locked by another broker or check

@@ -1,0 +1,176 @@
+"""Segment ids, and the rotating appender a writer keeps for each key.
+
+Ids increase and are never reused, across processes and restarts: they come
+from `<data_dir>/next-segment-id` under an exclusive flock, and never below
+one more than the largest id of any segment file present (so a lost or stale
+counter file cannot hand out an id twice while the files exist).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import time
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.datadir import DataDir
+from pipeline.segment import Segment, SegmentKey, capacity_for
+
+# What a writer tells the stages after it: items seq..seq+count sit in
+# (segment, first .. first+count).
+DESCRIPTOR_DTYPE = np.dtype([("segment", "<u8"), ("first", "<u4"), ("count", "<u4")])
+
+_ID_IN_NAME = re.compile(r"^(?:in|out)-(\d+)\.")
+
+
+class SegmentIds:
+    """Hands out segment ids: increasing, never reused, safe across processes."""
+
+    FILE = "next-segment-id"
+
+    def __init__(self, data_dir: DataDir) -> None:
+        self._data_dir = data_dir
+        self._path = data_dir.root / self.FILE
+
+    def _largest_present(self) -> int:
+        largest = 0
+        for path in self._data_dir.segment_files() + self._data_dir.temp_files():
+            match = _ID_IN_NAME.match(path.name.lstrip("."))
+            if match:
+                largest = max(largest, int(match.group(1)))
+        return largest
+
+    def allocate(self) -> int:
+        """Return a fresh id and make the next one durable before returning."""
+        fd = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            text = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            stored = int(text) if text.isdigit() else 1
+            segment_id = max(stored, self._largest_present() + 1)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{segment_id + 1}\n".encode(), 0)
+            os.fsync(fd)
+            return segment_id
+        finally:
+            os.close(fd)
+
+
+class SegmentAppender:
+    """Appends items of one key, rotating to a new segment when full or idle.
+
+    Owned by one writer thread. `append()` fills the current segment and opens
+    new ones as needed; nothing is durable until `sync()`, which issues one
+    fdatasync per segment written since the last sync (group commit) and then
+    closes the segments that were rotated out.
+    """
+
+    def __init__(
+        self,
+        data_dir: DataDir,
+        key: SegmentKey,
+        slot_bytes: int,
+        segment_bytes: int,
+        ids: SegmentIds,
+        idle_s: float = 30.0,
+    ) -> None:
+        self.key = key
+        self.slot_bytes = slot_bytes
+        self.capacity = capacity_for(segment_bytes, slot_bytes)
+        self.idle_s = idle_s
+        self._directory: Path = data_dir.segment_dir(key.kind)
+        self._ids = ids
+        self._current: Segment | None = None
+        self._dirty: list[Segment] = []
+        self._ready: list[Segment] = []  # created for a batch, not yet written
+
+    @property
+    def current(self) -> Segment | None:
+        return self._current
+
+    def append(
+        self,
+        seq: np.ndarray,
+        job: np.ndarray,
+        index: np.ndarray,
+        count: np.ndarray,
+        body: np.ndarray,
+    ) -> np.ndarray:
+        """Append n items; return their placement as DESCRIPTOR_DTYPE rows.
+
+        All or nothing with respect to the disk: every segment the batch needs
+        is created (and its space reserved) before the first item is written,
+        so a full disk raises DiskFullError with nothing of the batch stored.
+        """
+        n = len(seq)
+        self._reserve(n)
+        placed = []
+        start = 0
+        while start < n:
+            segment = self._current
+            if segment is None or segment.free_slots == 0:
+                self._seal_current()
+                segment = self._current = self._ready.pop(0)
+            take = min(segment.free_slots, n - start)
+            stop = start + take
+            first = segment.append(
+                seq[start:stop],
+                job[start:stop],
+                index[start:stop],
+                count[start:stop],
+                body[start:stop],
+            )
+            if segment not in self._dirty:
+                self._dirty.append(segment)
+            placed.append((segment.segment_id, first, take))
+            start = stop
+        return np.array(placed, dtype=DESCRIPTOR_DTYPE)
+
+    def _reserve(self, n: int) -> None:
+        room = (self._current.free_slots if self._current is not None else 0) + sum(
+            segment.capacity for segment in self._ready
+        )
+        while room < n:
+            segment = Segment.create(
+                self._directory, self._ids.allocate(), self.key, self.slot_bytes, self.capacity
+            )
+            self._ready.append(segment)
+            room += segment.capacity
+
+    def sync(self) -> None:
+        """Make every append so far durable; then release segments rotated out."""
+        for segment in self._dirty:
+            segment.sync()
+        for segment in self._dirty:
+            if segment is not self._current:
+                segment.close()
+        self._dirty = []
+
+    def maybe_rotate(self, now_s: float | None = None) -> bool:
+        """Seal the current segment if it has been idle for `idle_s`; True if it did."""
+        segment = self._current
+        now_s = time.monotonic() if now_s is None else now_s
+        if segment is None or now_s - segment.last_append_s < self.idle_s:
+            return False
+        self._seal_current()
+        return True
+
+    def close(self) -> None:
+        """Seal the current and any unused segments, and sync everything outstanding."""
+        self._seal_current()
+        while self._ready:
+            self._current = self._ready.pop(0)
+            self._seal_current()
+        self.sync()
+
+    def _seal_current(self) -> None:
+        segment = self._current
+        if segment is None:
+            return
+        segment.seal()
+        if segment not in self._dirty:
+            self._dirty.append(segment)
+        self._current = None

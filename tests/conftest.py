@@ -1,0 +1,48 @@
+"""Shared fixtures: real data dirs, item batches, and the closing consistency check."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pipeline.check import check_data_dir
+from pipeline.datadir import DataDir
+from pipeline.segment import KIND_INPUT, SegmentKey, slot_bytes_for
+from pipeline.segment_log import SegmentAppender, SegmentIds
+
+LANE = 64
+KEY = SegmentKey(KIND_INPUT, "minilm", shape=1, lane=LANE)
+SLOT_BYTES = slot_bytes_for(LANE * 4)
+
+
+def make_batch(rng: np.random.Generator, n: int, seq0: int, lane: int = LANE):
+    """n items with consecutive seqs from seq0 and random token counts up to `lane`."""
+    counts = rng.integers(1, lane + 1, n).astype(np.uint32)
+    tokens = rng.integers(0, 30_000, (n, lane)).astype(np.uint32)
+    tokens[np.arange(lane)[None, :] >= counts[:, None]] = 0
+    seq = np.arange(seq0, seq0 + n, dtype=np.uint64)
+    job = np.full(n, 7, dtype=np.uint64)
+    index = (seq - 1).astype(np.uint32)
+    return seq, job, index, counts, tokens
+
+
+def appender(
+    data_dir: DataDir, segment_bytes: int = 1 << 18, idle_s: float = 30.0
+) -> SegmentAppender:
+    return SegmentAppender(data_dir, KEY, SLOT_BYTES, segment_bytes, SegmentIds(data_dir), idle_s)
+
+
+def assert_check_clean(data_dir: DataDir) -> None:
+    """The project's own consistency check must find nothing."""
+    report = check_data_dir(data_dir)
+    assert report.clean, "\n".join(f.line() for f in report.remaining)
+
+
+@pytest.fixture
+def data_dir(tmp_path) -> DataDir:
+    return DataDir(tmp_path / "fabric").ensure()
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(1234)
