@@ -278,7 +278,8 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def _disk_error(exc: OSError, path: Path, what: str) -> Exception:
+def disk_error(exc: OSError, path: Path, what: str) -> Exception:
+    """Translate an OSError into DiskFullError (retryable) or SegmentError, naming the file."""
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return DiskFullError(
             f"{path}: disk full while {what} ({exc.strerror}); free space under "
@@ -358,7 +359,7 @@ class Segment:
         except OSError as exc:
             os.close(fd)
             tmp.unlink(missing_ok=True)
-            raise _disk_error(exc, path, "creating a segment") from exc
+            raise disk_error(exc, path, "creating a segment") from exc
         segment = cls(path, fd, header, writable=True)
         segment._end = 0
         return segment
@@ -481,7 +482,7 @@ class Segment:
         try:
             os.fdatasync(self._fd)
         except OSError as exc:
-            raise _disk_error(exc, self.path, "syncing") from exc
+            raise disk_error(exc, self.path, "syncing") from exc
 
     # ---- the completion stage's and dispatch's operations -------------------
     def tombstone(self, slots: np.ndarray) -> int:

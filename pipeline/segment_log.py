@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.datadir import DataDir
-from pipeline.segment import Segment, SegmentKey, capacity_for
+from pipeline.segment import Segment, SegmentKey, capacity_for, disk_error
 
 # What a writer tells the stages after it: items seq..seq+count sit in
 # (segment, first .. first+count).
@@ -44,17 +44,25 @@ class SegmentIds:
         return largest
 
     def allocate(self) -> int:
-        """Return a fresh id and make the next one durable before returning."""
-        fd = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o644)
+        """Return a fresh id and make the next one durable before returning.
+
+        The counter is rewritten in place (fixed width, no truncate), so a
+        full disk cannot leave it empty.
+        """
+        try:
+            fd = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise disk_error(exc, self._path, "allocating a segment id") from exc
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             text = os.pread(fd, 32, 0).decode(errors="replace").strip()
             stored = int(text) if text.isdigit() else 1
             segment_id = max(stored, self._largest_present() + 1)
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{segment_id + 1}\n".encode(), 0)
+            os.pwrite(fd, f"{segment_id + 1:020d}\n".encode(), 0)
             os.fsync(fd)
             return segment_id
+        except OSError as exc:
+            raise disk_error(exc, self._path, "allocating a segment id") from exc
         finally:
             os.close(fd)
 
