@@ -20,17 +20,13 @@ import numpy as np
 
 from pipeline.datadir import DataDir
 from pipeline.scan import (
-    DEAD,
-    EMPTY,
-    LIVE,
-    STATE_MASK,
     DamagedFile,
     SegmentSummary,
     bad_live_slots,
     iter_markers,
     scan_segment,
 )
-from pipeline.segment import SUFFIX, TMP_SUFFIX
+from pipeline.segment_format import DEAD, EMPTY, LIVE, STATE_MASK, SUFFIX, TMP_SUFFIX
 
 MAX_SLOTS_LISTED = 10
 

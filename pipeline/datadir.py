@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 
 from pipeline.errors import DataDirLockedError
-from pipeline.segment import KIND_COMPLETION, KIND_INPUT, SUFFIX, TMP_SUFFIX
+from pipeline.segment_format import KIND_COMPLETION, KIND_INPUT, SUFFIX, TMP_SUFFIX
 
 LOCK_NAME = "broker.lock"
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.errors import SegmentFormatError
-from pipeline.segment import (
+from pipeline.segment_format import (
     DEAD,
     DELETED_OFFSET,
     EMPTY,

@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.datadir import DataDir
-from pipeline.segment import Segment, SegmentKey, capacity_for, disk_error
+from pipeline.segment import Segment, disk_error
+from pipeline.segment_format import SegmentKey, capacity_for
 
 # What a writer tells the stages after it: items seq..seq+count sit in
 # (segment, first .. first+count).

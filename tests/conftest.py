@@ -7,7 +7,7 @@ import pytest
 
 from pipeline.check import check_data_dir
 from pipeline.datadir import DataDir
-from pipeline.segment import KIND_INPUT, SegmentKey, slot_bytes_for
+from pipeline.segment_format import KIND_INPUT, SegmentKey, slot_bytes_for
 from pipeline.segment_log import SegmentAppender, SegmentIds
 
 LANE = 64

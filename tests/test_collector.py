@@ -11,7 +11,8 @@ from conftest import appender, assert_check_clean, make_batch
 
 from collector.segments import SegmentCollector
 from pipeline.recovery import recover
-from pipeline.segment import HEADER_BYTES, Segment
+from pipeline.segment import Segment
+from pipeline.segment_format import HEADER_BYTES
 
 PROCS = Path(__file__).parent / "procs"
 

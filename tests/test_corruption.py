@@ -16,7 +16,8 @@ from conftest import appender, assert_check_clean, make_batch
 from pipeline.check import check_data_dir
 from pipeline.errors import SegmentFormatError
 from pipeline.recovery import recover
-from pipeline.segment import HEADER_BYTES, HEADER_CHECKED, LIVE, Segment
+from pipeline.segment import Segment
+from pipeline.segment_format import HEADER_BYTES, HEADER_CHECKED, LIVE
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -27,7 +27,8 @@ import numpy as np
 from conftest import assert_check_clean
 
 from pipeline.recovery import recover
-from pipeline.segment import DEAD, LIVE, Segment
+from pipeline.segment import Segment
+from pipeline.segment_format import DEAD, LIVE
 
 PROCS = Path(__file__).parent / "procs"
 CYCLES = 40

@@ -11,7 +11,8 @@ from conftest import appender, assert_check_clean, make_batch
 from pipeline.datadir import DataDir
 from pipeline.errors import DiskFullError
 from pipeline.recovery import recover
-from pipeline.segment import LIVE, Segment
+from pipeline.segment import Segment
+from pipeline.segment_format import LIVE
 
 
 @pytest.fixture

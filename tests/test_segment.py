@@ -11,11 +11,11 @@ from conftest import KEY, SLOT_BYTES, appender, assert_check_clean, make_batch
 
 from pipeline.errors import SegmentError, SegmentFullError, SegmentSealedError
 from pipeline.recovery import recover
-from pipeline.segment import (
+from pipeline.segment import Segment
+from pipeline.segment_format import (
     DEAD,
     HEADER_BYTES,
     LIVE,
-    Segment,
     capacity_for,
     marker_region_bytes,
     segment_file_name,

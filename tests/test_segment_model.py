@@ -15,7 +15,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from pipeline.check import check_data_dir
 from pipeline.datadir import DataDir
 from pipeline.recovery import recover
-from pipeline.segment import DEAD, LIVE, Segment
+from pipeline.segment import Segment
+from pipeline.segment_format import DEAD, LIVE
 
 
 class SegmentLogMachine(RuleBasedStateMachine):
