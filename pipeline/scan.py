@@ -1,7 +1,7 @@
 """Reading a segment file from its markers alone, as recovery and check do.
 
-A scan reads the header and the marker column with `pread` into one reused
-buffer (so memory does not grow with the backlog), counts the states,
+A scan reads the header and the marker column with `pread` in bounded
+chunks (so memory does not grow with the backlog), counts the states,
 finds the first LIVE slot and the end of the written region, and looks for a
 torn tail: LIVE slots past the last good one whose checksum fails. Those
 were never acknowledged (the writer acknowledges only after one fdatasync
@@ -22,6 +22,7 @@ import numpy as np
 
 from pipeline.errors import SegmentFormatError
 from pipeline.segment_format import (
+    CHECKSUM_WORD,
     DEAD,
     DELETED_OFFSET,
     EMPTY,
@@ -98,21 +99,25 @@ def iter_markers(fd: int, header: SegmentHeader):
         yield first, np.frombuffer(raw, dtype="<u4")
 
 
-def _torn_tail(fd: int, header: SegmentHeader, tail_states: np.ndarray, base: int) -> list[int]:
-    """Walk back from the end over LIVE slots whose checksum fails; stop at a good one."""
+def _read_states(fd: int, first: int, count: int) -> np.ndarray:
+    raw = os.pread(fd, count * 4, HEADER_BYTES + first * 4)
+    return np.frombuffer(raw, dtype="<u4") & STATE_MASK
+
+
+def _torn_tail(fd: int, header: SegmentHeader, end: int) -> list[int]:
+    """Walk back from `end` over LIVE slots whose checksum fails; stop at a good or DEAD one."""
     torn: list[int] = []
     step = max(1, SLOT_CHUNK_BYTES // header.slot_bytes)
-    stop = base + len(tail_states)
-    while stop > base:
-        start = max(base, stop - step)
-        states = tail_states[start - base : stop - base]
+    stop = end
+    while stop > 0:
+        start = max(0, stop - step)
+        states = _read_states(fd, start, stop - start)
         words = read_slots(fd, header, start, stop - start)
-        good = slot_checksums(words) == words[:, 6]
+        good = slot_checksums(words) == words[:, CHECKSUM_WORD]
         for i in range(stop - start - 1, -1, -1):
-            state = states[i]
-            if state == EMPTY:
+            if states[i] == EMPTY:
                 continue
-            if state != LIVE or good[i]:
+            if states[i] != LIVE or good[i]:
                 return torn
             torn.append(start + i)
         stop = start
@@ -165,12 +170,7 @@ def _scan(fd: int, path: Path, header: SegmentHeader, repair: bool) -> SegmentSu
     (entries,) = struct.unpack_from("<Q", meta, ENTRIES_OFFSET)
     (deleted,) = struct.unpack_from("<Q", meta, DELETED_OFFSET)
 
-    torn: list[int] = []
-    if live:
-        tail_from = max(first_live, 0)
-        raw = os.pread(fd, (end - tail_from) * 4, HEADER_BYTES + tail_from * 4)
-        tail_states = np.frombuffer(raw, dtype="<u4") & STATE_MASK
-        torn = _torn_tail(fd, header, tail_states, tail_from)
+    torn = _torn_tail(fd, header, end) if live else []
     live -= len(torn)
     if torn and live == 0:
         first_live = -1
@@ -210,8 +210,7 @@ def _last_written_below(fd: int, header: SegmentHeader, limit: int) -> int:
     stop = limit
     while stop > 0:
         start = max(0, stop - MARKER_CHUNK)
-        raw = os.pread(fd, (stop - start) * 4, HEADER_BYTES + start * 4)
-        written = np.flatnonzero(np.frombuffer(raw, dtype="<u4") & STATE_MASK)
+        written = np.flatnonzero(_read_states(fd, start, stop - start))
         if len(written):
             return start + int(written[-1])
         stop = start
@@ -224,12 +223,11 @@ def bad_live_slots(fd: int, header: SegmentHeader, end: int) -> np.ndarray:
     step = max(1, SLOT_CHUNK_BYTES // header.slot_bytes)
     for start in range(0, end, step):
         count = min(step, end - start)
-        raw = os.pread(fd, count * 4, HEADER_BYTES + start * 4)
-        is_live = (np.frombuffer(raw, dtype="<u4") & STATE_MASK) == LIVE
+        is_live = _read_states(fd, start, count) == LIVE
         if not is_live.any():
             continue
         words = read_slots(fd, header, start, count)
-        failed = is_live & (slot_checksums(words) != words[:, 6])
+        failed = is_live & (slot_checksums(words) != words[:, CHECKSUM_WORD])
         if failed.any():
             bad.append(start + np.flatnonzero(failed))
     return np.concatenate(bad) if bad else np.empty(0, dtype=np.int64)

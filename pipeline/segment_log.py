@@ -17,8 +17,9 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.datadir import DataDir
+from pipeline.errors import SegmentError
 from pipeline.segment import Segment, disk_error
-from pipeline.segment_format import SegmentKey, capacity_for
+from pipeline.segment_format import HEADER_BYTES, SegmentKey, capacity_for, marker_region_bytes
 
 # What a writer tells the stages after it: items seq..seq+count sit in
 # (segment, first .. first+count).
@@ -86,6 +87,12 @@ class SegmentAppender:
         ids: SegmentIds,
         idle_s: float = 30.0,
     ) -> None:
+        smallest = HEADER_BYTES + marker_region_bytes(1) + slot_bytes
+        if segment_bytes < smallest:
+            raise SegmentError(
+                f"segment_bytes {segment_bytes} cannot hold one slot of {slot_bytes} bytes "
+                f"(lane {key.lane}); raise broker.segment_bytes to at least {smallest}"
+            )
         self.key = key
         self.slot_bytes = slot_bytes
         self.capacity = capacity_for(segment_bytes, slot_bytes)

@@ -186,3 +186,14 @@ def test_recovery_summarises_seals_and_recounts(data_dir, rng):
     with Segment.open(paths[1]) as seg:
         assert (seg.entries, seg.deleted) == (second.entries, 10)
     assert_check_clean(data_dir)
+
+
+def test_segment_too_small_for_one_slot_is_refused_with_the_fix(data_dir):
+    from pipeline.segment_format import KIND_INPUT, SegmentKey, slot_bytes_for
+    from pipeline.segment_log import SegmentAppender
+
+    key = SegmentKey(KIND_INPUT, "big", 0, 1 << 20)
+    with pytest.raises(
+        SegmentError, match=r"segment_bytes 1048576 cannot hold one slot .*\(lane 1048576\)"
+    ):
+        SegmentAppender(data_dir, key, slot_bytes_for(4 << 20), 1 << 20, SegmentIds(data_dir))
