@@ -5,3 +5,4 @@ FINDINGS = 1  # `check`: findings remain (each printed on its own line)
 USAGE = 2  # bad command line (argparse's own code)
 CONFIG = 3  # the configuration file is missing or invalid
 LOCKED = 4  # the data dir is locked by another broker or check
+STAGE_FAILED = 5  # a stage died repeatedly within supervisor.restart_window_s; the broker stopped

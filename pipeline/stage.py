@@ -1,0 +1,132 @@
+"""The stage base: one OS process, one `step(now)` loop, flags set by signals.
+
+A stage is created in its own process (spawn), after which `open()` makes
+its sockets, maps and shared-memory handles. `run_stage()` then calls
+`step(now)` until SIGTERM or SIGINT sets the stop flag, calls `drain()` to
+finish what is in flight, and `close()`. Signal handlers only set flags.
+Tests drive `step(now)` one call at a time.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from typing import ClassVar
+
+from pipeline.logs import setup_stage_logging
+
+log = logging.getLogger("fabric.stage")
+PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """What the supervisor starts: stage `name`, instance `index`, class at `target`."""
+
+    name: str
+    index: int
+    target: str  # "package.module:ClassName", importable in a fresh interpreter
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}-{self.index}"
+
+
+class Stage:
+    """Base class. Subclasses override `open`, `step`, `drain` and `close`.
+
+    Contract: `step(now)` does one bounded unit of work and returns within
+    about `poll_ms` when idle; it never sleeps unboundedly. `drain(deadline)`
+    finishes in-flight work before the monotonic `deadline`.
+    """
+
+    name: ClassVar[str] = "stage"
+    poll_ms: ClassVar[int] = 100
+
+    def __init__(self, settings, index: int) -> None:
+        self.settings = settings
+        self.index = index
+        self.log = logging.getLogger(f"fabric.{self.name}")
+
+    def open(self) -> None:
+        """Create sockets, maps and handles (in the child process)."""
+
+    def step(self, now: float) -> None:
+        """One unit of work; blocks at most about `poll_ms` when there is none."""
+        raise NotImplementedError
+
+    def drain(self, deadline: float) -> None:
+        """Finish in-flight work before `deadline` (monotonic seconds)."""
+
+    def close(self) -> None:
+        """Release everything `open()` made."""
+
+
+class _Flags:
+    stop = False
+
+    def __init__(self) -> None:
+        signal.signal(signal.SIGTERM, self._on_stop)
+        signal.signal(signal.SIGINT, self._on_stop)
+
+    def _on_stop(self, signum: int, frame: object) -> None:
+        self.stop = True
+
+
+def load_stage_class(target: str) -> type[Stage]:
+    module_name, _, class_name = target.partition(":")
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def run_stage(spec: StageSpec, settings, drain_s: float = 30.0) -> int:
+    """Entry point of a stage process: set up, loop until asked to stop, drain, exit 0."""
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(f"fabric: {spec.label}")
+    except ImportError:  # a cosmetic nicety; the stage works without it
+        pass
+    setup_stage_logging(settings.data_path / "log", spec.label)
+    flags = _Flags()
+    stage = load_stage_class(spec.target)(settings, spec.index)
+    stage.open()
+    log.info("stage %s up", spec.label)
+    try:
+        while not flags.stop:
+            stage.step(time.monotonic())
+        log.info("stage %s draining", spec.label)
+        stage.drain(time.monotonic() + drain_s)
+    finally:
+        stage.close()
+    log.info("stage %s stopped", spec.label)
+    return 0
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Have the kernel SIGKILL this process when the supervisor dies (Linux prctl).
+
+    A stage must never outlive its broker: a new broker on the same data dir
+    would otherwise meet a second writer.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        log.warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def stage_main(spec: StageSpec, settings, parent_pid: int) -> None:  # pragma: no cover - child
+    """multiprocessing target: exit with the stage's code; a crash logs and exits 1."""
+    die_with_parent(parent_pid)
+    try:
+        code = run_stage(spec, settings)
+    except Exception:
+        log.exception("stage %s crashed", spec.label)
+        code = 1
+    sys.exit(code)

@@ -1,0 +1,182 @@
+"""The supervisor: lock the data dir, recover, then start, watch and restart every stage.
+
+`python run.py --config FILE` runs one Supervisor. Order of business:
+
+1. Take the data dir's exclusive lock (a second broker on it exits 4).
+2. Run recovery (invariant 4) and hand finished segments to the collector.
+3. Start every stage as its own process (spawn), in pipeline order.
+4. Loop on `step(now)`: a stage that died is logged (which, exit code or
+   signal) and restarted after a backoff that doubles with each recent
+   death; more than `supervisor.max_restarts` deaths of one stage within
+   `restart_window_s` stop the broker with exit code 5 and one clear line.
+5. On SIGTERM or SIGINT (handlers only set a flag): stop the stages front
+   first, so work already accepted drains downstream; each gets
+   `stop_timeout_s` before SIGKILL. Exit 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from collector.segments import SegmentCollector
+from pipeline import exitcodes
+from pipeline.datadir import DataDir
+from pipeline.logs import setup_stage_logging
+from pipeline.recovery import recover
+from pipeline.stage import StageSpec, stage_main
+
+log = logging.getLogger("fabric.supervisor")
+MAX_BACKOFF_S = 30.0
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """'exit code 3' or 'signal SIGKILL' for a multiprocessing exitcode."""
+    if exitcode is None:
+        return "still running"
+    if exitcode < 0:
+        try:
+            return f"signal {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+@dataclass
+class _Child:
+    spec: StageSpec
+    process: multiprocessing.process.BaseProcess | None = None
+    deaths: deque[float] = field(default_factory=deque)
+    restart_at: float | None = None
+
+
+class Supervisor:
+    """Owns the stage processes of one broker."""
+
+    def __init__(self, settings, specs: list[StageSpec]) -> None:
+        self.settings = settings
+        self.config = settings.supervisor
+        self.data_dir = DataDir(settings.data_path)
+        self.collector = SegmentCollector(settings.collector.interval_s)
+        self._children = [_Child(spec) for spec in specs]
+        self._context = multiprocessing.get_context("spawn")
+        self._stop = False
+        self.failure: str | None = None
+
+    # ---- lifecycle -------------------------------------------------------
+    def start(self) -> None:
+        """Lock, recover, collect, and start every stage. Raises DataDirLockedError."""
+        self.data_dir.lock()
+        setup_stage_logging(self.data_dir.log, "supervisor-0")
+        report = recover(self.data_dir, self.settings.broker.recovery_processes)
+        log.info(
+            "recovery: %d segments, %d live items, %d torn slots cut, %d damaged files, %.3f s",
+            len(report.segments),
+            report.live,
+            report.torn(),
+            len(report.damaged),
+            report.elapsed_s,
+        )
+        self.collector.offer(report.finished)
+        now = time.monotonic()
+        for child in self._children:
+            self._spawn(child, now)
+
+    def request_stop(self, *_: object) -> None:
+        """Signal handler: only sets the flag."""
+        self._stop = True
+
+    def run(self) -> int:
+        """Start, supervise until SIGTERM or a crash loop, stop; returns the exit code."""
+        signal.signal(signal.SIGTERM, self.request_stop)
+        signal.signal(signal.SIGINT, self.request_stop)
+        self.start()
+        try:
+            while not self._stop and self.failure is None:
+                self.step(time.monotonic())
+                self._wait(0.1)
+        finally:
+            self.stop()
+            self.data_dir.unlock()
+        if self.failure is not None:
+            print(f"fabric: stopping: {self.failure}", file=sys.stderr, flush=True)
+            return exitcodes.STAGE_FAILED
+        log.info("broker stopped cleanly")
+        return exitcodes.OK
+
+    def _wait(self, timeout_s: float) -> None:
+        """Wait until a child exits or `timeout_s` passes (no busy loop)."""
+        sentinels = [c.process.sentinel for c in self._children if c.process is not None]
+        multiprocessing.connection.wait(sentinels, timeout=timeout_s)
+
+    # ---- one step ----------------------------------------------------------
+    def step(self, now: float) -> None:
+        """Notice dead stages, restart those whose backoff has passed, run the collector."""
+        for child in self._children:
+            process = child.process
+            if process is not None and process.exitcode is not None:
+                self._on_death(child, now)
+            if child.process is None and child.restart_at is not None and now >= child.restart_at:
+                self._spawn(child, now)
+                log.info("restarted stage %s (pid %d)", child.spec.label, child.process.pid)
+        self.collector.step(now)
+
+    def _on_death(self, child: _Child, now: float) -> None:
+        how = describe_exit(child.process.exitcode)
+        child.process.close()
+        child.process = None
+        window = self.config.restart_window_s
+        child.deaths.append(now)
+        while child.deaths and child.deaths[0] < now - window:
+            child.deaths.popleft()
+        if len(child.deaths) > self.config.max_restarts:
+            self.failure = (
+                f"stage {child.spec.label} died {len(child.deaths)} times within {window:g} s "
+                f"(last: {how}); see {self.data_dir.log / (child.spec.label + '.log')}"
+            )
+            log.error("%s", self.failure)
+            return
+        backoff = min(MAX_BACKOFF_S, self.config.restart_backoff_s * 2 ** (len(child.deaths) - 1))
+        child.restart_at = now + backoff
+        log.warning("stage %s died (%s); restarting it in %.1f s", child.spec.label, how, backoff)
+
+    def _spawn(self, child: _Child, now: float) -> None:
+        process = self._context.Process(
+            target=stage_main, args=(child.spec, self.settings, os.getpid()), name=child.spec.label
+        )
+        process.start()
+        child.process = process
+        child.restart_at = None
+        log.info("started stage %s (pid %d)", child.spec.label, process.pid)
+
+    # ---- stopping ------------------------------------------------------------
+    def stop(self) -> None:
+        """Stop stages front first; SIGKILL any that outlive `stop_timeout_s`."""
+        for child in self._children:
+            process = child.process
+            if process is None:
+                continue
+            if process.exitcode is None:
+                process.terminate()
+                process.join(self.config.stop_timeout_s)
+            if process.exitcode is None:
+                log.error(
+                    "stage %s did not stop in %.0f s; killing it",
+                    child.spec.label,
+                    self.config.stop_timeout_s,
+                )
+                process.kill()
+                process.join(5)
+            log.info("stage %s stopped (%s)", child.spec.label, describe_exit(process.exitcode))
+            process.close()
+            child.process = None
+
+    def pids(self) -> dict[str, int]:
+        return {c.spec.label: c.process.pid for c in self._children if c.process is not None}

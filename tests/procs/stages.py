@@ -1,0 +1,33 @@
+"""Stages for supervisor tests: one that idles and records its pid, one that crashes."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from pipeline.stage import Stage
+
+
+class IdleStage(Stage):
+    name = "idle"
+
+    def open(self) -> None:
+        self._wake = threading.Event()
+        pids = self.settings.data_path / "pids"
+        pids.mkdir(exist_ok=True)
+        tmp = pids / f".{self.name}-{self.index}"
+        tmp.write_text(str(os.getpid()))
+        tmp.rename(pids / f"{self.name}-{self.index}")
+
+    def step(self, now: float) -> None:
+        self._wake.wait(self.poll_ms / 1000)
+
+    def drain(self, deadline: float) -> None:
+        self.log.info("drained idle work")
+
+
+class CrashStage(Stage):
+    name = "crash"
+
+    def open(self) -> None:
+        raise RuntimeError("this stage always fails to open")
