@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import struct
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from pipeline.segment_format import (
     ENTRIES_OFFSET,
     HEADER_BYTES,
     LIVE,
+    SEALED_NS_OFFSET,
     SEALED_OFFSET,
     STATE_MASK,
     SegmentHeader,
@@ -183,6 +185,8 @@ def _scan(fd: int, path: Path, header: SegmentHeader, repair: bool) -> SegmentSu
             os.pwrite(fd, b"\0\0\0\0", HEADER_BYTES + slot * 4)
         new_entries, new_deleted = live + dead + unknown, dead
         if (sealed, entries, deleted) != (1, new_entries, new_deleted) or torn:
+            if not sealed:
+                os.pwrite(fd, struct.pack("<Q", time.time_ns()), SEALED_NS_OFFSET)
             os.pwrite(fd, struct.pack("<I", 1), SEALED_OFFSET)
             os.pwrite(fd, struct.pack("<Q", new_entries), ENTRIES_OFFSET)
             os.pwrite(fd, struct.pack("<Q", new_deleted), DELETED_OFFSET)

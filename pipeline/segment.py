@@ -33,6 +33,7 @@ from pipeline.segment_format import (
     ENTRIES_OFFSET,
     HEADER_BYTES,
     LIVE,
+    SEALED_NS_OFFSET,
     SEALED_OFFSET,
     SLOT_HEADER_BYTES,
     STATE_MASK,
@@ -93,6 +94,7 @@ class Segment:
         self.slots = slot_region.view(slot_dtype(header.slot_bytes))
         self.bodies = slot_region.reshape(capacity, header.slot_bytes)[:, SLOT_HEADER_BYTES:]
         self._sealed = buf[SEALED_OFFSET : SEALED_OFFSET + 4].view("<u4")
+        self._sealed_ns = buf[SEALED_NS_OFFSET : SEALED_NS_OFFSET + 8].view("<u8")
         self._entries = buf[ENTRIES_OFFSET : ENTRIES_OFFSET + 8].view("<u8")
         self._deleted = buf[DELETED_OFFSET : DELETED_OFFSET + 8].view("<u8")
         self._end: int | None = None  # next free slot; only for a segment created in this life
@@ -183,6 +185,11 @@ class Segment:
         return bool(self._sealed[0])
 
     @property
+    def sealed_ns(self) -> int:
+        """Wall-clock time the segment was sealed; 0 while it is open."""
+        return int(self._sealed_ns[0])
+
+    @property
     def free_slots(self) -> int:
         """Slots left for appending; 0 for a segment not created in this life."""
         if self._end is None or self.sealed:
@@ -252,6 +259,7 @@ class Segment:
 
     def seal(self) -> None:
         """Mark the segment closed for appends (durable at the next sync)."""
+        self._sealed_ns[0] = time.time_ns()
         self._sealed[0] = 1
 
     def sync(self) -> None:
@@ -312,7 +320,7 @@ class Segment:
         if self._fd < 0:
             return
         self.markers = self.words = self.slots = self.bodies = None  # type: ignore[assignment]
-        self._sealed = self._entries = self._deleted = self._bytes = None  # type: ignore[assignment]
+        self._sealed = self._sealed_ns = self._entries = self._deleted = self._bytes = None  # type: ignore[assignment]
         # If a caller still holds a view, the mapping goes when that view does.
         with contextlib.suppress(BufferError):
             self._map.close()

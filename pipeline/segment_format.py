@@ -29,6 +29,7 @@ Header (bytes 0..HEADER_CHECKED are written once and covered by a CRC-32):
 | 48     | 64   | name        | model (input) or job id (completion), UTF-8, NUL padded | creator |
 | 112    | 4    | header_crc  | CRC-32 of bytes 0..112                             | creator    |
 | 512    | 4    | sealed      | 1 once no more appends will happen                 | writer, recovery |
+| 520    | 8    | sealed_ns   | wall-clock time of sealing, 0 while open           | writer, recovery |
 | 576    | 8    | entries     | advisory: slots ever made LIVE                     | writer, recovery |
 | 640    | 8    | deleted     | advisory: slots made DEAD                          | completion, recovery |
 
@@ -81,6 +82,7 @@ HEADER_BYTES = 4096
 HEADER_CHECKED = 112
 NAME_BYTES = 64
 SEALED_OFFSET = 512
+SEALED_NS_OFFSET = 520
 ENTRIES_OFFSET = 576
 DELETED_OFFSET = 640
 SLOT_HEADER_BYTES = 32

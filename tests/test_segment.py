@@ -197,3 +197,18 @@ def test_segment_too_small_for_one_slot_is_refused_with_the_fix(data_dir):
         SegmentError, match=r"segment_bytes 1048576 cannot hold one slot .*\(lane 1048576\)"
     ):
         SegmentAppender(data_dir, key, slot_bytes_for(4 << 20), 1 << 20, SegmentIds(data_dir))
+
+
+def test_sealing_records_when(data_dir, rng):
+    log = appender(data_dir)
+    log.append(*make_batch(rng, 3, 1))
+    assert log.current.sealed_ns == 0
+    log.close()
+    crashed = appender(data_dir)
+    crashed.append(*make_batch(rng, 3, 4))
+    crashed.sync()
+    del crashed  # unsealed: recovery seals it and records when
+    recover(data_dir)
+    for path in data_dir.segment_files():
+        with Segment.open(path) as seg:
+            assert seg.sealed and seg.sealed_ns >= seg.header.created_ns
