@@ -8,17 +8,16 @@ counter file cannot hand out an id twice while the files exist).
 
 from __future__ import annotations
 
-import fcntl
-import os
 import re
 import time
 from pathlib import Path
 
 import numpy as np
 
+from pipeline.counter import DurableCounter
 from pipeline.datadir import DataDir
 from pipeline.errors import SegmentError
-from pipeline.segment import Segment, disk_error
+from pipeline.segment import Segment
 from pipeline.segment_format import HEADER_BYTES, SegmentKey, capacity_for, marker_region_bytes
 
 # What a writer tells the stages after it: items seq..seq+count sit in
@@ -35,7 +34,7 @@ class SegmentIds:
 
     def __init__(self, data_dir: DataDir) -> None:
         self._data_dir = data_dir
-        self._path = data_dir.root / self.FILE
+        self._counter = DurableCounter(data_dir.root / self.FILE)
 
     def _largest_present(self) -> int:
         largest = 0
@@ -46,27 +45,8 @@ class SegmentIds:
         return largest
 
     def allocate(self) -> int:
-        """Return a fresh id and make the next one durable before returning.
-
-        The counter is rewritten in place (fixed width, no truncate), so a
-        full disk cannot leave it empty.
-        """
-        try:
-            fd = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:
-            raise disk_error(exc, self._path, "allocating a segment id") from exc
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            text = os.pread(fd, 32, 0).decode(errors="replace").strip()
-            stored = int(text) if text.isdigit() else 1
-            segment_id = max(stored, self._largest_present() + 1)
-            os.pwrite(fd, f"{segment_id + 1:020d}\n".encode(), 0)
-            os.fsync(fd)
-            return segment_id
-        except OSError as exc:
-            raise disk_error(exc, self._path, "allocating a segment id") from exc
-        finally:
-            os.close(fd)
+        """Return a fresh id; the next one is durable before this returns."""
+        return self._counter.next(floor=self._largest_present() + 1)
 
 
 class SegmentAppender:
