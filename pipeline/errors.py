@@ -48,3 +48,51 @@ class DiskFullError(SegmentError):
 
 class DataDirLockedError(FabricError):
     """Another process holds the data dir's exclusive lock."""
+
+
+class IngestError(FabricError):
+    """Input a producer submitted cannot be taken as asked (a file, a stream, a tokenizer)."""
+
+
+class InputLineError(IngestError):
+    """One input line is invalid and strict mode refuses the file.
+
+    `line` is the 1-based line number, `custom_id` the line's custom_id when
+    it could be read (else None), `code` the error code from
+    docs/input-format.md; the message names all three and what to do.
+    """
+
+    def __init__(self, message: str, *, line: int, custom_id: str | None, code: str) -> None:
+        super().__init__(message)
+        self.line = line
+        self.custom_id = custom_id
+        self.code = code
+
+
+class TokenizerError(IngestError):
+    """A model's tokenizer is not configured, missing, unreadable, or cannot render chat."""
+
+
+class RingError(FabricError):
+    """A shared-memory ring cannot be created, attached or used as asked."""
+
+
+class WireError(FabricError):
+    """A message cannot be encoded, or frames that arrived are not a valid message.
+
+    `route` holds the ROUTER routing frames of the sender when they were
+    known, so a front can answer a malformed request with an ERROR.
+    """
+
+    def __init__(self, message: str, route: tuple[bytes, ...] = ()) -> None:
+        super().__init__(message)
+        self.route = route
+
+
+class SendTimeoutError(WireError):
+    """A send did not finish within the socket's SNDTIMEO (peer gone or its queue full).
+
+    Retryable: back off and send again, or drop the peer.
+    """
+
+    retryable = True

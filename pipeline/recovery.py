@@ -2,7 +2,8 @@
 
 Run by the supervisor before any stage starts (invariant 4). It lists the
 segment files of both logs, scans their marker columns in parallel (a process
-pool sized to the cores), cuts torn tails, recounts and rewrites every
+pool sized to the cores, used once there are 4 segments per process: below
+that, starting the pool costs more than it saves), cuts torn tails, recounts and rewrites every
 header, and seals every segment it finds (writers append only to segments
 they create in their own life). Persisted offsets and counters are never
 read to decide anything.
@@ -27,6 +28,8 @@ from pipeline.datadir import DataDir
 from pipeline.scan import DamagedFile, SegmentSummary, scan_segment
 
 log = logging.getLogger("fabric.recovery")
+# Starting a pool costs about as much as scanning a few segments serially.
+POOL_MIN_SEGMENTS_PER_PROCESS = 4
 
 
 @dataclass
@@ -73,7 +76,7 @@ def recover(data_dir: DataDir, processes: int = 0) -> RecoveryReport:
         report.removed_temp.append(tmp)
         log.warning("removed orphan temporary file %s (segment creation interrupted)", tmp)
     paths = data_dir.segment_files()
-    workers = min(processes or os.cpu_count() or 1, len(paths))
+    workers = min(processes or os.cpu_count() or 1, len(paths) // POOL_MIN_SEGMENTS_PER_PROCESS)
     if workers > 1:
         context = multiprocessing.get_context("fork")
         with ProcessPoolExecutor(workers, mp_context=context) as pool:

@@ -107,22 +107,28 @@ def _read_states(fd: int, first: int, count: int) -> np.ndarray:
 
 
 def _torn_tail(fd: int, header: SegmentHeader, end: int) -> list[int]:
-    """Walk back from `end` over LIVE slots whose checksum fails; stop at a good or DEAD one."""
+    """Walk back from `end` over LIVE slots whose checksum fails; stop at a good or DEAD one.
+
+    Reads the states first, and slots only where a LIVE one must be checked,
+    in chunks that start small (the usual answer is the very last slot).
+    """
     torn: list[int] = []
-    step = max(1, SLOT_CHUNK_BYTES // header.slot_bytes)
-    stop = end
+    stop, step = end, 8
+    limit = max(1, SLOT_CHUNK_BYTES // header.slot_bytes)
     while stop > 0:
         start = max(0, stop - step)
         states = _read_states(fd, start, stop - start)
-        words = read_slots(fd, header, start, stop - start)
-        good = slot_checksums(words) == words[:, CHECKSUM_WORD]
-        for i in range(stop - start - 1, -1, -1):
-            if states[i] == EMPTY:
-                continue
-            if states[i] != LIVE or good[i]:
-                return torn
-            torn.append(start + i)
-        stop = start
+        written = np.flatnonzero(states != EMPTY)
+        if len(written) and states[written[-1]] != LIVE:
+            return torn  # the last written slot is retired: nothing after it is torn
+        if len(written):
+            words = read_slots(fd, header, start, stop - start)
+            good = slot_checksums(words) == words[:, CHECKSUM_WORD]
+            for i in written[::-1].tolist():
+                if states[i] != LIVE or good[i]:
+                    return torn
+                torn.append(start + i)
+        stop, step = start, min(limit, step * 8)
     return torn
 
 

@@ -1,0 +1,158 @@
+"""An InputChunk as a wire message (producer -> front -> tokenizer) and back.
+
+| array        | dtype | meaning                                               |
+|--------------|-------|-------------------------------------------------------|
+| line         | <u8   | line number of each item                              |
+| ids          | u1    | custom_ids, UTF-8, back to back                       |
+| ids_offsets  | <i8   | n + 1 offsets into `ids`                              |
+| model_index  | <u4   | into meta `models`                                    |
+| shape_index  | <u4   | into meta `shapes`                                    |
+| tokens       | <u4   | pre-tokenised items' tokens, back to back             |
+| offsets      | <i8   | n + 1 offsets into `tokens` (equal for text items)    |
+| text_items   | <i8   | positions of the items whose prompt is text           |
+| texts        | u1    | orjson list of their prompts (a string, or [[role, content], ...]) |
+| errors       | u1    | orjson list of [line, custom_id, code, message]       |
+
+Meta: `index` (the chunk number), `first_line`, `last_line`, `models`
+(names) and `shapes` (canonical shape dicts). Everything from the network
+is checked again by the front before it is used.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import orjson
+
+from ingest.input_chunk import InputChunk
+from ingest.line_errors import LineError
+from ingest.request_shape import Shape
+from pipeline.errors import WireError
+
+ARRAYS = (
+    "line",
+    "ids",
+    "ids_offsets",
+    "model_index",
+    "shape_index",
+    "tokens",
+    "offsets",
+    "text_items",
+    "texts",
+    "errors",
+)
+
+
+def _blob(strings: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    encoded = [s.encode() for s in strings]
+    offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
+    np.cumsum([len(e) for e in encoded], out=offsets[1:])
+    return np.frombuffer(b"".join(encoded), dtype=np.uint8), offsets
+
+
+def _json_array(value: Any) -> np.ndarray:
+    return np.frombuffer(orjson.dumps(value), dtype=np.uint8)
+
+
+def chunk_to_wire(chunk: InputChunk) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    ids, ids_offsets = _blob(list(chunk.custom_ids))
+    texts = [t if isinstance(t, str) else [list(m) for m in t] for t in chunk.texts]
+    errors = [[e.line, e.custom_id, e.code, e.message] for e in chunk.errors]
+    meta = {
+        "index": chunk.index,
+        "first_line": chunk.first_line,
+        "last_line": chunk.last_line,
+        "models": list(chunk.models),
+        "shapes": [s.as_dict() for s in chunk.shapes],
+    }
+    arrays = {
+        "line": chunk.line.astype("<u8", copy=False),
+        "ids": ids,
+        "ids_offsets": ids_offsets,
+        "model_index": chunk.model_index.astype("<u4", copy=False),
+        "shape_index": chunk.shape_index.astype("<u4", copy=False),
+        "tokens": chunk.tokens.astype("<u4", copy=False),
+        "offsets": chunk.offsets.astype("<i8", copy=False),
+        "text_items": chunk.text_items.astype("<i8", copy=False),
+        "texts": _json_array(texts),
+        "errors": _json_array(errors),
+    }
+    return meta, arrays
+
+
+def chunk_from_wire(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> InputChunk:
+    """Rebuild and sanity-check a chunk; WireError naming what is inconsistent."""
+    missing = [name for name in ARRAYS if name not in arrays]
+    if missing:
+        raise WireError(f"chunk message lacks arrays {missing}")
+    try:
+        n = len(arrays["line"])
+        ids_offsets = arrays["ids_offsets"].astype(np.int64)
+        offsets = arrays["offsets"].astype(np.int64)
+        _check(
+            len(ids_offsets) == n + 1 and len(offsets) == n + 1,
+            "offsets do not match the item count",
+        )
+        _check(
+            ids_offsets[0] == 0 and bool(np.all(np.diff(ids_offsets) >= 0)),
+            "custom_id offsets are not increasing",
+        )
+        _check(
+            int(ids_offsets[-1]) == len(arrays["ids"]), "custom_id offsets do not match the blob"
+        )
+        _check(
+            offsets[0] == 0 and bool(np.all(np.diff(offsets) >= 0)),
+            "token offsets are not increasing",
+        )
+        _check(int(offsets[-1]) == len(arrays["tokens"]), "token offsets do not match the tokens")
+        for name in ("model_index", "shape_index"):
+            _check(len(arrays[name]) == n, f"{name} has {len(arrays[name])} entries for {n} items")
+        models = [str(m) for m in meta["models"]]
+        shapes = tuple(Shape(**{**s, "stop": tuple(s.get("stop") or ())}) for s in meta["shapes"])
+        _check(n == 0 or int(arrays["model_index"].max()) < len(models), "model_index out of range")
+        _check(n == 0 or int(arrays["shape_index"].max()) < len(shapes), "shape_index out of range")
+        blob = arrays["ids"].tobytes()
+        custom_ids = tuple(
+            blob[a:b].decode()
+            for a, b in zip(ids_offsets[:-1].tolist(), ids_offsets[1:].tolist(), strict=True)
+        )
+        texts = tuple(
+            t if isinstance(t, str) else tuple((str(r), str(c)) for r, c in t)
+            for t in orjson.loads(arrays["texts"].tobytes())
+        )
+        text_items = arrays["text_items"].astype(np.int64)
+        _check(len(text_items) == len(texts), "text_items and texts disagree")
+        _check(
+            len(text_items) == 0 or (int(text_items.min()) >= 0 and int(text_items.max()) < n),
+            "text_items out of range",
+        )
+        errors = tuple(
+            LineError(int(a), None if b is None else str(b), str(c), str(d))
+            for a, b, c, d in orjson.loads(arrays["errors"].tobytes())
+        )
+        return InputChunk(
+            index=int(meta["index"]),
+            first_line=int(meta["first_line"]),
+            last_line=int(meta["last_line"]),
+            line=arrays["line"].astype(np.uint64),
+            custom_ids=custom_ids,
+            models=tuple(models),
+            model_index=arrays["model_index"].astype(np.int64),
+            shapes=shapes,
+            shape_index=arrays["shape_index"].astype(np.int64),
+            tokens=np.ascontiguousarray(arrays["tokens"], dtype=np.uint32),
+            offsets=offsets,
+            text_items=text_items,
+            texts=texts,
+            errors=errors,
+        )
+    except WireError:
+        raise
+    except (KeyError, TypeError, ValueError, UnicodeDecodeError, orjson.JSONDecodeError) as exc:
+        raise WireError(f"chunk message is malformed: {type(exc).__name__}: {exc}") from None
+
+
+def _check(ok: bool, problem: str) -> None:
+    if not ok:
+        raise WireError(f"chunk message is inconsistent: {problem}")

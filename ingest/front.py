@@ -1,0 +1,531 @@
+"""The ingest front: where producers hand over chunks, and hear when they are durable.
+
+One process, one owner of the job registry. Producers talk to it over a
+ROUTER socket (`ingest.bind`):
+
+| request      | answer     | meaning                                                    |
+|--------------|------------|------------------------------------------------------------|
+| HELLO        | CATALOG    | served models, lanes, chunk size, message size limit       |
+| JOB_STATUS   | JOB_INFO   | a job's state, counts, chunk size and committed chunks     |
+| SUBMIT_CHUNK | CHUNK_ACK  | every accepted item of the chunk is durable; its bad lines |
+|              | CHUNK_ERROR| refused (not retryable) or failed (RETRYABLE: send it again) |
+
+A chunk's life: the front checks it again (models, endpoints, lengths,
+custom_ids repeated anywhere in the job), writes `accept` to the job's
+journal and syncs it, then sends its items on: straight into the ring to a
+router when they are tokens, or to a tokenizer when some are text. Writers
+report what they made durable (APPEND_ACK); when every forwarded item is
+accounted for, the front writes `commit` (with the custom_ids and the bad
+lines), syncs it, and only then answers CHUNK_ACK. The journal syncs of one
+step are one group commit.
+
+A chunk that does not complete by its deadline (a stage died and its rings
+were replaced, a disk stalled) is answered with a retryable error; writers
+drop records past that deadline. A retried chunk that was accepted before is
+reconciled: items already in the log are counted, not stored again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zmq
+
+from ingest.catalog import ModelCatalog
+from ingest.chunk_wire import chunk_from_wire, chunk_to_wire
+from ingest.input_chunk import InputChunk
+from ingest.jobs import Job, JobRegistry, check_job_id
+from ingest.line_errors import (
+    DUPLICATE_CUSTOM_ID,
+    EMPTY_PROMPT,
+    ENDPOINT_NOT_SERVED,
+    PROMPT_TOO_LONG,
+    TEXT_NOT_ACCEPTED,
+    UNKNOWN_MODEL,
+    LineError,
+)
+from ingest.reconcile import stored_indexes
+from ingest.tokenizer_stage import items_of
+from pipeline import wire
+from pipeline.batches import put_items, split_items
+from pipeline.datadir import DataDir
+from pipeline.errors import FabricError, IngestError, WireError
+from pipeline.outlet import Outlet
+from pipeline.stage import Stage
+from pipeline.topology import internal_address
+
+MT = wire.MessageType
+DEADLINE_MARGIN_S = 5.0  # the front waits this much past the writers' deadline
+MAX_INFLIGHT_CHUNKS = 64
+
+
+@dataclass
+class Inflight:
+    job: Job
+    chunk: InputChunk
+    final: bool
+    route: tuple[bytes, ...]
+    deadline_s: float
+    deadline_ns: int
+    expected: int | None  # items sent on; None until a tokenizer reports
+    already: list[tuple[int, str]] = field(default_factory=list)  # (line, custom_id) stored before
+    acked: int = 0
+    errors: list[LineError] = field(default_factory=list)
+    sent: bool = False
+    pieces: deque | None = None  # records still to put into the router's ring
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.job.job_no, self.chunk.index)
+
+    @property
+    def complete(self) -> bool:
+        return self.sent and self.expected is not None and self.acked >= self.expected
+
+
+def error_list(errors: list[LineError]) -> list[list[Any]]:
+    return [[e.line, e.custom_id, e.code, e.message] for e in errors]
+
+
+class FrontStage(Stage):
+    name = "front"
+    poll_ms = 20
+
+    def open(self) -> None:
+        settings = self.settings
+        self.data_dir = DataDir(settings.data_path)
+        self.registry = JobRegistry(settings.data_path)
+        self.catalog = ModelCatalog.from_settings(settings)
+        self.chunk_timeout_s = settings.ingest.chunk_timeout_s
+        self.limits = wire.WireLimits(max_bytes=settings.ingest.max_message_bytes)
+        self.context = zmq.Context()
+        self.producers = self.context.socket(zmq.ROUTER)
+        self.producers.setsockopt(zmq.LINGER, 0)
+        self.producers.setsockopt(zmq.SNDTIMEO, 0)  # a gone producer never blocks the front
+        self.producers.setsockopt(zmq.MAXMSGSIZE, settings.ingest.max_message_bytes)
+        self.producers.bind(settings.ingest.bind)
+        self.inbox = self.context.socket(zmq.PULL)
+        self.inbox.setsockopt(zmq.LINGER, 0)
+        self.inbox.bind(internal_address(settings, "front"))
+        self.tokenize = self.context.socket(zmq.PUSH)
+        self.tokenize.setsockopt(zmq.LINGER, 0)
+        self.tokenize.setsockopt(zmq.SNDHWM, 4)
+        self.tokenize.setsockopt(zmq.SNDTIMEO, 0)
+        self.tokenize.bind(internal_address(settings, "tokenize"))
+        self.outlet = Outlet(self.context, settings, "front-0", "router")
+        self.poller = zmq.Poller()
+        self.poller.register(self.producers, zmq.POLLIN)
+        self.poller.register(self.inbox, zmq.POLLIN)
+        self.inflight: dict[tuple[int, int], Inflight] = {}
+        self.unsent: deque[Inflight] = deque()
+        self.replies: list[tuple[tuple[bytes, ...], MT, dict[str, Any], int]] = []
+        self.jobs_by_no: dict[int, Job] = {}
+        self.stopping = False
+
+    # ---- the loop ------------------------------------------------------------------------
+    def step(self, now: float) -> None:
+        events = dict(self.poller.poll(self.poll_ms))
+        if self.inbox in events:
+            self._read_inbox()
+        accepting = (
+            not self.stopping and not self.unsent and len(self.inflight) < MAX_INFLIGHT_CHUNKS
+        )
+        fresh: list[Inflight] = []
+        if accepting and self.producers in events:
+            for _ in range(16):
+                try:
+                    message = wire.recv(self.producers, 0, limits=self.limits)
+                except WireError as exc:
+                    self.log.warning("dropped a malformed message from a producer: %s", exc)
+                    if exc.route:
+                        self._reply(exc.route, MT.ERROR, {"reason": f"malformed message: {exc}"})
+                    continue
+                if message is None:
+                    break
+                started = self._handle(message, now)
+                if started is not None:
+                    fresh.append(started)
+        self._expire(now)
+        self._commit_ready()
+        try:
+            self.registry.flush()  # accepts and commits of this step: one group commit
+        except FabricError as exc:
+            self._flush_failed(exc, fresh)
+            fresh = []
+        for flight in fresh:
+            self.unsent.append(flight)
+        self._send_on()
+        self._send_replies()
+
+    # ---- requests from producers ------------------------------------------------------------
+    def _handle(self, message: wire.Message, now: float) -> Inflight | None:
+        route, meta = message.route, message.meta
+        if message.type == MT.HELLO:
+            self._reply(route, MT.CATALOG, self._catalog())
+        elif message.type == MT.JOB_STATUS:
+            self._reply(route, MT.JOB_INFO, self._job_info(str(meta.get("job", ""))))
+        elif message.type == MT.SUBMIT_CHUNK:
+            try:
+                return self._submit(message, now)
+            except IngestError as exc:
+                self._refuse(route, meta, str(exc))
+            except WireError as exc:
+                self._refuse(route, meta, f"malformed chunk: {exc}")
+        else:
+            self._reply(
+                route, MT.ERROR, {"reason": f"the front does not take {message.type.name} messages"}
+            )
+        return None
+
+    def _catalog(self) -> dict[str, Any]:
+        settings = self.settings
+        return {
+            "models": [
+                {
+                    "name": m.name,
+                    "engine": m.engine,
+                    "tokenizer": m.tokenizer,
+                    "max_tokens": m.max_tokens,
+                    "endpoints": list(m.endpoints),
+                }
+                for m in settings.models
+            ],
+            "lanes": list(settings.broker.lanes),
+            "chunk_items": settings.ingest.chunk_items,
+            "max_message_bytes": settings.ingest.max_message_bytes,
+        }
+
+    def _job_info(self, job_id: str) -> dict[str, Any]:
+        try:
+            job = self.registry.get(job_id)
+        except IngestError as exc:
+            return {"job": job_id, "exists": False, "reason": str(exc)}
+        if job is None:
+            return {"job": job_id, "exists": False}
+        committed = sorted(c for c, s in job.chunks.items() if s.committed is not None)
+        return {
+            **job.summary(),
+            "job": job_id,
+            "exists": True,
+            "chunk_lines": job.chunk_lines,
+            "committed": committed,
+        }
+
+    def _submit(self, message: wire.Message, now: float) -> Inflight | None:
+        meta, route = message.meta, message.route
+        job_id, number = check_job_id(str(meta["job"])), int(meta["chunk"])
+        chunk_lines = int(meta.get("chunk_lines", 0))
+        job = self.registry.get(job_id)
+        if job is None:
+            if chunk_lines < 1:
+                raise IngestError(f"chunk_lines {chunk_lines} must be a positive number of lines")
+            job = self.registry.create(job_id, chunk_lines)
+        self.jobs_by_no[job.job_no] = job
+        if chunk_lines != job.chunk_lines:
+            raise IngestError(
+                f"job {job_id} was started with chunks of {job.chunk_lines} lines, this chunk says "
+                f"{chunk_lines}; resume it with the same chunk size"
+            )
+        if job.state not in ("validating", "queued"):
+            raise IngestError(f"job {job_id} is {job.state}; it takes no more input")
+        state = job.chunks.get(number)
+        if state is not None and state.committed is not None:
+            self._reply(route, MT.CHUNK_ACK, self._ack_meta(job, number, duplicate=True))
+            return None
+        flight = self.inflight.get((job.job_no, number))
+        if flight is not None:
+            flight.route = route  # answer the latest sender
+            return None
+        chunk = chunk_from_wire(meta, message.arrays)
+        first = number * job.chunk_lines + 1
+        if (
+            chunk.index != number
+            or chunk.first_line != first
+            or chunk.last_line >= first + job.chunk_lines
+        ):
+            raise IngestError(
+                f"chunk {number} of job {job_id} must cover lines {first}..{first + job.chunk_lines - 1}, "
+                f"not {chunk.first_line}..{chunk.last_line}"
+            )
+        chunk, already = self._check(job, chunk, state)
+        deadline_ns = time.monotonic_ns() + int(self.chunk_timeout_s * 1e9)
+        flight = Inflight(
+            job=job,
+            chunk=chunk,
+            final=bool(meta.get("final", False)),
+            route=route,
+            deadline_s=now + self.chunk_timeout_s + DEADLINE_MARGIN_S,
+            deadline_ns=deadline_ns,
+            expected=None if chunk.needs_tokenizing else chunk.n_items,
+            already=already,
+        )
+        if state is None:
+            job.accept(number, chunk.first_line, chunk.last_line)
+            self.registry.touch(job)
+        self.inflight[flight.key] = flight
+        return flight
+
+    def _check(
+        self, job: Job, chunk: InputChunk, earlier
+    ) -> tuple[InputChunk, list[tuple[int, str]]]:
+        """Check the chunk again here; drop bad items (as errors) and items already stored."""
+        n = chunk.n_items
+        drop = np.zeros(n, dtype=bool)
+        errors: list[LineError] = []
+
+        def reject(mask: np.ndarray, code: str, reason) -> None:
+            for i in np.flatnonzero(mask & ~drop).tolist():
+                errors.append(
+                    LineError.at(int(chunk.line[i]), chunk.custom_ids[i], code, reason(i))
+                )
+            drop[mask] = True
+
+        lengths = chunk.lengths.astype(np.int64)
+        is_text = np.zeros(n, dtype=bool)
+        is_text[chunk.text_items] = True
+        for m, name in enumerate(chunk.models):
+            of_model = chunk.model_index == m
+            entry = self.catalog.models.get(name)
+            if entry is None:
+                reject(
+                    of_model,
+                    UNKNOWN_MODEL,
+                    lambda i, name=name: f"model {name!r} is not served here",
+                )
+                continue
+            for s, shape in enumerate(chunk.shapes):
+                if shape.endpoint not in entry.endpoints:
+                    reject(
+                        of_model & (chunk.shape_index == s),
+                        ENDPOINT_NOT_SERVED,
+                        lambda i, name=name, url=shape.endpoint: (
+                            f"model {name!r} does not serve {url}"
+                        ),
+                    )
+            if not entry.takes_text:
+                reject(
+                    of_model & is_text,
+                    TEXT_NOT_ACCEPTED,
+                    lambda i, name=name: f"model {name!r} takes only prompt_token_ids",
+                )
+            limit = entry.prompt_limit_tokens
+            reject(
+                of_model & ~is_text & (lengths > limit),
+                PROMPT_TOO_LONG,
+                lambda i, limit=limit: (
+                    f"prompt of {lengths[i]} tokens is longer than the limit of {limit}"
+                ),
+            )
+        reject(~is_text & (lengths == 0), EMPTY_PROMPT, lambda i: "prompt has no tokens")
+        ids = list(chunk.custom_ids)
+        repeated = job.custom_ids.contains(ids)
+        seen: set[str] = set()
+        for other in self.inflight.values():
+            if other.job is job and other.chunk.index != chunk.index:
+                seen.update(other.chunk.custom_ids)
+        for i, custom_id in enumerate(ids):
+            if custom_id in seen:
+                repeated[i] = True
+            seen.add(custom_id)
+        reject(
+            repeated,
+            DUPLICATE_CUSTOM_ID,
+            lambda i: "custom_id is used by an earlier line of this job",
+        )
+        already: list[tuple[int, str]] = []
+        if earlier is not None:  # accepted before and never committed: some items may be stored
+            stored = stored_indexes(
+                self.data_dir,
+                job.job_no,
+                chunk.first_line - 1,
+                chunk.last_line - 1,
+                earlier.accepted_ns,
+            )
+            in_log = np.isin(chunk.line.astype(np.int64) - 1, stored) & ~drop
+            already = [
+                (int(chunk.line[i]), chunk.custom_ids[i]) for i in np.flatnonzero(in_log).tolist()
+            ]
+            if already:
+                self.log.info(
+                    "job %s chunk %d: %d items already in the log from an earlier attempt",
+                    job.job_id,
+                    chunk.index,
+                    len(already),
+                )
+            drop |= in_log
+        return chunk.without(drop, errors), already
+
+    # ---- forwarding ------------------------------------------------------------------------
+    def _send_on(self) -> None:
+        while self.unsent:
+            flight = self.unsent[0]
+            if flight.key not in self.inflight:  # failed meanwhile
+                self.unsent.popleft()
+                continue
+            if not self._send_one(flight):
+                return
+            flight.sent = True
+            self.unsent.popleft()
+
+    def _send_one(self, flight: Inflight) -> bool:
+        to_send = flight.chunk
+        if to_send.n_items == 0:
+            flight.expected = 0
+            return True
+        if to_send.needs_tokenizing:
+            meta, arrays = chunk_to_wire(to_send)
+            meta.update(job_no=flight.job.job_no, deadline_ns=flight.deadline_ns)
+            try:
+                wire.send(self.tokenize, MT.TOKENIZE, meta, arrays)
+            except WireError:
+                return False  # tokenizers busy (or none up yet): try again next step
+            return True
+        if flight.pieces is None:
+            flight.pieces = deque(
+                split_items(items_of(to_send, flight.job.job_no, flight.deadline_ns))
+            )
+        router = to_send.index % len(self.outlet)
+        while flight.pieces:
+            if not self.outlet.try_put(router, put_items, flight.pieces[0]):
+                return False
+            flight.pieces.popleft()
+        return True
+
+    # ---- reports from writers and tokenizers ------------------------------------------------------
+    def _read_inbox(self) -> None:
+        while True:
+            try:
+                message = wire.recv(self.inbox, 0)
+            except WireError as exc:
+                self.log.error("dropped a malformed internal message: %s", exc)
+                continue
+            if message is None:
+                return
+            meta = message.meta
+            flight = self.inflight.get((int(meta.get("job_no", -1)), int(meta.get("chunk", -1))))
+            if flight is None:
+                continue  # late news of a chunk that already failed or finished
+            if message.type == MT.APPEND_ACK:
+                flight.acked += int(meta["count"])
+            elif message.type == MT.TOKENIZED:
+                if meta.get("failed"):
+                    self._fail(flight, f"tokenizing failed: {meta['failed']}", retryable=True)
+                    continue
+                flight.expected = int(meta["forwarded"])
+                flight.errors.extend(
+                    LineError(int(a), b, str(c), str(d)) for a, b, c, d in meta["errors"]
+                )
+            elif message.type == MT.ERROR:
+                self._fail(flight, str(meta.get("reason")), retryable=message.retryable)
+
+    def _commit_ready(self) -> None:
+        for flight in [f for f in self.inflight.values() if f.complete]:
+            chunk = flight.chunk
+            errors = sorted([*chunk.errors, *flight.errors], key=lambda e: e.line)
+            rejected = {e.line for e in flight.errors}
+            stored = [
+                (int(line), custom_id)
+                for line, custom_id in zip(chunk.line.tolist(), chunk.custom_ids, strict=True)
+                if line not in rejected
+            ]
+            stored = sorted(stored + flight.already)
+            flight.job.commit(
+                chunk.index,
+                [line for line, _ in stored],
+                [custom_id for _, custom_id in stored],
+                flight.acked + len(flight.already),
+                error_list(errors),
+                flight.final,
+            )
+            self.registry.touch(flight.job)
+            del self.inflight[flight.key]
+            self._reply(flight.route, MT.CHUNK_ACK, self._ack_meta(flight.job, chunk.index))
+
+    def _ack_meta(self, job: Job, number: int, duplicate: bool = False) -> dict[str, Any]:
+        record = job.chunks[number].committed
+        return {
+            "job": job.job_id,
+            "chunk": number,
+            "stored": record["stored"],
+            "errors": [
+                LineError(int(a), b, str(c), str(d)).to_batch_error(job.job_id)
+                for a, b, c, d in record["errors"]
+            ],
+            "duplicate": duplicate,
+            "state": job.state,
+        }
+
+    def _expire(self, now: float) -> None:
+        for flight in [f for f in self.inflight.values() if now > f.deadline_s]:
+            self._fail(
+                flight,
+                "the chunk timed out inside the broker (a stage restarted?); send it again",
+                True,
+            )
+
+    def _fail(self, flight: Inflight, reason: str, retryable: bool) -> None:
+        self.inflight.pop(flight.key, None)
+        self.log.warning(
+            "job %s chunk %d failed: %s", flight.job.job_id, flight.chunk.index, reason
+        )
+        meta = {"job": flight.job.job_id, "chunk": flight.chunk.index, "reason": reason}
+        self._reply(flight.route, MT.CHUNK_ERROR, meta, wire.Flag.RETRYABLE if retryable else 0)
+
+    def _flush_failed(self, exc: Exception, fresh: list[Inflight]) -> None:
+        """The journal could not be synced (a full disk): nothing waiting on it may be answered."""
+        self.log.error("job journal sync failed: %s", exc)
+        for flight in fresh:
+            self._fail(flight, f"the broker could not record the chunk: {exc}", retryable=True)
+        self.replies = [
+            (
+                route,
+                MT.CHUNK_ERROR,
+                {"job": m["job"], "chunk": m["chunk"], "reason": str(exc)},
+                wire.Flag.RETRYABLE,
+            )
+            if t == MT.CHUNK_ACK and not m.get("duplicate")
+            else (route, t, m, f)
+            for route, t, m, f in self.replies
+        ]
+
+    # ---- answers ----------------------------------------------------------------------------
+    def _refuse(self, route: tuple[bytes, ...], meta: dict[str, Any], reason: str) -> None:
+        self.log.warning("refused a chunk: %s", reason)
+        self._reply(
+            route,
+            MT.CHUNK_ERROR,
+            {"job": str(meta.get("job", "")), "chunk": _int(meta.get("chunk")), "reason": reason},
+        )
+
+    def _reply(self, route, msg_type: MT, meta: dict[str, Any], flags: int = 0) -> None:
+        self.replies.append((route, msg_type, meta, flags))
+
+    def _send_replies(self) -> None:
+        for route, msg_type, meta, flags in self.replies:
+            try:
+                wire.send(self.producers, msg_type, meta, route=route, flags=flags)
+            except WireError as exc:
+                self.log.info("could not answer a producer (gone?): %s", exc)
+        self.replies = []
+
+    # ---- life ------------------------------------------------------------------------------
+    def drain(self, deadline: float) -> None:
+        """Stop taking chunks; finish those in flight while the stages behind are still up."""
+        self.stopping = True
+        while self.inflight and time.monotonic() < deadline:
+            self.step(time.monotonic())
+
+    def close(self) -> None:
+        self.registry.close()
+        self.outlet.close()
+        for sock in (self.producers, self.inbox, self.tokenize):
+            sock.close(0)
+        self.context.term()
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) and value >= 0 else 0

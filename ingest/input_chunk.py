@@ -1,0 +1,185 @@
+"""One chunk of checked input: the accepted items as numpy columns, and the bad lines.
+
+Item i of a chunk (0 <= i < n_items) is:
+
+| field                    | meaning                                                    |
+|--------------------------|------------------------------------------------------------|
+| `line[i]`                | its 1-based line number in the input (uint64)              |
+| `custom_ids[i]`          | its custom_id                                              |
+| `models[model_index[i]]` | the model it names                                         |
+| `shapes[shape_index[i]]` | its canonical `Shape` (endpoint and shape parameters)      |
+| `tokens[offsets[i]:offsets[i + 1]]` | its token ids (uint32); empty while it awaits tokenising |
+
+`models` and `shapes` hold each distinct value once, in first-seen order
+(after items are dropped they may name a value no remaining item uses).
+Items whose prompt is text are listed in `text_items` (positions, ascending)
+with their prompts in `texts` (a string, or for chat a tuple of (role,
+content) pairs); `ingest.tokenize.tokenize_chunk` turns them into tokens and
+returns a chunk with `text_items` empty. `errors` holds one `LineError` per
+bad line, in line order. Lines first_line..last_line were read for this
+chunk; those neither items nor errors were blank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from ingest.line_errors import LineError
+from ingest.line_parser import ParsedLine, TextPrompt
+from ingest.request_shape import Shape
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class TokenGroup:
+    """Token ids for some items of a chunk: item `items[j]` gets tokens[offsets[j]:offsets[j+1]]."""
+
+    items: np.ndarray  # int64 item positions
+    tokens: np.ndarray  # uint32
+    offsets: np.ndarray  # int64, len(items) + 1, starting at 0
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class InputChunk:
+    """Accepted items (numpy columns) and error records of lines first_line..last_line."""
+
+    index: int
+    first_line: int
+    last_line: int
+    line: np.ndarray
+    custom_ids: tuple[str, ...]
+    models: tuple[str, ...]
+    model_index: np.ndarray
+    shapes: tuple[Shape, ...]
+    shape_index: np.ndarray
+    tokens: np.ndarray
+    offsets: np.ndarray
+    text_items: np.ndarray
+    texts: tuple[TextPrompt, ...]
+    errors: tuple[LineError, ...]
+
+    @property
+    def n_items(self) -> int:
+        return len(self.custom_ids)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Tokens per item (uint32); 0 for an item still awaiting tokenising."""
+        return np.diff(self.offsets).astype(np.uint32)
+
+    @property
+    def needs_tokenizing(self) -> bool:
+        return len(self.texts) > 0
+
+    def with_tokens(self, groups: Sequence[TokenGroup]) -> InputChunk:
+        """This chunk with the tokens of `groups` (which must cover `text_items`) filled in."""
+        lengths = np.diff(self.offsets)
+        for group in groups:
+            lengths[group.items] = np.diff(group.offsets)
+        offsets = np.zeros(self.n_items + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        tokens = np.empty(int(offsets[-1]), dtype=np.uint32)
+        ready = np.ones(self.n_items, dtype=bool)
+        ready[self.text_items] = False
+        had = np.flatnonzero(ready)
+        _scatter(tokens, offsets[had], self.tokens, self.offsets[had], self.offsets[had + 1])
+        for group in groups:
+            starts = group.offsets[:-1]
+            _scatter(tokens, offsets[group.items], group.tokens, starts, group.offsets[1:])
+        empty = np.zeros(0, dtype=np.int64)
+        return replace(self, tokens=tokens, offsets=offsets, text_items=empty, texts=())
+
+    def without(self, drop: np.ndarray, errors: Sequence[LineError]) -> InputChunk:
+        """This chunk less the items where `drop` is True, with `errors` added (line order)."""
+        merged = tuple(sorted((*self.errors, *errors), key=lambda e: e.line))
+        if not drop.any():
+            return replace(self, errors=merged)
+        keep = np.flatnonzero(~drop)
+        lengths = np.diff(self.offsets)[keep]
+        offsets = np.zeros(keep.size + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        tokens = np.empty(int(offsets[-1]), dtype=np.uint32)
+        _scatter(tokens, offsets[:-1], self.tokens, self.offsets[keep], self.offsets[keep + 1])
+        new_position = np.cumsum(~drop) - 1
+        text_keep = ~drop[self.text_items]
+        return replace(
+            self,
+            line=self.line[keep],
+            custom_ids=tuple(self.custom_ids[i] for i in keep.tolist()),
+            model_index=self.model_index[keep],
+            shape_index=self.shape_index[keep],
+            tokens=tokens,
+            offsets=offsets,
+            text_items=new_position[self.text_items[text_keep]],
+            texts=tuple(t for t, k in zip(self.texts, text_keep.tolist(), strict=True) if k),
+            errors=merged,
+        )
+
+
+def _scatter(
+    dst: np.ndarray, dst_starts: np.ndarray, src: np.ndarray, starts: np.ndarray, ends: np.ndarray
+) -> None:
+    """Copy src[starts[j]:ends[j]] to dst[dst_starts[j]:...] for every j, without a Python loop."""
+    lengths = ends - starts
+    total = int(lengths.sum())
+    if total == 0:
+        return
+    segment_start = np.repeat(starts, lengths)
+    within = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    dst[np.repeat(dst_starts, lengths) + within] = src[segment_start + within]
+
+
+@dataclass(slots=True)
+class ChunkBuilder:
+    """Collects one chunk's accepted lines and errors, then `build`s the numpy columns."""
+
+    index: int
+    first_line: int
+    line: list[int] = field(default_factory=list)
+    custom_ids: list[str] = field(default_factory=list)
+    model_index: list[int] = field(default_factory=list)
+    shape_index: list[int] = field(default_factory=list)
+    token_arrays: list[np.ndarray] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+    text_items: list[int] = field(default_factory=list)
+    texts: list[TextPrompt] = field(default_factory=list)
+    errors: list[LineError] = field(default_factory=list)
+    _models: dict[str, int] = field(default_factory=dict)
+    _shapes: dict[Shape, int] = field(default_factory=dict)
+
+    def add(self, line: int, item: ParsedLine) -> None:
+        position = len(self.line)
+        self.line.append(line)
+        self.custom_ids.append(item.custom_id)
+        self.model_index.append(self._models.setdefault(item.model, len(self._models)))
+        self.shape_index.append(self._shapes.setdefault(item.shape, len(self._shapes)))
+        if item.token_ids is not None:
+            self.token_arrays.append(item.token_ids)
+            self.lengths.append(item.token_ids.size)
+        else:
+            self.lengths.append(0)
+            self.text_items.append(position)
+            self.texts.append(item.text)
+
+    def build(self, last_line: int) -> InputChunk:
+        offsets = np.zeros(len(self.lengths) + 1, dtype=np.int64)
+        np.cumsum(np.array(self.lengths, dtype=np.int64), out=offsets[1:])
+        tokens = np.concatenate(self.token_arrays) if self.token_arrays else np.zeros(0, np.uint32)
+        return InputChunk(
+            index=self.index,
+            first_line=self.first_line,
+            last_line=last_line,
+            line=np.array(self.line, dtype=np.uint64),
+            custom_ids=tuple(self.custom_ids),
+            models=tuple(self._models),
+            model_index=np.array(self.model_index, dtype=np.uint32),
+            shapes=tuple(self._shapes),
+            shape_index=np.array(self.shape_index, dtype=np.uint32),
+            tokens=tokens,
+            offsets=offsets,
+            text_items=np.array(self.text_items, dtype=np.int64),
+            texts=tuple(self.texts),
+            errors=tuple(sorted(self.errors, key=lambda e: e.line)),
+        )

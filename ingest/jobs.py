@@ -1,0 +1,250 @@
+"""The job registry: one directory per job, written before any acknowledgement.
+
+| path                               | what                                              |
+|------------------------------------|---------------------------------------------------|
+| `jobs/next-job-no`                 | DurableCounter of job numbers (1, 2, ...)         |
+| `jobs/<job_id>/job.json`           | id, number, created_ns, chunk_lines; written once, atomically |
+| `jobs/<job_id>/chunks.log`         | RecordLog of chunk events (below)                 |
+
+Chunk events, in order of their durability:
+
+| record                                                         | meaning |
+|----------------------------------------------------------------|---------|
+| `{"e": "accept", "c", "first", "last", "ns"}`                  | chunk c (lines first..last) may have items in the log from here on |
+| `{"e": "commit", "c", "first", "last", "lines", "ids", "stored", "errors", "final"}` | every item of chunk c is durable; `lines`/`ids` map line numbers to custom_ids; `errors` are the rejected lines |
+| `{"e": "state", "state"}`                                      | the job changed state |
+
+A job's item index is its line number minus one, and an item's seq in the
+log is `job_no << 32 | index`, so a retried chunk carries the same seqs.
+The registry has one owner (the front); it batches appends and makes them
+durable with `flush()`, before the producer hears anything.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from ingest.custom_ids import CustomIdSet
+from pipeline.counter import DurableCounter
+from pipeline.errors import IngestError
+from pipeline.records import RecordLog
+
+JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+STATES = ("validating", "queued", "in_progress", "completed", "cancelled", "failed")
+
+
+def seq_of(job_no: int, index: int) -> int:
+    return (job_no << 32) | index
+
+
+def check_job_id(job_id: str) -> str:
+    if not JOB_ID.match(job_id):
+        raise IngestError(
+            f"job id {job_id!r} is not allowed: use 1-64 characters of letters, digits, "
+            f"'.', '_' or '-', starting with a letter or digit"
+        )
+    return job_id
+
+
+@dataclass
+class ChunkState:
+    first: int
+    last: int
+    accepted_ns: int
+    committed: dict[str, Any] | None = None
+
+
+@dataclass
+class Job:
+    """One job's durable record and the front's view of it."""
+
+    job_id: str
+    job_no: int
+    created_ns: int
+    chunk_lines: int
+    directory: Path
+    journal: RecordLog
+    chunks: dict[int, ChunkState] = field(default_factory=dict)
+    custom_ids: CustomIdSet = field(default_factory=CustomIdSet)
+    state: str = "validating"
+    stored: int = 0
+    rejected: int = 0
+
+    def _apply(self, record: dict[str, Any]) -> None:
+        kind = record["e"]
+        if kind == "accept":
+            self.chunks.setdefault(
+                record["c"], ChunkState(record["first"], record["last"], record["ns"])
+            )
+        elif kind == "commit":
+            chunk = self.chunks.setdefault(
+                record["c"], ChunkState(record["first"], record["last"], 0)
+            )
+            if chunk.committed is None:
+                chunk.committed = record
+                self.stored += record["stored"]
+                self.rejected += len(record["errors"])
+                self.custom_ids.add(record["ids"])
+        elif kind == "state":
+            self.state = record["state"]
+
+    def accept(self, chunk: int, first: int, last: int, now_ns: int | None = None) -> None:
+        """Record that chunk `chunk` may start landing in the log (durable at flush)."""
+        record = {
+            "e": "accept",
+            "c": chunk,
+            "first": first,
+            "last": last,
+            "ns": now_ns or time.time_ns(),
+        }
+        self.journal.append(record)
+        self._apply(record)
+
+    def commit(
+        self,
+        chunk: int,
+        lines: list[int],
+        ids: list[str],
+        stored: int,
+        errors: list[dict[str, Any]],
+        final: bool,
+    ) -> None:
+        """Record that every item of `chunk` is durable (durable at flush)."""
+        state = self.chunks[chunk]
+        record = {
+            "e": "commit",
+            "c": chunk,
+            "first": state.first,
+            "last": state.last,
+            "lines": lines,
+            "ids": ids,
+            "stored": stored,
+            "errors": errors,
+            "final": final,
+        }
+        self.journal.append(record)
+        self._apply(record)
+        if final and self.state == "validating":
+            self.set_state("queued")
+
+    def set_state(self, state: str) -> None:
+        record = {"e": "state", "state": state}
+        self.journal.append(record)
+        self._apply(record)
+
+    def custom_id_of(self, index: int) -> str | None:
+        """The custom_id of item `index` (line index + 1), from the committed chunks."""
+        line = index + 1
+        for chunk in self.chunks.values():
+            if chunk.committed is not None and chunk.first <= line <= chunk.last:
+                lines = chunk.committed["lines"]
+                try:
+                    return chunk.committed["ids"][lines.index(line)]
+                except ValueError:
+                    return None
+        return None
+
+    def error_records(self) -> list[dict[str, Any]]:
+        return [
+            e for c in sorted(self.chunks) if (r := self.chunks[c].committed) for e in r["errors"]
+        ]
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "job_id": self.job_id,
+            "state": self.state,
+            "stored": self.stored,
+            "rejected": self.rejected,
+            "chunks_committed": sum(1 for c in self.chunks.values() if c.committed is not None),
+        }
+
+
+class JobRegistry:
+    """All jobs under `<data_dir>/jobs`, loaded lazily; one owner."""
+
+    def __init__(self, data_root: Path) -> None:
+        self.root = Path(data_root) / "jobs"
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._counter = DurableCounter(self.root / "next-job-no")
+        self._jobs: dict[str, Job] = {}
+        self._dirty: set[str] = set()
+
+    def get(self, job_id: str) -> Job | None:
+        """The job, from memory or disk; None if it was never created."""
+        job = self._jobs.get(job_id)
+        if job is not None:
+            return job
+        directory = self.root / check_job_id(job_id)
+        meta_path = directory / "job.json"
+        if not meta_path.exists():
+            return None
+        meta = orjson.loads(meta_path.read_bytes())
+        journal = RecordLog(directory / "chunks.log")
+        job = Job(
+            job_id, meta["job_no"], meta["created_ns"], meta["chunk_lines"], directory, journal
+        )
+        for record in journal.records:
+            job._apply(record)
+        self._jobs[job_id] = job
+        return job
+
+    def create(self, job_id: str, chunk_lines: int) -> Job:
+        """Create a job durably (directory, job.json, empty journal); its chunks have `chunk_lines` lines."""
+        check_job_id(job_id)
+        directory = self.root / job_id
+        directory.mkdir(exist_ok=True)
+        job_no = self._counter.next()
+        created_ns = time.time_ns()
+        tmp = directory / ".job.json.tmp"
+        tmp.write_bytes(
+            orjson.dumps(
+                {
+                    "job_id": job_id,
+                    "job_no": job_no,
+                    "created_ns": created_ns,
+                    "chunk_lines": chunk_lines,
+                }
+            )
+        )
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        tmp.rename(directory / "job.json")
+        for path in (directory, self.root):
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        job = Job(
+            job_id, job_no, created_ns, chunk_lines, directory, RecordLog(directory / "chunks.log")
+        )
+        self._jobs[job_id] = job
+        return job
+
+    def touch(self, job: Job) -> None:
+        """Mark a job's journal as needing a flush."""
+        self._dirty.add(job.job_id)
+
+    def flush(self) -> None:
+        """Make every pending journal record durable (group commit)."""
+        for job_id in sorted(self._dirty):
+            self._jobs[job_id].journal.sync()
+        self._dirty.clear()
+
+    def job_ids(self) -> list[str]:
+        return sorted(p.name for p in self.root.iterdir() if (p / "job.json").exists())
+
+    def close(self) -> None:
+        for job in self._jobs.values():
+            job.journal.close()
+        self._jobs.clear()

@@ -1,0 +1,294 @@
+"""Check one OpenAI Batch input line and take out what the broker stores.
+
+    {"custom_id": "req-1", "method": "POST", "url": "/v1/chat/completions",
+     "body": {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 64}}
+
+`parse_line` runs the checks in a fixed order and raises `Rejected` (code,
+reason, and the line's custom_id once it is known) at the first that fails. The prompt is either text to tokenise
+(`input` for embeddings, `prompt` for completions, `messages` for chat) or
+token ids (`prompt_token_ids`, any endpoint). Duplicate custom_ids and the
+length of text prompts are checked later, per chunk (`ingest.batch_input`,
+`ingest.tokenize`). docs/input-format.md describes the format and each code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from operator import countOf
+from typing import Any, Final
+
+import numpy as np
+import orjson
+
+from ingest.catalog import CHAT_COMPLETIONS, EMBEDDINGS, ModelCatalog
+from ingest.line_errors import (
+    CONFLICTING_FIELDS,
+    EMPTY_PROMPT,
+    ENDPOINT_NOT_SERVED,
+    INVALID_JSON,
+    INVALID_VALUE,
+    MISSING_FIELD,
+    NOT_AN_OBJECT,
+    PROMPT_TOO_LONG,
+    TEXT_NOT_ACCEPTED,
+    TOKEN_OUT_OF_RANGE,
+    UNKNOWN_MODEL,
+    UNKNOWN_URL,
+    UNSUPPORTED_PARAMETER,
+    WRONG_METHOD,
+    WRONG_TYPE,
+    Rejected,
+    show,
+)
+from ingest.request_shape import SHAPE_PARAMETERS, Shape, parse_shape
+
+MAX_CUSTOM_ID_CHARS: Final = 512
+TOKEN_ID_LIMIT: Final = 2**32
+CHAT_ROLES: Final = ("system", "developer", "user", "assistant")
+LINE_KEYS: Final = frozenset({"custom_id", "method", "url", "body"})
+# The body key holding text input, per endpoint.
+TEXT_FIELD: Final[dict[str, str]] = {
+    EMBEDDINGS: "input",
+    CHAT_COMPLETIONS: "messages",
+    "/v1/completions": "prompt",
+}
+# Body keys accepted but not part of the shape: `user` is ignored; for
+# embeddings `encoding_format` may only be "float".
+_OTHER_KEYS: Final[dict[str, tuple[str, ...]]] = {
+    EMBEDDINGS: ("model", "prompt_token_ids", "user", "encoding_format"),
+    CHAT_COMPLETIONS: ("model", "prompt_token_ids", "user"),
+    "/v1/completions": ("model", "prompt_token_ids", "user"),
+}
+BODY_KEYS: Final[dict[str, frozenset[str]]] = {
+    url: frozenset((*_OTHER_KEYS[url], TEXT_FIELD[url], *SHAPE_PARAMETERS[url]))
+    for url in TEXT_FIELD
+}
+
+ChatMessage = tuple[str, str]  # (role, content)
+TextPrompt = str | tuple[ChatMessage, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedLine:
+    """A line that passed every per-line check: exactly one of `text` and `token_ids` is set."""
+
+    custom_id: str
+    model: str
+    shape: Shape
+    text: TextPrompt | None
+    token_ids: np.ndarray | None  # uint32, non-empty, within the model's prompt limit
+
+
+def parse_line(raw: bytes, catalog: ModelCatalog) -> ParsedLine:
+    """Check one line (without its newline); raise Rejected at the first failed check."""
+    try:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise Rejected(
+            INVALID_JSON,
+            f"not valid JSON at character {exc.pos}: {exc.msg}; write one JSON object per line",
+        ) from None
+    if not isinstance(obj, dict):
+        raise Rejected(
+            NOT_AN_OBJECT,
+            f"the line is {_json_type(obj)}, not an object; write one object per line "
+            "with custom_id, method, url and body",
+        )
+    custom_id = _custom_id(obj)
+    try:
+        return _request(obj, custom_id, catalog)
+    except Rejected as exc:
+        exc.custom_id = custom_id
+        raise
+
+
+def _request(obj: dict[str, Any], custom_id: str, catalog: ModelCatalog) -> ParsedLine:
+    method = _field(obj, "method", str, "", '"POST"')
+    if method != "POST":
+        raise Rejected(WRONG_METHOD, f'method = {show(method)}; every batch request uses "POST"')
+    url = _field(obj, "url", str, "", "an endpoint path")
+    if url not in TEXT_FIELD:
+        raise Rejected(
+            UNKNOWN_URL, f"url = {show(url)} is not an endpoint; use one of {', '.join(TEXT_FIELD)}"
+        )
+    _refuse_unknown(obj, LINE_KEYS, "the line", "")
+    body = _field(obj, "body", dict, "", "an object with model and the request")
+    model_name = _field(body, "model", str, "body.", "a model name")
+    model = catalog.models.get(model_name)
+    if model is None:
+        raise Rejected(
+            UNKNOWN_MODEL,
+            f"body.model = {show(model_name)} is not served here; known models: "
+            f"{catalog.known_models()}; set body.model to one of them",
+        )
+    if url not in model.endpoints:
+        raise Rejected(
+            ENDPOINT_NOT_SERVED,
+            f"model {show(model_name)} does not serve {url}; it serves "
+            f"{', '.join(sorted(model.endpoints))}: change url, or pick a model that serves it",
+        )
+    _refuse_unknown(body, BODY_KEYS[url], f"{url} body", "body.")
+    if body.get("encoding_format") not in (None, "float"):
+        raise Rejected(
+            UNSUPPORTED_PARAMETER,
+            f'body.encoding_format = {show(body["encoding_format"])}; only "float" is '
+            "supported: leave it out",
+        )
+    text_field = TEXT_FIELD[url]
+    has_text = body.get(text_field) is not None
+    has_ids = body.get("prompt_token_ids") is not None
+    if has_text and has_ids:
+        raise Rejected(
+            CONFLICTING_FIELDS,
+            f"body sets both {text_field} and prompt_token_ids; send text or token ids, not both",
+        )
+    if not has_text and not has_ids:
+        raise Rejected(
+            MISSING_FIELD,
+            f"body has neither {text_field} nor prompt_token_ids; add one of them",
+        )
+    text = token_ids = None
+    if has_ids:
+        token_ids = _token_ids(body["prompt_token_ids"], model.prompt_limit_tokens, model_name)
+    elif not model.takes_text:
+        raise Rejected(
+            TEXT_NOT_ACCEPTED,
+            f"model {show(model_name)} has no tokenizer configured, so it takes token ids only; "
+            f"send body.prompt_token_ids instead of body.{text_field}, or set a tokenizer "
+            "for the model in the configuration",
+        )
+    elif url == CHAT_COMPLETIONS:
+        text = _messages(body["messages"])
+    else:
+        text = _text(body[text_field], text_field)
+    return ParsedLine(custom_id, model_name, parse_shape(body, url), text, token_ids)
+
+
+def _custom_id(obj: dict[str, Any]) -> str:
+    custom_id = _field(obj, "custom_id", str, "", "a string unique within the file")
+    if not 1 <= len(custom_id) <= MAX_CUSTOM_ID_CHARS:
+        raise Rejected(
+            INVALID_VALUE,
+            f"custom_id = {show(custom_id)} has {len(custom_id)} characters; use "
+            f"1..{MAX_CUSTOM_ID_CHARS}",
+        )
+    return custom_id
+
+
+def _field(obj: dict[str, Any], key: str, kind: type, prefix: str, wanted: str) -> Any:
+    if key not in obj:
+        raise Rejected(MISSING_FIELD, f"{prefix}{key} is missing; add {prefix}{key}: {wanted}")
+    value = obj[key]
+    if not isinstance(value, kind):
+        found = "is null" if value is None else f"= {show(value)} is {_json_type(value)}"
+        raise Rejected(WRONG_TYPE, f"{prefix}{key} {found}; set it to {wanted}")
+    return value
+
+
+def _refuse_unknown(obj: dict[str, Any], allowed: frozenset[str], what: str, prefix: str) -> None:
+    unknown = obj.keys() - allowed
+    if unknown:
+        first = sorted(unknown)[0]
+        raise Rejected(
+            UNSUPPORTED_PARAMETER,
+            f"{prefix}{first} is not supported in {what}; remove it (accepted: "
+            f"{', '.join(sorted(allowed))})",
+        )
+
+
+def _token_ids(value: Any, limit: int, model: str) -> np.ndarray:
+    where = "body.prompt_token_ids"
+    if not isinstance(value, list):
+        raise Rejected(
+            WRONG_TYPE, f"{where} = {show(value)} is {_json_type(value)}; set a list of integers"
+        )
+    if not value:
+        raise Rejected(EMPTY_PROMPT, f"{where} is empty; send at least one token id")
+    if countOf(map(type, value), int) != len(value):  # exact: a JSON true is a bool, not 1
+        bad = next(v for v in value if type(v) is not int)
+        raise Rejected(
+            WRONG_TYPE,
+            f"{where} holds {show(bad)}, {_json_type(bad)}; send integers 0..{TOKEN_ID_LIMIT - 1}",
+        )
+    if len(value) > limit:
+        raise Rejected(
+            PROMPT_TOO_LONG,
+            f"{where} has {len(value)} tokens; model {show(model)} takes at most {limit}: "
+            "shorten the prompt",
+        )
+    try:
+        ids = np.array(value, dtype=np.int64)
+    except OverflowError:
+        ids = None
+    if ids is None or bool(((ids < 0) | (ids >= TOKEN_ID_LIMIT)).any()):
+        at = next(i for i, v in enumerate(value) if not 0 <= v < TOKEN_ID_LIMIT)
+        raise Rejected(
+            TOKEN_OUT_OF_RANGE,
+            f"{where}[{at}] = {show(value[at])} is out of range; token ids are "
+            f"0..{TOKEN_ID_LIMIT - 1}",
+        )
+    return ids.astype(np.uint32)
+
+
+def _text(value: Any, field: str) -> str:
+    if isinstance(value, list):
+        raise Rejected(
+            WRONG_TYPE,
+            f"body.{field} is a list; this broker takes one string per line for now: "
+            "write one line (with its own custom_id) per string, or send token ids "
+            "in body.prompt_token_ids",
+        )
+    if not isinstance(value, str):
+        raise Rejected(
+            WRONG_TYPE, f"body.{field} = {show(value)} is {_json_type(value)}; set a string"
+        )
+    if not value:
+        raise Rejected(EMPTY_PROMPT, f"body.{field} is an empty string; send some text")
+    return value
+
+
+def _messages(value: Any) -> tuple[ChatMessage, ...]:
+    wanted = 'a list of {"role": ..., "content": "..."} objects'
+    if not isinstance(value, list):
+        raise Rejected(
+            WRONG_TYPE, f"body.messages = {show(value)} is {_json_type(value)}; set {wanted}"
+        )
+    if not value:
+        raise Rejected(EMPTY_PROMPT, "body.messages is empty; send at least one message")
+    messages = []
+    for i, message in enumerate(value):
+        where = f"body.messages[{i}]"
+        if not isinstance(message, dict):
+            raise Rejected(WRONG_TYPE, f"{where} = {show(message)} is not an object; set {wanted}")
+        _refuse_unknown(message, frozenset({"role", "content"}), "a message", f"{where}.")
+        role = _field(message, "role", str, f"{where}.", f"one of {', '.join(CHAT_ROLES)}")
+        if role not in CHAT_ROLES:
+            raise Rejected(
+                INVALID_VALUE, f"{where}.role = {show(role)}; use one of {', '.join(CHAT_ROLES)}"
+            )
+        content = _field(message, "content", object, f"{where}.", "a string")
+        if not isinstance(content, str):
+            raise Rejected(
+                WRONG_TYPE,
+                f"{where}.content = {show(content)} is {_json_type(content)}; set a string "
+                "(content parts are not supported yet: join their text into one string)",
+            )
+        messages.append((role, content))
+    if not any(content for _, content in messages):
+        raise Rejected(EMPTY_PROMPT, "every message in body.messages has empty content")
+    return tuple(messages)
+
+
+def _json_type(value: Any) -> str:
+    """The JSON type of a parsed value with its article ("a list", "null"), for messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "a list"
+    return "an object"

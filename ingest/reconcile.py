@@ -1,0 +1,44 @@
+"""Which items of a chunk are already in the input log (for a chunk retried after a failure).
+
+A chunk that was accepted but never committed (a stage or the broker died,
+or the front gave up waiting) may have some of its items in the log. Its
+retry must store only the others. An item's seq is `job_no << 32 | index`,
+so this reads the seq column of the segments that could hold the chunk:
+those still open, or sealed after the chunk was accepted. Only retries pay
+for it; the normal path never scans.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pipeline.datadir import DataDir
+from pipeline.errors import SegmentError
+from pipeline.segment import Segment
+from pipeline.segment_format import EMPTY
+
+
+def stored_indexes(
+    data_dir: DataDir, job_no: int, first_index: int, last_index: int, since_ns: int
+) -> np.ndarray:
+    """Sorted item indexes in first_index..last_index of job `job_no` found in the input log."""
+    lo = np.uint64((job_no << 32) | first_index)
+    hi = np.uint64((job_no << 32) | last_index)
+    found = []
+    if not data_dir.segments.is_dir():
+        return np.zeros(0, dtype=np.int64)
+    for path in sorted(data_dir.segments.glob("in-*.seg")):
+        try:
+            segment = Segment.open(path)
+        except (SegmentError, FileNotFoundError):
+            continue  # damaged files are never served; a collected one held nothing live
+        try:
+            if segment.sealed and segment.sealed_ns < since_ns:
+                continue
+            written = np.flatnonzero(segment.states() != EMPTY)
+            seqs = segment.slots["seq"][written]
+            hit = seqs[(seqs >= lo) & (seqs <= hi)]
+            found.append((hit & np.uint64(0xFFFFFFFF)).astype(np.int64))
+        finally:
+            segment.close()
+    return np.unique(np.concatenate(found)) if found else np.zeros(0, dtype=np.int64)

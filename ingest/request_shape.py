@@ -1,0 +1,151 @@
+"""The shape of a request: every body parameter besides the prompt that a GPU batch shares.
+
+A `Shape` is canonical: parameters a line leaves out (or sets to null) take
+the defaults below, numbers are normalised (`1` and `1.0` are one
+temperature), and parameters an endpoint does not use are None, so two lines
+that mean the same thing get equal, equally hashed shapes. The router maps
+each distinct `Shape` to an id in the shape table; items carry only that id.
+
+| parameter     | endpoints          | default | accepted                                   |
+|---------------|--------------------|---------|--------------------------------------------|
+| `max_tokens`  | completions, chat  | 256     | integer 1 .. 1048576 (output budget)       |
+| `temperature` | completions, chat  | 1.0     | number 0 .. 2                              |
+| `top_p`       | completions, chat  | 1.0     | number > 0 and <= 1                        |
+| `seed`        | completions, chat  | none    | integer 0 .. 2**63 - 1                     |
+| `stop`        | completions, chat  | none    | a string, or a list of 1 .. 4 strings      |
+| `priority`    | all                | 0       | integer 0 .. 9; higher is served first     |
+
+Chat also takes `max_completion_tokens` as another name for `max_tokens`
+(not both). Embeddings take only `priority` (and `encoding_format: "float"`,
+checked by the line parser).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any, Final
+
+from ingest.catalog import CHAT_COMPLETIONS, EMBEDDINGS
+from ingest.line_errors import CONFLICTING_FIELDS, INVALID_VALUE, WRONG_TYPE, Rejected, show
+
+DEFAULT_MAX_TOKENS: Final = 256
+MAX_OUTPUT_TOKENS: Final = 1 << 20
+DEFAULT_TEMPERATURE: Final = 1.0
+DEFAULT_TOP_P: Final = 1.0
+DEFAULT_PRIORITY: Final = 0
+MAX_PRIORITY: Final = 9
+MAX_SEED: Final = 2**63 - 1
+MAX_STOP_SEQUENCES: Final = 4
+
+# Body keys that are shape parameters, per endpoint.
+GENERATE_PARAMETERS: Final = ("max_tokens", "temperature", "top_p", "seed", "stop", "priority")
+SHAPE_PARAMETERS: Final[dict[str, tuple[str, ...]]] = {
+    EMBEDDINGS: ("priority",),
+    CHAT_COMPLETIONS: (*GENERATE_PARAMETERS, "max_completion_tokens"),
+    "/v1/completions": GENERATE_PARAMETERS,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """Canonical shape parameters of one request; hashable, equal when they mean the same."""
+
+    endpoint: str
+    max_tokens: int | None
+    temperature: float | None
+    top_p: float | None
+    seed: int | None
+    stop: tuple[str, ...]
+    priority: int
+
+    @property
+    def task(self) -> str:
+        """'embed' for /v1/embeddings, 'generate' for the completion endpoints."""
+        return "embed" if self.endpoint == EMBEDDINGS else "generate"
+
+    def as_dict(self) -> dict[str, Any]:
+        """A plain dict (stop as a list) for the shape table and for JSON."""
+        values = asdict(self)
+        values["stop"] = list(self.stop)
+        return values
+
+
+def parse_shape(body: Mapping[str, Any], endpoint: str) -> Shape:
+    """The canonical shape of `body` sent to `endpoint`; raise Rejected naming a bad parameter.
+
+    The caller has already refused keys that `endpoint` does not take.
+    """
+    priority = _integer(body, "priority", DEFAULT_PRIORITY, 0, MAX_PRIORITY)
+    if endpoint == EMBEDDINGS:
+        return Shape(endpoint, None, None, None, None, (), priority)
+    if "max_completion_tokens" in body and body["max_completion_tokens"] is not None:
+        if body.get("max_tokens") is not None:
+            raise Rejected(
+                CONFLICTING_FIELDS,
+                "body sets both max_tokens and max_completion_tokens; they are one "
+                "parameter: keep one of them",
+            )
+        name = "max_completion_tokens"
+    else:
+        name = "max_tokens"
+    return Shape(
+        endpoint=endpoint,
+        max_tokens=_integer(body, name, DEFAULT_MAX_TOKENS, 1, MAX_OUTPUT_TOKENS),
+        temperature=_number(body, "temperature", DEFAULT_TEMPERATURE, 0.0, 2.0, low_open=False),
+        top_p=_number(body, "top_p", DEFAULT_TOP_P, 0.0, 1.0, low_open=True),
+        seed=_integer(body, "seed", None, 0, MAX_SEED),
+        stop=_stop(body.get("stop")),
+        priority=priority,
+    )
+
+
+def _integer(body: Mapping[str, Any], key: str, default: Any, low: int, high: int) -> Any:
+    value = body.get(key)
+    if value is None:
+        return default
+    if type(value) is not int:
+        raise Rejected(
+            WRONG_TYPE,
+            f"body.{key} = {show(value)} is not an integer; set an integer {low}..{high}",
+        )
+    if not low <= value <= high:
+        raise Rejected(
+            INVALID_VALUE, f"body.{key} = {value} is out of range; set an integer {low}..{high}"
+        )
+    return value
+
+
+def _number(
+    body: Mapping[str, Any], key: str, default: float, low: float, high: float, *, low_open: bool
+) -> float:
+    value = body.get(key)
+    if value is None:
+        return default
+    if type(value) not in (int, float):
+        raise Rejected(WRONG_TYPE, f"body.{key} = {show(value)} is not a number; set a number")
+    allowed = f"> {low} and <= {high}" if low_open else f"{low} .. {high}"
+    if not (low < value <= high if low_open else low <= value <= high):
+        raise Rejected(
+            INVALID_VALUE, f"body.{key} = {value} is out of range; set a number {allowed}"
+        )
+    return float(value) + 0.0  # one canonical zero: -0.0 becomes 0.0
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise Rejected(
+            WRONG_TYPE,
+            f"body.stop = {show(value)} is not a string or a list of strings; "
+            f"set a string or a list of up to {MAX_STOP_SEQUENCES} strings",
+        )
+    if not 1 <= len(stops) <= MAX_STOP_SEQUENCES or "" in stops:
+        raise Rejected(
+            INVALID_VALUE,
+            f"body.stop = {show(value)} has {len(stops)} sequences or an empty one; "
+            f"set 1..{MAX_STOP_SEQUENCES} non-empty strings, or leave stop out",
+        )
+    return tuple(sorted(set(stops)))  # order and repeats do not change what stops

@@ -1,0 +1,366 @@
+"""The producer SDK: hand a job to the broker and return once all of it is durable.
+
+    with Producer("tcp://127.0.0.1:7710") as producer:
+        report = producer.submit_file("requests.jsonl")          # OpenAI Batch JSONL
+        report = producer.submit_tokens("emb-1", "minilm", rows)   # numpy token arrays
+
+A job is sent in numbered chunks of `chunk_lines` lines, a few at a time
+(`window`). Each chunk is acknowledged only when every item of it is
+durable in the broker's log, so when `submit_*` returns, the producer may
+exit. A chunk that fails retryably, or gets no answer in `timeout_s`, is
+sent again; the broker stores nothing twice. If the broker stays silent,
+BrokerUnavailableError says how far the job got; running the same submit
+again with the same job id resumes after the chunks already acknowledged.
+
+Lines are parsed and checked here, with the broker's own catalog of models
+(so the broker's CPU goes to tokenising and writing); the broker checks
+every chunk again before it stores anything.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zmq
+
+from config import load_settings
+from ingest.batch_input import iter_batch_input
+from ingest.chunk_wire import chunk_to_wire
+from ingest.input_chunk import InputChunk
+from ingest.request_shape import Shape
+from pipeline import wire
+from pipeline.errors import IngestError, WireError
+
+MT = wire.MessageType
+
+
+class BrokerUnavailableError(IngestError):
+    """The broker did not answer; what was acknowledged is durable, run again to resume."""
+
+    retryable = True
+
+
+class ChunkRefusedError(IngestError):
+    """The broker refused a chunk for good (not retryable); the message says why."""
+
+
+@dataclass
+class SubmitReport:
+    job_id: str
+    chunks: int = 0
+    stored: int = 0
+    rejected: int = 0
+    skipped_chunks: int = 0  # acknowledged in an earlier run
+    errors: list[dict[str, Any]] = field(default_factory=list)
+    state: str = ""
+
+
+Progress = Callable[[SubmitReport, int], None]  # (report so far, lines done)
+
+
+class Producer:
+    """A connection to the ingest front; one thread at a time."""
+
+    def __init__(
+        self, address: str, timeout_s: float = 30.0, window: int = 4, attempts: int = 10
+    ) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self.window = window
+        self.attempts = attempts
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+        self._socket.setsockopt(zmq.SNDHWM, window * 2)
+        self._socket.connect(address)
+        self._catalog: dict[str, Any] | None = None
+
+    def __enter__(self) -> Producer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._socket.close(0)
+        self._context.term()
+
+    # ---- small requests --------------------------------------------------------------------
+    def _send(
+        self, msg_type: MT, meta: dict[str, Any], arrays: dict[str, np.ndarray] | None = None
+    ) -> None:
+        try:
+            wire.send(self._socket, msg_type, meta, arrays)
+        except WireError as exc:
+            raise BrokerUnavailableError(
+                f"cannot send to the broker at {self.address}: {exc}"
+            ) from exc
+
+    def _request(self, msg_type: MT, meta: dict[str, Any], answer: MT) -> dict[str, Any]:
+        for _ in range(self.attempts):
+            self._send(msg_type, meta)
+            deadline = time.monotonic() + self.timeout_s
+            while (left := deadline - time.monotonic()) > 0:
+                message = wire.recv(self._socket, int(left * 1000) + 1)
+                if message is not None and message.type == answer:
+                    return message.meta
+                if message is not None and message.type == MT.ERROR:
+                    raise IngestError(
+                        f"the broker at {self.address} says: {message.meta['reason']}"
+                    )
+        raise BrokerUnavailableError(
+            f"the broker at {self.address} did not answer {msg_type.name} within {self.timeout_s:g} s "
+            f"({self.attempts} tries); is it running?"
+        )
+
+    def catalog(self) -> dict[str, Any]:
+        """The broker's models, lanes and limits."""
+        if self._catalog is None:
+            self._catalog = self._request(MT.HELLO, {}, MT.CATALOG)
+        return self._catalog
+
+    def job_status(self, job_id: str) -> dict[str, Any]:
+        return self._request(MT.JOB_STATUS, {"job": job_id}, MT.JOB_INFO)
+
+    def settings(self, chunk_lines: int):
+        """Settings matching the broker's catalog, for checking lines here."""
+        catalog = self.catalog()
+        return load_settings(
+            None,
+            {
+                "broker": {"lanes": catalog["lanes"]},
+                "ingest": {
+                    "chunk_items": chunk_lines,
+                    "max_message_bytes": catalog["max_message_bytes"],
+                },
+                "models": [
+                    {k: m[k] for k in ("name", "engine", "tokenizer", "max_tokens", "endpoints")}
+                    for m in catalog["models"]
+                ],
+            },
+        )
+
+    # ---- submitting ------------------------------------------------------------------------
+    def submit_file(
+        self,
+        source: str | Path,
+        job_id: str | None = None,
+        *,
+        chunk_lines: int | None = None,
+        strict: bool = False,
+        progress: Progress | None = None,
+    ) -> SubmitReport:
+        """Send every line of an OpenAI Batch JSONL file; return when all of it is durable.
+
+        With `strict`, the whole file is checked first and nothing is sent if a
+        line is bad (InputLineError names it).
+        """
+        job_id = job_id or f"job-{uuid.uuid4().hex[:12]}"
+        status = self.job_status(job_id)
+        lines = (
+            int(status["chunk_lines"])
+            if status["exists"]
+            else int(chunk_lines or self.catalog()["chunk_items"])
+        )
+        settings = self.settings(lines)
+        if strict:
+            for _ in iter_batch_input(source, settings, chunk_lines=lines, strict=True):
+                pass
+        chunks = iter_batch_input(source, settings, chunk_lines=lines)
+        return self._submit_chunks(job_id, lines, chunks, status, progress)
+
+    def submit_tokens(
+        self,
+        job_id: str,
+        model: str,
+        rows: Sequence[np.ndarray] | np.ndarray,
+        *,
+        lengths: np.ndarray | None = None,
+        custom_ids: Sequence[str] | None = None,
+        endpoint: str = "/v1/embeddings",
+        max_tokens: int | None = None,
+        priority: int = 0,
+        chunk_lines: int | None = None,
+        progress: Progress | None = None,
+    ) -> SubmitReport:
+        """Send pre-tokenised items without JSON: `rows` is a list of uint32 arrays, or a 2-D
+        array (with `lengths` when rows are padded). Item i gets line number i + 1 and
+        custom_id `custom_ids[i]` (default `item-<i>`)."""
+        status = self.job_status(job_id)
+        lines = (
+            int(status["chunk_lines"])
+            if status["exists"]
+            else int(chunk_lines or self.catalog()["chunk_items"])
+        )
+        generate = endpoint != "/v1/embeddings"
+        shape = Shape(
+            endpoint=endpoint,
+            max_tokens=(max_tokens or 256) if generate else None,
+            temperature=1.0 if generate else None,
+            top_p=1.0 if generate else None,
+            seed=None,
+            stop=(),
+            priority=priority,
+        )
+        chunks = _token_chunks(rows, lengths, custom_ids, model, shape, lines)
+        return self._submit_chunks(job_id, lines, chunks, status, progress)
+
+    def _submit_chunks(
+        self,
+        job_id: str,
+        chunk_lines: int,
+        chunks: Iterable[InputChunk],
+        status: dict[str, Any],
+        progress: Progress | None,
+    ) -> SubmitReport:
+        try:
+            return self._send_chunks(job_id, chunk_lines, chunks, status, progress)
+        except BrokerUnavailableError as exc:
+            raise BrokerUnavailableError(
+                f"{exc}; the chunks acknowledged so far are durable: run the same submit again "
+                f"with --job-id {job_id} to resume"
+            ) from exc
+
+    def _send_chunks(
+        self,
+        job_id: str,
+        chunk_lines: int,
+        chunks: Iterable[InputChunk],
+        status: dict[str, Any],
+        progress: Progress | None,
+    ) -> SubmitReport:
+        report = SubmitReport(job_id)
+        done = set(status.get("committed", [])) if status["exists"] else set()
+        if status["exists"]:
+            report.stored = int(status.get("stored", 0))
+            report.rejected = int(status.get("rejected", 0))
+        pending: dict[int, tuple[dict[str, Any], dict[str, np.ndarray], float, int]] = {}
+        stream = _with_last(iter(chunks))
+        exhausted = False
+        lines_done = 0
+        while not exhausted or pending:
+            while not exhausted and len(pending) < self.window:
+                item = next(stream, None)
+                if item is None:
+                    exhausted = True
+                    break
+                chunk, last = item
+                lines_done = chunk.last_line
+                if chunk.index in done and not last:
+                    report.skipped_chunks += 1
+                    continue
+                meta, arrays = chunk_to_wire(chunk)
+                meta.update(job=job_id, chunk=chunk.index, chunk_lines=chunk_lines, final=last)
+                self._send(MT.SUBMIT_CHUNK, meta, arrays)
+                pending[chunk.index] = (meta, arrays, time.monotonic(), 1)
+            if pending:
+                self._await_one(job_id, pending, report)
+                if progress is not None:
+                    progress(report, lines_done)
+        return report
+
+    def _await_one(self, job_id: str, pending: dict, report: SubmitReport) -> None:
+        """Wait for one answer; resend chunks that failed retryably or went unanswered."""
+        oldest = min(sent for _, _, sent, _ in pending.values())
+        wait_s = max(0.0, oldest + self.timeout_s - time.monotonic())
+        message = wire.recv(self._socket, int(wait_s * 1000) + 1)
+        now = time.monotonic()
+        if message is None:
+            for number, (meta, arrays, sent, tries) in list(pending.items()):
+                if now - sent >= self.timeout_s:
+                    self._retry(job_id, pending, number, meta, arrays, tries, "no answer")
+            return
+        meta = message.meta
+        number = meta.get("chunk")
+        if meta.get("job") != job_id or number not in pending:
+            return  # an answer to an earlier try, already handled
+        if message.type == MT.CHUNK_ACK:
+            del pending[number]
+            report.chunks += 1
+            if not meta.get("duplicate"):
+                report.stored += int(meta["stored"])
+                report.rejected += len(meta["errors"])
+            report.errors.extend(meta["errors"])
+            report.state = str(meta.get("state", ""))
+        elif message.type == MT.CHUNK_ERROR and message.retryable:
+            chunk_meta, arrays, _, tries = pending[number]
+            time.sleep(min(5.0, 0.1 * 2**tries))  # back off before the retry
+            self._retry(job_id, pending, number, chunk_meta, arrays, tries, meta["reason"])
+        elif message.type in (MT.CHUNK_ERROR, MT.ERROR):
+            raise ChunkRefusedError(
+                f"the broker refused chunk {number} of job {job_id}: {meta.get('reason')}"
+            )
+
+    def _retry(self, job_id, pending, number, meta, arrays, tries, why: str) -> None:
+        if tries >= self.attempts:
+            raise BrokerUnavailableError(
+                f"chunk {number} of job {job_id} failed {tries} times (last: {why})"
+            )
+        self._send(MT.SUBMIT_CHUNK, meta, arrays)
+        pending[number] = (meta, arrays, time.monotonic(), tries + 1)
+
+
+def _with_last(chunks: Iterator[InputChunk]) -> Iterator[tuple[InputChunk, bool]]:
+    """Each chunk with a flag saying whether it is the last one."""
+    previous = next(chunks, None)
+    for chunk in chunks:
+        yield previous, False
+        previous = chunk
+    if previous is not None:
+        yield previous, True
+
+
+def _token_chunks(
+    rows, lengths, custom_ids, model: str, shape: Shape, chunk_lines: int
+) -> Iterator[InputChunk]:
+    """InputChunks of pre-tokenised rows, `chunk_lines` items each, without Python per item."""
+    if isinstance(rows, np.ndarray) and rows.ndim == 2:
+        n = rows.shape[0]
+        lengths = (
+            np.full(n, rows.shape[1], np.int64)
+            if lengths is None
+            else np.asarray(lengths, np.int64)
+        )
+    else:
+        n = len(rows)
+    for number, start in enumerate(range(0, n, chunk_lines)):
+        stop = min(n, start + chunk_lines)
+        if isinstance(rows, np.ndarray) and rows.ndim == 2:
+            part = rows[start:stop]
+            part_lengths = lengths[start:stop]
+            keep = np.arange(part.shape[1])[None, :] < part_lengths[:, None]
+            tokens = part[keep].astype(np.uint32)
+        else:
+            part_rows = [np.asarray(r, np.uint32) for r in rows[start:stop]]
+            part_lengths = np.array([len(r) for r in part_rows], np.int64)
+            tokens = np.concatenate(part_rows) if part_rows else np.zeros(0, np.uint32)
+        offsets = np.zeros(stop - start + 1, np.int64)
+        np.cumsum(part_lengths, out=offsets[1:])
+        ids = (
+            tuple(custom_ids[start:stop])
+            if custom_ids is not None
+            else tuple(f"item-{i}" for i in range(start, stop))
+        )
+        yield InputChunk(
+            index=number,
+            first_line=start + 1,
+            last_line=stop,
+            line=np.arange(start + 1, stop + 1, dtype=np.uint64),
+            custom_ids=ids,
+            models=(model,),
+            model_index=np.zeros(stop - start, np.int64),
+            shapes=(shape,),
+            shape_index=np.zeros(stop - start, np.int64),
+            tokens=tokens,
+            offsets=offsets,
+            text_items=np.zeros(0, np.int64),
+            texts=(),
+            errors=(),
+        )

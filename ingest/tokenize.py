@@ -1,0 +1,181 @@
+"""Per-model tokenizers for text input, and the step that tokenises a chunk.
+
+    tokenizers = load_tokenizers(settings)               # one per model with a tokenizer
+    chunk = tokenize_chunk(chunk, tokenizers, settings)  # text items -> tokens, or errors
+
+A `ModelTokenizer` wraps `tokenizers.Tokenizer.from_file(model.tokenizer)`
+with truncation and padding turned off, whatever the file says, so an
+over-long prompt is seen whole and refused (`prompt_too_long`) instead of
+being cut silently. Texts are encoded with `encode_batch_fast` (special
+tokens added, no offsets) and come back as one flat uint32 array plus
+offsets. Chat messages go through `ingest.chat_template.render_role_tags`.
+
+`encode_batch_fast` runs on the tokenizers library's own thread pool
+(RAYON_NUM_THREADS threads, default one per core); with several tokeniser
+processes, set RAYON_NUM_THREADS so processes x threads fits the cores.
+Load tokenizers in the process that uses them (after a fork, not before).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from itertools import chain
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from config.settings import ModelSettings, Settings
+from ingest.catalog import CHAT_COMPLETIONS, prompt_limit_tokens
+from ingest.chat_template import render_role_tags
+from ingest.input_chunk import InputChunk, TokenGroup
+from ingest.line_errors import EMPTY_PROMPT, PROMPT_TOO_LONG, LineError, show
+from ingest.line_parser import TEXT_FIELD, TextPrompt
+from pipeline.errors import TokenizerError
+
+
+class ModelTokenizer:
+    """One model's tokenizer: texts or chat messages in, flat uint32 tokens and offsets out."""
+
+    def __init__(self, model: str, tokenizer: Tokenizer, path: Path) -> None:
+        tokenizer.no_truncation()
+        tokenizer.no_padding()
+        self.model = model
+        self.path = path
+        self._tokenizer = tokenizer
+
+    @classmethod
+    def load(cls, model: ModelSettings, base_dir: Path | None = None) -> ModelTokenizer:
+        """Load `model.tokenizer` (relative paths against `base_dir`, default the cwd).
+
+        Raises TokenizerError naming the model and the path if the model has
+        no tokenizer, the file is missing or unreadable, or the model serves
+        chat while its tokenizer_config.json has a chat template.
+        """
+        if not model.tokenizer:
+            raise TokenizerError(
+                f'model {model.name!r} has tokenizer = "" (token ids only); set '
+                "tokenizer to the path of its tokenizer.json to take text input"
+            )
+        path = (base_dir or Path.cwd()) / Path(model.tokenizer).expanduser()
+        fix = f"set tokenizer for model {model.name!r} to a readable tokenizer.json"
+        if not path.is_file():
+            raise TokenizerError(
+                f"model {model.name!r}: tokenizer file {path} does not exist or is not a file; {fix}"
+            )
+        try:
+            tokenizer = Tokenizer.from_file(os.fspath(path))
+        except Exception as exc:  # the tokenizers library raises bare Exception
+            raise TokenizerError(
+                f"model {model.name!r}: cannot load tokenizer file {path} ({exc}); {fix}"
+            ) from exc
+        if CHAT_COMPLETIONS in model.endpoints:
+            _refuse_native_chat_template(model.name, path)
+        return cls(model.name, tokenizer, path)
+
+    def encode(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids of `texts`: flat uint32 tokens, and int64 offsets (len(texts) + 1)."""
+        encodings = self._tokenizer.encode_batch_fast(list(texts), add_special_tokens=True)
+        ids = [encoding.ids for encoding in encodings]
+        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+        offsets = np.zeros(len(ids) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        tokens = np.fromiter(chain.from_iterable(ids), dtype=np.uint32, count=int(offsets[-1]))
+        return tokens, offsets
+
+    def encode_prompts(self, prompts: Sequence[TextPrompt]) -> tuple[np.ndarray, np.ndarray]:
+        """`encode` for parsed prompts: strings as they are, chat messages rendered first."""
+        return self.encode([p if isinstance(p, str) else render_role_tags(p) for p in prompts])
+
+
+def load_tokenizers(settings: Settings, base_dir: Path | None = None) -> dict[str, ModelTokenizer]:
+    """A `ModelTokenizer` for every model that has a tokenizer configured, by model name."""
+    return {m.name: ModelTokenizer.load(m, base_dir) for m in settings.models if m.tokenizer}
+
+
+def tokenize_chunk(
+    chunk: InputChunk,
+    tokenizers: Mapping[str, ModelTokenizer],
+    settings: Settings,
+    *,
+    strict: bool = False,
+) -> InputChunk:
+    """`chunk` with its text items tokenised; those too long or empty become error records.
+
+    A prompt longer than its model's `max_tokens` (or the largest lane)
+    gets `prompt_too_long`, one of 0 tokens `empty_prompt`. With `strict`,
+    the chunk's first error raises InputLineError. Raises TokenizerError if
+    a model in the chunk has no entry in `tokenizers`.
+    """
+    if not chunk.needs_tokenizing:
+        return _strict(chunk) if strict else chunk
+    items = chunk.text_items
+    item_models = chunk.model_index[items]
+    groups = []
+    for m in np.unique(item_models).tolist():
+        name = chunk.models[m]
+        tokenizer = tokenizers.get(name)
+        if tokenizer is None:
+            raise TokenizerError(
+                f"no tokenizer loaded for model {name!r}; load one per model with "
+                "ingest.tokenize.load_tokenizers(settings)"
+            )
+        picked = np.flatnonzero(item_models == m)
+        tokens, offsets = tokenizer.encode_prompts([chunk.texts[j] for j in picked.tolist()])
+        groups.append(TokenGroup(items[picked], tokens, offsets))
+    tokenized = chunk.with_tokens(groups)
+    largest_lane = settings.broker.lanes[-1]
+    by_name = {m.name: m for m in settings.models}
+    limits = np.array([prompt_limit_tokens(by_name[m], largest_lane) for m in chunk.models])
+    lengths = tokenized.lengths[items]
+    bad = (lengths == 0) | (lengths > limits[item_models])
+    errors = [
+        _length_error(chunk, int(items[j]), int(lengths[j]), int(limits[item_models[j]]))
+        for j in np.flatnonzero(bad).tolist()
+    ]
+    drop = np.zeros(chunk.n_items, dtype=bool)
+    drop[items[bad]] = True
+    result = tokenized.without(drop, errors)
+    return _strict(result) if strict else result
+
+
+def _length_error(chunk: InputChunk, item: int, n_tokens: int, limit: int) -> LineError:
+    line, custom_id = int(chunk.line[item]), chunk.custom_ids[item]
+    model = chunk.models[chunk.model_index[item]]
+    field = TEXT_FIELD[chunk.shapes[chunk.shape_index[item]].endpoint]
+    if n_tokens == 0:
+        reason = f"body.{field} tokenises to no tokens for model {show(model)}; send some text"
+        return LineError.at(line, custom_id, EMPTY_PROMPT, reason)
+    reason = (
+        f"body.{field} tokenises to {n_tokens} tokens; model {show(model)} takes at most "
+        f"{limit}: shorten the prompt"
+    )
+    return LineError.at(line, custom_id, PROMPT_TOO_LONG, reason)
+
+
+def _strict(chunk: InputChunk) -> InputChunk:
+    if chunk.errors:
+        raise chunk.errors[0].to_exception()
+    return chunk
+
+
+def _refuse_native_chat_template(model: str, path: Path) -> None:
+    config = path.with_name("tokenizer_config.json")
+    try:
+        values = json.loads(config.read_text("utf-8"))
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError) as exc:
+        raise TokenizerError(
+            f"model {model!r}: cannot read {config} ({exc}); fix or remove that file"
+        ) from exc
+    if isinstance(values, dict) and values.get("chat_template"):
+        raise TokenizerError(
+            f"model {model!r} serves {CHAT_COMPLETIONS} and {config} has a chat_template, "
+            "which this version cannot render (it would prompt the model in a format it was "
+            "not trained on); remove /v1/chat/completions from the model's endpoints and "
+            "send chat as prompt_token_ids, or remove chat_template to use the role-tag "
+            "template (docs/input-format.md)"
+        )

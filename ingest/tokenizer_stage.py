@@ -1,0 +1,128 @@
+"""The tokenizer stage: text prompts become tokens with each model's own tokenizer.
+
+The front sends a chunk that has text items (TOKENIZE, the chunk as in
+ingest.chunk_wire plus its job number and deadline). A tokenizer runs
+`tokenize_chunk` (over-long and empty prompts become error records), writes
+every remaining item into its ring to the chunk's router as one ITEMS
+record, and reports to the front how many items it forwarded and which
+lines it rejected (TOKENIZED). It waits for room when the ring is full, so
+a slow router pushes back on the front.
+"""
+
+from __future__ import annotations
+
+import time
+
+import zmq
+
+from config.settings import Settings
+from ingest.chunk_wire import chunk_from_wire
+from ingest.input_chunk import InputChunk
+from ingest.tokenize import load_tokenizers, tokenize_chunk
+from pipeline import wire
+from pipeline.batches import Items, put_items, split_items
+from pipeline.errors import FabricError
+from pipeline.outlet import Outlet
+from pipeline.stage import Stage
+from pipeline.topology import internal_address
+
+
+def items_of(chunk: InputChunk, job_no: int, deadline_ns: int) -> Items:
+    """The ITEMS record of a fully tokenised chunk."""
+    return Items(
+        job_no=job_no,
+        chunk=chunk.index,
+        deadline_ns=deadline_ns,
+        models=list(chunk.models),
+        shapes=[s.as_dict() for s in chunk.shapes],
+        index=(chunk.line - 1).astype("<u4"),
+        model_index=chunk.model_index,
+        shape_index=chunk.shape_index,
+        lengths=chunk.lengths,
+        tokens=chunk.tokens,
+    )
+
+
+def forward(outlet: Outlet, items: Items, deadline_s: float) -> bool:
+    """Put `items` into the ring of router `chunk % routers`; False if no room before the deadline."""
+    router = items.chunk % len(outlet)
+    for piece in split_items(items):
+        while not outlet.try_put(router, put_items, piece):
+            if time.monotonic() > deadline_s:
+                return False
+            zmq.Poller().poll(5)  # wait a little for the router to make room
+    return True
+
+
+class TokenizerStage(Stage):
+    name = "tokenizer"
+    poll_ms = 100
+
+    def open(self) -> None:
+        settings: Settings = self.settings
+        self.tokenizers = load_tokenizers(settings)
+        self.context = zmq.Context()
+        self.inbox = self.context.socket(zmq.PULL)
+        self.inbox.setsockopt(zmq.LINGER, 0)
+        self.inbox.setsockopt(zmq.RCVHWM, 4)
+        self.inbox.connect(internal_address(settings, "tokenize"))
+        self.report = self.context.socket(zmq.PUSH)
+        self.report.setsockopt(zmq.LINGER, 1000)
+        self.report.setsockopt(zmq.SNDTIMEO, 1000)
+        self.report.connect(internal_address(settings, "front"))
+        self.outlet = Outlet(self.context, settings, f"tokenizer-{self.index}", "router")
+        self.done = 0
+
+    def step(self, now: float) -> None:
+        try:
+            message = wire.recv(self.inbox, self.poll_ms)
+        except FabricError as exc:
+            self.log.error("dropped a malformed message from the front: %s", exc)
+            return
+        if message is None:
+            return
+        meta = message.meta
+        job_no, deadline_ns = int(meta["job_no"]), int(meta["deadline_ns"])
+        try:
+            chunk = chunk_from_wire(meta, message.arrays)
+            tokenized = tokenize_chunk(chunk, self.tokenizers, self.settings)
+        except FabricError as exc:
+            self._report(job_no, int(meta["index"]), error=str(exc))
+            return
+        new_errors = [e for e in tokenized.errors if e not in set(chunk.errors)]
+        deadline_s = now + max(0.0, (deadline_ns - time.monotonic_ns()) / 1e9)
+        forwarded = tokenized.n_items
+        if forwarded and not forward(
+            self.ports, self.notify, items_of(tokenized, job_no, deadline_ns), deadline_s
+        ):
+            self._report(
+                job_no, chunk.index, error="the router did not take the chunk before its deadline"
+            )
+            return
+        self._report(
+            job_no,
+            chunk.index,
+            forwarded=forwarded,
+            errors=[[e.line, e.custom_id, e.code, e.message] for e in new_errors],
+        )
+        self.done += 1
+
+    def _report(
+        self, job_no: int, chunk: int, *, forwarded: int = 0, errors=(), error: str | None = None
+    ) -> None:
+        meta = {"job_no": job_no, "chunk": chunk, "forwarded": forwarded, "errors": list(errors)}
+        if error is not None:
+            meta["failed"] = error
+            self.log.error("job %d chunk %d: %s", job_no, chunk, error)
+        try:
+            wire.send(self.report, wire.MessageType.TOKENIZED, meta)
+        except FabricError as exc:
+            self.log.warning(
+                "could not report job %d chunk %d to the front: %s", job_no, chunk, exc
+            )
+
+    def close(self) -> None:
+        self.outlet.close()
+        self.inbox.close(0)
+        self.report.close()
+        self.context.term()
