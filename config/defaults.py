@@ -47,6 +47,9 @@ DEFAULTS: Final[dict[str, Any]] = {
         "max_message_bytes": 64 * 1024 * 1024,
         # Items per submit chunk; a chunk is acknowledged once all of it is durable.
         "chunk_items": 4096,
+        # Seconds a chunk may take inside the broker before it is failed (retryable)
+        # and writers drop what is left of it.
+        "chunk_timeout_s": 60.0,
     },
     "router": {
         # Router processes (assign model, shape and lane to each item).

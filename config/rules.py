@@ -126,6 +126,7 @@ RULES: Final[dict[str, Rule]] = {
     "ingest.processes": count(1),
     "ingest.max_message_bytes": count(1),
     "ingest.chunk_items": count(1),
+    "ingest.chunk_timeout_s": interval("seconds", zero_ok=False),
     "router.processes": count(1),
     "writers.processes": count(1),
     "writers.flush_ms": interval("milliseconds", zero_ok=True),

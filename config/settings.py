@@ -48,6 +48,7 @@ class IngestSettings:
     processes: int
     max_message_bytes: int
     chunk_items: int
+    chunk_timeout_s: float
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,3 +6,9 @@ USAGE = 2  # bad command line (argparse's own code)
 CONFIG = 3  # the configuration file is missing or invalid
 LOCKED = 4  # the data dir is locked by another broker or check
 STAGE_FAILED = 5  # a stage died repeatedly within supervisor.restart_window_s; the broker stopped
+UNAVAILABLE = (
+    6  # `submit`: the broker did not answer; run it again with the same --job-id to resume
+)
+FAILED = (
+    7  # a command failed for another reason, named in its last line (a refused chunk, bad input)
+)

@@ -4,7 +4,10 @@
 
 1. Take the data dir's exclusive lock (a second broker on it exits 4).
 2. Run recovery (invariant 4) and hand finished segments to the collector.
-3. Start every stage as its own process (spawn), in pipeline order.
+3. Create the shared-memory rings between stages, then start every stage
+   as its own process (spawn), in pipeline order. A stage that dies has its
+   rings replaced before it restarts (what they held is dropped: the front
+   times those chunks out and producers send them again).
 4. Loop on `step(now)`: a stage that died is logged (which, exit code or
    signal) and restarted after a backoff that doubles with each recent
    death; more than `supervisor.max_restarts` deaths of one stage within
@@ -31,7 +34,9 @@ from pipeline import exitcodes
 from pipeline.datadir import DataDir
 from pipeline.logs import setup_stage_logging
 from pipeline.recovery import recover
+from pipeline.ring import Ring
 from pipeline.stage import StageSpec, stage_main
+from pipeline.topology import RING_BYTES, RingSpec
 
 log = logging.getLogger("fabric.supervisor")
 MAX_BACKOFF_S = 30.0
@@ -60,8 +65,11 @@ class _Child:
 class Supervisor:
     """Owns the stage processes of one broker."""
 
-    def __init__(self, settings, specs: list[StageSpec]) -> None:
+    def __init__(
+        self, settings, specs: list[StageSpec], rings: list[RingSpec] | None = None
+    ) -> None:
         self.settings = settings
+        self.rings = rings or []
         self.config = settings.supervisor
         self.data_dir = DataDir(settings.data_path)
         self.collector = SegmentCollector(settings.collector.interval_s)
@@ -85,6 +93,8 @@ class Supervisor:
             report.elapsed_s,
         )
         self.collector.offer(report.finished)
+        for ring in self.rings:
+            Ring.create(ring.name, RING_BYTES).close()
         now = time.monotonic()
         for child in self._children:
             self._spawn(child, now)
@@ -143,6 +153,10 @@ class Supervisor:
             )
             log.error("%s", self.failure)
             return
+        label = child.spec.label
+        for ring in self.rings:
+            if label in (ring.src, ring.dst):  # whatever it held is dropped; chunks are retried
+                Ring.create(ring.name, RING_BYTES).close()
         backoff = min(MAX_BACKOFF_S, self.config.restart_backoff_s * 2 ** (len(child.deaths) - 1))
         child.restart_at = now + backoff
         log.warning("stage %s died (%s); restarting it in %.1f s", child.spec.label, how, backoff)
@@ -177,6 +191,8 @@ class Supervisor:
             log.info("stage %s stopped (%s)", child.spec.label, describe_exit(process.exitcode))
             process.close()
             child.process = None
+        for ring in self.rings:
+            Ring.unlink(ring.name)
 
     def pids(self) -> dict[str, int]:
         return {c.spec.label: c.process.pid for c in self._children if c.process is not None}

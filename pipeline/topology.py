@@ -1,0 +1,93 @@
+"""Which stage processes a broker runs, the rings between them, and their internal sockets.
+
+| stage       | count                | reads                                   | writes                                |
+|-------------|----------------------|-----------------------------------------|---------------------------------------|
+| `front`     | 1                    | producers (ingest.bind), `front` socket  | rings front->router, `tokenize` socket |
+| `tokenizer` | ingest.processes     | `tokenize` socket                       | rings tokenizer->router, `front`       |
+| `router`    | router.processes     | its rings, `router-<r>` socket           | rings router->writer                  |
+| `writer`    | writers.processes    | its rings, `writer-<w>` socket           | segments, `front` socket (acks)        |
+
+Stages are listed front first: the supervisor stops them in this order, so
+work already accepted drains downstream. Internal sockets are ipc endpoints
+under a short run directory derived from the data dir (ipc paths are
+limited to 107 bytes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.ring import ring_name
+from pipeline.stage import StageSpec
+
+RING_BYTES = 32 << 20  # per ring; records are at most pipeline.batches.MAX_RECORD_BYTES
+
+
+@dataclass(frozen=True)
+class RingSpec:
+    name: str
+    src: str  # stage label, e.g. "router-0"
+    dst: str
+
+
+def run_dir(settings) -> Path:
+    """A short directory for ipc sockets, unique to the data dir."""
+    resolved = os.path.realpath(settings.data_path)
+    digest = hashlib.blake2b(resolved.encode(), digest_size=6).hexdigest()
+    path = Path(tempfile.gettempdir()) / f"fabric-{digest}"
+    path.mkdir(mode=0o700, exist_ok=True)
+    return path
+
+
+def internal_address(settings, endpoint: str) -> str:
+    """`ipc://` address of an internal socket: front, tokenize, router-<r>, writer-<w>."""
+    return f"ipc://{run_dir(settings) / endpoint}.ipc"
+
+
+def stage_specs(settings) -> list[StageSpec]:
+    specs = [StageSpec("front", 0, "ingest.front:FrontStage")]
+    specs += [
+        StageSpec("tokenizer", i, "ingest.tokenizer_stage:TokenizerStage")
+        for i in range(settings.ingest.processes)
+    ]
+    specs += [
+        StageSpec("router", i, "router.router:RouterStage")
+        for i in range(settings.router.processes)
+    ]
+    specs += [
+        StageSpec("writer", i, "router.writer:WriterStage")
+        for i in range(settings.writers.processes)
+    ]
+    return specs
+
+
+def ring_specs(settings) -> list[RingSpec]:
+    data = settings.data_path
+    rings = []
+    for r in range(settings.router.processes):
+        rings.append(RingSpec(ring_name(data, "front", "router", r), "front-0", f"router-{r}"))
+        for t in range(settings.ingest.processes):
+            n = t * settings.router.processes + r
+            rings.append(
+                RingSpec(ring_name(data, "tokenizer", "router", n), f"tokenizer-{t}", f"router-{r}")
+            )
+        for w in range(settings.writers.processes):
+            n = r * settings.writers.processes + w
+            rings.append(
+                RingSpec(ring_name(data, "router", "writer", n), f"router-{r}", f"writer-{w}")
+            )
+    return rings
+
+
+def rings_from(settings, label: str) -> list[RingSpec]:
+    """Rings a stage writes, ordered by destination index."""
+    return [r for r in ring_specs(settings) if r.src == label]
+
+
+def rings_to(settings, label: str) -> list[RingSpec]:
+    """Rings a stage reads."""
+    return [r for r in ring_specs(settings) if r.dst == label]

@@ -1,0 +1,189 @@
+"""The segment writer stage: append what the routers send, group-commit, acknowledge.
+
+Each writer owns the keys (model, shape, lane) that hash to it, one
+SegmentAppender per key. A step takes every KEYED record waiting in its
+rings, appends them, syncs every segment it touched (one fdatasync each:
+group commit), releases the rings, and only then tells the front how many
+items of which chunk are durable (APPEND_ACK). A record whose deadline has
+passed is dropped unappended: the front has given up on that chunk and its
+producer will retry it. A full disk answers the chunk with a retryable error.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import numpy as np
+import zmq
+
+from pipeline import wire
+from pipeline.batches import KEYED, Keyed, read_keyed
+from pipeline.datadir import DataDir
+from pipeline.errors import DiskFullError, FabricError
+from pipeline.ring_port import RingPort
+from pipeline.segment_format import KIND_INPUT, SegmentKey, slot_bytes_for
+from pipeline.segment_log import SegmentAppender, SegmentIds
+from pipeline.stage import Stage
+from pipeline.topology import internal_address, rings_to
+
+MAX_RECORDS_PER_STEP = 256
+
+
+def seqs(job_no: int, index: np.ndarray) -> np.ndarray:
+    return (np.uint64(job_no) << np.uint64(32)) | index.astype(np.uint64)
+
+
+class WriterStage(Stage):
+    name = "writer"
+    poll_ms = 50
+
+    def open(self) -> None:
+        settings = self.settings
+        self.data_dir = DataDir(settings.data_path).ensure()
+        self.ids = SegmentIds(self.data_dir)
+        self.lanes = frozenset(settings.broker.lanes)
+        self.appenders: dict[tuple[str, int, int], SegmentAppender] = {}
+        self.ports = [RingPort(r.name) for r in rings_to(settings, f"writer-{self.index}")]
+        self.context = zmq.Context()
+        self.wakeups = self.context.socket(zmq.PULL)
+        self.wakeups.setsockopt(zmq.LINGER, 0)
+        self.wakeups.bind(internal_address(settings, f"writer-{self.index}"))
+        self.acks = self.context.socket(zmq.PUSH)
+        self.acks.setsockopt(zmq.LINGER, 1000)
+        self.acks.setsockopt(zmq.SNDTIMEO, 1000)
+        self.acks.connect(internal_address(settings, "front"))
+        self.appended = 0
+
+    def _appender(self, key: tuple[str, int, int]) -> SegmentAppender:
+        appender = self.appenders.get(key)
+        if appender is None:
+            model, shape, lane = key
+            appender = SegmentAppender(
+                self.data_dir,
+                SegmentKey(KIND_INPUT, model, shape, lane),
+                slot_bytes_for(lane * 4),
+                self.settings.broker.segment_bytes,
+                self.ids,
+                self.settings.broker.segment_idle_s,
+            )
+            self.appenders[key] = appender
+        return appender
+
+    def _check(self, keyed: Keyed) -> str | None:
+        n, width = keyed.tokens.shape
+        if keyed.lane not in self.lanes or width > keyed.lane:
+            return f"lane {keyed.lane} (width {width}) is not a configured lane"
+        if (
+            len(keyed.index) != n
+            or len(keyed.lengths) != n
+            or (n and int(keyed.lengths.max()) > width)
+        ):
+            return "record arrays disagree in length"
+        return None
+
+    def step(self, now: float) -> None:
+        busy = any(p.ring is not None and p.ring.used_bytes for p in self.ports)
+        while wire.recv(self.wakeups, 0 if busy else self.poll_ms) is not None:
+            busy = True  # drain wakeups; the rings hold the work
+        durable: dict[tuple[int, int], int] = defaultdict(int)
+        failed: dict[tuple[int, int], str] = {}
+        taken = 0
+        now_ns = time.monotonic_ns()
+        for port in self.ports:
+            ring = port.get(now)
+            if ring is None:
+                continue
+            while taken < MAX_RECORDS_PER_STEP:
+                record = ring.get()
+                if record is None:
+                    break
+                taken += 1
+                kind, payload = record
+                if kind != KEYED:
+                    self.log.error("ring %s: unexpected record kind %d; dropped", port.name, kind)
+                    continue
+                keyed = read_keyed(payload)
+                chunk = (keyed.job_no, keyed.chunk)
+                problem = self._check(keyed)
+                if problem is not None:
+                    self.log.error(
+                        "ring %s: bad record for job %d chunk %d: %s; dropped",
+                        port.name,
+                        *chunk,
+                        problem,
+                    )
+                    continue
+                if keyed.deadline_ns < now_ns:
+                    self.log.warning(
+                        "job %d chunk %d: past its deadline; dropped unappended", *chunk
+                    )
+                    continue
+                if chunk in failed:
+                    continue
+                try:
+                    self._appender((keyed.model, keyed.shape, keyed.lane)).append(
+                        seqs(keyed.job_no, keyed.index),
+                        np.full(len(keyed.index), keyed.job_no, np.uint64),
+                        keyed.index,
+                        keyed.lengths,
+                        keyed.tokens,
+                    )
+                    durable[chunk] += len(keyed.index)
+                except DiskFullError as exc:
+                    failed[chunk] = str(exc)
+                    self.log.error("job %d chunk %d: %s", *chunk, exc)
+        if durable:
+            self._sync_all()
+        for port in self.ports:
+            if port.ring is not None:
+                port.ring.release()
+        for (job_no, chunk), count in durable.items():
+            if (job_no, chunk) not in failed:
+                self._tell(
+                    wire.MessageType.APPEND_ACK, {"job_no": job_no, "chunk": chunk, "count": count}
+                )
+                self.appended += count
+        for (job_no, chunk), reason in failed.items():
+            self._tell(
+                wire.MessageType.ERROR,
+                {"reason": reason, "job_no": job_no, "chunk": chunk},
+                wire.Flag.RETRYABLE,
+            )
+        for appender in self.appenders.values():
+            if appender.maybe_rotate(now):
+                appender.sync()
+
+    def _sync_all(self) -> None:
+        for appender in self.appenders.values():
+            appender.sync()
+
+    def _tell(self, msg_type, meta, flags=0) -> None:
+        try:
+            wire.send(self.acks, msg_type, meta, flags=flags)
+        except FabricError as exc:  # the front restarting: the chunk times out and is retried
+            self.log.warning(
+                "could not tell the front about job %s chunk %s: %s",
+                meta["job_no"],
+                meta["chunk"],
+                exc,
+            )
+
+    def drain(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            before = self.appended
+            self.step(time.monotonic())
+            if self.appended == before and not any(
+                p.ring is not None and p.ring.used_bytes for p in self.ports
+            ):
+                break
+
+    def close(self) -> None:
+        for appender in self.appenders.values():
+            appender.close()
+        for port in self.ports:
+            port.close()
+        self.wakeups.close(0)
+        self.acks.close()
+        self.context.term()
+        self.log.info("writer closed: %d items appended in this life", self.appended)

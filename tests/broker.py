@@ -1,0 +1,170 @@
+"""A real broker for tests: its config, its processes, and what its log holds."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+from conftest import wait_for
+
+from pipeline.datadir import DataDir
+from pipeline.ring import Ring
+from pipeline.segment import Segment
+from pipeline.topology import ring_specs
+
+REPO = Path(__file__).resolve().parents[1]
+STARTED = re.compile(r"started stage (\S+) \(pid (\d+)\)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_config(tmp_path: Path, extra: str = "", **sections: dict) -> Path:
+    """A config with a data dir under tmp_path and free loopback ports."""
+    ports = [free_port() for _ in range(4)]
+    text = f"""
+[broker]
+data_dir = "{tmp_path / "data"}"
+segment_bytes = 4194304
+[ingest]
+bind = "tcp://127.0.0.1:{ports[0]}"
+chunk_items = 200
+chunk_timeout_s = 5.0
+[dispatch]
+bind = "tcp://127.0.0.1:{ports[1]}"
+heartbeat_bind = "tcp://127.0.0.1:{ports[2]}"
+[completion]
+bind = "tcp://127.0.0.1:{ports[3]}"
+[supervisor]
+restart_backoff_s = 0.2
+stop_timeout_s = 20.0
+{extra}
+[[models]]
+name = "echo"
+engine = "echo"
+endpoints = ["/v1/embeddings"]
+"""
+    path = tmp_path / "broker.toml"
+    path.write_text(text)
+    return path
+
+
+class Broker:
+    """`python run.py --config FILE` in a subprocess."""
+
+    def __init__(self, config: Path) -> None:
+        self.config = config
+        from config import load_settings
+
+        self.settings = load_settings(config)
+        self.data_dir = DataDir(self.settings.data_path)
+        self.address = self.settings.ingest.bind
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> Broker:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(REPO / "run.py"), "--config", str(self.config)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+        )
+        wait_for(self.all_up, "every stage to be up", timeout_s=60)
+        return self
+
+    def supervisor_log(self) -> str:
+        path = self.data_dir.log / "supervisor-0.log"
+        return path.read_text() if path.exists() else ""
+
+    def pids(self) -> dict[str, int]:
+        """The latest pid of each stage, from the supervisor's log."""
+        return {label: int(pid) for label, pid in STARTED.findall(self.supervisor_log())}
+
+    def all_up(self) -> bool:
+        pids = self.pids()
+        if len(pids) < 4:
+            return False
+        for label, pid in pids.items():
+            log = self.data_dir.log / f"{label}.log"
+            if not log.exists() or f"{pid} stage {label} up" not in log.read_text():
+                return False
+        return True
+
+    def kill_stage(self, label: str) -> int:
+        pid = self.pids()[label]
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: self.pids()[label] != pid and self.all_up(), f"{label} to be restarted")
+        return pid
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+        self.proc.stderr.close()
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        _, err = self.proc.communicate(timeout=90)
+        self.stderr = err
+        return self.proc.returncode
+
+    def close(self) -> None:
+        """Kill whatever is left and remove its rings (a killed supervisor cannot)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.kill()
+        for ring in ring_specs(self.settings):
+            Ring.unlink(ring.name)
+
+
+def submit(
+    config: Path, path: Path, *args: str, timeout_s: float = 120
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(REPO / "run.py"), "submit", str(path), "--config", str(config), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        cwd=REPO,
+    )
+
+
+def seq_counts(data_dir: DataDir) -> Counter:
+    """How many written slots hold each seq, across the whole input log."""
+    counts: Counter = Counter()
+    for path in sorted(data_dir.segments.glob("in-*.seg")):
+        with Segment.open(path) as seg:
+            written = np.flatnonzero(seg.states())
+            counts.update(seg.slots["seq"][written].tolist())
+    return counts
+
+
+def write_jsonl(path: Path, n: int, seed: int = 0, bad_every: int = 0) -> set[int]:
+    """n pre-tokenised embedding lines (a bad line every `bad_every`); returns the good indexes."""
+    import orjson
+
+    rng = np.random.default_rng(seed)
+    good = set()
+    with open(path, "wb") as out:
+        for i in range(n):
+            if bad_every and i % bad_every == bad_every - 1:
+                out.write(b'{"custom_id": "broken", "method": "POST"\n')
+                continue
+            tokens = rng.integers(1, 30000, int(rng.integers(1, 300))).tolist()
+            line = {
+                "custom_id": f"r{i}",
+                "method": "POST",
+                "url": "/v1/embeddings",
+                "body": {"model": "echo", "prompt_token_ids": tokens},
+            }
+            out.write(orjson.dumps(line) + b"\n")
+            good.add(i)
+    return good

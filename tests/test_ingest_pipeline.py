@@ -1,0 +1,187 @@
+"""The front half with real processes: submit-and-walk-away, kills, hostile frames."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+
+import pytest
+import zmq
+from broker import Broker, seq_counts, submit, write_config, write_jsonl
+from conftest import assert_check_clean, wait_for
+
+from pipeline import exitcodes
+
+
+def job_no(broker: Broker, job_id: str) -> int:
+    return json.loads((broker.data_dir.root / "jobs" / job_id / "job.json").read_text())["job_no"]
+
+
+def assert_exactly_once(broker: Broker, job_id: str, good: set[int]) -> None:
+    counts = seq_counts(broker.data_dir)
+    base = job_no(broker, job_id) << 32
+    missing = [i for i in good if counts[base | i] == 0]
+    twice = [i for i in good if counts[base | i] > 1]
+    assert not missing, f"{len(missing)} acknowledged items are missing, e.g. {missing[:5]}"
+    assert not twice, f"{len(twice)} items are stored twice, e.g. {twice[:5]}"
+    extra = [s for s in counts if s >> 32 == base >> 32 and (s & 0xFFFFFFFF) not in good]
+    assert not extra, f"items that were never valid are stored: {extra[:5]}"
+
+
+@pytest.fixture
+def broker(tmp_path):
+    started = []
+
+    def start(config=None) -> Broker:
+        b = Broker(config or write_config(tmp_path)).start()
+        started.append(b)
+        return b
+
+    yield start
+    for b in started:
+        b.close()
+
+
+def test_submit_and_walk_away_then_stop_cleanly(tmp_path, broker):
+    b = broker()
+    data = tmp_path / "in.jsonl"
+    good = write_jsonl(data, 1500, bad_every=100)
+    result = submit(b.config, data, "--job-id", "walk")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "walk"
+    assert "1485 items queued, 15 lines rejected" in result.stderr
+    errors = (tmp_path / "in.jsonl.errors.jsonl").read_text().splitlines()
+    assert len(errors) == 15 and all('"code":"invalid_json"' in e for e in errors)
+    assert_exactly_once(b, "walk", good)
+    again = submit(b.config, data, "--job-id", "walk")  # a lost acknowledgement, retried
+    assert again.returncode == 0, again.stderr
+    assert_exactly_once(b, "walk", good)
+    assert b.stop() == exitcodes.OK
+    for label in ("front-0", "tokenizer-0", "router-0", "writer-0"):
+        assert f"stage {label} stopped" in (b.data_dir.log / f"{label}.log").read_text()
+    assert_check_clean(b.data_dir)
+
+
+@pytest.mark.parametrize("stage", ["front-0", "router-0", "writer-0", "tokenizer-0"])
+def test_sigkill_a_stage_mid_submit_loses_and_duplicates_nothing(tmp_path, broker, stage):
+    b = broker()
+    data = tmp_path / "in.jsonl"
+    good = write_jsonl(data, 6000, seed=3)
+    outcome = {}
+
+    def run() -> None:
+        outcome["result"] = submit(
+            b.config, data, "--job-id", "killed", "--chunk-lines", "100", "--timeout", "8"
+        )
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    chunks = b.data_dir.root / "jobs" / "killed" / "chunks.log"
+    wait_for(
+        lambda: chunks.exists() and chunks.stat().st_size > 20_000, "some chunks to be committed"
+    )
+    b.kill_stage(stage)
+    thread.join(timeout=180)
+    result = outcome["result"]
+    assert result.returncode == 0, result.stderr
+    assert_exactly_once(b, "killed", good)
+    assert f"stage {stage} died (signal SIGKILL)" in b.supervisor_log()
+    assert b.stop() == exitcodes.OK
+    assert_check_clean(b.data_dir)
+
+
+def test_sigkill_the_whole_broker_then_resubmit_stores_each_item_once(tmp_path, broker):
+    config = write_config(tmp_path)
+    b = broker(config)
+    data = tmp_path / "in.jsonl"
+    good = write_jsonl(data, 6000, seed=4)
+    outcome = {}
+
+    def run() -> None:
+        outcome["result"] = submit(
+            config, data, "--job-id", "crash", "--chunk-lines", "100", "--timeout", "2"
+        )
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    chunks = b.data_dir.root / "jobs" / "crash" / "chunks.log"
+    wait_for(
+        lambda: chunks.exists() and chunks.stat().st_size > 20_000, "some chunks to be committed"
+    )
+    b.kill()
+    thread.join(timeout=180)
+    assert outcome["result"].returncode == exitcodes.UNAVAILABLE, outcome["result"].stderr
+    assert "--job-id crash to resume" in outcome["result"].stderr
+    b2 = broker(config)
+    assert "recovery:" in b2.supervisor_log()
+    result = submit(config, data, "--job-id", "crash", "--chunk-lines", "100")
+    assert result.returncode == 0, result.stderr
+    assert_exactly_once(b2, "crash", good)
+    assert b2.stop() == exitcodes.OK
+    assert_check_clean(b2.data_dir)
+
+
+def test_garbage_frames_are_dropped_and_the_front_keeps_serving(tmp_path, broker):
+    b = broker()
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 5000)
+    sock.connect(b.address)
+    try:
+        sock.send_multipart([b"garbage"])
+        assert b"malformed" in sock.recv_multipart()[0]
+        sock.send_multipart([b"IFW1" + bytes(12), b"x" * 100])  # lying header
+        assert b"malformed" in sock.recv_multipart()[0]
+        sock.send_multipart([b"IFW1\x63\x00" + bytes(10)])  # unknown type
+        sock.recv_multipart()
+    finally:
+        sock.close(0)
+    big = context.socket(zmq.DEALER)  # over max_message_bytes: the front drops the peer
+    big.setsockopt(zmq.LINGER, 0)
+    big.connect(b.address)
+    big.send(b"x" * (70 << 20))
+    big.close(0)
+    context.term()
+    data = tmp_path / "in.jsonl"
+    good = write_jsonl(data, 300, seed=5)
+    result = submit(b.config, data, "--job-id", "after-garbage")
+    assert result.returncode == 0, result.stderr
+    assert_exactly_once(b, "after-garbage", good)
+    assert "dropped a malformed message" in (b.data_dir.log / "front-0.log").read_text()
+    assert b.stop() == exitcodes.OK
+
+
+def test_full_disk_gives_producers_a_retryable_error_and_resumes_once_freed(tmp_path, broker):
+    mount = tmp_path / "small"
+    mount.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mount)],
+        capture_output=True,
+        text=True,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({mounted.stderr.strip()}); needs root")
+    try:
+        config = (
+            write_config(tmp_path).read_text().replace(str(tmp_path / "data"), str(mount / "data"))
+        )
+        path = tmp_path / "small.toml"
+        path.write_text(config)
+        b = broker(path)
+        filler = mount / "filler"
+        filler.write_bytes(bytes(12 << 20))
+        data = tmp_path / "in.jsonl"
+        good = write_jsonl(data, 12000, seed=6)  # about 12 MB of slots: more than is free
+        first = submit(path, data, "--job-id", "full", "--timeout", "5", "--attempts", "3")
+        assert first.returncode == exitcodes.UNAVAILABLE, first.stderr
+        assert "disk full" in first.stderr and "--job-id full to resume" in first.stderr
+        filler.unlink()
+        second = submit(path, data, "--job-id", "full")
+        assert second.returncode == 0, second.stderr
+        assert_exactly_once(b, "full", good)
+        assert b.stop() == exitcodes.OK
+        assert_check_clean(b.data_dir)
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
