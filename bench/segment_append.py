@@ -179,15 +179,14 @@ def notes(batches: int) -> list[str]:
         f"cache (the log: the segments it has rotated out), so memory is recycled as in a "
         f"broker in steady state. On a VM whose balloon hands free memory back to the host "
         f"(as here: virtio_balloon), the first touch of such a page costs ~2-3 ms per MiB, "
-        f"more than the disk write; the log still pays it for the fresh pages of its current "
-        f"segment (up to 256 MiB stays mapped), which is most of its append() p99. The disk "
+        f"more than the disk write. The disk "
         f"writer times only its writes (not posix_fallocate); the log's time includes "
         f"segment creation and rotation.",
         f"Append: {batches:,} batches of {BATCH_ITEMS} full 512-token items per repeat; "
         f"tokens come from {TOKEN_POOL} random batches built before timing and reused in "
         f"rotation (seq numbers stay distinct). MB/s counts slot bytes ({SLOT_BYTES} B per "
         f"item), not the marker and header pages each sync also writes. Per-batch times are "
-        f"pooled over every batch of every repeat. append() (copying into the mapping, "
-        f"checksums, markers) and sync() run one after the other, so the ratio is about "
+        f"pooled over every batch of every repeat. append() (building slots in a buffer, "
+        f"checksums, one pwrite, markers through the mapping) and sync() run one after the other, so the ratio is about "
         f"disk chunk time / (append + sync): the faster the disk at the time, the lower it is.",
     ]
