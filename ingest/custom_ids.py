@@ -38,17 +38,18 @@ class CustomIdSet:
         """Bytes held by the digest runs."""
         return sum(hi.nbytes + lo.nbytes for hi, lo in self._runs)
 
-    def add(self, custom_ids: Sequence[str]) -> np.ndarray:
+    def add(self, custom_ids: Sequence[str], *, digests: Digests | None = None) -> np.ndarray:
         """Record `custom_ids`; return a bool mask, True where an id was already used.
 
         "Already used" means earlier in this call or in any earlier call, so
-        of several equal ids the first is False and the others True.
+        of several equal ids the first is False and the others True. Pass
+        `digests` (from `digests()`) when they were computed already.
         """
-        n = len(custom_ids)
+        hi, lo = digests if digests is not None else _digests(custom_ids)
+        n = len(hi)
         repeated = np.zeros(n, dtype=bool)
         if n == 0:
             return repeated
-        hi, lo = _digests(custom_ids)
         order = np.lexsort((lo, hi))  # stable: equal ids keep their input order
         hi_sorted, lo_sorted = hi[order], lo[order]
         same_as_previous = (hi_sorted[1:] == hi_sorted[:-1]) & (lo_sorted[1:] == lo_sorted[:-1])
@@ -65,13 +66,18 @@ class CustomIdSet:
             self._merge()
         return repeated
 
-    def contains(self, custom_ids: Sequence[str]) -> np.ndarray:
+    def contains(self, custom_ids: Sequence[str], *, digests: Digests | None = None) -> np.ndarray:
         """A bool mask, True where an id is already in the set; records nothing."""
-        found = np.zeros(len(custom_ids), dtype=bool)
-        if len(custom_ids) and self._runs:
-            hi, lo = _digests(custom_ids)
+        n = len(digests[0]) if digests is not None else len(custom_ids)
+        found = np.zeros(n, dtype=bool)
+        if n and self._runs:
+            hi, lo = digests if digests is not None else _digests(custom_ids)
+            order = np.argsort(hi)  # sorted needles search much faster
+            hi_sorted, lo_sorted = hi[order], lo[order]
+            known = np.zeros(n, dtype=bool)
             for run_hi, run_lo in self._runs:
-                found |= _members(run_hi, run_lo, hi, lo)
+                known |= _members(run_hi, run_lo, hi_sorted, lo_sorted)
+            found[order] = known
         return found
 
     def _merge(self) -> None:
@@ -80,6 +86,14 @@ class CustomIdSet:
             a = self._runs.pop()
             self._runs.append(_merged(*a, *b))
             del a, b
+
+
+Digests = tuple[np.ndarray, np.ndarray]
+
+
+def digests(custom_ids: Sequence[str]) -> Digests:
+    """The (hi, lo) digest columns of `custom_ids`, to hash once and use several times."""
+    return _digests(custom_ids)
 
 
 def _digests(custom_ids: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:

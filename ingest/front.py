@@ -37,6 +37,7 @@ import zmq
 
 from ingest.catalog import ModelCatalog
 from ingest.chunk_wire import chunk_from_wire, chunk_to_wire
+from ingest.custom_ids import digests
 from ingest.input_chunk import InputChunk
 from ingest.jobs import Job, JobRegistry, check_job_id
 from ingest.line_errors import (
@@ -77,6 +78,7 @@ class Inflight:
     errors: list[LineError] = field(default_factory=list)
     sent: bool = False
     pieces: deque | None = None  # records still to put into the router's ring
+    digests: tuple[np.ndarray, np.ndarray] = (np.zeros(0, np.uint64), np.zeros(0, np.uint64))
 
     @property
     def key(self) -> tuple[int, int]:
@@ -251,7 +253,7 @@ class FrontStage(Stage):
                 f"chunk {number} of job {job_id} must cover lines {first}..{first + job.chunk_lines - 1}, "
                 f"not {chunk.first_line}..{chunk.last_line}"
             )
-        chunk, already = self._check(job, chunk, state)
+        chunk, already, hashed = self._check(job, chunk, state)
         deadline_ns = time.monotonic_ns() + int(self.chunk_timeout_s * 1e9)
         flight = Inflight(
             job=job,
@@ -262,6 +264,7 @@ class FrontStage(Stage):
             deadline_ns=deadline_ns,
             expected=None if chunk.needs_tokenizing else chunk.n_items,
             already=already,
+            digests=hashed,
         )
         if state is None:
             job.accept(number, chunk.first_line, chunk.last_line)
@@ -269,10 +272,12 @@ class FrontStage(Stage):
         self.inflight[flight.key] = flight
         return flight
 
-    def _check(
-        self, job: Job, chunk: InputChunk, earlier
-    ) -> tuple[InputChunk, list[tuple[int, str]]]:
-        """Check the chunk again here; drop bad items (as errors) and items already stored."""
+    def _check(self, job: Job, chunk: InputChunk, earlier):
+        """Check the chunk again here; drop bad items (as errors) and items already stored.
+
+        Returns the chunk to send on, the (line, custom_id) of items already in
+        the log, and the custom_id digests of the chunk's remaining items.
+        """
         n = chunk.n_items
         drop = np.zeros(n, dtype=bool)
         errors: list[LineError] = []
@@ -321,16 +326,16 @@ class FrontStage(Stage):
                 ),
             )
         reject(~is_text & (lengths == 0), EMPTY_PROMPT, lambda i: "prompt has no tokens")
-        ids = list(chunk.custom_ids)
-        repeated = job.custom_ids.contains(ids)
-        seen: set[str] = set()
-        for other in self.inflight.values():
-            if other.job is job and other.chunk.index != chunk.index:
-                seen.update(other.chunk.custom_ids)
-        for i, custom_id in enumerate(ids):
-            if custom_id in seen:
-                repeated[i] = True
-            seen.add(custom_id)
+        hashed = digests(chunk.custom_ids)
+        repeated = job.custom_ids.contains((), digests=hashed)
+        repeated |= _repeats_within(hashed[0])
+        others = [
+            f.digests[0]
+            for f in self.inflight.values()
+            if f.job is job and f.chunk.index != chunk.index
+        ]
+        if others:  # high 64 bits only: a false match is about n**2 / 2**64
+            repeated |= _members_of(hashed[0], np.sort(np.concatenate(others)))
         reject(
             repeated,
             DUPLICATE_CUSTOM_ID,
@@ -357,7 +362,7 @@ class FrontStage(Stage):
                     len(already),
                 )
             drop |= in_log
-        return chunk.without(drop, errors), already
+        return chunk.without(drop, errors), already, (hashed[0][~drop], hashed[1][~drop])
 
     # ---- forwarding ------------------------------------------------------------------------
     def _send_on(self) -> None:
@@ -440,6 +445,7 @@ class FrontStage(Stage):
                 flight.acked + len(flight.already),
                 error_list(errors),
                 flight.final,
+                digests=flight.digests if not (rejected or flight.already) else None,
             )
             self.registry.touch(flight.job)
             del self.inflight[flight.key]
@@ -525,6 +531,21 @@ class FrontStage(Stage):
         for sock in (self.producers, self.inbox, self.tokenize):
             sock.close(0)
         self.context.term()
+
+
+def _repeats_within(keys: np.ndarray) -> np.ndarray:
+    """True for every key equal to an earlier one (np.unique is far slower for this)."""
+    order = np.argsort(keys, kind="stable")
+    ranked = keys[order]
+    repeated = np.zeros(len(keys), dtype=bool)
+    repeated[order[1:][ranked[1:] == ranked[:-1]]] = True
+    return repeated
+
+
+def _members_of(keys: np.ndarray, sorted_pool: np.ndarray) -> np.ndarray:
+    """True where a key is in `sorted_pool`."""
+    at = np.minimum(np.searchsorted(sorted_pool, keys), len(sorted_pool) - 1)
+    return sorted_pool[at] == keys
 
 
 def _int(value: Any) -> int:

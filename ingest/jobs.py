@@ -77,7 +77,7 @@ class Job:
     stored: int = 0
     rejected: int = 0
 
-    def _apply(self, record: dict[str, Any]) -> None:
+    def _apply(self, record: dict[str, Any], digests=None) -> None:
         kind = record["e"]
         if kind == "accept":
             self.chunks.setdefault(
@@ -91,7 +91,7 @@ class Job:
                 chunk.committed = record
                 self.stored += record["stored"]
                 self.rejected += len(record["errors"])
-                self.custom_ids.add(record["ids"])
+                self.custom_ids.add(record["ids"], digests=digests)
         elif kind == "state":
             self.state = record["state"]
 
@@ -115,8 +115,12 @@ class Job:
         stored: int,
         errors: list[dict[str, Any]],
         final: bool,
+        digests=None,
     ) -> None:
-        """Record that every item of `chunk` is durable (durable at flush)."""
+        """Record that every item of `chunk` is durable (durable at flush).
+
+        `digests` are those of `ids` (ingest.custom_ids.digests), if known.
+        """
         state = self.chunks[chunk]
         record = {
             "e": "commit",
@@ -130,7 +134,7 @@ class Job:
             "final": final,
         }
         self.journal.append(record)
-        self._apply(record)
+        self._apply(record, digests)
         if final and self.state == "validating":
             self.set_state("queued")
 

@@ -335,8 +335,11 @@ def _token_chunks(
         if isinstance(rows, np.ndarray) and rows.ndim == 2:
             part = rows[start:stop]
             part_lengths = lengths[start:stop]
-            keep = np.arange(part.shape[1])[None, :] < part_lengths[:, None]
-            tokens = part[keep].astype(np.uint32)
+            if bool(np.all(part_lengths == part.shape[1])):
+                tokens = np.ascontiguousarray(part, dtype=np.uint32).reshape(-1)  # no gather
+            else:
+                keep = np.arange(part.shape[1])[None, :] < part_lengths[:, None]
+                tokens = part[keep].astype(np.uint32)
         else:
             part_rows = [np.asarray(r, np.uint32) for r in rows[start:stop]]
             part_lengths = np.array([len(r) for r in part_rows], np.int64)

@@ -93,7 +93,7 @@ class TokenizerStage(Stage):
         deadline_s = now + max(0.0, (deadline_ns - time.monotonic_ns()) / 1e9)
         forwarded = tokenized.n_items
         if forwarded and not forward(
-            self.ports, self.notify, items_of(tokenized, job_no, deadline_ns), deadline_s
+            self.outlet, items_of(tokenized, job_no, deadline_ns), deadline_s
         ):
             self._report(
                 job_no, chunk.index, error="the router did not take the chunk before its deadline"

@@ -29,8 +29,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def write_config(tmp_path: Path, extra: str = "", **sections: dict) -> Path:
-    """A config with a data dir under tmp_path and free loopback ports."""
+WORDS = [f"w{i}" for i in range(1000)]
+TEXT_LIMIT_TOKENS = 64  # the `texty` model's max_tokens: longer text lines are rejected
+
+
+def build_tokenizer(path: Path) -> Path:
+    """A word-level tokenizer.json over WORDS (nothing downloaded)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(WORDS)}}
+    tokenizer = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = Whitespace()
+    tokenizer.save(str(path))
+    return path
+
+
+def write_config(tmp_path: Path, extra: str = "") -> Path:
+    """A config with a data dir under tmp_path, free loopback ports, and two models:
+    `echo` (token ids only) and `texty` (text, with a small word-level tokenizer)."""
+    tokenizer = build_tokenizer(tmp_path / "tokenizer.json")
     ports = [free_port() for _ in range(4)]
     text = f"""
 [broker]
@@ -53,6 +72,12 @@ stop_timeout_s = 20.0
 name = "echo"
 engine = "echo"
 endpoints = ["/v1/embeddings"]
+[[models]]
+name = "texty"
+engine = "echo"
+endpoints = ["/v1/embeddings"]
+tokenizer = "{tokenizer}"
+max_tokens = {TEXT_LIMIT_TOKENS}
 """
     path = tmp_path / "broker.toml"
     path.write_text(text)
@@ -147,8 +172,15 @@ def seq_counts(data_dir: DataDir) -> Counter:
     return counts
 
 
-def write_jsonl(path: Path, n: int, seed: int = 0, bad_every: int = 0) -> set[int]:
-    """n pre-tokenised embedding lines (a bad line every `bad_every`); returns the good indexes."""
+def write_jsonl(
+    path: Path, n: int, seed: int = 0, bad_every: int = 0, text_every: int = 0
+) -> set[int]:
+    """n embedding lines; returns the indexes that must be stored.
+
+    Every `bad_every`-th line is broken JSON; every `text_every`-th is text for
+    `texty` (one in ten of those too long for it, so the tokenizer rejects it);
+    the rest are token ids for `echo`.
+    """
     import orjson
 
     rng = np.random.default_rng(seed)
@@ -158,13 +190,17 @@ def write_jsonl(path: Path, n: int, seed: int = 0, bad_every: int = 0) -> set[in
             if bad_every and i % bad_every == bad_every - 1:
                 out.write(b'{"custom_id": "broken", "method": "POST"\n')
                 continue
-            tokens = rng.integers(1, 30000, int(rng.integers(1, 300))).tolist()
-            line = {
-                "custom_id": f"r{i}",
-                "method": "POST",
-                "url": "/v1/embeddings",
-                "body": {"model": "echo", "prompt_token_ids": tokens},
-            }
+            if text_every and i % text_every == text_every - 1:
+                too_long = i % (10 * text_every) == text_every - 1
+                words = rng.choice(
+                    WORDS, TEXT_LIMIT_TOKENS + 5 if too_long else int(rng.integers(1, 40))
+                )
+                body = {"model": "texty", "input": " ".join(words)}
+                good |= set() if too_long else {i}
+            else:
+                tokens = rng.integers(1, 30000, int(rng.integers(1, 300))).tolist()
+                body = {"model": "echo", "prompt_token_ids": tokens}
+                good.add(i)
+            line = {"custom_id": f"r{i}", "method": "POST", "url": "/v1/embeddings", "body": body}
             out.write(orjson.dumps(line) + b"\n")
-            good.add(i)
     return good

@@ -46,13 +46,15 @@ def broker(tmp_path):
 def test_submit_and_walk_away_then_stop_cleanly(tmp_path, broker):
     b = broker()
     data = tmp_path / "in.jsonl"
-    good = write_jsonl(data, 1500, bad_every=100)
+    good = write_jsonl(data, 1500, bad_every=100, text_every=3)
     result = submit(b.config, data, "--job-id", "walk")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "walk"
-    assert "1485 items queued, 15 lines rejected" in result.stderr
+    rejected = 1500 - len(good)
+    assert f"{len(good)} items queued, {rejected} lines rejected" in result.stderr
     errors = (tmp_path / "in.jsonl.errors.jsonl").read_text().splitlines()
-    assert len(errors) == 15 and all('"code":"invalid_json"' in e for e in errors)
+    codes = sorted({json.loads(e)["error"]["code"] for e in errors})
+    assert len(errors) == rejected and codes == ["invalid_json", "prompt_too_long"]
     assert_exactly_once(b, "walk", good)
     again = submit(b.config, data, "--job-id", "walk")  # a lost acknowledgement, retried
     assert again.returncode == 0, again.stderr
@@ -67,7 +69,7 @@ def test_submit_and_walk_away_then_stop_cleanly(tmp_path, broker):
 def test_sigkill_a_stage_mid_submit_loses_and_duplicates_nothing(tmp_path, broker, stage):
     b = broker()
     data = tmp_path / "in.jsonl"
-    good = write_jsonl(data, 6000, seed=3)
+    good = write_jsonl(data, 6000, seed=3, text_every=2)
     outcome = {}
 
     def run() -> None:
