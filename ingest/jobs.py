@@ -135,8 +135,20 @@ class Job:
         }
         self.journal.append(record)
         self._apply(record, digests)
-        if final and self.state == "validating":
+        if self.state == "validating" and self.all_committed():
             self.set_state("queued")
+
+    def all_committed(self) -> bool:
+        """True once the final chunk and every chunk before it are committed."""
+        finals = [
+            c for c, s in self.chunks.items() if s.committed is not None and s.committed["final"]
+        ]
+        if not finals:
+            return False
+        return all(
+            (s := self.chunks.get(c)) is not None and s.committed is not None
+            for c in range(finals[0] + 1)
+        )
 
     def set_state(self, state: str) -> None:
         record = {"e": "state", "state": state}

@@ -88,3 +88,26 @@ def test_shapes_added_by_racing_processes_get_one_id_each(tmp_path):
     outs = [p.communicate(timeout=60)[0].split() for p in procs]
     assert outs[0] == outs[1] == outs[2]
     assert sorted(map(int, outs[0])) == list(range(1, 21))
+
+
+def test_a_job_is_queued_only_when_every_chunk_up_to_the_final_one_is_committed(tmp_path):
+    from ingest.jobs import JobRegistry
+
+    registry = JobRegistry(tmp_path)
+    job = registry.create("j-1", chunk_lines=2)
+    for chunk in (0, 1, 2):
+        job.accept(chunk, chunk * 2 + 1, chunk * 2 + 2)
+    job.commit(2, [5], ["c"], 1, [], final=True)  # the last chunk lands first
+    assert job.state == "validating"
+    job.commit(0, [1, 2], ["a", "b"], 2, [], final=False)
+    assert job.state == "validating"
+    job.commit(1, [3], ["d"], 1, [[4, "e", "invalid_json", "line 4: bad"]], final=False)
+    assert job.state == "queued"
+    registry.touch(job)
+    registry.flush()
+    registry.close()
+    again = JobRegistry(tmp_path).get("j-1")  # rebuilt from the journal alone
+    assert (again.state, again.stored, again.rejected, again.chunk_lines) == ("queued", 4, 1, 2)
+    assert again.custom_ids.contains(["a", "e", "zz"]).tolist() == [True, False, False]
+    with pytest.raises(Exception, match="job id 'bad id' is not allowed"):
+        JobRegistry(tmp_path).get("bad id")
