@@ -162,6 +162,7 @@ class FrontStage(Stage):
             self.unsent.append(flight)
         self._send_on()
         self._send_replies()
+        self._unload_finished()
 
     # ---- requests from producers ------------------------------------------------------------
     def _handle(self, message: wire.Message, now: float) -> Inflight | None:
@@ -497,6 +498,15 @@ class FrontStage(Stage):
             else (route, t, m, f)
             for route, t, m, f in self.replies
         ]
+
+    def _unload_finished(self) -> None:
+        """Forget jobs that take no more input, so memory follows the jobs being submitted."""
+        if not self.jobs_by_no:
+            return
+        busy = {f.job.job_no for f in self.inflight.values()}
+        for job_no, job in list(self.jobs_by_no.items()):
+            if job.state != "validating" and job_no not in busy and self.registry.unload(job):
+                del self.jobs_by_no[job_no]
 
     # ---- answers ----------------------------------------------------------------------------
     def _refuse(self, route: tuple[bytes, ...], meta: dict[str, Any], reason: str) -> None:

@@ -88,7 +88,9 @@ class Job:
                 record["c"], ChunkState(record["first"], record["last"], 0)
             )
             if chunk.committed is None:
-                chunk.committed = record
+                # Kept in memory: counts and bad lines only. The custom_ids live in
+                # the digest set; the journal has the rest.
+                chunk.committed = {k: record[k] for k in ("stored", "errors", "final")}
                 self.stored += record["stored"]
                 self.rejected += len(record["errors"])
                 self.custom_ids.add(record["ids"], digests=digests)
@@ -154,18 +156,6 @@ class Job:
         record = {"e": "state", "state": state}
         self.journal.append(record)
         self._apply(record)
-
-    def custom_id_of(self, index: int) -> str | None:
-        """The custom_id of item `index` (line index + 1), from the committed chunks."""
-        line = index + 1
-        for chunk in self.chunks.values():
-            if chunk.committed is not None and chunk.first <= line <= chunk.last:
-                lines = chunk.committed["lines"]
-                try:
-                    return chunk.committed["ids"][lines.index(line)]
-                except ValueError:
-                    return None
-        return None
 
     def error_records(self) -> list[dict[str, Any]]:
         return [
@@ -246,6 +236,17 @@ class JobRegistry:
         )
         self._jobs[job_id] = job
         return job
+
+    def unload(self, job: Job) -> bool:
+        """Forget a job that takes no more input (its journal keeps everything).
+
+        A job with records not yet flushed stays; returns whether it went.
+        """
+        if job.job_id in self._dirty:
+            return False
+        job.journal.close()
+        self._jobs.pop(job.job_id, None)
+        return True
 
     def touch(self, job: Job) -> None:
         """Mark a job's journal as needing a flush."""
