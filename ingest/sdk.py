@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -174,7 +175,8 @@ class Producer:
             for _ in iter_batch_input(source, settings, chunk_lines=lines, strict=True):
                 pass
         chunks = iter_batch_input(source, settings, chunk_lines=lines)
-        return self._submit_chunks(job_id, lines, chunks, status, progress)
+        with _resume_hint(job_id):
+            return self._send_chunks(job_id, lines, chunks, status, progress)
 
     def submit_tokens(
         self,
@@ -210,23 +212,8 @@ class Producer:
             priority=priority,
         )
         chunks = _token_chunks(rows, lengths, custom_ids, model, shape, lines)
-        return self._submit_chunks(job_id, lines, chunks, status, progress)
-
-    def _submit_chunks(
-        self,
-        job_id: str,
-        chunk_lines: int,
-        chunks: Iterable[InputChunk],
-        status: dict[str, Any],
-        progress: Progress | None,
-    ) -> SubmitReport:
-        try:
-            return self._send_chunks(job_id, chunk_lines, chunks, status, progress)
-        except BrokerUnavailableError as exc:
-            raise BrokerUnavailableError(
-                f"{exc}; the chunks acknowledged so far are durable: run the same submit again "
-                f"with --job-id {job_id} to resume"
-            ) from exc
+        with _resume_hint(job_id):
+            return self._send_chunks(job_id, lines, chunks, status, progress)
 
     def _send_chunks(
         self,
@@ -305,6 +292,18 @@ class Producer:
             )
         self._send(MT.SUBMIT_CHUNK, meta, arrays)
         pending[number] = (meta, arrays, time.monotonic(), tries + 1)
+
+
+@contextmanager
+def _resume_hint(job_id: str) -> Iterator[None]:
+    """Add to BrokerUnavailableError what the user can do about it."""
+    try:
+        yield
+    except BrokerUnavailableError as exc:
+        raise BrokerUnavailableError(
+            f"{exc}; the chunks acknowledged so far are durable: run the same submit again "
+            f"with --job-id {job_id} to resume"
+        ) from exc
 
 
 def _with_last(chunks: Iterator[InputChunk]) -> Iterator[tuple[InputChunk, bool]]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
 import threading
 import time
 
@@ -62,3 +64,20 @@ def wait_for(condition, what: str, timeout_s: float = 30.0, interval_s: float = 
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
         pause.wait(interval_s)
+
+
+@contextlib.contextmanager
+def small_tmpfs(path, size: str):
+    """A size-limited tmpfs mounted at `path` (a real full disk); skips the test without root."""
+    path.mkdir(parents=True, exist_ok=True)
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+    )
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({result.stderr.strip()}); needs root")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import subprocess
-
 import numpy as np
 import pytest
-from conftest import appender, assert_check_clean, make_batch
+from conftest import appender, assert_check_clean, make_batch, small_tmpfs
 
 from pipeline.datadir import DataDir
 from pipeline.errors import DiskFullError
@@ -17,19 +15,8 @@ from pipeline.segment_format import LIVE
 
 @pytest.fixture
 def small_fs(tmp_path):
-    mount_point = tmp_path / "small"
-    mount_point.mkdir()
-    result = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount_point)],
-        capture_output=True,
-        text=True,
-    )
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here ({result.stderr.strip()}); needs root")
-    try:
+    with small_tmpfs(tmp_path / "small", "3m") as mount_point:
         yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=False)
 
 
 def test_full_disk_fails_the_append_clearly_keeps_acked_items_and_recovers(small_fs, rng):

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import threading
 
 import pytest
 import zmq
 from broker import Broker, seq_counts, submit, write_config, write_jsonl
-from conftest import assert_check_clean, wait_for
+from conftest import assert_check_clean, small_tmpfs, wait_for
 
 from pipeline import exitcodes
 
@@ -156,16 +155,7 @@ def test_garbage_frames_are_dropped_and_the_front_keeps_serving(tmp_path, broker
 
 
 def test_full_disk_gives_producers_a_retryable_error_and_resumes_once_freed(tmp_path, broker):
-    mount = tmp_path / "small"
-    mount.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mount)],
-        capture_output=True,
-        text=True,
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here ({mounted.stderr.strip()}); needs root")
-    try:
+    with small_tmpfs(tmp_path / "small", "24m") as mount:
         config = (
             write_config(tmp_path).read_text().replace(str(tmp_path / "data"), str(mount / "data"))
         )
@@ -185,5 +175,3 @@ def test_full_disk_gives_producers_a_retryable_error_and_resumes_once_freed(tmp_
         assert_exactly_once(b, "full", good)
         assert b.stop() == exitcodes.OK
         assert_check_clean(b.data_dir)
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
