@@ -1,0 +1,199 @@
+"""Text input for the ingest benchmark: a word-level tokenizer and an OpenAI Batch JSONL file.
+
+Nothing is downloaded: `build_tokenizer` makes a `tokenizers` WordLevel
+model over a synthetic vocabulary (random lowercase words of 3-10 letters)
+with a whitespace pre-tokenizer and saves its tokenizer.json;
+`write_batch_file` writes embedding lines whose `input` is 20-40 words of
+that vocabulary, so every word is one token and the token count of the
+file is known without tokenising it here.
+
+`bench_text` is step 4 of bench/ingest.py: that file through
+`Producer.submit_file` into a broker whose model has the tokenizer, with 1
+and then 2 tokeniser processes, K times each (a new job each time); and the
+two halves of the work alone in this process, without a broker.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import orjson
+
+from bench.ingest_broker import BenchBroker, Model, cpu_times, write_config
+from bench.ingest_common import CHUNK_ITEMS, SEED, WINDOW, Outcome, Plan, progress
+from bench.report import Row
+from ingest.sdk import BrokerUnavailableError, Producer
+
+VOCAB_WORDS = 30_000
+WORDS_PER_LINE = (20, 40)  # inclusive
+MODEL = "texty"
+STEP = "4 text"
+LETTERS = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz", np.uint8)
+
+
+def vocabulary(rng: np.random.Generator, n: int = VOCAB_WORDS) -> list[str]:
+    """n distinct random lowercase words."""
+    words: set[str] = set()
+    while len(words) < n:
+        lengths = rng.integers(3, 11, n)
+        letters = LETTERS[rng.integers(0, 26, int(lengths.sum()))].tobytes().decode()
+        ends = np.cumsum(lengths)
+        words.update(
+            letters[e - k : e] for e, k in zip(ends.tolist(), lengths.tolist(), strict=True)
+        )
+    return sorted(words)[:n]
+
+
+def build_tokenizer(path: Path, words: list[str]) -> Path:
+    """A WordLevel tokenizer.json over `words` (id 0 is [UNK]); no special tokens added."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0} | {word: i + 1 for i, word in enumerate(words)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(path))
+    return path
+
+
+def write_batch_file(
+    path: Path, lines: int, model: str, words: list[str], rng: np.random.Generator
+) -> int:
+    """`lines` embedding requests of 20-40 words each; returns the total word (= token) count."""
+    low, high = WORDS_PER_LINE
+    counts = rng.integers(low, high + 1, lines)
+    picks = rng.integers(0, len(words), int(counts.sum())).tolist()
+    ends = np.cumsum(counts).tolist()
+    with open(path, "wb") as out:
+        start = 0
+        for i, end in enumerate(ends):
+            line = {
+                "custom_id": f"t{i}",
+                "method": "POST",
+                "url": "/v1/embeddings",
+                "body": {"model": model, "input": " ".join(words[w] for w in picks[start:end])},
+            }
+            out.write(orjson.dumps(line) + b"\n")
+            start = end
+    return int(counts.sum())
+
+
+def bench_text(plan: Plan, outcome: Outcome) -> list[Row]:
+    """Step 4: the file through `submit_file`, with 1 and 2 tokeniser processes."""
+    rng = np.random.default_rng(SEED + 4)
+    root = plan.root / "text"
+    root.mkdir()
+    words = vocabulary(rng)
+    tokenizer = build_tokenizer(root / "tokenizer.json", words)
+    source = root / "requests.jsonl"
+    n, n_tokens = plan.text_lines, write_batch_file(source, plan.text_lines, MODEL, words, rng)
+    rows = _alone(root, tokenizer, source, n, n_tokens)
+    for processes in (1, 2):
+        broker = BenchBroker(
+            root / f"broker-{processes}", [Model(MODEL, str(tokenizer))], processes
+        )
+        try:
+            broker.start()
+            seconds = _submits(plan, broker, source, processes, outcome)
+            code = broker.stop()
+            outcome.checks.append(
+                (f"step 4 broker ({_processes(processes)}) stopped: exit code {code}", code == 0)
+            )
+        except (BrokerUnavailableError, RuntimeError) as exc:
+            crash = _crash_line(broker)
+            why = f"tokenizer log: `{crash}`" if crash else str(exc)[:300]
+            outcome.checks.append((f"step 4 with {_processes(processes)} failed: {why}", False))
+            progress(f"step 4: {_processes(processes)} failed: {why}")
+            break  # more processes would fail the same way
+        finally:
+            broker.close()
+        label = _processes(processes)
+        rows += [
+            Row(STEP, f"submit_file lines/s, {label}, end to end", tuple(n / s for s in seconds)),
+            Row(
+                STEP,
+                f"submit_file tokens/s, {label}, end to end",
+                tuple(n_tokens / s for s in seconds),
+            ),
+        ]
+    outcome.notes.append(
+        f"Step 4: {n:,} lines of {WORDS_PER_LINE[0]}-{WORDS_PER_LINE[1]} words "
+        f"({n_tokens / n:.1f} tokens per line on average) from a WordLevel vocabulary of "
+        f"{len(words):,} random words (one token per word, whitespace pre-tokenizer, built "
+        "here with the tokenizers library; nothing downloaded). The tokenizers library "
+        "encodes on its own thread pool (RAYON_NUM_THREADS unset: one thread per core) in "
+        "every process. 'Alone' rows run one half of the work in this process, without a "
+        "broker: the SDK's parse and check of the whole file, then tokenize_chunk on its chunks."
+    )
+    return rows
+
+
+def _submits(
+    plan: Plan, broker: BenchBroker, source: Path, processes: int, outcome: Outcome
+) -> list[float]:
+    """Time K submits of the file; note the CPU each process used (median over the submits)."""
+    watched = {**broker.pids(), "producer (bench)": os.getpid()}
+    seconds, cpu = [], {label: [] for label in watched}
+    with Producer(broker.address, window=WINDOW, timeout_s=10, attempts=2) as sdk:
+        for k in range(plan.repeat):
+            before = {label: sum(cpu_times(pid)) for label, pid in watched.items()}
+            started = time.perf_counter()
+            report = sdk.submit_file(source, f"text-{os.getpid()}-{processes}-{k}")
+            seconds.append(time.perf_counter() - started)
+            for label, pid in watched.items():
+                cpu[label].append((sum(cpu_times(pid)) - before[label]) / seconds[-1])
+            if report.stored != plan.text_lines:
+                raise RuntimeError(
+                    f"stored {report.stored:,} of {plan.text_lines:,} lines: {report.errors[:3]}"
+                )
+            progress(
+                f"step 4: {_processes(processes)}, run {k + 1}: "
+                f"{plan.text_lines / seconds[-1]:,.0f} lines/s"
+            )
+    outcome.notes.append(
+        f"Step 4 CPU with {_processes(processes)}, % of one core (median over the submits): "
+        + ", ".join(f"{label} {100 * statistics.median(v):.0f}%" for label, v in cpu.items())
+        + "."
+    )
+    return seconds
+
+
+def _processes(n: int) -> str:
+    return "1 tokeniser process" if n == 1 else f"{n} tokeniser processes"
+
+
+def _crash_line(broker: BenchBroker) -> str:
+    """The exception line of the first traceback in a tokenizer's log, if there is one."""
+    for path in sorted(broker.log_dir.glob("tokenizer-*.log")):
+        lines = path.read_text().splitlines()
+        for i, line in enumerate(lines):
+            if line.startswith("Traceback"):
+                rest = [x for x in lines[i + 1 :] if x and not x.startswith((" ", "Traceback"))]
+                return rest[0] if rest else line
+    return ""
+
+
+def _alone(root: Path, tokenizer: Path, source: Path, n: int, n_tokens: int) -> list[Row]:
+    """The producer's parse-and-check and the tokeniser's encoding, each alone in this process."""
+    from config import load_settings
+    from ingest.batch_input import iter_batch_input
+    from ingest.tokenize import load_tokenizers, tokenize_chunk
+
+    settings = load_settings(write_config(root, [Model(MODEL, str(tokenizer))]))
+    tokenizers = load_tokenizers(settings)
+    started = time.perf_counter()
+    chunks = list(iter_batch_input(source, settings, chunk_lines=CHUNK_ITEMS))
+    parse_s = time.perf_counter() - started
+    started = time.perf_counter()
+    tokens = sum(len(tokenize_chunk(chunk, tokenizers, settings).tokens) for chunk in chunks)
+    tokenize_s = time.perf_counter() - started
+    if tokens != n_tokens:
+        raise RuntimeError(f"tokenised {tokens:,} tokens, expected {n_tokens:,}")
+    return [
+        Row(STEP, "alone: SDK parse + check (iter_batch_input), lines/s", (n / parse_s,)),
+        Row(STEP, "alone: tokenize_chunk, lines/s", (n / tokenize_s,)),
+        Row(STEP, "alone: tokenize_chunk, tokens/s", (n_tokens / tokenize_s,)),
+    ]
