@@ -148,7 +148,7 @@ def method_notes(plan: Plan) -> list[str]:
         "CPU: user and system time from /proc/<pid>/stat of each process over each submit, "
         "divided by the submit's wall time.",
         "Memory: VmRSS summed over the supervisor and every process under it, sampled every "
-        "0.2 s. The shared-memory rings (32 MiB each) count in every process that has touched "
+        "0.2 s. The shared-memory rings (64 MiB each) count in every process that has touched "
         "them, so the sum overstates the footprint; the growth between two samples does not. "
         "Growth with the backlog is judged between the ends of the first and the last submit "
         "(the same point in a job's life); the growth from 25% of the first submit also "

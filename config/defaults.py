@@ -60,6 +60,10 @@ DEFAULTS: Final[dict[str, Any]] = {
         "processes": 1,
         # Group-commit window: appends arriving within it share one fsync; 0 = no wait.
         "flush_ms": 2.0,
+        # Drop the pages of appended slots from the page cache once they are on disk.
+        # Saves the writer most of its kernel time where fresh page-cache pages are
+        # costly (VMs); dispatch then reads those slots from disk.
+        "drop_synced_pages": True,
     },
     "dispatch": {
         # Address GPU workers connect to for work and results.

@@ -130,6 +130,7 @@ RULES: Final[dict[str, Rule]] = {
     "router.processes": count(1),
     "writers.processes": count(1),
     "writers.flush_ms": interval("milliseconds", zero_ok=True),
+    "writers.drop_synced_pages": Rule("boolean", "true or false", lambda v: None),
     "dispatch.bind": ADDRESS,
     "dispatch.heartbeat_bind": ADDRESS,
     "dispatch.lease_s": interval("seconds", zero_ok=False),
@@ -181,6 +182,8 @@ def _has_kind(value: Any, kind: str) -> bool:
         return _is_int(value) or isinstance(value, float)
     if kind == "string":
         return isinstance(value, str)
+    if kind == "boolean":
+        return isinstance(value, bool)
     if kind == "list of integers":
         return isinstance(value, list) and all(_is_int(v) for v in value)
     if kind == "list of strings":

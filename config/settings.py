@@ -64,6 +64,7 @@ class WriterSettings:
 
     processes: int
     flush_ms: float
+    drop_synced_pages: bool
 
 
 @dataclass(frozen=True, slots=True)

@@ -178,6 +178,9 @@ class FrontStage(Stage):
                 self._refuse(route, meta, str(exc))
             except WireError as exc:
                 self._refuse(route, meta, f"malformed chunk: {exc}")
+            except Exception:  # a bug must not turn one chunk into a crash loop
+                self.log.exception("internal error on a chunk of job %r", meta.get("job"))
+                self._refuse(route, meta, "internal error in the broker (logged); please report it")
         else:
             self._reply(
                 route, MT.ERROR, {"reason": f"the front does not take {message.type.name} messages"}
@@ -554,6 +557,8 @@ def _repeats_within(keys: np.ndarray) -> np.ndarray:
 
 def _members_of(keys: np.ndarray, sorted_pool: np.ndarray) -> np.ndarray:
     """True where a key is in `sorted_pool`."""
+    if len(sorted_pool) == 0:
+        return np.zeros(len(keys), dtype=bool)
     at = np.minimum(np.searchsorted(sorted_pool, keys), len(sorted_pool) - 1)
     return sorted_pool[at] == keys
 

@@ -223,7 +223,7 @@ def pad_tokens(tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> n
     return out
 
 
-MAX_RECORD_BYTES = 8 << 20  # rings are 4x this (pipeline.topology.RING_BYTES)
+MAX_RECORD_BYTES = 16 << 20  # a 4096-item chunk of 512 tokens in one record; rings are 4x this
 
 
 def split_items(items: Items, max_bytes: int = MAX_RECORD_BYTES) -> list[Items]:

@@ -106,6 +106,7 @@ class Segment:
         self._deleted = buf[DELETED_OFFSET : DELETED_OFFSET + 8].view("<u8")
         self._end: int | None = None  # next free slot; only for a segment created in this life
         self._stage: np.ndarray | None = None
+        self._synced_end = 0
         self.last_append_s = time.monotonic()
 
     # ---- construction -------------------------------------------------
@@ -286,12 +287,27 @@ class Segment:
         self._sealed_ns[0] = time.time_ns()
         self._sealed[0] = 1
 
-    def sync(self) -> None:
-        """Make every write to the mapping durable: one fdatasync for the batch."""
+    def sync(self, drop_pages: bool = False) -> None:
+        """Make every write durable: one fdatasync for the batch.
+
+        With `drop_pages`, the slots appended since the last sync then leave the
+        page cache (POSIX_FADV_DONTNEED on just that range).
+        """
         try:
             os.fdatasync(self._fd)
         except OSError as exc:
             raise disk_error(exc, self.path, "syncing") from exc
+        if self._end is not None and self._end > self._synced_end:
+            if drop_pages:
+                slot_bytes = self.header.slot_bytes
+                start = self.header.slots_offset + self._synced_end * slot_bytes
+                os.posix_fadvise(
+                    self._fd,
+                    start,
+                    (self._end - self._synced_end) * slot_bytes,
+                    os.POSIX_FADV_DONTNEED,
+                )
+            self._synced_end = self._end
 
     # ---- the completion stage's and dispatch's operations -------------------
     def tombstone(self, slots: np.ndarray) -> int:

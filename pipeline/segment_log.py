@@ -66,6 +66,7 @@ class SegmentAppender:
         segment_bytes: int,
         ids: SegmentIds,
         idle_s: float = 30.0,
+        drop_synced_pages: bool = False,
     ) -> None:
         smallest = HEADER_BYTES + marker_region_bytes(1) + slot_bytes
         if segment_bytes < smallest:
@@ -77,6 +78,7 @@ class SegmentAppender:
         self.slot_bytes = slot_bytes
         self.capacity = capacity_for(segment_bytes, slot_bytes)
         self.idle_s = idle_s
+        self.drop_synced_pages = drop_synced_pages
         self._directory: Path = data_dir.segment_dir(key.kind)
         self._ids = ids
         self._current: Segment | None = None
@@ -139,7 +141,7 @@ class SegmentAppender:
     def sync(self) -> None:
         """Make every append so far durable; then release segments rotated out."""
         for segment in self._dirty:
-            segment.sync()
+            segment.sync(self.drop_synced_pages)
         for segment in self._dirty:
             if segment is not self._current:
                 segment.close()

@@ -24,7 +24,7 @@ from pathlib import Path
 from pipeline.ring import ring_name
 from pipeline.stage import StageSpec
 
-RING_BYTES = 32 << 20  # per ring; records are at most pipeline.batches.MAX_RECORD_BYTES
+RING_BYTES = 64 << 20  # per ring; records are at most pipeline.batches.MAX_RECORD_BYTES
 
 
 @dataclass(frozen=True)

@@ -128,8 +128,9 @@ class RouterStage(Stage):
             ring.release()
             if not self._flush_pending():
                 return
-        if idle:
-            while wire.recv(self.wakeups, self.poll_ms) is not None:
+        # Idle: wait once for a wakeup, then take the others already queued.
+        if idle and wire.recv(self.wakeups, self.poll_ms) is not None:
+            while wire.recv(self.wakeups, 0) is not None:
                 pass
 
     def drain(self, deadline: float) -> None:

@@ -54,6 +54,7 @@ class WriterStage(Stage):
         self.acks.setsockopt(zmq.SNDTIMEO, 1000)
         self.acks.connect(internal_address(settings, "front"))
         self.appended = 0
+        self.flush_s = settings.writers.flush_ms / 1000
 
     def _appender(self, key: tuple[str, int, int]) -> SegmentAppender:
         appender = self.appenders.get(key)
@@ -66,6 +67,7 @@ class WriterStage(Stage):
                 self.settings.broker.segment_bytes,
                 self.ids,
                 self.settings.broker.segment_idle_s,
+                self.settings.writers.drop_synced_pages,
             )
             self.appenders[key] = appender
         return appender
@@ -88,56 +90,16 @@ class WriterStage(Stage):
             busy = True  # drain wakeups; the rings hold the work
         durable: dict[tuple[int, int], int] = defaultdict(int)
         failed: dict[tuple[int, int], str] = {}
-        taken = 0
-        now_ns = time.monotonic_ns()
-        for port in self.ports:
-            ring = port.get(now)
-            if ring is None:
-                continue
+        taken = self._take(now, durable, failed)
+        if taken and self.flush_s > 0:  # the group-commit window: let more arrive first
+            deadline = time.monotonic() + self.flush_s
             while taken < MAX_RECORDS_PER_STEP:
-                record = ring.get()
-                if record is None:
+                left_ms = int((deadline - time.monotonic()) * 1000)
+                if left_ms <= 0 or wire.recv(self.wakeups, left_ms) is None:
                     break
-                taken += 1
-                kind, payload = record
-                if kind != KEYED:
-                    self.log.error("ring %s: unexpected record kind %d; dropped", port.name, kind)
-                    continue
-                keyed = read_keyed(payload)
-                chunk = (keyed.job_no, keyed.chunk)
-                problem = self._check(keyed)
-                if problem is not None:
-                    self.log.error(
-                        "ring %s: bad record for job %d chunk %d: %s; dropped",
-                        port.name,
-                        *chunk,
-                        problem,
-                    )
-                    continue
-                if keyed.deadline_ns < now_ns:
-                    self.log.warning(
-                        "job %d chunk %d: past its deadline; dropped unappended", *chunk
-                    )
-                    continue
-                if chunk in failed:
-                    continue
-                try:
-                    self._appender((keyed.model, keyed.shape, keyed.lane)).append(
-                        seqs(keyed.job_no, keyed.index),
-                        np.full(len(keyed.index), keyed.job_no, np.uint64),
-                        keyed.index,
-                        keyed.lengths,
-                        keyed.tokens,
-                    )
-                    durable[chunk] += len(keyed.index)
-                except DiskFullError as exc:
-                    failed[chunk] = str(exc)
-                    self.log.error("job %d chunk %d: %s", *chunk, exc)
+                taken += self._take(now, durable, failed)
         if durable:
             self._sync_all()
-        for port in self.ports:
-            if port.ring is not None:
-                port.ring.release()
         for (job_no, chunk), count in durable.items():
             if (job_no, chunk) not in failed:
                 self._tell(
@@ -153,6 +115,59 @@ class WriterStage(Stage):
         for appender in self.appenders.values():
             if appender.maybe_rotate(now):
                 appender.sync()
+
+    def _take(self, now: float, durable: dict, failed: dict) -> int:
+        """Append every waiting record (up to the step's limit); returns how many were taken.
+
+        Rings are released as soon as their records are appended: the slots are
+        copied out by then, and nothing is acknowledged before the sync.
+        """
+        taken = 0
+        now_ns = time.monotonic_ns()
+        for port in self.ports:
+            ring = port.get(now)
+            if ring is None:
+                continue
+            while taken < MAX_RECORDS_PER_STEP:
+                record = ring.get()
+                if record is None:
+                    break
+                taken += 1
+                self._append(port.name, *record, now_ns, durable, failed)
+            ring.release()
+        return taken
+
+    def _append(
+        self, ring: str, kind: int, payload, now_ns: int, durable: dict, failed: dict
+    ) -> None:
+        if kind != KEYED:
+            self.log.error("ring %s: unexpected record kind %d; dropped", ring, kind)
+            return
+        keyed = read_keyed(payload)
+        chunk = (keyed.job_no, keyed.chunk)
+        problem = self._check(keyed)
+        if problem is not None:
+            self.log.error(
+                "ring %s: bad record for job %d chunk %d: %s; dropped", ring, *chunk, problem
+            )
+            return
+        if keyed.deadline_ns < now_ns:
+            self.log.warning("job %d chunk %d: past its deadline; dropped unappended", *chunk)
+            return
+        if chunk in failed:
+            return
+        try:
+            self._appender((keyed.model, keyed.shape, keyed.lane)).append(
+                seqs(keyed.job_no, keyed.index),
+                np.full(len(keyed.index), keyed.job_no, np.uint64),
+                keyed.index,
+                keyed.lengths,
+                keyed.tokens,
+            )
+            durable[chunk] += len(keyed.index)
+        except DiskFullError as exc:
+            failed[chunk] = str(exc)
+            self.log.error("job %d chunk %d: %s", *chunk, exc)
 
     def _sync_all(self) -> None:
         for appender in self.appenders.values():
