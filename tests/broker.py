@@ -46,7 +46,9 @@ def build_tokenizer(path: Path) -> Path:
     return path
 
 
-def write_config(tmp_path: Path, extra: str = "") -> Path:
+def write_config(
+    tmp_path: Path, extra: str = "", tokenizers: int = 1, routers: int = 1, writers: int = 1
+) -> Path:
     """A config with a data dir under tmp_path, free loopback ports, and two models:
     `echo` (token ids only) and `texty` (text, with a small word-level tokenizer)."""
     tokenizer = build_tokenizer(tmp_path / "tokenizer.json")
@@ -59,6 +61,11 @@ segment_bytes = 4194304
 bind = "tcp://127.0.0.1:{ports[0]}"
 chunk_items = 200
 chunk_timeout_s = 5.0
+processes = {tokenizers}
+[router]
+processes = {routers}
+[writers]
+processes = {writers}
 [dispatch]
 bind = "tcp://127.0.0.1:{ports[1]}"
 heartbeat_bind = "tcp://127.0.0.1:{ports[2]}"

@@ -192,3 +192,22 @@ def test_repeat_checks_against_chunks_in_flight_with_no_items_left():
         False,
         True,
     ]
+
+
+def test_several_tokenizers_routers_and_writers_share_the_work(tmp_path, broker):
+    b = broker(write_config(tmp_path, tokenizers=2, routers=2, writers=2))
+    data = tmp_path / "in.jsonl"
+    good = write_jsonl(data, 4000, seed=7, text_every=2)  # lengths across 4 lanes, text and ids
+    result = submit(b.config, data, "--job-id", "wide", "--chunk-lines", "100")
+    assert result.returncode == 0, result.stderr
+    assert_exactly_once(b, "wide", good)
+    assert b.stop() == exitcodes.OK
+    appended = {}
+    for w in (0, 1):
+        text = (b.data_dir.log / f"writer-{w}.log").read_text()
+        appended[w] = int(text.split("writer closed: ")[1].split()[0])
+    assert appended[0] > 0 and appended[1] > 0 and sum(appended.values()) == len(good)
+    # Too little data to rotate a segment: two writers on one key would show as two files.
+    keys = [p.name.split(".", 1)[1] for p in b.data_dir.segment_files()]
+    assert len(keys) == len(set(keys))
+    assert_check_clean(b.data_dir)
