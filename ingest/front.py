@@ -36,17 +36,11 @@ import numpy as np
 import zmq
 
 from ingest.catalog import ModelCatalog
+from ingest.chunk_check import Checked, recheck
 from ingest.chunk_wire import chunk_from_wire, chunk_to_wire
-from ingest.custom_ids import digests
 from ingest.input_chunk import InputChunk
 from ingest.jobs import Job, JobRegistry, check_job_id
 from ingest.line_errors import (
-    DUPLICATE_CUSTOM_ID,
-    EMPTY_PROMPT,
-    ENDPOINT_NOT_SERVED,
-    PROMPT_TOO_LONG,
-    TEXT_NOT_ACCEPTED,
-    UNKNOWN_MODEL,
     LineError,
 )
 from ingest.reconcile import stored_indexes
@@ -257,7 +251,8 @@ class FrontStage(Stage):
                 f"chunk {number} of job {job_id} must cover lines {first}..{first + job.chunk_lines - 1}, "
                 f"not {chunk.first_line}..{chunk.last_line}"
             )
-        chunk, already, hashed = self._check(job, chunk, state)
+        checked = self._check(job, chunk, state)
+        chunk = checked.chunk
         deadline_ns = time.monotonic_ns() + int(self.chunk_timeout_s * 1e9)
         flight = Inflight(
             job=job,
@@ -267,8 +262,8 @@ class FrontStage(Stage):
             deadline_s=now + self.chunk_timeout_s + DEADLINE_MARGIN_S,
             deadline_ns=deadline_ns,
             expected=None if chunk.needs_tokenizing else chunk.n_items,
-            already=already,
-            digests=hashed,
+            already=checked.already,
+            digests=checked.digests,
         )
         if state is None:
             job.accept(number, chunk.first_line, chunk.last_line)
@@ -276,76 +271,9 @@ class FrontStage(Stage):
         self.inflight[flight.key] = flight
         return flight
 
-    def _check(self, job: Job, chunk: InputChunk, earlier):
-        """Check the chunk again here; drop bad items (as errors) and items already stored.
-
-        Returns the chunk to send on, the (line, custom_id) of items already in
-        the log, and the custom_id digests of the chunk's remaining items.
-        """
-        n = chunk.n_items
-        drop = np.zeros(n, dtype=bool)
-        errors: list[LineError] = []
-
-        def reject(mask: np.ndarray, code: str, reason) -> None:
-            for i in np.flatnonzero(mask & ~drop).tolist():
-                errors.append(
-                    LineError.at(int(chunk.line[i]), chunk.custom_ids[i], code, reason(i))
-                )
-            drop[mask] = True
-
-        lengths = chunk.lengths.astype(np.int64)
-        is_text = np.zeros(n, dtype=bool)
-        is_text[chunk.text_items] = True
-        for m, name in enumerate(chunk.models):
-            of_model = chunk.model_index == m
-            entry = self.catalog.models.get(name)
-            if entry is None:
-                reject(
-                    of_model,
-                    UNKNOWN_MODEL,
-                    lambda i, name=name: f"model {name!r} is not served here",
-                )
-                continue
-            for s, shape in enumerate(chunk.shapes):
-                if shape.endpoint not in entry.endpoints:
-                    reject(
-                        of_model & (chunk.shape_index == s),
-                        ENDPOINT_NOT_SERVED,
-                        lambda i, name=name, url=shape.endpoint: (
-                            f"model {name!r} does not serve {url}"
-                        ),
-                    )
-            if not entry.takes_text:
-                reject(
-                    of_model & is_text,
-                    TEXT_NOT_ACCEPTED,
-                    lambda i, name=name: f"model {name!r} takes only prompt_token_ids",
-                )
-            limit = entry.prompt_limit_tokens
-            reject(
-                of_model & ~is_text & (lengths > limit),
-                PROMPT_TOO_LONG,
-                lambda i, limit=limit: (
-                    f"prompt of {lengths[i]} tokens is longer than the limit of {limit}"
-                ),
-            )
-        reject(~is_text & (lengths == 0), EMPTY_PROMPT, lambda i: "prompt has no tokens")
-        hashed = digests(chunk.custom_ids)
-        repeated = job.custom_ids.contains((), digests=hashed)
-        repeated |= _repeats_within(hashed[0])
-        others = [
-            f.digests[0]
-            for f in self.inflight.values()
-            if f.job is job and f.chunk.index != chunk.index
-        ]
-        if others:  # high 64 bits only: a false match is about n**2 / 2**64
-            repeated |= _members_of(hashed[0], np.sort(np.concatenate(others)))
-        reject(
-            repeated,
-            DUPLICATE_CUSTOM_ID,
-            lambda i: "custom_id is used by an earlier line of this job",
-        )
-        already: list[tuple[int, str]] = []
+    def _check(self, job: Job, chunk: InputChunk, earlier) -> Checked:
+        """Check the chunk again, and find what an earlier attempt already stored."""
+        stored = None
         if earlier is not None:  # accepted before and never committed: some items may be stored
             stored = stored_indexes(
                 self.data_dir,
@@ -354,19 +282,20 @@ class FrontStage(Stage):
                 chunk.last_line - 1,
                 earlier.accepted_ns,
             )
-            in_log = np.isin(chunk.line.astype(np.int64) - 1, stored) & ~drop
-            already = [
-                (int(chunk.line[i]), chunk.custom_ids[i]) for i in np.flatnonzero(in_log).tolist()
-            ]
-            if already:
-                self.log.info(
-                    "job %s chunk %d: %d items already in the log from an earlier attempt",
-                    job.job_id,
-                    chunk.index,
-                    len(already),
-                )
-            drop |= in_log
-        return chunk.without(drop, errors), already, (hashed[0][~drop], hashed[1][~drop])
+        in_flight = [
+            f.digests[0]
+            for f in self.inflight.values()
+            if f.job is job and f.chunk.index != chunk.index
+        ]
+        checked = recheck(chunk, self.catalog, job.custom_ids, in_flight, stored)
+        if checked.already:
+            self.log.info(
+                "job %s chunk %d: %d items already in the log from an earlier attempt",
+                job.job_id,
+                chunk.index,
+                len(checked.already),
+            )
+        return checked
 
     # ---- forwarding ------------------------------------------------------------------------
     def _send_on(self) -> None:
@@ -544,23 +473,6 @@ class FrontStage(Stage):
         for sock in (self.producers, self.inbox, self.tokenize):
             sock.close(0)
         self.context.term()
-
-
-def _repeats_within(keys: np.ndarray) -> np.ndarray:
-    """True for every key equal to an earlier one (np.unique is far slower for this)."""
-    order = np.argsort(keys, kind="stable")
-    ranked = keys[order]
-    repeated = np.zeros(len(keys), dtype=bool)
-    repeated[order[1:][ranked[1:] == ranked[:-1]]] = True
-    return repeated
-
-
-def _members_of(keys: np.ndarray, sorted_pool: np.ndarray) -> np.ndarray:
-    """True where a key is in `sorted_pool`."""
-    if len(sorted_pool) == 0:
-        return np.zeros(len(keys), dtype=bool)
-    at = np.minimum(np.searchsorted(sorted_pool, keys), len(sorted_pool) - 1)
-    return sorted_pool[at] == keys
 
 
 def _int(value: Any) -> int:

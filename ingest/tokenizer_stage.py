@@ -89,7 +89,8 @@ class TokenizerStage(Stage):
         except FabricError as exc:
             self._report(job_no, int(meta["index"]), error=str(exc))
             return
-        new_errors = [e for e in tokenized.errors if e not in set(chunk.errors)]
+        known = set(chunk.errors)
+        new_errors = [e for e in tokenized.errors if e not in known]
         deadline_s = now + max(0.0, (deadline_ns - time.monotonic_ns()) / 1e9)
         forwarded = tokenized.n_items
         if forwarded and not forward(

@@ -177,23 +177,6 @@ def test_full_disk_gives_producers_a_retryable_error_and_resumes_once_freed(tmp_
         assert_check_clean(b.data_dir)
 
 
-def test_repeat_checks_against_chunks_in_flight_with_no_items_left():
-    import numpy as np
-
-    from ingest.front import _members_of, _repeats_within
-
-    keys = np.array([5, 3, 5, 9, 3], dtype=np.uint64)
-    assert _repeats_within(keys).tolist() == [False, False, True, False, True]
-    assert _members_of(keys, np.zeros(0, np.uint64)).tolist() == [False] * 5
-    assert _members_of(keys, np.array([3, 4], np.uint64)).tolist() == [
-        False,
-        True,
-        False,
-        False,
-        True,
-    ]
-
-
 def test_several_tokenizers_routers_and_writers_share_the_work(tmp_path, broker):
     b = broker(write_config(tmp_path, tokenizers=2, routers=2, writers=2))
     data = tmp_path / "in.jsonl"

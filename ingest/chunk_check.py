@@ -1,0 +1,122 @@
+"""The front's second look at a chunk: what the producer's SDK checked, checked here again.
+
+Nothing from the network is trusted. For each item: its model is served,
+its endpoint is one the model serves, text goes only to a model with a
+tokenizer, a pre-tokenised prompt is not empty and fits the model's limit
+(and the largest lane), and its custom_id is not used elsewhere in the job:
+by a committed chunk, by another chunk in flight, or earlier in this one.
+Bad items become error records (`LineError`, naming line, custom_id and
+reason); items an earlier attempt already stored are set aside. Vectorised
+over the chunk: one pass per model and shape, not per item.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ingest.catalog import ModelCatalog
+from ingest.custom_ids import CustomIdSet, Digests, digests
+from ingest.input_chunk import InputChunk
+from ingest.line_errors import (
+    DUPLICATE_CUSTOM_ID,
+    EMPTY_PROMPT,
+    ENDPOINT_NOT_SERVED,
+    PROMPT_TOO_LONG,
+    TEXT_NOT_ACCEPTED,
+    UNKNOWN_MODEL,
+    LineError,
+)
+
+
+@dataclass(frozen=True, eq=False)
+class Checked:
+    chunk: InputChunk  # the items to send on, with the new error records added
+    already: list[tuple[int, str]]  # (line, custom_id) of items already in the log
+    digests: Digests  # custom_id digests of `chunk`'s items
+
+
+def recheck(
+    chunk: InputChunk,
+    catalog: ModelCatalog,
+    committed: CustomIdSet,
+    in_flight: list[np.ndarray],
+    stored: np.ndarray | None,
+) -> Checked:
+    """Check `chunk`; `in_flight` holds the digest highs of the job's other chunks in flight,
+    `stored` the item indexes of this chunk already in the log (None on a first attempt)."""
+    n = chunk.n_items
+    drop = np.zeros(n, dtype=bool)
+    errors: list[LineError] = []
+
+    def reject(mask: np.ndarray, code: str, reason) -> None:
+        for i in np.flatnonzero(mask & ~drop).tolist():
+            errors.append(LineError.at(int(chunk.line[i]), chunk.custom_ids[i], code, reason(i)))
+        drop[mask] = True
+
+    lengths = chunk.lengths.astype(np.int64)
+    is_text = np.zeros(n, dtype=bool)
+    is_text[chunk.text_items] = True
+    for m, name in enumerate(chunk.models):
+        of_model = chunk.model_index == m
+        entry = catalog.models.get(name)
+        if entry is None:
+            reject(
+                of_model, UNKNOWN_MODEL, lambda i, name=name: f"model {name!r} is not served here"
+            )
+            continue
+        for s, shape in enumerate(chunk.shapes):
+            if shape.endpoint not in entry.endpoints:
+                reject(
+                    of_model & (chunk.shape_index == s),
+                    ENDPOINT_NOT_SERVED,
+                    lambda i, name=name, url=shape.endpoint: f"model {name!r} does not serve {url}",
+                )
+        if not entry.takes_text:
+            reject(
+                of_model & is_text,
+                TEXT_NOT_ACCEPTED,
+                lambda i, name=name: f"model {name!r} takes only prompt_token_ids",
+            )
+        limit = entry.prompt_limit_tokens
+        reject(
+            of_model & ~is_text & (lengths > limit),
+            PROMPT_TOO_LONG,
+            lambda i, limit=limit: (
+                f"prompt of {lengths[i]} tokens is longer than the limit of {limit}"
+            ),
+        )
+    reject(~is_text & (lengths == 0), EMPTY_PROMPT, lambda i: "prompt has no tokens")
+    hashed = digests(chunk.custom_ids)
+    repeated = committed.contains((), digests=hashed) | repeats_within(hashed[0])
+    if in_flight:  # high 64 bits only: a false match is about n**2 / 2**64
+        repeated |= members_of(hashed[0], np.sort(np.concatenate(in_flight)))
+    reject(
+        repeated, DUPLICATE_CUSTOM_ID, lambda i: "custom_id is used by an earlier line of this job"
+    )
+    already: list[tuple[int, str]] = []
+    if stored is not None:
+        in_log = np.isin(chunk.line.astype(np.int64) - 1, stored) & ~drop
+        already = [
+            (int(chunk.line[i]), chunk.custom_ids[i]) for i in np.flatnonzero(in_log).tolist()
+        ]
+        drop |= in_log
+    return Checked(chunk.without(drop, errors), already, (hashed[0][~drop], hashed[1][~drop]))
+
+
+def repeats_within(keys: np.ndarray) -> np.ndarray:
+    """True for every key equal to an earlier one (np.unique is far slower for this)."""
+    order = np.argsort(keys, kind="stable")
+    ranked = keys[order]
+    repeated = np.zeros(len(keys), dtype=bool)
+    repeated[order[1:][ranked[1:] == ranked[:-1]]] = True
+    return repeated
+
+
+def members_of(keys: np.ndarray, sorted_pool: np.ndarray) -> np.ndarray:
+    """True where a key is in `sorted_pool`."""
+    if len(sorted_pool) == 0:
+        return np.zeros(len(keys), dtype=bool)
+    at = np.minimum(np.searchsorted(sorted_pool, keys), len(sorted_pool) - 1)
+    return sorted_pool[at] == keys
