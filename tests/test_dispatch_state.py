@@ -1,0 +1,174 @@
+"""The dispatch owner's state against real segment files, driven one call at a time."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import make_batch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpu.dispatch_state import DispatchState
+from pipeline.segment import Segment
+from pipeline.segment_format import DEAD, KIND_INPUT, SegmentKey, slot_bytes_for
+
+LANE = 64
+
+
+def segment(data_dir, segment_id: int, n: int, model: str = "m", seq0: int = 1) -> Segment:
+    key = SegmentKey(KIND_INPUT, model, 1, LANE)
+    seg = Segment.create(data_dir.segments, segment_id, key, slot_bytes_for(LANE * 4), 1000)
+    seg.append(*make_batch(np.random.default_rng(segment_id), n, seq0))
+    return seg
+
+
+def state(*segments: Segment, lease_s: float = 10.0, max_attempts: int = 3) -> DispatchState:
+    s = DispatchState(lease_s, max_attempts)
+    for seg in segments:
+        s.add_segment(seg, 0, seg.entries)
+    s.loaded()
+    return s
+
+
+def test_a_batch_is_one_segment_oldest_first_with_its_tokens(data_dir):
+    old, new = segment(data_dir, 1, 10), segment(data_dir, 2, 10, seq0=100)
+    s = state(new, old)
+    batch = s.next_batch("w1", "m", max_items=4, max_tokens=10_000, now=0.0)
+    assert batch.segment_id == 1 and batch.items["slot"].tolist() == [0, 1, 2, 3]
+    assert batch.tokens.shape == (4, LANE)
+    assert np.array_equal(batch.tokens, old.words[:4, 8:])
+    assert np.array_equal(batch.lengths, old.slots["count"][:4])
+    assert batch.items["seq"].tolist() == [1, 2, 3, 4]
+    tokens_budget = s.next_batch("w1", "m", max_items=100, max_tokens=3 * LANE, now=0.0)
+    assert tokens_budget.items["slot"].tolist() == [4, 5, 6]
+    assert s.next_batch("w1", "other-model", 10, 10_000, 0.0) is None
+
+
+def test_priority_first_and_hints_reorder_but_never_veto(data_dir):
+    low, high = segment(data_dir, 1, 5), segment(data_dir, 2, 5)
+    s = DispatchState(10.0, 3)
+    s.add_segment(low, 0, 5, priority=0)
+    s.add_segment(high, 0, 5, priority=5)
+    assert s.next_batch("w", "m", 5, 10_000, 0.0).segment_id == 2
+    assert (
+        s.next_batch("w", "m", 5, 10_000, 0.0, prefer=[99, 2]).segment_id == 1
+    )  # 2 is empty: fall through
+
+
+def test_nothing_is_handed_out_twice_and_retired_slots_never_return(data_dir):
+    seg = segment(data_dir, 1, 10)
+    s = state(seg)
+    first = s.next_batch("a", "m", 6, 10_000, 0.0)
+    second = s.next_batch("b", "m", 6, 10_000, 0.0)
+    assert set(first.items["slot"]).isdisjoint(second.items["slot"]) and len(second.items) == 4
+    assert s.next_batch("c", "m", 6, 10_000, 0.0) is None
+    seg.tombstone(first.items["slot"])
+    s.retired(1, first.items["slot"])
+    assert s.reclaim(second.batch_id, count_attempt=False) == 4
+    again = s.next_batch("c", "m", 10, 10_000, 0.0)
+    assert again.items["slot"].tolist() == second.items["slot"].tolist()
+    assert len(s.leases()) == 1
+
+
+def test_leases_expire_only_after_loading_and_rewind_with_an_attempt(data_dir):
+    seg = segment(data_dir, 1, 10)
+    s = DispatchState(lease_s=5.0, max_attempts=3)
+    s.add_segment(seg, 0, 10)
+    batch = s.next_batch("a", "m", 4, 10_000, now=0.0)
+    assert s.expire(now=100.0) == 0  # recovery not finished: no timeouts (invariant 9)
+    s.loaded()
+    s.renew("a", now=100.0)
+    assert s.expire(now=104.0) == 0
+    assert s.expire(now=106.0) == 4
+    assert seg.attempts(batch.items["slot"]).tolist() == [1, 1, 1, 1]
+    with Segment.open(seg.path) as reader:  # the attempts byte is in the file, markers still LIVE
+        assert reader.attempts(np.arange(4)).tolist() == [1, 1, 1, 1]
+        assert (reader.states()[:4] == 1).all()
+    rerun = s.next_batch("b", "m", 10, 10_000, now=106.0)
+    assert rerun.items["slot"].tolist() == list(range(10))  # the reclaimed ones first, oldest first
+
+
+def test_an_item_reclaimed_max_attempts_times_is_dead_lettered(data_dir):
+    seg = segment(data_dir, 1, 3)
+    s = state(seg, max_attempts=2)
+    for attempt in range(2):
+        batch = s.next_batch(f"w{attempt}", "m", 1, 10_000, 0.0)
+        assert batch.items["slot"].tolist() == [0]
+        s.drop_session(f"w{attempt}")  # the worker died holding it
+    outcome = s.take_outcomes()
+    assert outcome.dead_letters["slot"].tolist() == [0] and outcome.dead_letters[
+        "seq"
+    ].tolist() == [1]
+    assert s.next_batch("w9", "m", 5, 10_000, 0.0).items["slot"].tolist() == [1, 2]
+
+
+def test_a_slot_that_fails_its_checksum_is_quarantined_never_sent(data_dir):
+    seg = segment(data_dir, 1, 5)
+    seg.bodies[2, 3] ^= 0x40
+    s = state(seg)
+    batch = s.next_batch("w", "m", 5, 10_000, 0.0)
+    assert batch.items["slot"].tolist() == [0, 1, 3, 4]
+    assert s.take_outcomes().quarantined["slot"].tolist() == [2]
+    s.reclaim(batch.batch_id, count_attempt=False)
+    assert 2 not in s.next_batch("w", "m", 5, 10_000, 0.0).items["slot"].tolist()
+
+
+def test_a_batch_can_be_handed_back_in_part(data_dir):
+    seg = segment(data_dir, 1, 6)
+    s = state(seg)
+    batch = s.next_batch("w", "m", 6, 10_000, 0.0)
+    assert s.reclaim(batch.batch_id, count_attempt=False, slots=np.array([4, 5])) == 2
+    assert s.leases()[0].items["slot"].tolist() == [0, 1, 2, 3]
+    assert s.next_batch("v", "m", 6, 10_000, 0.0).items["slot"].tolist() == [4, 5]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["take", "retire", "back", "expire", "drop"]), st.integers(1, 7)),
+        max_size=40,
+    )
+)
+def test_random_operations_never_lease_a_slot_twice_or_lose_one(tmp_path_factory, ops):
+    from pipeline.datadir import DataDir
+
+    data_dir = DataDir(tmp_path_factory.mktemp("d")).ensure()
+    seg = segment(data_dir, 1, 30)
+    s = DispatchState(lease_s=1.0, max_attempts=3)
+    s.add_segment(seg, 0, 30)
+    s.loaded()
+    now = 0.0
+    for op, k in ops:
+        now += 0.3
+        leases = s.leases()
+        if op == "take":
+            s.next_batch(f"w{k % 3}", "m", k, 10_000, now)
+        elif op == "retire" and leases:
+            batch = leases[k % len(leases)]
+            seg.tombstone(batch.items["slot"][:k])
+            s.retired(1, batch.items["slot"][:k])
+        elif op == "back" and leases:
+            s.reclaim(leases[k % len(leases)].batch_id, count_attempt=bool(k % 2))
+        elif op == "expire":
+            s.expire(now)
+        elif op == "drop":
+            s.drop_session(f"w{k % 3}")
+        out = np.concatenate([b.items["slot"] for b in s.leases()] or [np.zeros(0, np.uint32)])
+        assert len(out) == len(set(out.tolist())), "a slot is on two leases"
+        assert ((seg.markers[out.astype(np.int64)] & 0xFF) != DEAD).all(), (
+            "a retired slot is leased"
+        )
+    outcome = s.take_outcomes()
+    gone = set(outcome.dead_letters["slot"].tolist())
+    while (batch := s.next_batch("final", "m", 100, 10_000, now)) is not None:
+        pass
+    held = {int(x) for b in s.leases() for x in b.items["slot"]}
+    live = {int(i) for i in np.flatnonzero((seg.markers[:30] & 0xFF) == 1)}
+    assert live <= held | gone, f"LIVE slots never offered again: {sorted(live - held - gone)}"
+
+
+def test_unknown_segment_retire_is_ignored(data_dir):
+    s = DispatchState(1.0, 3)
+    s.retired(42, np.array([1]))
+    with pytest.raises(KeyError):
+        s.extend(42, 10)
