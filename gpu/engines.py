@@ -1,0 +1,135 @@
+"""Engines: what a worker runs a batch with. Load once, run batches, say which items failed.
+
+Contract (issue 4; invariant 14 tells the failures apart):
+
+* `load()` is called once, in the worker process, before the first batch.
+* `run(batch)` returns one output per item, in order, or an error for that
+  item alone (its input is the problem: it becomes the item's error result
+  at once). Outputs are numpy: embeddings as float32 `[n, dim]`, generated
+  tokens as flat uint32 plus `n + 1` offsets.
+* `TransientEngineError` means the batch as a whole could not run now (out
+  of memory for this batch, a restarting server, a quota): the worker hands
+  the batch back without counting an attempt and backs off.
+* Anything else escaping `run` means the engine is broken: the worker stops
+  asking for work and exits, rather than retry against a dead engine.
+
+Two engines ship here: `echo` (generation returns the prompt's tokens,
+embedding returns them as floats; for tests) and `simulated` (spends
+`tokens / tokens_per_s` seconds per batch and returns deterministic outputs:
+a stand-in for a GPU in benchmarks).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import numpy as np
+
+from pipeline.errors import FabricError
+
+EMBED = "embed"
+GENERATE = "generate"
+
+
+class EngineError(FabricError):
+    """An engine cannot be built or loaded as configured."""
+
+
+class TransientEngineError(EngineError):
+    """The batch could not run now; hand it back without counting an attempt."""
+
+    retryable = True
+
+
+@dataclass(eq=False)
+class EngineBatch:
+    task: str  # EMBED or GENERATE
+    tokens: np.ndarray  # uint32 [n, lane], zero padded
+    lengths: np.ndarray  # uint32 [n]
+    max_tokens: int = 16  # output budget for GENERATE
+
+
+@dataclass(eq=False)
+class EngineResult:
+    """Per item: an output, or an error (errors[i] is None when item i succeeded)."""
+
+    errors: list[str | None]
+    embeddings: np.ndarray | None = None  # float32 [n, dim]
+    tokens: np.ndarray | None = None  # uint32, all items' outputs back to back
+    offsets: np.ndarray | None = None  # int64 [n + 1]
+    meta: dict = field(default_factory=dict)
+
+
+class Engine:
+    """Base class; see the module docstring for the contract."""
+
+    name: ClassVar[str] = "engine"
+
+    def load(self) -> None:
+        """Load weights and warm up (once per process)."""
+
+    def run(self, batch: EngineBatch) -> EngineResult:
+        raise NotImplementedError
+
+
+class EchoEngine(Engine):
+    """Generation echoes the prompt (cut to max_tokens); embedding returns the tokens as floats."""
+
+    name = "echo"
+
+    def run(self, batch: EngineBatch) -> EngineResult:
+        n = len(batch.lengths)
+        if batch.task == EMBED:
+            return EngineResult([None] * n, embeddings=batch.tokens.astype(np.float32))
+        lengths = np.minimum(batch.lengths.astype(np.int64), batch.max_tokens)
+        keep = np.arange(batch.tokens.shape[1])[None, :] < lengths[:, None]
+        offsets = np.concatenate(([0], np.cumsum(lengths)))
+        return EngineResult(
+            [None] * n, tokens=batch.tokens[keep].astype(np.uint32), offsets=offsets
+        )
+
+
+class SimulatedEngine(Engine):
+    """Takes the time a GPU at `tokens_per_s` would, and returns stable outputs."""
+
+    name = "simulated"
+    dim: ClassVar[int] = 384
+
+    def __init__(self, tokens_per_s: float = 50_000.0, sleep=time.sleep) -> None:
+        if tokens_per_s <= 0:
+            raise EngineError(f"simulated engine: tokens_per_s = {tokens_per_s} must be > 0")
+        self.tokens_per_s = tokens_per_s
+        self._sleep = sleep
+
+    def run(self, batch: EngineBatch) -> EngineResult:
+        n = len(batch.lengths)
+        work = int(batch.lengths.sum()) + (n * batch.max_tokens if batch.task == GENERATE else 0)
+        self._sleep(work / self.tokens_per_s)
+        seeds = (batch.tokens.astype(np.uint64) * np.uint64(0x9E3779B1)).sum(axis=1)
+        if batch.task == EMBED:
+            base = np.arange(self.dim, dtype=np.uint64)[None, :] * np.uint64(2654435761)
+            raw = ((seeds[:, None] + base) % np.uint64(1 << 16)).astype(np.float32) - 32768.0
+            vectors = raw / np.linalg.norm(raw, axis=1, keepdims=True)
+            return EngineResult([None] * n, embeddings=vectors.astype(np.float32))
+        out = (seeds[:, None] + np.arange(batch.max_tokens, dtype=np.uint64)[None, :]) % np.uint64(
+            30_000
+        )
+        offsets = np.arange(n + 1, dtype=np.int64) * batch.max_tokens
+        return EngineResult([None] * n, tokens=out.astype(np.uint32).reshape(-1), offsets=offsets)
+
+
+ENGINES: dict[str, type[Engine]] = {"echo": EchoEngine, "simulated": SimulatedEngine}
+
+
+def make_engine(name: str, **options) -> Engine:
+    """The engine called `name`; EngineError naming the known ones otherwise."""
+    try:
+        cls = ENGINES[name]
+    except KeyError:
+        known = ", ".join(sorted(ENGINES))
+        raise EngineError(
+            f"engine {name!r} is not available here; known engines: {known}"
+        ) from None
+    return cls(**options)
