@@ -53,7 +53,7 @@ from bench.ingest_common import (
     Plan,
     progress,
 )
-from bench.report import Row, markdown_table, write_section
+from bench.report import Row, render_section, write_section
 
 REPO = Path(__file__).resolve().parent.parent
 DOC = REPO / "docs" / "BENCHMARKS.md"
@@ -164,37 +164,26 @@ def render(
     facts: dict[str, str], rows: list[Row], outcome: Outcome, notes: list[str], seconds: float
 ) -> str:
     """The section of docs/BENCHMARKS.md, which is also what the command prints."""
-    judged = [row for row in rows if row.met is not None]
-    met = sum(row.met for row in judged) + sum(ok for _, ok in outcome.checks)
-    lines = [
-        "## Ingest (bench/ingest.py)",
-        "",
+    tail = []
+    if outcome.profile:
+        tail = [
+            "",
+            "Profile (one more submit after step 2, untimed, under py-spy):",
+            "",
+            *outcome.profile,
+        ]
+    return render_section(
+        "Ingest (bench/ingest.py)",
         "Durable ingest through a real broker, from the producer SDK to fdatasync'd segments, "
         "against the disk's own bandwidth and against Redis Streams, in one run on one disk.",
-        "",
-        f"Command: `{machine.command_line()}` ({seconds:.0f} s)",
-        "",
-        *[f"* {name}: {value}" for name, value in facts.items()],
-        "",
-        markdown_table(rows),
-        "",
-        f"Targets and checks: {met} of {len(judged) + len(outcome.checks)} met.",
-        "",
-        *[
-            f"* {row.step}, {row.measure}: {row.cells()[2]} against {row.target}: "
-            f"{'met' if row.met else '**missed**'}"
-            for row in judged
-        ],
-        *[f"* {text}: {'ok' if ok else '**failed**'}" for text, ok in outcome.checks],
-        "",
-        "Method:",
-        "",
-        *[f"* {note}" for note in notes],
-    ]
-    if outcome.profile:
-        lines += ["", "Profile (one more submit after step 2, untimed, under py-spy):", ""]
-        lines += outcome.profile
-    return "\n".join(lines).rstrip() + "\n"
+        machine.command_line(),
+        seconds,
+        facts,
+        rows,
+        notes,
+        checks=list(outcome.checks),
+        tail=tail,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

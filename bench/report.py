@@ -97,3 +97,48 @@ def write_section(doc: Path, name: str, body: str) -> None:
         text = text.rstrip("\n") + "\n\n" + block + "\n"
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text(text)
+
+
+def render_section(
+    title: str,
+    intro: str,
+    command: str,
+    seconds: float,
+    facts: dict[str, str],
+    rows: list[Row],
+    notes: list[str],
+    checks: list[tuple[str, bool]] = (),
+    tail: list[str] = (),
+) -> str:
+    """A benchmark's section of docs/BENCHMARKS.md, which is also what its command prints:
+    title, what it measures, the command, the machine, the table, each target and check
+    met or missed, the method notes, then anything in `tail`."""
+    judged = [row for row in rows if row.met is not None]
+    met = sum(row.met for row in judged) + sum(ok for _, ok in checks)
+    label = "Targets and checks" if checks else "Targets"
+    lines = [
+        f"## {title}",
+        "",
+        intro,
+        "",
+        f"Command: `{command}` ({seconds:.0f} s)",
+        "",
+        *[f"* {name}: {value}" for name, value in facts.items()],
+        "",
+        markdown_table(rows),
+        "",
+        f"{label}: {met} of {len(judged) + len(checks)} met.",
+        "",
+        *[
+            f"* {row.step}, {row.measure}: {row.cells()[2]} against {row.target}: "
+            f"{'met' if row.met else '**missed**'}"
+            for row in judged
+        ],
+        *[f"* {text}: {'ok' if ok else '**failed**'}" for text, ok in checks],
+        "",
+        "Method:",
+        "",
+        *[f"* {note}" for note in notes],
+        *tail,
+    ]
+    return "\n".join(lines).rstrip() + "\n"

@@ -41,7 +41,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import machine, segment_append, segment_backlog, segment_recovery
-from bench.report import Row, markdown_table, write_section
+from bench.report import Row, render_section, write_section
 from bench.segment_items import SEGMENT_BYTES
 from pipeline.datadir import DataDir
 
@@ -140,32 +140,16 @@ def _progress(message: str) -> None:
 
 def render(facts: dict[str, str], rows: list[Row], notes: list[str], seconds: float) -> str:
     """The section of docs/BENCHMARKS.md, which is also what the command prints."""
-    judged = [row for row in rows if row.met is not None]
-    lines = [
-        "## Segment log (bench/segment.py)",
-        "",
+    return render_section(
+        "Segment log (bench/segment.py)",
         "Durable append, tombstoning and recovery of the segment log, measured against the "
         "disk's own durable write bandwidth, in one run on one disk.",
-        "",
-        f"Command: `{machine.command_line()}` ({seconds:.0f} s)",
-        "",
-        *[f"* {name}: {value}" for name, value in facts.items()],
-        "",
-        markdown_table(rows),
-        "",
-        f"Targets: {sum(row.met for row in judged)} of {len(judged)} met.",
-        "",
-        *[
-            f"* {row.step}, {row.measure}: {row.cells()[2]} against {row.target}: "
-            f"{'met' if row.met else '**missed**'}"
-            for row in judged
-        ],
-        "",
-        "Method:",
-        "",
-        *[f"* {note}" for note in notes],
-    ]
-    return "\n".join(lines) + "\n"
+        machine.command_line(),
+        seconds,
+        facts,
+        rows,
+        notes,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
