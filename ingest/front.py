@@ -234,7 +234,16 @@ class FrontStage(Stage):
             raise IngestError(f"job {job_id} is {job.state}; it takes no more input")
         state = job.chunks.get(number)
         if state is not None and state.committed is not None:
-            self._reply(route, MT.CHUNK_ACK, self._ack_meta(job, number, duplicate=True))
+            if job.commit_pending(number):  # its commit is not on disk yet (a full disk?)
+                reason = "the chunk is stored but not yet recorded durably; send it again"
+                self._reply(
+                    route,
+                    MT.CHUNK_ERROR,
+                    {"job": job_id, "chunk": number, "reason": reason},
+                    wire.Flag.RETRYABLE,
+                )
+            else:
+                self._reply(route, MT.CHUNK_ACK, self._ack_meta(job, number, duplicate=True))
             return None
         flight = self.inflight.get((job.job_no, number))
         if flight is not None:

@@ -152,6 +152,10 @@ class Job:
             for c in range(finals[0] + 1)
         )
 
+    def commit_pending(self, chunk: int) -> bool:
+        """True while chunk's commit record is written but not yet durable."""
+        return any(r["e"] == "commit" and r["c"] == chunk for r in self.journal.pending)
+
     def set_state(self, state: str) -> None:
         record = {"e": "state", "state": state}
         self.journal.append(record)

@@ -75,6 +75,11 @@ class RecordLog:
             raise disk_error(exc, path, "opening a record log") from exc
         self._pending: list[bytes] = []
 
+    @property
+    def pending(self) -> list[Any]:
+        """Records appended but not yet made durable by `sync()`."""
+        return self._pending
+
     def append(self, record: Any) -> None:
         """Queue a record; durable (and in `records`) only after `sync()`."""
         self._pending.append(record)

@@ -111,3 +111,17 @@ def test_a_job_is_queued_only_when_every_chunk_up_to_the_final_one_is_committed(
     assert again.custom_ids.contains(["a", "e", "zz"]).tolist() == [True, False, False]
     with pytest.raises(Exception, match="job id 'bad id' is not allowed"):
         JobRegistry(tmp_path).get("bad id")
+
+
+def test_a_commit_is_pending_until_its_journal_is_synced(tmp_path):
+    from ingest.jobs import JobRegistry
+
+    registry = JobRegistry(tmp_path)
+    job = registry.create("j-2", chunk_lines=10)
+    job.accept(0, 1, 10)
+    job.commit(0, [1], ["a"], 1, [], final=True)
+    assert job.commit_pending(0) and not job.commit_pending(1)
+    registry.touch(job)
+    registry.flush()
+    assert not job.commit_pending(0)
+    registry.close()
