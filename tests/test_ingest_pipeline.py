@@ -194,3 +194,35 @@ def test_several_tokenizers_routers_and_writers_share_the_work(tmp_path, broker)
     keys = [p.name.split(".", 1)[1] for p in b.data_dir.segment_files()]
     assert len(keys) == len(set(keys))
     assert_check_clean(b.data_dir)
+
+
+def test_concurrent_producers_with_a_writer_killed_each_get_their_job_exactly_once(
+    tmp_path, broker
+):
+    b = broker()
+    jobs = {}
+    for n in range(3):
+        data = tmp_path / f"in-{n}.jsonl"
+        jobs[f"par-{n}"] = (data, write_jsonl(data, 3000, seed=10 + n, bad_every=97, text_every=3))
+    outcomes = {}
+
+    def run(job_id: str, data) -> None:
+        outcomes[job_id] = submit(
+            b.config, data, "--job-id", job_id, "--chunk-lines", "100", "--timeout", "8"
+        )
+
+    threads = [
+        threading.Thread(target=run, args=(job_id, data)) for job_id, (data, _) in jobs.items()
+    ]
+    for thread in threads:
+        thread.start()
+    chunks = b.data_dir.root / "jobs" / "par-0" / "chunks.log"
+    wait_for(lambda: chunks.exists() and chunks.stat().st_size > 10_000, "the jobs to be under way")
+    b.kill_stage("writer-0")
+    for thread in threads:
+        thread.join(timeout=180)
+    for job_id, (_, good) in jobs.items():
+        assert outcomes[job_id].returncode == 0, outcomes[job_id].stderr
+        assert_exactly_once(b, job_id, good)
+    assert b.stop() == exitcodes.OK
+    assert_check_clean(b.data_dir)
