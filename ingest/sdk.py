@@ -39,6 +39,8 @@ from pipeline import wire
 from pipeline.errors import IngestError, WireError
 
 MT = wire.MessageType
+QUICK_TRIES = 3  # requests that are not chunks: HELLO, JOB_STATUS
+QUICK_WAIT_S = 5.0
 
 
 class BrokerUnavailableError(IngestError):
@@ -105,9 +107,11 @@ class Producer:
             ) from exc
 
     def _request(self, msg_type: MT, meta: dict[str, Any], answer: MT) -> dict[str, Any]:
-        for _ in range(self.attempts):
+        """A small request: a few quick tries, so a broker that is down is reported fast."""
+        wait_s = min(self.timeout_s, QUICK_WAIT_S)
+        for _ in range(QUICK_TRIES):
             self._send(msg_type, meta)
-            deadline = time.monotonic() + self.timeout_s
+            deadline = time.monotonic() + wait_s
             while (left := deadline - time.monotonic()) > 0:
                 message = wire.recv(self._socket, int(left * 1000) + 1)
                 if message is not None and message.type == answer:
@@ -117,8 +121,8 @@ class Producer:
                         f"the broker at {self.address} says: {message.meta['reason']}"
                     )
         raise BrokerUnavailableError(
-            f"the broker at {self.address} did not answer {msg_type.name} within {self.timeout_s:g} s "
-            f"({self.attempts} tries); is it running?"
+            f"no broker answers at {self.address} ({QUICK_TRIES} tries of {wait_s:g} s); is it "
+            f"running? Start one with `python run.py --config FILE`, or check --broker / --config"
         )
 
     def catalog(self) -> dict[str, Any]:

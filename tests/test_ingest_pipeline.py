@@ -226,3 +226,15 @@ def test_concurrent_producers_with_a_writer_killed_each_get_their_job_exactly_on
         assert_exactly_once(b, job_id, good)
     assert b.stop() == exitcodes.OK
     assert_check_clean(b.data_dir)
+
+
+def test_submit_without_a_broker_says_so_quickly(tmp_path):
+    config = write_config(tmp_path)
+    data = tmp_path / "in.jsonl"
+    write_jsonl(data, 10)
+    result = submit(config, data, "--timeout", "1", timeout_s=60)
+    assert result.returncode == exitcodes.UNAVAILABLE
+    assert (
+        "no broker answers at tcp://127.0.0.1:" in result.stderr
+        and "is it running?" in result.stderr
+    )
