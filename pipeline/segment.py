@@ -227,8 +227,12 @@ class Segment:
         index: np.ndarray,
         count: np.ndarray,
         body: np.ndarray,
+        flags: np.ndarray | None = None,
     ) -> int:
         """Append n items and make their markers LIVE; return the first slot.
+
+        `flags` fills each slot's flags word (the completion log's result
+        status); zero when not given.
 
         `body` is [n, k] of any dtype with k * itemsize <= body_bytes (tokens
         as uint32 for the input log, bytes for the completion log). Slots are
@@ -259,6 +263,7 @@ class Segment:
         slots["job"] = job
         slots["index"] = index
         slots["count"] = count
+        slots["flags"] = 0 if flags is None else flags
         body_view = slots.view(np.uint8).reshape(n, -1)[:, SLOT_HEADER_BYTES:]
         body_view[:, : rows.shape[1]] = rows
         if rows.shape[1] < self.body_bytes:

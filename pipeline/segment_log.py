@@ -96,6 +96,7 @@ class SegmentAppender:
         index: np.ndarray,
         count: np.ndarray,
         body: np.ndarray,
+        flags: np.ndarray | None = None,
     ) -> np.ndarray:
         """Append n items; return their placement as DESCRIPTOR_DTYPE rows.
 
@@ -120,6 +121,7 @@ class SegmentAppender:
                 index[start:stop],
                 count[start:stop],
                 body[start:stop],
+                None if flags is None else flags[start:stop],
             )
             if segment not in self._dirty:
                 self._dirty.append(segment)

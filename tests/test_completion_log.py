@@ -1,0 +1,163 @@
+"""Output, tombstone, count, in that order; one result per item, whatever repeats."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import appender, assert_check_clean, make_batch
+
+from collector.completion_log import ERROR_RESULT, RESULT, CompletionLog, Results
+from pipeline.recovery import recover
+from pipeline.segment import Segment
+from pipeline.segment_format import DEAD, LIVE
+
+PROCS = Path(__file__).parent / "procs"
+
+
+def inputs(data_dir, n: int = 50):
+    log = appender(data_dir, segment_bytes=1 << 15)  # several small input segments
+    seq = (np.uint64(7) << np.uint64(32)) | np.arange(n, dtype=np.uint64)
+    batch = list(make_batch(np.random.default_rng(0), n, 1))
+    batch[0] = seq
+    log.append(*batch)
+    log.close()
+    return {
+        s.segment_id: s for s in (Segment.open(p, writable=True) for p in data_dir.segment_files())
+    }
+
+
+def results(segs, picks, status=RESULT, size=10, seq_offset=0) -> Results:
+    seg_ids, slots = zip(*picks, strict=True)
+    seg_ids, slots = np.array(seg_ids, np.uint64), np.array(slots, np.int64)
+    seqs = np.array(
+        [segs[int(s)].slots["seq"][k] + seq_offset for s, k in zip(seg_ids, slots, strict=True)],
+        np.uint64,
+    )
+    payload = np.arange(size * len(slots), dtype=np.uint8)
+    offsets = np.arange(len(slots) + 1) * size
+    return Results(
+        "job-c", 7, seg_ids, slots, seqs, np.full(len(slots), status, np.uint32), payload, offsets
+    )
+
+
+def completion_rows(data_dir):
+    rows = []
+    for path in data_dir.completion.glob("out-*.seg"):
+        with Segment.open(path) as seg:
+            written = np.flatnonzero(seg.states())
+            assert seg.verify(written).all()
+            rows += list(
+                zip(
+                    seg.slots["index"][written].tolist(),
+                    seg.slots["flags"][written].tolist(),
+                    strict=True,
+                )
+            )
+    return rows
+
+
+def test_results_are_stored_then_inputs_retired_and_counted_once(data_dir):
+    segs = inputs(data_dir)
+    first = min(segs)
+    log = CompletionLog(data_dir, segs.__getitem__, result_bytes=64)
+    picks = [(first, k) for k in range(5)]
+    recorded = log.record(results(segs, picks))
+    assert (recorded.stored, recorded.duplicates, recorded.refused) == (5, 0, [])
+    assert (segs[first].states()[:5] == DEAD).all() and segs[first].deleted == 5
+    assert {k: v.tolist() for k, v in log.flush_tombstones().items()} == {first: [0, 1, 2, 3, 4]}
+    again = log.record(results(segs, picks))  # computation repeated
+    assert (again.stored, again.duplicates) == (0, 5)
+    assert log.completed("job-c") == 5
+    log.close()
+    assert sorted(completion_rows(data_dir)) == [(i, RESULT) for i in range(5)]
+
+
+def test_a_crash_between_output_and_tombstone_heals_without_a_second_result(data_dir):
+    segs = inputs(data_dir)
+    first = min(segs)
+    log = CompletionLog(data_dir, segs.__getitem__, result_bytes=64)
+    log.record(results(segs, [(first, 0), (first, 1)], status=ERROR_RESULT))
+    log.close()
+    segs[first].markers[[0, 1]] = LIVE  # the tombstones never reached the disk
+    restarted = CompletionLog(data_dir, segs.__getitem__, result_bytes=64)
+    assert restarted.completed("job-c") == 2  # rebuilt from the completion log itself
+    recorded = restarted.record(
+        results(segs, [(first, 0), (first, 1), (first, 2)])
+    )  # re-dispatched
+    assert (recorded.stored, recorded.duplicates) == (1, 2)
+    assert (segs[first].states()[:3] == DEAD).all()
+    restarted.close()
+    assert sorted(completion_rows(data_dir)) == [(0, ERROR_RESULT), (1, ERROR_RESULT), (2, RESULT)]
+
+
+def test_stale_forged_and_oversized_results_are_refused_by_name(data_dir):
+    segs = inputs(data_dir)
+    first = min(segs)
+    log = CompletionLog(data_dir, segs.__getitem__, result_bytes=64)
+    wrong = log.record(results(segs, [(first, 3)], seq_offset=1))
+    assert wrong.stored == 0 and "does not match the slot (another item)" in wrong.refused[0]
+    empty_slot = segs[first].entries + 1
+    seg = segs[first]
+    forged = Results(
+        "job-c",
+        7,
+        np.array([first], np.uint64),
+        np.array([empty_slot]),
+        np.array([1], np.uint64),
+        np.zeros(1, np.uint32),
+        np.zeros(1, np.uint8),
+        np.array([0, 1]),
+    )
+    assert "never written" in log.record(forged).refused[0]
+    big = log.record(results(segs, [(first, 4)], size=200))
+    assert big.stored == 0 and "exceeds its budget" in big.refused[0]
+    assert (seg.states()[3:5] == LIVE).all()
+    log.close()
+
+
+@pytest.mark.slow
+def test_sigkill_mid_completion_keeps_exactly_one_result_per_retired_item(data_dir):
+    segs = inputs(data_dir, n=1200)
+    total = sum(s.entries for s in segs.values())
+    for s in segs.values():
+        s.close()
+    acked: set[tuple[int, int]] = set()
+    for cycle in range(30):
+        proc = subprocess.Popen(
+            [sys.executable, str(PROCS / "completion_proc.py"), str(data_dir.root), str(cycle)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        lines: list[str] = []
+        target = 1 + cycle % 5  # kill after a different number of acknowledgements each time
+        while len(lines) < target:
+            line = proc.stdout.readline()  # pytest's timeout bounds a hung child
+            if not line:
+                break
+            lines.append(line)
+        proc.send_signal(signal.SIGKILL)
+        out, _ = proc.communicate(timeout=30)
+        for line in [*lines, *out.splitlines()]:
+            if line.startswith("acked "):
+                sid, *slots = map(int, line.split()[1:])
+                acked.update((sid, s) for s in slots)
+        recover(data_dir)
+        rows = completion_rows(data_dir)
+        indexes = [i for i, _ in rows]
+        assert len(indexes) == len(set(indexes)), "an item has two results"
+        for path in data_dir.segment_files():
+            if path.name.startswith("in-"):
+                with Segment.open(path) as seg:
+                    dead = {(seg.segment_id, int(k)) for k in np.flatnonzero(seg.states() == DEAD)}
+                    assert {a for a in acked if a[0] == seg.segment_id} <= dead, (
+                        "an acknowledged retire was lost"
+                    )
+        assert_check_clean(data_dir)
+        if len(set(indexes)) == total:
+            break
+    assert acked
