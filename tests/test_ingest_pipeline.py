@@ -238,3 +238,15 @@ def test_submit_without_a_broker_says_so_quickly(tmp_path):
         "no broker answers at tcp://127.0.0.1:" in result.stderr
         and "is it running?" in result.stderr
     )
+
+
+def test_strict_submit_refuses_the_whole_file_before_anything_is_queued(tmp_path, broker):
+    b = broker()
+    data = tmp_path / "in.jsonl"
+    write_jsonl(data, 500, bad_every=250)
+    result = submit(b.config, data, "--job-id", "strict", "--strict")
+    assert result.returncode == exitcodes.FAILED
+    assert "line 250" in result.stderr and "strict mode refuses the whole file" in result.stderr
+    assert not (b.data_dir.root / "jobs" / "strict").exists()
+    assert not list(b.data_dir.segments.glob("in-*.seg"))
+    assert b.stop() == exitcodes.OK
