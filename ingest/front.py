@@ -374,16 +374,20 @@ class FrontStage(Stage):
             chunk = flight.chunk
             errors = sorted([*chunk.errors, *flight.errors], key=lambda e: e.line)
             rejected = {e.line for e in flight.errors}
-            stored = [
-                (int(line), custom_id)
-                for line, custom_id in zip(chunk.line.tolist(), chunk.custom_ids, strict=True)
-                if line not in rejected
-            ]
-            stored = sorted(stored + flight.already)
+            if rejected or flight.already:
+                pairs = [
+                    (int(line), custom_id)
+                    for line, custom_id in zip(chunk.line.tolist(), chunk.custom_ids, strict=True)
+                    if line not in rejected
+                ]
+                pairs = sorted(pairs + flight.already)
+                lines, ids = [line for line, _ in pairs], [custom_id for _, custom_id in pairs]
+            else:  # the usual case: every item forwarded was stored, already in line order
+                lines, ids = chunk.line.tolist(), list(chunk.custom_ids)
             flight.job.commit(
                 chunk.index,
-                [line for line, _ in stored],
-                [custom_id for _, custom_id in stored],
+                lines,
+                ids,
                 flight.acked + len(flight.already),
                 error_list(errors),
                 flight.final,
