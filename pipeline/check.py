@@ -26,7 +26,7 @@ from pipeline.scan import (
     iter_markers,
     scan_segment,
 )
-from pipeline.segment_format import DEAD, EMPTY, LIVE, STATE_MASK, SUFFIX, TMP_SUFFIX
+from pipeline.segment_format import SUFFIX, TMP_SUFFIX, known_markers
 
 MAX_SLOTS_LISTED = 10
 
@@ -65,9 +65,7 @@ def _unknown_markers(path: Path, summary: SegmentSummary) -> np.ndarray:
     try:
         found = []
         for first, markers in iter_markers(fd, summary.header):
-            states = markers & STATE_MASK
-            known = (markers >> 16 == 0) & ((states == EMPTY) | (states == LIVE) | (states == DEAD))
-            found.append(first + np.flatnonzero(~known))
+            found.append(first + np.flatnonzero(~known_markers(markers)))
         return np.concatenate(found)
     finally:
         os.close(fd)

@@ -308,6 +308,21 @@ class Ring:
             return False
         return True
 
+    @staticmethod
+    def created_ns_of(name: str) -> int | None:
+        """The creation time in the header of the ring called `name` (None if there is none),
+        read without mapping it: how a stage notices its ring was replaced."""
+        _check_name(name)
+        try:
+            shm = posix_ipc.SharedMemory(name)
+        except posix_ipc.ExistentialError:
+            return None
+        try:
+            raw = os.pread(shm.fd, _HEADER.size, 0)
+        finally:
+            shm.close_fd()
+        return _HEADER.unpack(raw)[4] if len(raw) == _HEADER.size else None
+
     # ---- state ---------------------------------------------------------------------------
 
     @property

@@ -11,30 +11,12 @@ a consumer).
 from __future__ import annotations
 
 import logging
-import os
-import struct
 import time
-
-import posix_ipc
 
 from pipeline.errors import RingError
 from pipeline.ring import Ring
 
 log = logging.getLogger("fabric.ring")
-_CREATED_NS = struct.Struct("<Q")
-_CREATED_AT = 24
-
-
-def ring_created_ns(name: str) -> int | None:
-    """The creation time in the ring's header, or None if it does not exist."""
-    try:
-        shm = posix_ipc.SharedMemory(name)
-    except posix_ipc.ExistentialError:
-        return None
-    try:
-        return _CREATED_NS.unpack(os.pread(shm.fd, 8, _CREATED_AT))[0]
-    finally:
-        shm.close_fd()
 
 
 class RingPort:
@@ -53,7 +35,7 @@ class RingPort:
         if self.ring is not None and now_s - self._checked_s < self.check_s:
             return self.ring
         self._checked_s = now_s
-        created = ring_created_ns(self.name)
+        created = Ring.created_ns_of(self.name)
         if created is None:
             return None
         if self.ring is None or created != self._created_ns:

@@ -35,6 +35,7 @@ from pipeline.segment_format import (
     STATE_MASK,
     SegmentHeader,
     SegmentKey,
+    known_markers,
     parse_header,
     slot_checksums,
 )
@@ -162,7 +163,7 @@ def _scan(fd: int, path: Path, header: SegmentHeader, repair: bool) -> SegmentSu
     for first, markers in iter_markers(fd, header):
         states = markers & STATE_MASK
         is_live = states == LIVE
-        known = (markers >> 16 == 0) & ((states == EMPTY) | is_live | (states == DEAD))
+        known = known_markers(markers)
         n_live = int(np.count_nonzero(is_live))
         live += n_live
         dead += int(np.count_nonzero(states == DEAD))

@@ -96,6 +96,13 @@ DEAD = 2
 STATE_MASK = 0xFF
 KNOWN_STATES = (EMPTY, LIVE, DEAD)
 
+
+def known_markers(markers: np.ndarray) -> np.ndarray:
+    """True for each marker in a known state: EMPTY, LIVE or DEAD, and zero high bytes."""
+    states = markers & STATE_MASK
+    return (markers >> 16 == 0) & ((states == EMPTY) | (states == LIVE) | (states == DEAD))
+
+
 _HEADER = struct.Struct("<8sIIQIIIIQ64s")  # the fields up to HEADER_CHECKED
 _NAME_OK = re.compile(r"[^A-Za-z0-9._-]")
 SUFFIX = ".seg"

@@ -54,6 +54,11 @@ def describe_exit(exitcode: int | None) -> str:
     return f"exit code {exitcode}"
 
 
+def _fresh_ring(ring: RingSpec) -> None:
+    """Create (or replace) a ring; the stages at both ends attach by name."""
+    Ring.create(ring.name, RING_BYTES).close()
+
+
 @dataclass
 class _Child:
     spec: StageSpec
@@ -94,7 +99,7 @@ class Supervisor:
         )
         self.collector.offer(report.finished)
         for ring in self.rings:
-            Ring.create(ring.name, RING_BYTES).close()
+            _fresh_ring(ring)
         now = time.monotonic()
         for child in self._children:
             self._spawn(child, now)
@@ -156,7 +161,7 @@ class Supervisor:
         label = child.spec.label
         for ring in self.rings:
             if label in (ring.src, ring.dst):  # whatever it held is dropped; chunks are retried
-                Ring.create(ring.name, RING_BYTES).close()
+                _fresh_ring(ring)
         backoff = min(MAX_BACKOFF_S, self.config.restart_backoff_s * 2 ** (len(child.deaths) - 1))
         child.restart_at = now + backoff
         log.warning("stage %s died (%s); restarting it in %.1f s", child.spec.label, how, backoff)

@@ -85,7 +85,7 @@ class WriterStage(Stage):
         return None
 
     def step(self, now: float) -> None:
-        busy = any(p.ring is not None and p.ring.used_bytes for p in self.ports)
+        busy = self._backlog()
         while wire.recv(self.wakeups, 0 if busy else self.poll_ms) is not None:
             busy = True  # drain wakeups; the rings hold the work
         durable: dict[tuple[int, int], int] = defaultdict(int)
@@ -99,7 +99,8 @@ class WriterStage(Stage):
                     break
                 taken += self._take(now, durable, failed)
         if durable:
-            self._sync_all()
+            for appender in self.appenders.values():
+                appender.sync()
         for (job_no, chunk), count in durable.items():
             if (job_no, chunk) not in failed:
                 self._tell(
@@ -169,9 +170,9 @@ class WriterStage(Stage):
             failed[chunk] = str(exc)
             self.log.error("job %d chunk %d: %s", *chunk, exc)
 
-    def _sync_all(self) -> None:
-        for appender in self.appenders.values():
-            appender.sync()
+    def _backlog(self) -> bool:
+        """True while any input ring holds records."""
+        return any(p.ring is not None and p.ring.used_bytes for p in self.ports)
 
     def _tell(self, msg_type, meta, flags=0) -> None:
         try:
@@ -188,9 +189,7 @@ class WriterStage(Stage):
         while time.monotonic() < deadline:
             before = self.appended
             self.step(time.monotonic())
-            if self.appended == before and not any(
-                p.ring is not None and p.ring.used_bytes for p in self.ports
-            ):
+            if self.appended == before and not self._backlog():
                 break
 
     def close(self) -> None:

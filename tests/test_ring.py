@@ -389,3 +389,17 @@ def bench(record_kib: int = 64, total_mib: int = 4096) -> None:
 
 if __name__ == "__main__":
     bench(*(int(arg) for arg in sys.argv[1:]))
+
+
+def test_a_replaced_ring_is_told_apart_by_its_creation_time_without_mapping_it():
+    name = "/iftest.port.check.0"
+    first = Ring.create(name, 4096)
+    try:
+        assert Ring.created_ns_of(name) == first.created_ns
+        second = Ring.create(name, 4096)  # the supervisor replacing it
+        assert Ring.created_ns_of(name) == second.created_ns != first.created_ns
+        second.close()
+    finally:
+        first.close()
+        Ring.unlink(name)
+    assert Ring.created_ns_of(name) is None
