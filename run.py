@@ -2,6 +2,10 @@
 
 python run.py --config prod.toml                   serve: recovery, then all stages; SIGTERM drains
 python run.py submit FILE.jsonl [--config F | --broker ADDR] [--job-id ID] [--strict]
+python run.py status [JOB] [--json]                queue depth, in-flight, workers; or one job's counts
+python run.py results JOB -o OUT.jsonl [--errors ERR.jsonl] [--follow] [--all]
+python run.py cancel JOB                           retire the job's queued items as cancelled
+python run.py worker --broker ADDR --model M --engine E   a GPU (or CPU) worker process
 python run.py check --config prod.toml [--fix]     offline consistency check of the data dir
 """
 
@@ -16,7 +20,7 @@ from config import load_settings
 from pipeline import exitcodes
 from pipeline.errors import ConfigError, DataDirLockedError, FabricError
 
-COMMANDS = ("check", "submit")
+COMMANDS = ("check", "submit", "status", "results", "cancel", "worker")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -118,6 +122,135 @@ def _submit(args: argparse.Namespace) -> int:
     return exitcodes.OK
 
 
+def _address(args: argparse.Namespace, section: str) -> str:
+    """The broker address a client command uses: --broker, else the config's (as a client)."""
+    from gpu.worker import _local
+
+    if getattr(args, "broker", None):
+        return args.broker
+    return _local(getattr(load_settings(args.config), section).bind)
+
+
+def _decoders(args: argparse.Namespace) -> dict:
+    """Tokenizers of the configured models, to decode generated text (when present here)."""
+    import os
+
+    if getattr(args, "broker", None) or not os.path.exists(args.config):
+        return {}
+    decoders = {}
+    for model in load_settings(args.config).models:
+        if model.tokenizer and os.path.exists(model.tokenizer):
+            from tokenizers import Tokenizer
+
+            tokenizer = Tokenizer.from_file(model.tokenizer)
+            decoders[model.name] = lambda ids, t=tokenizer: t.decode(ids)
+    return decoders
+
+
+def _results(args: argparse.Namespace) -> int:
+    from collector.client import ResultsClient
+
+    err_path = args.errors or f"{args.output}.errors.jsonl"
+    tty = sys.stderr.isatty()
+
+    def progress(report) -> None:
+        if tty and report.info:
+            info = report.info
+            print(
+                f"\r{args.job}: {report.written} results, {report.errors} errors written; "
+                f"state {info['state']}, pending {info['pending']}",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    with ResultsClient(_address(args, "completion"), timeout_s=args.timeout) as client:
+        report = client.fetch(
+            args.job,
+            args.output,
+            err_path,
+            follow=args.follow,
+            everything=args.all,
+            decoders=_decoders(args),
+            progress=progress,
+        )
+    if tty:
+        print(file=sys.stderr)
+    info = report.info or {}
+    pending = info.get("pending")
+    print(
+        f"job {args.job}: {report.written} results to {args.output}, {report.errors} errors to "
+        f"{err_path}; state {info.get('state')}, "
+        + (f"{pending} item(s) still pending" if pending else "nothing pending"),
+        file=sys.stderr,
+    )
+    return exitcodes.OK
+
+
+def _status(args: argparse.Namespace) -> int:
+    import orjson
+
+    from collector.client import DispatchClient, ResultsClient
+
+    if args.job:
+        with ResultsClient(_address(args, "completion"), timeout_s=args.timeout) as client:
+            info = client.job_status(args.job)
+    else:
+        with DispatchClient(_address(args, "dispatch"), timeout_s=args.timeout) as client:
+            info = client.broker_status()
+    if args.json:
+        print(orjson.dumps(info, option=orjson.OPT_INDENT_2).decode())
+        return exitcodes.OK
+    from collector.status_view import render_broker, render_job
+
+    print(render_job(info) if args.job else render_broker(info))
+    return exitcodes.OK
+
+
+def _cancel(args: argparse.Namespace) -> int:
+    from collector.client import ResultsClient
+
+    with ResultsClient(_address(args, "completion"), timeout_s=args.timeout) as client:
+        info = client.cancel(args.job)
+    print(
+        f"job {args.job}: {info['state']}; {info['completed']} completed, {info['failed']} failed "
+        f"(cancelled items count as failed), {info['pending']} pending",
+        file=sys.stderr,
+    )
+    return exitcodes.OK
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from gpu.engines import make_engine
+    from gpu.worker import WorkerOptions, run_worker
+
+    options = {}
+    for pair in args.option or []:
+        key, _, value = pair.partition("=")
+        try:
+            options[key] = float(value) if "." in value else int(value)
+        except ValueError:
+            options[key] = value
+    engine = make_engine(args.engine, **options)
+    heartbeat = args.heartbeat
+    if heartbeat is None and args.broker.startswith("tcp://"):
+        host, _, port = args.broker.rpartition(":")
+        heartbeat = f"{host}:{int(port) + 1}"
+    logging.getLogger("fabric").setLevel(logging.INFO)
+    return run_worker(
+        WorkerOptions(
+            broker=args.broker,
+            model=args.model,
+            heartbeat=heartbeat,
+            batch_items=args.batch_items,
+            batch_tokens=args.batch_tokens,
+            prefetch=args.prefetch,
+            drain_s=args.drain_s,
+        ),
+        engine,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="run.py", description="Inference Fabric broker")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -146,6 +279,40 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for an answer")
     submit.add_argument("--attempts", type=int, default=10, help="tries per chunk before giving up")
     submit.set_defaults(handler=_submit)
+
+    def client_options(command, section: str) -> None:
+        command.add_argument("--config", default="config/default.toml", help="TOML settings file")
+        command.add_argument("--broker", help=f"{section} address (overrides --config)")
+        command.add_argument("--timeout", type=float, default=5.0, help="seconds per try")
+
+    status = commands.add_parser("status", help="queue depth and workers, or one job's progress")
+    status.add_argument("job", nargs="?", help="a job id (omit for the whole broker)")
+    status.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    client_options(status, "completion (with JOB) or dispatch")
+    status.set_defaults(handler=_status)
+    results = commands.add_parser("results", help="fetch a job's results, each exactly once")
+    results.add_argument("job", help="the job id")
+    results.add_argument("-o", "--output", required=True, help="output JSONL file")
+    results.add_argument("--errors", help="error JSONL file (default OUT.errors.jsonl)")
+    results.add_argument("--follow", action="store_true", help="keep going until the job ends")
+    results.add_argument("--all", action="store_true", help="also results already delivered")
+    client_options(results, "completion")
+    results.set_defaults(handler=_results)
+    cancel = commands.add_parser("cancel", help="cancel a job: its queued items are not run")
+    cancel.add_argument("job", help="the job id")
+    client_options(cancel, "completion")
+    cancel.set_defaults(handler=_cancel)
+    worker = commands.add_parser("worker", help="a worker process: pulls batches, runs an engine")
+    worker.add_argument("--broker", required=True, help="dispatch address, e.g. tcp://host:7711")
+    worker.add_argument("--model", required=True, help="the model this worker serves")
+    worker.add_argument("--engine", required=True, help="echo, simulated, ...")
+    worker.add_argument("--option", action="append", help="engine option KEY=VALUE (repeat)")
+    worker.add_argument("--heartbeat", help="heartbeat address (default: the broker's port + 1)")
+    worker.add_argument("--batch-items", type=int, default=256, help="largest batch, in items")
+    worker.add_argument("--batch-tokens", type=int, default=262144, help="largest batch, in tokens")
+    worker.add_argument("--prefetch", type=int, default=4, help="batches queued ahead")
+    worker.add_argument("--drain-s", type=float, default=30.0, help="grace period on SIGTERM")
+    worker.set_defaults(handler=_worker)
     return parser
 
 

@@ -13,10 +13,19 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import struct
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.scan import SegmentSummary, scan_segment
+from pipeline.segment_format import (
+    DELETED_OFFSET,
+    ENTRIES_OFFSET,
+    HEADER_BYTES,
+    SEALED_NS_OFFSET,
+    SEALED_OFFSET,
+)
 
 log = logging.getLogger("fabric.collector")
 
@@ -59,6 +68,28 @@ class SegmentCollector:
             return CollectResult()
         self._next_try_s = now_s + self.retry_s
         return self.offer(sorted(self._pending))
+
+    def sweep(self, data_dir, retention_s: float) -> CollectResult:
+        """Offer every finished segment on disk: input segments at once, completion segments
+        (all results delivered) once they have been sealed for `retention_s`."""
+        candidates = []
+        now_ns = time.time_ns()
+        for path in data_dir.segment_files():
+            try:
+                with open(path, "rb") as f:
+                    header = f.read(HEADER_BYTES)
+                sealed = struct.unpack_from("<I", header, SEALED_OFFSET)[0]
+                entries = struct.unpack_from("<Q", header, ENTRIES_OFFSET)[0]
+                deleted = struct.unpack_from("<Q", header, DELETED_OFFSET)[0]
+                sealed_ns = struct.unpack_from("<Q", header, SEALED_NS_OFFSET)[0]
+            except (OSError, struct.error):
+                continue
+            if not sealed or deleted < entries:
+                continue
+            if path.parent == data_dir.completion and now_ns - sealed_ns < retention_s * 1e9:
+                continue
+            candidates.append(path)
+        return self.offer(candidates) if candidates else CollectResult()
 
     def remove_if_finished(self, path: Path) -> str:
         """Remove `path` if finished and unused; returns removed, in_use or not_finished."""

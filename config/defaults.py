@@ -68,7 +68,7 @@ DEFAULTS: Final[dict[str, Any]] = {
     "dispatch": {
         # Address GPU workers connect to for work and results.
         "bind": "tcp://127.0.0.1:7711",
-        # Address workers send heartbeats and held-item reports to.
+        # Stateless liveness port (answered by the supervisor): broker up, epoch, recovered.
         "heartbeat_bind": "tcp://127.0.0.1:7712",
         # A dispatched item not finished or renewed within this long is reclaimed.
         "lease_s": 300.0,
@@ -76,24 +76,47 @@ DEFAULTS: Final[dict[str, Any]] = {
         "session_timeout_s": 30.0,
         # Reclaims before an item is retired with an error result (dead-lettered).
         "max_attempts": 3,
+        # Workers report what they hold (renewing its leases) this often.
+        "report_s": 1.0,
+        # After a start, work queued before it waits this long for workers that still
+        # hold some of it to re-register (invariant 8); work queued later goes at once.
+        "reregister_grace_s": 5.0,
+        # Batches one worker session may hold at once.
+        "session_max_batches": 8,
     },
     "completion": {
         # Address results are delivered to clients and sinks from.
         "bind": "tcp://127.0.0.1:7713",
-        # Completion processes (persist results, then tombstone inputs).
+        # Completion processes (persist results, then tombstone inputs); one owns all
+        # tombstones, so only 1 is supported.
         "processes": 1,
         # Tombstones (retire markers) are flushed about this often.
         "tombstone_flush_ms": 100.0,
+        # Delivered results are kept this long (7 days), then removed; their jobs expire.
+        "results_retention_s": 7 * 86400.0,
+        # Results per page sent to a results client.
+        "page_items": 4096,
     },
     "collector": {
         # The segment collector looks for fully retired files this often.
         "interval_s": 5.0,
-        # Delivered completion-log files are kept this long before removal (1 day).
-        "completion_retention_s": 86400.0,
     },
     "workers": {
         # Worker processes the supervisor starts on this host; 0 = remote workers only.
         "local": 1,
+        # Model the local workers serve; "" = the first [[models]] table.
+        "model": "",
+        # Engine of the local workers; "" = the model's own engine.
+        "engine": "",
+        # Tokens per second of the simulated engine (a stand-in for a GPU).
+        "simulated_tokens_per_s": 200000.0,
+        # Largest batch a worker asks for, in items and in tokens (items x lane).
+        "batch_items": 256,
+        "batch_tokens": 262144,
+        # Batches a worker keeps queued ahead of its engine.
+        "prefetch": 4,
+        # On SIGTERM a worker finishes what it can within this long, then hands the rest back.
+        "drain_s": 30.0,
     },
     "supervisor": {
         # Wait before restarting a stage that died.

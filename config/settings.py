@@ -76,6 +76,9 @@ class DispatchSettings:
     lease_s: float
     session_timeout_s: float
     max_attempts: int
+    report_s: float
+    reregister_grace_s: float
+    session_max_batches: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +88,8 @@ class CompletionSettings:
     bind: str
     processes: int
     tombstone_flush_ms: float
+    results_retention_s: float
+    page_items: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +97,6 @@ class CollectorSettings:
     """[collector]: removal of finished segment and completion files."""
 
     interval_s: float
-    completion_retention_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +104,13 @@ class WorkerSettings:
     """[workers]: worker processes started on this host."""
 
     local: int
+    model: str
+    engine: str
+    simulated_tokens_per_s: float
+    batch_items: int
+    batch_tokens: int
+    prefetch: int
+    drain_s: float
 
 
 @dataclass(frozen=True, slots=True)

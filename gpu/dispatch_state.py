@@ -15,6 +15,10 @@ it will hand out (markers, checksums, seqs) and only then commits the lease,
 the bitmap and the cursor. A slot whose checksum fails is quarantined, never
 sent, and reported so the completion stage can give it an error result.
 
+An item that was reclaimed before (its attempts byte is not 0) is handed
+out alone, so a poison item that kills its worker takes no healthy items
+down with it on the next tries.
+
 Reclaiming (invariant 7) rewinds only the affected segment's cursor to the
 earliest reclaimed slot; each reclaim that counts an attempt writes the
 marker's attempts byte (a single-byte store, never the whole marker), and
@@ -37,6 +41,7 @@ from pipeline.segment_format import LIVE, STATE_MASK
 log = logging.getLogger("fabric.dispatch")
 
 ITEM_DTYPE = np.dtype([("segment", "<u8"), ("slot", "<u4"), ("seq", "<u8")])
+SCAN_MARKERS = 1 << 16  # markers examined per step when looking for free slots
 
 
 @dataclass(eq=False)
@@ -61,6 +66,7 @@ class Outcome:
 
     dead_letters: np.ndarray  # ITEM_DTYPE, reclaimed max_attempts times
     quarantined: np.ndarray  # ITEM_DTYPE, checksum failed
+    cancelled: np.ndarray  # ITEM_DTYPE, queued items of a cancelled job
 
 
 @dataclass(eq=False)
@@ -70,6 +76,8 @@ class _Work:
     cursor: int
     end: int
     out: np.ndarray | None = None  # bool per slot: on lease now (or quarantined, dead-lettered)
+    not_before: float = 0.0  # nothing is handed out before this (re-registration grace)
+    batches: set[int] | None = None  # lease ids with items of this segment
 
     @property
     def model(self) -> str:
@@ -87,19 +95,84 @@ class DispatchState:
         self.max_attempts = max_attempts
         self._work: dict[int, _Work] = {}
         self._leases: dict[int, Batch] = {}
+        self._by_session: dict[str, set[int]] = {}
         self._next_batch_id = 1
         self._loaded = False
         self.dead_letters: list[np.ndarray] = []
         self.quarantined: list[np.ndarray] = []
+        self.cancelled_jobs: set[int] = set()
+        self.cancelled: list[np.ndarray] = []
+        self._ended: list[int] = []
 
     # ---- what there is to do -----------------------------------------------------------------
-    def add_segment(self, segment: Segment, first_live: int, end: int, priority: int = 0) -> None:
-        """Make slots first_live..end of an open (writable) segment dispatchable."""
+    def add_segment(
+        self,
+        segment: Segment,
+        first_live: int,
+        end: int,
+        priority: int = 0,
+        not_before: float = 0.0,
+    ) -> None:
+        """Make slots first_live..end of an open (writable) segment dispatchable.
+
+        `not_before` holds the segment back (monotonic seconds): after a start,
+        workers that still hold some of its items re-register first (invariant 8).
+        """
         work = self._work.get(segment.segment_id)
         if work is None:
-            self._work[segment.segment_id] = _Work(segment, priority, max(first_live, 0), end)
+            self._work[segment.segment_id] = _Work(
+                segment, priority, max(first_live, 0), end, not_before=not_before
+            )
         else:
             work.end = max(work.end, end)
+
+    def knows(self, segment_id: int) -> bool:
+        return segment_id in self._work
+
+    def set_next_batch_id(self, batch_id: int) -> None:
+        """Continue numbering after `batch_id` (ids from reloaded dispatch files stay unique)."""
+        self._next_batch_id = max(self._next_batch_id, batch_id + 1)
+
+    def forget_finished(self) -> list[Segment]:
+        """Drop segments that are sealed, fully handed out and with no LIVE slot; returns them.
+
+        The caller closes them, releasing their shared locks, so the collector can remove them.
+        """
+        gone = []
+        for segment_id, work in list(self._work.items()):
+            segment = work.segment
+            if work.has_work() or work.batches or not segment.sealed:
+                continue
+            if work.end < segment.entries:
+                continue
+            if ((segment.markers[: work.end] & STATE_MASK) == LIVE).any():
+                continue
+            del self._work[segment_id]
+            gone.append(segment)
+        return gone
+
+    def segments(self) -> list[Segment]:
+        return [w.segment for w in self._work.values()]
+
+    def queue_depth(self) -> list[dict]:
+        """Per segment with work: model, shape, lane, queued items (approximate), oldest id."""
+        rows = []
+        for work in self._work.values():
+            queued = work.end - work.cursor
+            if queued <= 0:
+                continue
+            key = work.segment.key
+            rows.append(
+                {
+                    "segment": work.segment.segment_id,
+                    "model": key.name,
+                    "shape": key.shape,
+                    "lane": key.lane,
+                    "queued": queued,
+                    "created_ns": work.segment.header.created_ns,
+                }
+            )
+        return rows
 
     def extend(self, segment_id: int, end: int) -> None:
         """A writer appended to a known segment: slots up to `end` exist."""
@@ -109,10 +182,40 @@ class DispatchState:
         """Recovery has finished: leases may expire from now on (invariant 9)."""
         self._loaded = True
 
-    def queued_segments(self, model: str | None = None) -> list[int]:
+    def queued_segments(self, model: str | None = None, now: float | None = None) -> list[int]:
         return [
-            s for s, w in self._work.items() if w.has_work() and (model is None or w.model == model)
+            s
+            for s, w in self._work.items()
+            if w.has_work()
+            and (model is None or w.model == model)
+            and (now is None or w.not_before <= now)
         ]
+
+    def cancel_job(self, job_no: int) -> int:
+        """Take every queued item of `job_no` out of dispatch; they come back in `take_outcomes`.
+
+        Items out on lease finish (or not) with their worker. Returns the items taken.
+        """
+        self.cancelled_jobs.add(job_no)
+        taken = 0
+        for work in self._work.values():
+            segment = work.segment
+            if work.cursor >= work.end:
+                continue
+            span = np.arange(work.cursor, work.end)
+            live = (segment.markers[work.cursor : work.end] & STATE_MASK) == LIVE
+            if work.out is not None:
+                live &= ~work.out[work.cursor : work.end]
+            slots = span[live]
+            if not len(slots):
+                continue
+            seqs = segment.slots["seq"][slots]
+            mine = (seqs >> np.uint64(32)) == np.uint64(job_no)
+            if mine.any():
+                self._mark_out(work, slots[mine])
+                self.cancelled.append(_items(segment.segment_id, slots[mine], seqs[mine]))
+                taken += int(mine.sum())
+        return taken
 
     # ---- handing work out -----------------------------------------------------------------------
     def next_batch(
@@ -126,7 +229,11 @@ class DispatchState:
     ) -> Batch | None:
         """A batch for `session`, or None when the model has no dispatchable work."""
         candidates = sorted(
-            (w for w in self._work.values() if w.model == model and w.has_work()),
+            (
+                w
+                for w in self._work.values()
+                if w.model == model and w.has_work() and w.not_before <= now
+            ),
             key=lambda w: (-w.priority, w.segment.segment_id),
         )
         preferred = [w for s in prefer if (w := self._work.get(s)) is not None and w in candidates]
@@ -144,9 +251,23 @@ class DispatchState:
         if len(slots) == 0:
             work.cursor = max(work.cursor, scanned_to)
             return None
+        retried = segment.attempts(slots) > 0
+        if retried.any():  # an item that failed before goes alone: a poison item sinks no batch
+            cut = 1 if retried[0] else int(np.argmax(retried))
+            slots = slots[:cut]
+            scanned_to = int(slots[-1]) + 1
         ok = segment.verify(slots)
         seqs = segment.slots["seq"][slots]
+        if self.cancelled_jobs:
+            jobs = seqs >> np.uint64(32)
+            gone = np.isin(jobs, np.fromiter(self.cancelled_jobs, np.uint64)) & ok
+        else:
+            gone = None
         # Phase 2: commit.
+        if gone is not None and gone.any():
+            self.cancelled.append(_items(segment.segment_id, slots[gone], seqs[gone]))
+            self._mark_out(work, slots[gone])
+            slots, seqs, ok = slots[~gone], seqs[~gone], ok[~gone]
         if not ok.all():
             bad = slots[~ok]
             log.error(
@@ -177,22 +298,148 @@ class DispatchState:
             deadline_s=now + self.lease_s,
         )
         self._next_batch_id += 1
-        self._leases[batch.batch_id] = batch
+        self._add_lease(batch, work)
         return batch
+
+    def _add_lease(self, batch: Batch, work: _Work) -> None:
+        self._leases[batch.batch_id] = batch
+        self._by_session.setdefault(batch.session, set()).add(batch.batch_id)
+        if work.batches is None:
+            work.batches = set()
+        work.batches.add(batch.batch_id)
+
+    def _remove_lease(self, batch: Batch) -> None:
+        self._leases.pop(batch.batch_id, None)
+        self._ended.append(batch.batch_id)
+        held = self._by_session.get(batch.session)
+        if held is not None:
+            held.discard(batch.batch_id)
+            if not held:
+                del self._by_session[batch.session]
+        work = self._work.get(batch.segment_id)
+        if work is not None and work.batches is not None:
+            work.batches.discard(batch.batch_id)
+
+    def adopt(
+        self, session: str, items: np.ndarray, now: float, batch_id: int | None = None
+    ) -> np.ndarray:
+        """A worker says it holds `items` (ITEM_DTYPE): mark them held by `session` (invariant 8).
+
+        Returns per item: 1 held by this session now, 2 out with another session
+        (the worker may finish it; the first result wins), 0 unknown or retired
+        (the worker should drop it). Creates one lease per segment.
+        """
+        answer = np.zeros(len(items), np.uint8)
+        for segment_id in np.unique(items["segment"]).tolist():
+            mine = np.flatnonzero(items["segment"] == segment_id)
+            work = self._work.get(int(segment_id))
+            if work is None:
+                continue
+            segment = work.segment
+            slots = items["slot"][mine].astype(np.int64)
+            inside = slots < work.end
+            ok = np.zeros(len(mine), bool)
+            ok[inside] = ((segment.markers[slots[inside]] & STATE_MASK) == LIVE) & (
+                segment.slots["seq"][slots[inside]] == items["seq"][mine][inside]
+            )
+            held_by_me = np.zeros(len(mine), bool)
+            for held in self._by_session.get(session, set()):
+                batch = self._leases[held]
+                if batch.segment_id == segment_id:
+                    held_by_me |= np.isin(slots, batch.items["slot"])
+            elsewhere = ok & ~held_by_me
+            if work.out is not None:
+                elsewhere &= work.out[slots]
+            else:
+                elsewhere[:] = False
+            fresh = ok & ~held_by_me & ~elsewhere
+            answer[mine[ok]] = 1
+            answer[mine[elsewhere]] = 2
+            if fresh.any():
+                take = slots[fresh]
+                self._mark_out(work, take)
+                lease_id = batch_id if batch_id is not None else self._next_batch_id
+                self.set_next_batch_id(lease_id)
+                batch = Batch(
+                    batch_id=lease_id,
+                    session=session,
+                    segment_id=int(segment_id),
+                    model=work.model,
+                    shape=segment.key.shape,
+                    lane=segment.key.lane,
+                    items=_items(int(segment_id), take, segment.slots["seq"][take]),
+                    lengths=np.zeros(0, np.uint32),
+                    tokens=np.zeros((0, 0), np.uint32),
+                    deadline_s=now + self.lease_s,
+                )
+                self._add_lease(batch, work)
+        return answer
+
+    def report(self, session: str, held: np.ndarray, seen_batch: int, now: float) -> int:
+        """A session's periodic report: renew its leases; reclaim at once what it no longer holds.
+
+        Only batches up to `seen_batch` (the newest the worker had received when
+        it wrote the report) are compared, so a batch still on its way is not
+        mistaken for a lost one. Returns the items reclaimed.
+        """
+        reclaimed = 0
+        for batch_id in sorted(self._by_session.get(session, set())):
+            batch = self._leases[batch_id]
+            batch.deadline_s = now + self.lease_s
+            if batch_id > seen_batch:
+                continue
+            mine = held["segment"] == batch.segment_id
+            missing = ~np.isin(batch.items["slot"], held["slot"][mine])
+            if missing.any():
+                lost = batch.items["slot"][missing].astype(np.int64)
+                log.warning(
+                    "session %s no longer holds %d item(s) of batch %d; reclaimed",
+                    session,
+                    len(lost),
+                    batch_id,
+                )
+                reclaimed += self.reclaim(batch_id, count_attempt=True, slots=lost)
+        return reclaimed
+
+    def take_ended(self) -> list[int]:
+        """Ids of leases that ended (all their items retired or reclaimed) since the last call."""
+        ended, self._ended = self._ended, []
+        return ended
+
+    def drop_session_quietly(self, session: str) -> int:
+        """A session left cleanly: hand back whatever it still holds without counting attempts."""
+        held = sorted(self._by_session.get(session, ()))
+        return sum(self.reclaim(batch_id, count_attempt=False) for batch_id in held)
+
+    def session_batches(self, session: str) -> int:
+        return len(self._by_session.get(session, ()))
+
+    def sessions(self) -> list[str]:
+        return list(self._by_session)
 
     def _candidates(self, work: _Work, budget: int) -> tuple[np.ndarray, int]:
         """Up to `budget` LIVE slots not out on lease, from the cursor; and how far that scanned.
 
         Every slot before the returned position is out, retired or never
         written, so the cursor may move there once the batch is committed.
+        Markers are read in windows, so a long backlog is never scanned whole.
         """
-        window = work.segment.markers[work.cursor : work.end] & STATE_MASK
-        free = window == LIVE
-        if work.out is not None:
-            free &= ~work.out[work.cursor : work.end]
-        found = np.flatnonzero(free)[:budget] + work.cursor
-        scanned_to = int(found[-1]) + 1 if len(found) == budget else work.end
-        return found.astype(np.int64), scanned_to
+        found_parts: list[np.ndarray] = []
+        need = budget
+        start = work.cursor
+        while start < work.end and need > 0:
+            stop = min(work.end, start + max(SCAN_MARKERS, 2 * need))
+            free = (work.segment.markers[start:stop] & STATE_MASK) == LIVE
+            if work.out is not None:
+                free &= ~work.out[start:stop]
+            hits = np.flatnonzero(free)[:need] + start
+            found_parts.append(hits)
+            need -= len(hits)
+            if need == 0:
+                return np.concatenate(found_parts).astype(np.int64), int(hits[-1]) + 1
+            start = stop
+        found = np.concatenate(found_parts) if found_parts else np.zeros(0, np.int64)
+        return found.astype(np.int64), work.end
 
     def _mark_out(self, work: _Work, slots: np.ndarray) -> None:
         if work.out is None:
@@ -202,7 +449,7 @@ class DispatchState:
     # ---- leases --------------------------------------------------------------------------------
     def renew(self, session: str, now: float) -> int:
         """A session reported in: extend all its leases. Returns how many batches it holds."""
-        held = [b for b in self._leases.values() if b.session == session]
+        held = [self._leases[b] for b in self._by_session.get(session, ())]
         for batch in held:
             batch.deadline_s = now + self.lease_s
         return len(held)
@@ -216,7 +463,7 @@ class DispatchState:
 
     def drop_session(self, session: str) -> int:
         """A session is gone: reclaim all it held, counting an attempt for each item."""
-        held = [b.batch_id for b in self._leases.values() if b.session == session]
+        held = sorted(self._by_session.get(session, ()))
         return sum(self.reclaim(batch_id, count_attempt=True) for batch_id in held)
 
     def reclaim(self, batch_id: int, count_attempt: bool, slots: np.ndarray | None = None) -> int:
@@ -231,7 +478,7 @@ class DispatchState:
         if len(rest):
             batch.items = batch.items[np.isin(all_slots, rest)]
         else:
-            del self._leases[batch_id]
+            self._remove_lease(batch)
         segment = work.segment
         back = back[
             (segment.markers[back] & STATE_MASK) == LIVE
@@ -266,25 +513,36 @@ class DispatchState:
             return
         if work.out is not None:
             work.out[slots] = False
-        for batch in [b for b in self._leases.values() if b.segment_id == segment_id]:
+        for batch_id in sorted(work.batches or ()):
+            batch = self._leases[batch_id]
             keep = ~np.isin(batch.items["slot"], slots)
             if not keep.all():
                 batch.items = batch.items[keep]
                 if len(batch.items) == 0:
-                    del self._leases[batch.batch_id]
+                    self._remove_lease(batch)
 
     def take_outcomes(self) -> Outcome:
-        """Dead letters and quarantined items since the last call."""
+        """Dead letters, quarantined and cancelled items since the last call."""
         empty = np.zeros(0, ITEM_DTYPE)
         outcome = Outcome(
             np.concatenate(self.dead_letters) if self.dead_letters else empty,
             np.concatenate(self.quarantined) if self.quarantined else empty,
+            np.concatenate(self.cancelled) if self.cancelled else empty,
         )
-        self.dead_letters, self.quarantined = [], []
+        self.dead_letters, self.quarantined, self.cancelled = [], [], []
         return outcome
 
     def leases(self, session: str | None = None) -> list[Batch]:
-        return [b for b in self._leases.values() if session is None or b.session == session]
+        if session is None:
+            return list(self._leases.values())
+        return [self._leases[b] for b in sorted(self._by_session.get(session, ()))]
+
+    def lease(self, batch_id: int) -> Batch | None:
+        return self._leases.get(batch_id)
+
+    @property
+    def in_flight(self) -> int:
+        return sum(len(b.items) for b in self._leases.values())
 
 
 def _items(segment_id: int, slots: np.ndarray, seqs: np.ndarray) -> np.ndarray:

@@ -21,6 +21,8 @@ a stand-in for a GPU in benchmarks).
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -74,13 +76,28 @@ class Engine:
         raise NotImplementedError
 
 
+POISON_ENV = "FABRIC_ECHO_POISON"
+
+
 class EchoEngine(Engine):
-    """Generation echoes the prompt (cut to max_tokens); embedding returns the tokens as floats."""
+    """Generation echoes the prompt (cut to max_tokens); embedding returns the tokens as floats.
+
+    For fault tests, `poison_token` (or the FABRIC_ECHO_POISON environment
+    variable) names a token: a batch with an item that starts with it kills
+    the worker process with SIGKILL, as a crashing GPU kernel would.
+    """
 
     name = "echo"
 
+    def __init__(self, poison_token: int | None = None) -> None:
+        if poison_token is None and os.environ.get(POISON_ENV):
+            poison_token = int(os.environ[POISON_ENV])
+        self.poison_token = poison_token
+
     def run(self, batch: EngineBatch) -> EngineResult:
         n = len(batch.lengths)
+        if self.poison_token is not None and n and (batch.tokens[:, 0] == self.poison_token).any():
+            os.kill(os.getpid(), signal.SIGKILL)
         if batch.task == EMBED:
             return EngineResult([None] * n, embeddings=batch.tokens.astype(np.float32))
         lengths = np.minimum(batch.lengths.astype(np.int64), batch.max_tokens)

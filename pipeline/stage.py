@@ -32,6 +32,7 @@ class StageSpec:
     name: str
     index: int
     target: str  # "package.module:ClassName", importable in a fresh interpreter
+    critical: bool = True  # a crash loop of a critical stage stops the broker; others back off
 
     @property
     def label(self) -> str:

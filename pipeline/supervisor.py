@@ -19,12 +19,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import multiprocessing.connection
 import os
 import signal
 import sys
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -37,6 +39,8 @@ from pipeline.recovery import recover
 from pipeline.ring import Ring
 from pipeline.stage import StageSpec, stage_main
 from pipeline.topology import RING_BYTES, RingSpec
+
+EPOCH_ENV = "FABRIC_EPOCH"
 
 log = logging.getLogger("fabric.supervisor")
 MAX_BACKOFF_S = 30.0
@@ -82,12 +86,18 @@ class Supervisor:
         self._context = multiprocessing.get_context("spawn")
         self._stop = False
         self.failure: str | None = None
+        self.next_sweep = 0.0
+        self.heartbeat: Heartbeat | None = None
 
     # ---- lifecycle -------------------------------------------------------
     def start(self) -> None:
         """Lock, recover, collect, and start every stage. Raises DataDirLockedError."""
         self.data_dir.lock()
         setup_stage_logging(self.data_dir.log, "supervisor-0")
+        self.epoch = time.time_ns()
+        os.environ[EPOCH_ENV] = str(self.epoch)  # inherited by every stage: dispatch files
+        self.heartbeat = Heartbeat(self.settings.dispatch.heartbeat_bind, self.epoch)
+        self.heartbeat.start()
         report = recover(self.data_dir, self.settings.broker.recovery_processes)
         log.info(
             "recovery: %d segments, %d live items, %d torn slots cut, %d damaged files, %.3f s",
@@ -98,6 +108,7 @@ class Supervisor:
             report.elapsed_s,
         )
         self.collector.offer(report.finished)
+        self.heartbeat.recovered = True
         for ring in self.rings:
             _fresh_ring(ring)
         now = time.monotonic()
@@ -142,6 +153,9 @@ class Supervisor:
                 self._spawn(child, now)
                 log.info("restarted stage %s (pid %d)", child.spec.label, child.process.pid)
         self.collector.step(now)
+        if now >= self.next_sweep:
+            self.next_sweep = now + self.settings.collector.interval_s
+            self.collector.sweep(self.data_dir, self.settings.completion.results_retention_s)
 
     def _on_death(self, child: _Child, now: float) -> None:
         how = describe_exit(child.process.exitcode)
@@ -151,7 +165,7 @@ class Supervisor:
         child.deaths.append(now)
         while child.deaths and child.deaths[0] < now - window:
             child.deaths.popleft()
-        if len(child.deaths) > self.config.max_restarts:
+        if len(child.deaths) > self.config.max_restarts and child.spec.critical:
             self.failure = (
                 f"stage {child.spec.label} died {len(child.deaths)} times within {window:g} s "
                 f"(last: {how}); see {self.data_dir.log / (child.spec.label + '.log')}"
@@ -198,6 +212,68 @@ class Supervisor:
             child.process = None
         for ring in self.rings:
             Ring.unlink(ring.name)
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
 
     def pids(self) -> dict[str, int]:
         return {c.spec.label: c.process.pid for c in self._children if c.process is not None}
+
+
+class Heartbeat(threading.Thread):
+    """The stateless heartbeat port: answers PING with the broker's epoch and whether it recovered.
+
+    Answered by the supervisor itself, so a worker hears the broker is up even
+    while dispatch is busy or restarting.
+    """
+
+    def __init__(self, address: str, epoch: int) -> None:
+        super().__init__(name="heartbeat", daemon=True)
+        self.address = address
+        self.epoch = epoch
+        self.recovered = False
+        self._stop_event = threading.Event()
+        self.started_ns = time.time_ns()
+
+    def run(self) -> None:
+        import zmq
+
+        from pipeline import wire
+        from pipeline.errors import FabricError, WireError
+
+        context = zmq.Context()
+        socket = context.socket(zmq.ROUTER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.SNDTIMEO, 0)
+        try:
+            socket.bind(self.address)
+        except zmq.ZMQError as exc:
+            log.error("heartbeat port %s: cannot bind: %s", self.address, exc)
+            socket.close(0)
+            context.term()
+            return
+        try:
+            while not self._stop_event.is_set():
+                try:
+                    message = wire.recv(socket, 100)
+                except WireError:
+                    continue
+                if message is None or message.type != wire.MessageType.PING:
+                    continue
+                with contextlib.suppress(FabricError):
+                    wire.send(
+                        socket,
+                        wire.MessageType.PONG,
+                        {
+                            "epoch": self.epoch,
+                            "recovered": self.recovered,
+                            "up_s": (time.time_ns() - self.started_ns) / 1e9,
+                        },
+                        route=message.route,
+                    )
+        finally:
+            socket.close(0)
+            context.term()
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(timeout=2.0)

@@ -5,10 +5,14 @@
 | `front`     | 1                    | producers (ingest.bind), `front` socket  | rings front->router, `tokenize` socket |
 | `tokenizer` | ingest.processes     | `tokenize` socket                       | rings tokenizer->router, `front`       |
 | `router`    | router.processes     | its rings, `router-<r>` socket           | rings router->writer                  |
-| `writer`    | writers.processes    | its rings, `writer-<w>` socket           | segments, `front` socket (acks)        |
+| `writer`    | writers.processes    | its rings, `writer-<w>` socket           | segments, `front` socket (acks), `dispatch` socket (APPENDED) |
+| `worker`    | workers.local        | dispatch.bind (a client, like any worker) | dispatch.bind                          |
+| `dispatch`  | 1                    | segments, dispatch.bind, `dispatch` socket | dispatch.bind, `completion` socket     |
+| `completion`| 1                    | `completion` socket, completion.bind     | completion log, input markers, `dispatch` socket |
 
 Stages are listed front first: the supervisor stops them in this order, so
-work already accepted drains downstream. Internal sockets are ipc endpoints
+work already accepted drains downstream, and local workers hand back what
+they hold while dispatch and completion still run. Internal sockets are ipc endpoints
 under a short run directory derived from the data dir (ipc paths are
 limited to 107 bytes).
 """
@@ -62,6 +66,12 @@ def stage_specs(settings) -> list[StageSpec]:
         StageSpec("writer", i, "router.writer:WriterStage")
         for i in range(settings.writers.processes)
     ]
+    specs += [
+        StageSpec("worker", i, "gpu.worker:WorkerStage", critical=False)
+        for i in range(settings.workers.local)
+    ]
+    specs.append(StageSpec("dispatch", 0, "gpu.dispatch_stage:DispatchStage"))
+    specs.append(StageSpec("completion", 0, "collector.completion_stage:CompletionStage"))
     return specs
 
 

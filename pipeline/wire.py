@@ -42,6 +42,8 @@ others may be added freely):
 | 20    | PING         | any -> any                 | (none)                                        |
 | 21    | PONG         | reply to PING              | (none)                                        |
 | 30    | ERROR        | any -> sender of a message | reason: str; RETRYABLE flag as above          |
+| 40-56 | worker, dispatch and completion messages: see docs/wire.md (dispatch and completion) | | |
+| 60-65 | results clients <-> completion: see docs/wire.md                              | | |
 
 Ints in required fields are non-negative and below 2**64. ITEM_BATCH names a
 record span of a shared-memory ring (pipeline/ring.py): `start` is the ring's
@@ -94,6 +96,27 @@ class MessageType(IntEnum):
     PING = 20
     PONG = 21
     ERROR = 30
+    WORKER_HELLO = 40
+    WELCOME = 41
+    WORK_REQUEST = 42
+    WORK = 43
+    NO_WORK = 44
+    REPORT = 45
+    RESULTS = 46
+    RESULTS_ACK = 47
+    HAND_BACK = 48
+    BYE = 49
+    UNKNOWN_SESSION = 50
+    ITEM_ERRORS = 51
+    RETIRED = 52
+    APPENDED = 53
+    CANCEL_JOB = 54
+    BROKER_STATUS = 55
+    BROKER_INFO = 56
+    FETCH = 60
+    RESULT_PAGE = 61
+    CANCEL = 64
+    CANCELLED = 65
 
 
 class Flag(IntFlag):
@@ -118,6 +141,27 @@ REQUIRED_META: dict[MessageType, dict[str, type]] = {
     MessageType.PING: {},
     MessageType.PONG: {},
     MessageType.ERROR: {"reason": str},
+    MessageType.WORKER_HELLO: {"session": str, "model": str},
+    MessageType.WELCOME: {"epoch": int, "lease_s": float, "report_s": float},
+    MessageType.WORK_REQUEST: {"session": str, "model": str, "max_items": int, "max_tokens": int},
+    MessageType.WORK: {"batch_id": int, "segment": int, "lane": int, "task": str},
+    MessageType.NO_WORK: {"retry_ms": int},
+    MessageType.REPORT: {"session": str, "seen_batch": int},
+    MessageType.RESULTS: {"session": str, "result_id": int},
+    MessageType.RESULTS_ACK: {"result_ids": list},
+    MessageType.HAND_BACK: {"session": str, "reason": str},
+    MessageType.BYE: {"session": str},
+    MessageType.UNKNOWN_SESSION: {"session": str},
+    MessageType.ITEM_ERRORS: {"reason": str},
+    MessageType.RETIRED: {"acks": list},
+    MessageType.APPENDED: {"segment": int, "end": int},
+    MessageType.CANCEL_JOB: {"job_no": int},
+    MessageType.BROKER_STATUS: {},
+    MessageType.BROKER_INFO: {"epoch": int},
+    MessageType.FETCH: {"job": str},
+    MessageType.RESULT_PAGE: {"job": str, "page": int},
+    MessageType.CANCEL: {"job": str},
+    MessageType.CANCELLED: {"job": str, "state": str},
 }
 
 
@@ -243,6 +287,8 @@ def _check_meta(msg_type: MessageType, meta: object) -> dict[str, Any]:
         if kind is int:  # numpy ints are fine going out (orjson writes them); JSON gives ints
             ok = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
             ok = ok and 0 <= int(value) < _U64_LIMIT
+        elif kind is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         else:
             ok = isinstance(value, kind)
         if not ok:

@@ -32,8 +32,8 @@ def _canonical(shape: dict[str, Any]) -> bytes:
 class ShapeTable:
     """Shape dict <-> id, backed by `<data_dir>/shapes.log`."""
 
-    def __init__(self, data_root: Path) -> None:
-        self.path = Path(data_root) / FILE
+    def __init__(self, data_root: Path, file: str = FILE) -> None:
+        self.path = Path(data_root) / file
         self._by_key: dict[bytes, int] = {}
         self._by_id: dict[int, dict[str, Any]] = {}
         self.reload()
@@ -80,3 +80,10 @@ class ShapeTable:
             return self._by_id[shape_id]
         except KeyError:
             raise FabricError(f"shape id {shape_id} is not in {self.path}") from None
+
+    def get(self, shape_id: int) -> dict[str, Any] | None:
+        """The shape of `shape_id`, or None if the table does not have it (after one re-read)."""
+        try:
+            return self.shape(shape_id)
+        except FabricError:
+            return None

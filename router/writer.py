@@ -53,6 +53,11 @@ class WriterStage(Stage):
         self.acks.setsockopt(zmq.LINGER, 1000)
         self.acks.setsockopt(zmq.SNDTIMEO, 1000)
         self.acks.connect(internal_address(settings, "front"))
+        self.dispatch = self.context.socket(zmq.PUSH)  # new work: (segment, end) after each sync
+        self.dispatch.setsockopt(zmq.LINGER, 0)
+        self.dispatch.setsockopt(zmq.SNDTIMEO, 0)
+        self.dispatch.connect(internal_address(settings, "dispatch"))
+        self.placed: dict[int, int] = {}  # segment id -> end of what this step appended
         self.appended = 0
         self.flush_s = settings.writers.flush_ms / 1000
 
@@ -101,6 +106,7 @@ class WriterStage(Stage):
         if durable:
             for appender in self.appenders.values():
                 appender.sync()
+            self._announce()
         for (job_no, chunk), count in durable.items():
             if (job_no, chunk) not in failed:
                 self._tell(
@@ -158,7 +164,7 @@ class WriterStage(Stage):
         if chunk in failed:
             return
         try:
-            self._appender((keyed.model, keyed.shape, keyed.lane)).append(
+            placed = self._appender((keyed.model, keyed.shape, keyed.lane)).append(
                 seqs(keyed.job_no, keyed.index),
                 np.full(len(keyed.index), keyed.job_no, np.uint64),
                 keyed.index,
@@ -166,9 +172,22 @@ class WriterStage(Stage):
                 keyed.tokens,
             )
             durable[chunk] += len(keyed.index)
+            for segment_id, first, count in placed.tolist():
+                self.placed[segment_id] = max(self.placed.get(segment_id, 0), first + count)
         except DiskFullError as exc:
             failed[chunk] = str(exc)
             self.log.error("job %d chunk %d: %s", *chunk, exc)
+
+    def _announce(self) -> None:
+        """Tell dispatch what is durable now; a lost notice is found by its rescan."""
+        for segment_id, end in self.placed.items():
+            try:
+                wire.send(
+                    self.dispatch, wire.MessageType.APPENDED, {"segment": segment_id, "end": end}
+                )
+            except FabricError:
+                break
+        self.placed.clear()
 
     def _backlog(self) -> bool:
         """True while any input ring holds records."""
@@ -199,5 +218,6 @@ class WriterStage(Stage):
             port.close()
         self.wakeups.close(0)
         self.acks.close()
+        self.dispatch.close(0)
         self.context.term()
         self.log.info("writer closed: %d items appended in this life", self.appended)

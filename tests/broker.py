@@ -47,7 +47,13 @@ def build_tokenizer(path: Path) -> Path:
 
 
 def write_config(
-    tmp_path: Path, extra: str = "", tokenizers: int = 1, routers: int = 1, writers: int = 1
+    tmp_path: Path,
+    extra: str = "",
+    tokenizers: int = 1,
+    routers: int = 1,
+    writers: int = 1,
+    workers: int = 0,
+    dispatch: str = "",
 ) -> Path:
     """A config with a data dir under tmp_path, free loopback ports, and two models:
     `echo` (token ids only) and `texty` (text, with a small word-level tokenizer)."""
@@ -69,6 +75,9 @@ processes = {writers}
 [dispatch]
 bind = "tcp://127.0.0.1:{ports[1]}"
 heartbeat_bind = "tcp://127.0.0.1:{ports[2]}"
+{dispatch}
+[workers]
+local = {workers}
 [completion]
 bind = "tcp://127.0.0.1:{ports[3]}"
 [supervisor]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import appender, assert_check_clean, make_batch
 
-from collector.completion_log import ERROR_RESULT, RESULT, CompletionLog, Results
+from collector.completion_log import ERROR_RESULT, RESULT, SIZE_CLASSES, CompletionLog, Results
 from pipeline.recovery import recover
 from pipeline.segment import Segment
 from pipeline.segment_format import DEAD, LIVE
@@ -54,7 +54,7 @@ def completion_rows(data_dir):
             rows += list(
                 zip(
                     seg.slots["index"][written].tolist(),
-                    seg.slots["flags"][written].tolist(),
+                    (seg.slots["flags"][written] & 0x0F).tolist(),
                     strict=True,
                 )
             )
@@ -64,7 +64,7 @@ def completion_rows(data_dir):
 def test_results_are_stored_then_inputs_retired_and_counted_once(data_dir):
     segs = inputs(data_dir)
     first = min(segs)
-    log = CompletionLog(data_dir, segs.__getitem__, result_bytes=64)
+    log = CompletionLog(data_dir, segs.__getitem__)
     picks = [(first, k) for k in range(5)]
     recorded = log.record(results(segs, picks))
     assert (recorded.stored, recorded.duplicates, recorded.refused) == (5, 0, [])
@@ -80,11 +80,11 @@ def test_results_are_stored_then_inputs_retired_and_counted_once(data_dir):
 def test_a_crash_between_output_and_tombstone_heals_without_a_second_result(data_dir):
     segs = inputs(data_dir)
     first = min(segs)
-    log = CompletionLog(data_dir, segs.__getitem__, result_bytes=64)
+    log = CompletionLog(data_dir, segs.__getitem__)
     log.record(results(segs, [(first, 0), (first, 1)], status=ERROR_RESULT))
     log.close()
     segs[first].markers[[0, 1]] = LIVE  # the tombstones never reached the disk
-    restarted = CompletionLog(data_dir, segs.__getitem__, result_bytes=64)
+    restarted = CompletionLog(data_dir, segs.__getitem__)
     assert restarted.completed("job-c") == 2  # rebuilt from the completion log itself
     recorded = restarted.record(
         results(segs, [(first, 0), (first, 1), (first, 2)])
@@ -95,10 +95,10 @@ def test_a_crash_between_output_and_tombstone_heals_without_a_second_result(data
     assert sorted(completion_rows(data_dir)) == [(0, ERROR_RESULT), (1, ERROR_RESULT), (2, RESULT)]
 
 
-def test_stale_forged_and_oversized_results_are_refused_by_name(data_dir):
+def test_stale_and_forged_results_are_refused_by_name_and_oversized_ones_become_errors(data_dir):
     segs = inputs(data_dir)
     first = min(segs)
-    log = CompletionLog(data_dir, segs.__getitem__, result_bytes=64)
+    log = CompletionLog(data_dir, segs.__getitem__)
     wrong = log.record(results(segs, [(first, 3)], seq_offset=1))
     assert wrong.stored == 0 and "does not match the slot (another item)" in wrong.refused[0]
     empty_slot = segs[first].entries + 1
@@ -114,9 +114,42 @@ def test_stale_forged_and_oversized_results_are_refused_by_name(data_dir):
         np.array([0, 1]),
     )
     assert "never written" in log.record(forged).refused[0]
-    big = log.record(results(segs, [(first, 4)], size=200))
-    assert big.stored == 0 and "exceeds its budget" in big.refused[0]
     assert (seg.states()[3:5] == LIVE).all()
+    big = log.record(results(segs, [(first, 4)], size=SIZE_CLASSES[-1]))
+    assert (big.stored, big.refused) == (1, [])
+    assert log.failed("job-c") == 1 and seg.states()[4] == DEAD
+    page = log.page("job-c", 10)
+    assert page.status.tolist() == [ERROR_RESULT]
+    assert bytes(page.payload).startswith(b"result_too_large")
+    log.close()
+
+
+def test_results_are_read_back_in_pages_and_delivered_once(data_dir):
+    segs = inputs(data_dir)
+    first = min(segs)
+    log = CompletionLog(data_dir, segs.__getitem__)
+    small = results(segs, [(first, k) for k in range(6)], size=10)
+    small.prompt_tokens = np.arange(6, dtype=np.uint32) + 100
+    log.record(small)
+    log.record(results(segs, [(first, 6)], size=3000))  # another size class
+    log.record_errors("job-c", 7, np.array([40, 41]), ["invalid_json: line 41", "x: line 42"])
+    log.sync_outputs()
+    assert (log.completed("job-c"), log.failed("job-c")) == (9, 2)
+    page = log.page("job-c", 4)
+    assert page.index.tolist() == [0, 1, 2, 3]
+    assert page.prompt_tokens.tolist() == [100, 101, 102, 103]
+    assert np.array_equal(page.payload, small.payload[:40])
+    log.delivered("job-c", page.where)
+    rest = log.page("job-c", 100)
+    assert sorted(rest.index.tolist()) == [4, 5, 6, 40, 41]
+    errors = rest.status == ERROR_RESULT
+    assert sorted(rest.index[errors].tolist()) == [40, 41]
+    assert log.undelivered("job-c") == 5
+    log.delivered("job-c", rest.where)
+    assert len(log.page("job-c", 100)) == 0 and log.undelivered("job-c") == 0
+    everything = log.page("job-c", 5, everything=True)
+    again = log.page("job-c", 5, everything.next, everything=True)
+    assert sorted(everything.index.tolist() + again.index.tolist()) == [0, 1, 2, 3, 4, 5, 6, 40, 41]
     log.close()
 
 

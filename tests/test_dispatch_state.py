@@ -85,7 +85,12 @@ def test_leases_expire_only_after_loading_and_rewind_with_an_attempt(data_dir):
         assert reader.attempts(np.arange(4)).tolist() == [1, 1, 1, 1]
         assert (reader.states()[:4] == 1).all()
     rerun = s.next_batch("b", "m", 10, 10_000, now=106.0)
-    assert rerun.items["slot"].tolist() == list(range(10))  # the reclaimed ones first, oldest first
+    assert rerun.items["slot"].tolist() == [0]  # the reclaimed ones first, oldest first, alone
+    for slot in (1, 2, 3):  # an item that failed before goes alone: a poison item sinks no batch
+        assert s.next_batch("b", "m", 10, 10_000, now=106.0).items["slot"].tolist() == [slot]
+    assert s.next_batch("b", "m", 10, 10_000, now=106.0).items["slot"].tolist() == list(
+        range(4, 10)
+    )
 
 
 def test_an_item_reclaimed_max_attempts_times_is_dead_lettered(data_dir):

@@ -77,7 +77,7 @@ def test_round_trip_with_structured_empty_and_scalar_arrays():
     assert decode(encode(MessageType.ITEM_BATCH, numpy_meta)).meta == BATCH
 
 
-SAMPLE_VALUES = {str: "j1", int: 7, bool: True, list: [1, "a", None]}
+SAMPLE_VALUES = {str: "j1", int: 7, float: 2.5, bool: True, list: [1, "a", None]}
 
 
 def test_round_trip_of_every_type_with_bytes_frames():

@@ -26,7 +26,7 @@ def main() -> None:
     for path in data_dir.segments.glob("in-*.seg"):
         seg = Segment.open(path, writable=True)
         inputs[seg.segment_id] = seg
-    log = CompletionLog(data_dir, inputs.__getitem__, result_bytes=64, segment_bytes=1 << 16)
+    log = CompletionLog(data_dir, inputs.__getitem__, segment_bytes=1 << 16)
     while True:
         segment_id = int(rng.choice(sorted(inputs)))
         seg = inputs[segment_id]

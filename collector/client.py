@@ -1,0 +1,197 @@
+"""The results client: fetch a job's results exactly once, its status, cancel it; broker status.
+
+`python run.py results JOB -o OUT.jsonl [--errors ERR.jsonl] [--follow] [--all]`
+runs `ResultsClient.fetch`. Each page is written to OUT and ERR (lines a file
+already holds are skipped, so a re-run after a crash writes each custom_id
+once), both files are fsynced, and only then is the page acknowledged, with
+the next request (invariant 12). A broker that goes away is retried with
+backoff; with `follow` the client keeps going until the job is finished.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import zmq
+
+from collector.completion_log import subset
+from collector.export import ExportContext, ResultFile, ResultPage, format_page, page_keys
+from pipeline import wire
+from pipeline.errors import FabricError, WireError
+
+MT = wire.MessageType
+TERMINAL = ("completed", "cancelled", "expired")
+
+
+class BrokerUnreachableError(FabricError):
+    """No answer from the broker within the tries allowed."""
+
+
+@dataclass
+class FetchReport:
+    written: int = 0  # output lines written in this run
+    errors: int = 0  # error lines written in this run
+    pages: int = 0
+    info: dict[str, Any] | None = None
+
+
+class Client:
+    """A DEALER to one broker address; `request` retries with backoff on silence."""
+
+    def __init__(self, address: str, timeout_s: float = 5.0, attempts: int = 5) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self.attempts = attempts
+        self.context = zmq.Context()
+        self.socket = None
+        self._connect()
+
+    def _connect(self) -> None:
+        if self.socket is not None:
+            self.socket.close(0)
+        self.socket = self.context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.SNDTIMEO, 1000)
+        self.socket.connect(self.address)
+
+    def request(
+        self, kind: MT, meta: dict, answer: MT, attempts: int | None = None
+    ) -> wire.Message:
+        attempts = self.attempts if attempts is None else attempts
+        backoff = 0.2
+        for attempt in range(attempts):
+            try:
+                wire.send(self.socket, kind, meta)
+                deadline = time.monotonic() + self.timeout_s
+                while (left := deadline - time.monotonic()) > 0:
+                    message = wire.recv(self.socket, int(left * 1000) + 1)
+                    if message is None:
+                        break
+                    if message.type == answer:
+                        return message
+                    if message.type == MT.ERROR:
+                        raise FabricError(
+                            f"the broker at {self.address} says: {message.meta['reason']}"
+                        )
+            except WireError:
+                pass
+            if attempt + 1 < attempts:
+                self._connect()  # a fresh socket: nothing stale is waiting in the old one
+                time.sleep(backoff * (0.5 + random.random()))
+                backoff = min(5.0, backoff * 2)
+        raise BrokerUnreachableError(
+            f"no answer from the broker at {self.address} after {attempts} tries of "
+            f"{self.timeout_s:g} s; is it running (python run.py --config FILE)? "
+            "Check --broker / --config"
+        )
+
+    def close(self) -> None:
+        if self.socket is not None:
+            self.socket.close(0)
+        self.context.term()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ResultsClient(Client):
+    """Talks to the completion stage (`completion.bind`)."""
+
+    def job_status(self, job_id: str) -> dict[str, Any]:
+        return self.request(MT.JOB_STATUS, {"job": job_id}, MT.JOB_INFO).meta
+
+    def cancel(self, job_id: str) -> dict[str, Any]:
+        return self.request(MT.CANCEL, {"job": job_id}, MT.CANCELLED).meta
+
+    def fetch(
+        self,
+        job_id: str,
+        out_path: str,
+        err_path: str,
+        *,
+        follow: bool = False,
+        everything: bool = False,
+        decoders: dict[str, Callable[[list[int]], str]] | None = None,
+        progress: Callable[[FetchReport], None] | None = None,
+        page_items: int = 4096,
+        poll_s: float = 0.2,
+    ) -> FetchReport:
+        """Write the job's results to out/err, exactly once per custom_id; returns what it did."""
+        report = FetchReport()
+        decoders = decoders or {}
+        ack = 0
+        cursors: list = []
+        with ResultFile.open(out_path) as out, ResultFile.open(err_path) as err:
+            while True:
+                meta = {"job": job_id, "ack": ack, "all": everything, "limit": page_items}
+                if everything:
+                    meta["cursors"] = cursors
+                try:
+                    message = self.request(
+                        MT.FETCH, meta, MT.RESULT_PAGE, attempts=1_000_000 if follow else None
+                    )
+                except BrokerUnreachableError:
+                    raise
+                info = message.meta
+                report.info = info
+                ack = 0
+                a = message.arrays
+                n = len(a["index"])
+                if n:
+                    self._write(job_id, info, a, decoders, out, err, report)
+                    out.sync()
+                    err.sync()  # both on disk: only now may the page be acknowledged
+                    ack = int(info["page"])
+                    cursors = info.get("cursors", [])
+                    report.pages += 1
+                    if progress is not None:
+                        progress(report)
+                    continue
+                finished = info["state"] in TERMINAL and not info.get("undelivered")
+                if not follow or finished or (everything and n == 0 and not follow):
+                    return report
+                time.sleep(poll_s)  # nothing new yet: the job is still running
+
+    def _write(self, job_id, info, a, decoders, out, err, report) -> None:
+        models = {int(k): v for k, v in info["models"].items()}
+        shapes = {int(k): v for k, v in info["shapes"].items()}
+        model_ids = a["model"]
+        for model_id in np.unique(model_ids).tolist():
+            pick = np.flatnonzero(model_ids == model_id)
+            if len(pick) == len(model_ids):
+                payload, offsets = a["payload"], a["offsets"]
+            else:
+                payload, offsets = subset(a["payload"], a["offsets"], pick)
+            page = ResultPage(
+                index=a["index"][pick],
+                custom_ids=[info["custom_ids"][i] for i in pick.tolist()],
+                status=a["status"][pick],
+                kind=a["kind"][pick],
+                shape=a["shape"][pick],
+                prompt_tokens=a["prompt_tokens"][pick],
+                payload=payload,
+                offsets=offsets,
+            )
+            model = models.get(model_id, "")
+            context = ExportContext(
+                job_id, model, shapes, decoders.get(model), int(info.get("created_ns") or 0)
+            )
+            out_lines, err_lines = format_page(page, context)
+            out_keys, err_keys = page_keys(page, context)
+            report.written += out.write(out_lines, out_keys)
+            report.errors += err.write(err_lines, err_keys)
+
+
+class DispatchClient(Client):
+    """Talks to the dispatch stage (`dispatch.bind`): queue depth, in-flight, workers."""
+
+    def broker_status(self) -> dict[str, Any]:
+        return self.request(MT.BROKER_STATUS, {}, MT.BROKER_INFO).meta

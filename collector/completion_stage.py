@@ -1,0 +1,396 @@
+"""The completion stage: results in, durable, inputs retired, workers acknowledged; results out.
+
+Sockets:
+
+| socket            | kind   | peer                                                                 |
+|-------------------|--------|----------------------------------------------------------------------|
+| `completion` ipc  | PULL   | dispatch: RESULTS (as workers sent them), ITEM_ERRORS (dead letters, quarantined, cancelled) |
+| `dispatch` ipc    | PUSH   | dispatch: RETIRED (input slots now DEAD on disk, and the worker acks) and CANCEL_JOB |
+| `completion.bind` | ROUTER | results clients: FETCH / RESULT_PAGE, JOB_STATUS / JOB_INFO, CANCEL / CANCELLED |
+
+Each step takes what arrived, stores the new results (CompletionLog.record,
+no sync yet), then makes them durable in one group commit and only then
+writes the input tombstones (`sync_outputs`). About every
+`tombstone_flush_ms` the tombstones are synced and dispatch is told which
+slots retired, with the acknowledgements for the workers whose results
+those were: output, tombstone, count, retire, acknowledge (invariant 3).
+
+Delivery: a client fetches a page, writes and fsyncs it, and acknowledges
+it with its next FETCH (`ack`); only then are those results marked
+delivered (invariant 12). One page per job is outstanding; a FETCH without
+the ack means the client lost the page, which is sent again (the client's
+output files drop what they already hold, so a custom_id is written once).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import zmq
+
+from collector.completion_log import (
+    ERROR_RESULT,
+    TEXT,
+    CompletionLog,
+    Results,
+    flags_of,
+    subset,
+)
+from collector.job_view import JobIndex, JobView, write_cancel
+from gpu.dispatch_state import ITEM_DTYPE
+from pipeline import wire
+from pipeline.datadir import DataDir
+from pipeline.errors import FabricError, SegmentError, WireError
+from pipeline.segment import Segment
+from pipeline.stage import Stage
+from pipeline.topology import internal_address
+from router.shapes import ShapeTable
+
+MT = wire.MessageType
+MAX_MESSAGES_PER_STEP = 256
+FINISHED_FILE = "finished"
+
+
+class CompletionStage(Stage):
+    name = "completion"
+    poll_ms = 10
+
+    def open(self) -> None:
+        settings = self.settings
+        self.config = settings.completion
+        self.data_dir = DataDir(settings.data_path).ensure()
+        self.jobs = JobIndex(settings.data_path)
+        self.shapes = ShapeTable(settings.data_path)
+        self.inputs: dict[int, Segment] = {}
+        self.log_ = CompletionLog(self.data_dir, self._input)
+        self.flush_s = self.config.tombstone_flush_ms / 1000
+        self.next_flush = time.monotonic() + self.flush_s
+        self.next_tidy = time.monotonic() + 1.0
+        self.acks: list[list] = []
+        self.pages: dict[str, tuple[int, list]] = {}  # job -> (page id, where) awaiting its ack
+        self.next_page = 1
+        self.rates: dict[str, tuple[float, int]] = {}  # job -> (first seen, completed then)
+        self.context = zmq.Context()
+        self.inbox = self.context.socket(zmq.PULL)
+        self.inbox.setsockopt(zmq.LINGER, 0)
+        self.inbox.bind(internal_address(settings, "completion"))
+        self.dispatch = self.context.socket(zmq.PUSH)
+        self.dispatch.setsockopt(zmq.LINGER, 2000)
+        self.dispatch.setsockopt(zmq.SNDTIMEO, 1000)
+        self.dispatch.connect(internal_address(settings, "dispatch"))
+        self.clients = self.context.socket(zmq.ROUTER)
+        self.clients.setsockopt(zmq.LINGER, 0)
+        self.clients.setsockopt(zmq.SNDTIMEO, 0)
+        self.clients.bind(self.config.bind)
+        self.poller = zmq.Poller()
+        self.poller.register(self.inbox, zmq.POLLIN)
+        self.poller.register(self.clients, zmq.POLLIN)
+        self.stored = 0
+
+    def _input(self, segment_id: int) -> Segment:
+        segment = self.inputs.get(segment_id)
+        if segment is None:
+            paths = list(self.data_dir.segments.glob(f"in-{segment_id:012d}.*.seg"))
+            if not paths:
+                raise SegmentError(f"input segment {segment_id} does not exist (collected?)")
+            segment = Segment.open(paths[0], writable=True)
+            self.inputs[segment_id] = segment
+        return segment
+
+    # ---- the loop --------------------------------------------------------------------------
+    def step(self, now: float) -> None:
+        wait_ms = max(0, min(self.poll_ms, int((self.next_flush - now) * 1000)))
+        events = dict(self.poller.poll(wait_ms))
+        if self.inbox in events:
+            self._read_inbox()
+        self.log_.sync_outputs()  # outputs durable, then their tombstones written
+        now = time.monotonic()
+        if now >= self.next_flush:
+            self._flush()
+            self.next_flush = now + self.flush_s
+        if self.clients in events:
+            self._read_clients(now)
+        if now >= self.next_tidy:
+            self.next_tidy = now + 1.0
+            self._tidy()
+
+    def _flush(self) -> None:
+        retired = self.log_.flush_tombstones()
+        if not retired and not self.acks:
+            return
+        parts = []
+        for segment_id, slots in retired.items():
+            items = np.zeros(len(slots), ITEM_DTYPE)
+            items["segment"] = segment_id
+            items["slot"] = slots
+            parts.append(items)
+        items = np.concatenate(parts) if parts else np.zeros(0, ITEM_DTYPE)
+        try:
+            wire.send(self.dispatch, MT.RETIRED, {"acks": self.acks}, {"items": items})
+        except FabricError as exc:  # dispatch restarting: it rereads markers; workers resend
+            self.log.warning("could not tell dispatch of %d retired item(s): %s", len(items), exc)
+        self.acks = []
+
+    def _read_inbox(self) -> None:
+        for _ in range(MAX_MESSAGES_PER_STEP):
+            try:
+                message = wire.recv(self.inbox, 0)
+            except WireError as exc:
+                self.log.error("malformed message from dispatch dropped: %s", exc)
+                continue
+            if message is None:
+                return
+            try:
+                if message.type == MT.RESULTS:
+                    self._results(message)
+                elif message.type == MT.ITEM_ERRORS:
+                    self._item_errors(message)
+                else:
+                    self.log.error("unexpected %s from dispatch dropped", message.type.name)
+            except (KeyError, ValueError, TypeError) as exc:
+                self.log.error("bad %s message dropped: %s", message.type.name, exc)
+
+    def _results(self, message: wire.Message) -> None:
+        meta, a = message.meta, message.arrays
+        ack = [meta.get("route", ""), meta["result_id"], 0]
+        self.acks.append(ack)
+        items = a["items"]
+        n = len(items)
+        offsets = a["offsets"].astype(np.int64)
+        payload = a["payload"]
+        fields = ("status", "kind", "prompt_tokens")
+        if (
+            items.dtype != ITEM_DTYPE
+            or any(len(a[f]) != n for f in fields)
+            or len(offsets) != n + 1
+            or (n and (offsets[0] != 0 or (np.diff(offsets) < 0).any()))
+            or offsets[-1] > len(payload)
+        ):
+            self.log.error("results from session %s are malformed; dropped", meta["session"])
+            return
+        ack[2] = n
+        status = flags_of(a["status"].astype(np.uint32) & 1, a["kind"].astype(np.uint32) & 0xF)
+        self._record(items, status, payload, offsets, a["prompt_tokens"].astype(np.uint32))
+
+    def _item_errors(self, message: wire.Message) -> None:
+        items = message.arrays["items"]
+        reason = str(message.meta["reason"]).encode("utf-8")
+        n = len(items)
+        payload = np.frombuffer(reason * n, np.uint8)
+        offsets = np.arange(n + 1, dtype=np.int64) * len(reason)
+        status = np.full(n, flags_of(ERROR_RESULT, TEXT), np.uint32)
+        self._record(items, status, payload, offsets, np.zeros(n, np.uint32))
+
+    def _record(self, items, status, payload, offsets, prompt) -> None:
+        job_nos = items["seq"] >> np.uint64(32)
+        for job_no in np.unique(job_nos).tolist():
+            pick = np.flatnonzero(job_nos == job_no)
+            job_id = self.jobs.job_id(int(job_no))
+            if job_id is None:
+                self.log.error("%d result(s) for unknown job number %d dropped", len(pick), job_no)
+                continue
+            if len(pick) == len(items):
+                sub_payload, sub_offsets = payload, offsets
+            else:
+                sub_payload, sub_offsets = subset(payload, offsets, pick)
+            recorded = self.log_.record(
+                Results(
+                    job_id,
+                    int(job_no),
+                    items["segment"][pick],
+                    items["slot"][pick],
+                    items["seq"][pick],
+                    status[pick],
+                    sub_payload,
+                    sub_offsets,
+                    prompt[pick],
+                ),
+                sync=False,
+            )
+            self.stored += recorded.stored
+            if recorded.duplicates:
+                self.log.info(
+                    "job %s: %d duplicate result(s) dropped (computed again)",
+                    job_id,
+                    recorded.duplicates,
+                )
+            for line in recorded.refused[:5]:
+                self.log.warning("job %s: result refused: %s", job_id, line)
+
+    # ---- clients -------------------------------------------------------------------------
+    def _read_clients(self, now: float) -> None:
+        for _ in range(64):
+            try:
+                message = wire.recv(self.clients, 0)
+            except WireError as exc:
+                self.log.warning("dropped a malformed message from a client: %s", exc)
+                if exc.route:
+                    self._reply(exc.route, MT.ERROR, {"reason": f"malformed message: {exc}"})
+                continue
+            if message is None:
+                return
+            try:
+                self._client(message, now)
+            except (KeyError, ValueError, TypeError) as exc:
+                self._reply(message.route, MT.ERROR, {"reason": f"bad request: {exc}"})
+
+    def _client(self, message: wire.Message, now: float) -> None:
+        meta, route = message.meta, message.route
+        if message.type == MT.PING:
+            self._reply(route, MT.PONG, {})
+            return
+        if message.type not in (MT.FETCH, MT.JOB_STATUS, MT.CANCEL):
+            self._reply(
+                route, MT.ERROR, {"reason": f"completion does not take {message.type.name}"}
+            )
+            return
+        job_id = str(meta["job"])
+        try:
+            view = self.jobs.view(job_id)
+        except (FabricError, OSError, ValueError) as exc:
+            view = None
+            self.log.warning("job %r unreadable: %s", job_id, exc)
+        if view is None:
+            self._reply(route, MT.ERROR, {"reason": f"no job {job_id!r} on this broker"})
+            return
+        self._catch_up(view)
+        if message.type == MT.JOB_STATUS:
+            self._reply(route, MT.JOB_INFO, self._job_info(view, now))
+        elif message.type == MT.CANCEL:
+            if not view.cancelled:
+                write_cancel(view)
+                wire.send(self.dispatch, MT.CANCEL_JOB, {"job_no": view.job_no})
+                self.log.info("job %s cancelled by a client", job_id)
+            info = self._job_info(view, now)
+            self._reply(route, MT.CANCELLED, {**info, "state": info["state"]})
+        else:
+            self._fetch(route, view, meta, now)
+
+    def _catch_up(self, view: JobView) -> None:
+        """Read what the front appended; rejected lines become error results."""
+        view.refresh()
+        rejected = view.take_rejected()
+        if rejected:
+            index = np.array([int(r[0]) - 1 for r in rejected], np.int64)
+            reasons = [f"{r[2]}: {r[3]}" for r in rejected]
+            self.log_.record_errors(view.job_id, view.job_no, index, reasons)
+            self.log_.sync_outputs()
+
+    def _state(self, view: JobView, done: int, total: int | None) -> str:
+        if total is None:
+            return "validating"
+        if done >= total:
+            if total == 0 and (view.directory / FINISHED_FILE).exists():
+                return "expired"
+            return "cancelled" if view.cancelled else "completed"
+        if view.cancelled:
+            return "cancelling"
+        return "in_progress" if done else "queued"
+
+    def _job_info(self, view: JobView, now: float) -> dict:
+        job_id = view.job_id
+        done = self.log_.completed(job_id)
+        failed = self.log_.failed(job_id)
+        total = view.total
+        if (view.directory / FINISHED_FILE).exists() and done == 0 and total:
+            state = "expired"
+        else:
+            state = self._state(view, done, total)
+        first = self.rates.setdefault(job_id, (now, done))
+        elapsed = now - first[0]
+        rate = (done - first[1]) / elapsed if elapsed > 1 else 0.0
+        pending = None if total is None else max(0, total - done)
+        if state in ("completed", "cancelled") and not (view.directory / FINISHED_FILE).exists():
+            self.log_.finish_job(job_id)
+            (view.directory / FINISHED_FILE).write_text(f"{time.time_ns()}\n")
+        return {
+            "job": job_id,
+            "exists": True,
+            "state": state,
+            "total": total,
+            "completed": done - failed,
+            "failed": failed,
+            "pending": pending,
+            "undelivered": self.log_.undelivered(job_id),
+            "created_ns": view.created_ns,
+            "rate": round(rate, 1),
+            "eta_s": round(pending / rate, 1) if rate > 0 and pending else None,
+        }
+
+    def _fetch(self, route, view: JobView, meta: dict, now: float) -> None:
+        job_id = view.job_id
+        outstanding = self.pages.pop(job_id, None)
+        if outstanding is not None and meta.get("ack") == outstanding[0]:
+            self.log_.delivered(job_id, outstanding[1])
+        everything = bool(meta.get("all", False))
+        limit = max(1, min(int(meta.get("limit", self.config.page_items)), 65536))
+        cursors = {int(s): int(k) for s, k in meta.get("cursors", [])} if everything else None
+        page = self.log_.page(job_id, limit, cursors, everything)
+        info = self._job_info(view, now)
+        page_id = 0
+        if len(page) and not everything:
+            page_id = self.next_page
+            self.next_page += 1
+            self.pages[job_id] = (page_id, page.where)
+        models = {
+            int(m): (self.log_.models.get(int(m)) or {}).get("model", "")
+            for m in np.unique(page.model).tolist()
+        }
+        shapes = {int(s): self.shapes.get(int(s)) or {} for s in np.unique(page.shape).tolist()}
+        reply = {
+            **info,
+            "page": page_id,
+            "custom_ids": view.custom_ids(page.index.tolist()),
+            "models": {str(k): v for k, v in models.items()},
+            "shapes": {str(k): v for k, v in shapes.items()},
+            "cursors": [[s, k] for s, k in page.next.items()],
+        }
+        self._reply(
+            route,
+            MT.RESULT_PAGE,
+            reply,
+            {
+                "index": page.index,
+                "status": page.status,
+                "kind": page.kind,
+                "model": page.model,
+                "shape": page.shape,
+                "prompt_tokens": page.prompt_tokens,
+                "payload": page.payload,
+                "offsets": page.offsets,
+            },
+        )
+
+    def _reply(self, route, kind: MT, meta: dict, arrays: dict | None = None) -> None:
+        try:
+            wire.send(self.clients, kind, meta, arrays, route=route)
+        except FabricError as exc:
+            self.log.debug("could not answer a client: %s", exc)
+
+    # ---- housekeeping --------------------------------------------------------------------
+    def _tidy(self) -> None:
+        """Release input segments that are finished (sealed, every slot retired)."""
+        for segment_id, segment in list(self.inputs.items()):
+            if segment.sealed and segment.deleted >= segment.entries:
+                segment.close()
+                del self.inputs[segment_id]
+
+    def drain(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            events = dict(self.poller.poll(20))
+            if self.inbox not in events:
+                break
+            self._read_inbox()
+            self.log_.sync_outputs()
+        self.log_.sync_outputs()
+        self._flush()
+
+    def close(self) -> None:
+        self.log_.close()
+        for segment in self.inputs.values():
+            segment.close()
+        self.inbox.close(0)
+        self.dispatch.close()
+        self.clients.close(0)
+        self.context.term()

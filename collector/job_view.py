@@ -1,0 +1,187 @@
+"""The completion stage's read-only view of jobs, from the files the front writes.
+
+The front owns `jobs/<job_id>/job.json` and `jobs/<job_id>/chunks.log`
+(ingest/jobs.py); the completion stage only reads them, incrementally, to
+learn a job's number, its total once every chunk is committed, the lines
+ingest rejected (each becomes an error result), and the `custom_id` of an
+item when a results client asks. The completion stage owns one file here,
+`jobs/<job_id>/cancel` (the job number and the time, written atomically):
+a cancelled job's queued items are retired with a `cancelled` error result.
+
+Memory stays small for big jobs: a view keeps, per committed chunk, where
+its commit record lies in the journal, and loads the custom_ids of a few
+chunks at a time (results are delivered roughly in order).
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from pipeline.records import _iter as iter_records
+
+CHUNKS_CACHED = 16
+
+
+class JobView:
+    """One job as the front recorded it; `refresh()` reads what was appended since."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        meta = orjson.loads((directory / "job.json").read_bytes())
+        self.job_id: str = meta["job_id"]
+        self.job_no: int = int(meta["job_no"])
+        self.created_ns: int = int(meta["created_ns"])
+        self.offset = 0
+        self.commits: dict[int, tuple[int, int]] = {}  # chunk -> (start, end) in chunks.log
+        self.first_lines: dict[int, int] = {}  # first line of a committed chunk -> chunk
+        self.final_chunk: int | None = None
+        self.stored = 0
+        self.rejected: list[list[Any]] = []  # [line, custom_id, code, message], not yet taken
+        self.rejected_count = 0
+        self.front_state = "validating"
+        self._ids: collections.OrderedDict[int, dict[int, str]] = collections.OrderedDict()
+        self.refresh()
+
+    @property
+    def all_committed(self) -> bool:
+        return self.final_chunk is not None and all(
+            c in self.commits for c in range(self.final_chunk + 1)
+        )
+
+    @property
+    def total(self) -> int | None:
+        """Lines in the job, once every chunk is committed (None while it is still submitted)."""
+        return self.stored + self.rejected_count if self.all_committed else None
+
+    @property
+    def cancel_path(self) -> Path:
+        return self.directory / "cancel"
+
+    @property
+    def cancelled(self) -> bool:
+        return self.cancel_path.exists()
+
+    def refresh(self) -> None:
+        try:
+            with open(self.directory / "chunks.log", "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return
+        start = 0
+        for record, end in iter_records(data):
+            kind = record.get("e")
+            if kind == "commit" and record["c"] not in self.commits:
+                self.commits[record["c"]] = (self.offset + start, self.offset + end)
+                self.first_lines[int(record["first"])] = record["c"]
+                self.stored += int(record["stored"])
+                self.rejected.extend(record["errors"])
+                self.rejected_count += len(record["errors"])
+                if record.get("final"):
+                    self.final_chunk = (
+                        record["c"]
+                        if self.final_chunk is None
+                        else min(self.final_chunk, record["c"])
+                    )
+            elif kind == "state":
+                self.front_state = record["state"]
+            start = end
+        self.offset += start
+
+    def take_rejected(self) -> list[list[Any]]:
+        taken, self.rejected = self.rejected, []
+        return taken
+
+    def custom_ids(self, indexes: list[int]) -> list[str | None]:
+        """The custom_id of each item index (None when the line had no readable one)."""
+        firsts = sorted(self.first_lines)
+        out: list[str | None] = []
+        for index in indexes:
+            line = index + 1
+            at = bisect.bisect_right(firsts, line) - 1
+            chunk = self.first_lines[firsts[at]] if at >= 0 else None
+            out.append(None if chunk is None else self._ids_of(chunk).get(line))
+        return out
+
+    def _ids_of(self, chunk: int) -> dict[int, str]:
+        ids = self._ids.get(chunk)
+        if ids is not None:
+            self._ids.move_to_end(chunk, last=False)
+            return ids
+        start, end = self.commits[chunk]
+        with open(self.directory / "chunks.log", "rb") as f:
+            f.seek(start)
+            data = f.read(end - start)
+        record = next(iter_records(data))[0]
+        ids = dict(zip(record["lines"], record["ids"], strict=True))
+        for line, custom_id, *_ in record["errors"]:
+            if custom_id is not None:
+                ids[int(line)] = custom_id
+        self._ids[chunk] = ids
+        self._ids.move_to_end(chunk, last=False)
+        while len(self._ids) > CHUNKS_CACHED:
+            self._ids.popitem(last=True)
+        return ids
+
+
+class JobIndex:
+    """Job number -> job id for every job under `jobs/`, and the views of active jobs."""
+
+    def __init__(self, data_root: Path) -> None:
+        self.root = Path(data_root) / "jobs"
+        self._by_no: dict[int, str] = {}
+        self.views: dict[str, JobView] = {}
+        self._rescanned = 0.0
+
+    def view(self, job_id: str) -> JobView | None:
+        view = self.views.get(job_id)
+        if view is None:
+            directory = self.root / job_id
+            if not (directory / "job.json").is_file():
+                return None
+            view = JobView(directory)
+            self.views[job_id] = view
+            self._by_no[view.job_no] = job_id
+        return view
+
+    def job_id(self, job_no: int) -> str | None:
+        found = self._by_no.get(job_no)
+        if found is None and time.monotonic() - self._rescanned > 0.2:
+            self._rescanned = time.monotonic()
+            for meta in self.root.glob("*/job.json"):
+                if meta.parent.name in self.views:
+                    continue
+                try:
+                    number = int(orjson.loads(meta.read_bytes())["job_no"])
+                except (OSError, ValueError, KeyError):
+                    continue
+                self._by_no[number] = meta.parent.name
+            found = self._by_no.get(job_no)
+        return found
+
+    def forget(self, job_id: str) -> None:
+        self.views.pop(job_id, None)
+
+
+def write_cancel(view: JobView) -> None:
+    """Record durably that the job is cancelled (job number and wall time)."""
+    tmp = view.directory / ".cancel.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, f"{view.job_no} {time.time_ns()}\n".encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, view.cancel_path)
+    dir_fd = os.open(view.directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)

@@ -1,0 +1,81 @@
+"""`run.py status` as tables: the broker's queues and workers, or one job's progress."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Any
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> str:
+    cells = [header] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _age(created_ns: int) -> str:
+    seconds = max(0.0, (time.time_ns() - created_ns) / 1e9)
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds / 3600:.1f}h"
+
+
+def render_broker(info: dict[str, Any]) -> str:
+    """Queue depth per model and lane, in-flight items, workers and rates."""
+    queues: dict[tuple[str, int], list[int]] = defaultdict(lambda: [0, 0, 0])
+    for q in info["queues"]:
+        row = queues[(q["model"], q["lane"])]
+        row[0] += q["queued"]
+        row[1] += q["queued"] * q["lane"]
+        row[2] = min(row[2] or q["created_ns"], q["created_ns"])
+    parts = [
+        _table(
+            ["model", "lane", "queued items", "tokens (at most)", "oldest"],
+            [
+                [model, lane, items, tokens, _age(oldest)]
+                for (model, lane), (items, tokens, oldest) in sorted(queues.items())
+            ]
+            or [["-", "-", 0, 0, "-"]],
+        ),
+        "",
+        f"in flight: {info['in_flight']} items; handed out {info['handed_out']}, "
+        f"retired {info['retired']} since dispatch started; "
+        f"rates: in {info.get('rate_in', 0):.0f}/s, out {info.get('rate_out', 0):.0f}/s",
+        "",
+        _table(
+            ["worker session", "model", "batches held", "items done", "items/s", "silent"],
+            [
+                [
+                    w["session"],
+                    w["model"],
+                    w["batches"],
+                    w["retired"],
+                    f"{w['retired'] / w['age_s']:.0f}" if w["age_s"] > 0 else "0",
+                    f"{w['silent_s']:.1f}s",
+                ]
+                for w in info["workers"]
+            ]
+            or [["(no workers)", "", "", "", "", ""]],
+        ),
+    ]
+    return "\n".join(parts)
+
+
+def render_job(info: dict[str, Any]) -> str:
+    """One job: state, counts, throughput, time left."""
+    total = info["total"]
+    lines = [
+        f"job {info['job']}: {info['state']}",
+        f"  total      {total if total is not None else '(still being submitted)'}",
+        f"  completed  {info['completed']}",
+        f"  failed     {info['failed']}",
+        f"  pending    {info['pending'] if info['pending'] is not None else '-'}",
+        f"  undelivered results  {info['undelivered']}",
+        f"  rate       {info['rate']:.0f} items/s",
+    ]
+    if info.get("eta_s"):
+        lines.append(f"  time left  about {info['eta_s']:.0f} s")
+    return "\n".join(lines)

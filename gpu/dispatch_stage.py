@@ -1,0 +1,532 @@
+"""The dispatch stage: one owner of all dispatch state, between the segment log and GPU workers.
+
+Sockets (docs/dispatch.md has the message table):
+
+| socket           | kind   | peer                                                        |
+|------------------|--------|-------------------------------------------------------------|
+| `dispatch.bind`  | ROUTER | workers (WORKER_HELLO, WORK_REQUEST, REPORT, RESULTS, HAND_BACK, BYE) and `status` clients (BROKER_STATUS) |
+| `dispatch` ipc   | PULL   | writers (APPENDED) and the completion stage (RETIRED, CANCEL_JOB) |
+| `completion` ipc | PUSH   | the completion stage: RESULTS forwarded as they came, ITEM_ERRORS |
+
+The owner thread runs `step()`: it reads what arrived, answers workers,
+expires leases and silent sessions (only after loading: invariant 9), sends
+dead letters, quarantined and cancelled items to the completion stage as
+error results, and hands the dispatch file its entries. ZeroMQ's own I/O
+thread moves the bytes; the dispatch file is written and synced on its own
+thread (gpu/dispatch_files.py).
+
+Work is learnt three ways: the segment files found at start (every LIVE
+slot, invariant 4), the writers' APPENDED descriptors (after their fsync),
+and a rescan of the segment directory every second (a descriptor lost
+while this stage restarted is found there). Segments queued before this
+start are held back for `reregister_grace_s`, so that workers that still
+hold some of their items re-register first (invariant 8); a restarted
+stage also reloads its dispatch file (same epoch, invariant 11).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import zmq
+
+from gpu.dispatch_files import DispatchFile
+from gpu.dispatch_state import ITEM_DTYPE, Batch, DispatchState
+from pipeline import wire
+from pipeline.datadir import DataDir
+from pipeline.errors import FabricError, WireError
+from pipeline.scan import SegmentSummary, scan_segment
+from pipeline.segment import Segment
+from pipeline.stage import Stage
+from pipeline.topology import internal_address
+from router.shapes import ShapeTable
+
+MT = wire.MessageType
+EPOCH_ENV = "FABRIC_EPOCH"
+PARK_S = 0.5  # a work request with nothing to give waits this long before NO_WORK
+RESCAN_S = 1.0
+MAX_MESSAGES_PER_STEP = 512
+DEAD_LETTER = "dead_lettered"
+CORRUPT_INPUT = "corrupt_input"
+CANCELLED = "cancelled"
+
+
+def broker_epoch() -> int:
+    """The epoch of this broker life, set by the supervisor (0 when run alone)."""
+    try:
+        return int(os.environ.get(EPOCH_ENV, "0"))
+    except ValueError:
+        return 0
+
+
+@dataclass
+class _Session:
+    route: bytes
+    model: str
+    last_seen: float
+    handed_out: int = 0
+    retired: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Parked:
+    route: tuple[bytes, ...]
+    session: str
+    model: str
+    max_items: int
+    max_tokens: int
+    until: float
+
+
+class DispatchStage(Stage):
+    name = "dispatch"
+    poll_ms = 20
+
+    def open(self) -> None:
+        settings = self.settings
+        config = settings.dispatch
+        self.config = config
+        self.data_dir = DataDir(settings.data_path).ensure()
+        self.epoch = broker_epoch()
+        self.state = DispatchState(config.lease_s, config.max_attempts)
+        self.shapes = ShapeTable(settings.data_path)
+        self.sessions: dict[str, _Session] = {}
+        self.parked: collections.deque[_Parked] = collections.deque()
+        self.to_completion: collections.deque[tuple[MT, dict, dict]] = collections.deque()
+        self.counts = collections.Counter()
+        self._recorded: set[int] = set()  # lease ids written to the dispatch file
+        self.samples: collections.deque = collections.deque(maxlen=11)  # (t, out, retired)
+        now = time.monotonic()
+        grace_until = now + config.reregister_grace_s
+        self._scanned: set[int] = set()
+        self._rescan(not_before=grace_until)
+        self.next_rescan = now + RESCAN_S
+        (self.data_dir.root / "dispatch").mkdir(exist_ok=True)
+        self.file, leases = DispatchFile.open(
+            self.data_dir.root / "dispatch" / "inflight.log", self.epoch
+        )
+        for lease in leases:
+            held = self.state.adopt(lease.session, lease.items, now, batch_id=lease.batch_id)
+            self._recorded.add(lease.batch_id)
+            if (held == 1).any() and lease.session not in self.sessions:
+                self.sessions[lease.session] = _Session(lease.session.encode(), "", now)
+        if leases:
+            self.log.info(
+                "reloaded %d lease(s) of %d session(s) from the dispatch file (epoch %d)",
+                len(leases),
+                len(self.sessions),
+                self.epoch,
+            )
+        for cancel in (self.data_dir.root / "jobs").glob("*/cancel"):
+            try:
+                self.state.cancelled_jobs.add(int(cancel.read_text().split()[0]))
+            except (OSError, ValueError, IndexError):
+                self.log.warning("unreadable cancel mark %s; ignored", cancel)
+        self.state.loaded()  # lease and session timeouts count from here (invariant 9)
+        self.context = zmq.Context()
+        self.workers = self.context.socket(zmq.ROUTER)
+        self.workers.setsockopt(zmq.LINGER, 0)
+        self.workers.setsockopt(zmq.SNDTIMEO, 0)
+        self.workers.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting session takes its id back
+        self.workers.bind(settings.dispatch.bind)
+        self.inbox = self.context.socket(zmq.PULL)
+        self.inbox.setsockopt(zmq.LINGER, 0)
+        self.inbox.bind(internal_address(settings, "dispatch"))
+        self.completion = self.context.socket(zmq.PUSH)
+        self.completion.setsockopt(zmq.LINGER, 2000)
+        self.completion.setsockopt(zmq.SNDTIMEO, 0)
+        self.completion.setsockopt(zmq.SNDHWM, 10_000)
+        self.completion.connect(internal_address(settings, "completion"))
+        self.poller = zmq.Poller()
+        self.poller.register(self.workers, zmq.POLLIN)
+        self.poller.register(self.inbox, zmq.POLLIN)
+        self.log.info(
+            "dispatch up: %d segment(s) with work, epoch %d, grace %.1f s",
+            len(self.state.queued_segments()),
+            self.epoch,
+            config.reregister_grace_s,
+        )
+
+    # ---- segments --------------------------------------------------------------------------
+    def _rescan(self, not_before: float = 0.0) -> None:
+        """Open input segments not known yet; refresh the written end of known ones."""
+        for path in sorted(self.data_dir.segments.glob("in-*.seg")):
+            try:
+                segment_id = int(path.name[3:15])
+            except ValueError:
+                continue
+            if self.state.knows(segment_id) or segment_id in self._scanned:
+                continue
+            self._load(path, not_before)
+        for segment in self.state.segments():
+            self.state.extend(segment.segment_id, segment.entries)
+
+    def _load(self, path, not_before: float) -> None:
+        summary = scan_segment(path)
+        if not isinstance(summary, SegmentSummary):
+            self.log.error("not dispatching from %s: %s", path, summary.message)
+            self._scanned.add(int(path.name[3:15]))
+            return
+        if summary.first_live < 0 and summary.sealed:
+            self._scanned.add(summary.header.segment_id)  # finished: the collector's
+            return
+        try:
+            segment = Segment.open(path, writable=True)
+        except (FabricError, OSError) as exc:
+            self.log.error("cannot open %s for dispatch: %s", path, exc)
+            return
+        shape = self.shapes.get(segment.key.shape) if segment.key.shape else None
+        priority = int((shape or {}).get("priority", 0) or 0)
+        first = summary.first_live if summary.first_live >= 0 else summary.end
+        self.state.add_segment(
+            segment, first, max(summary.end, segment.entries), priority, not_before
+        )
+
+    def _appended(self, segment_id: int, end: int) -> None:
+        if not self.state.knows(segment_id):
+            for path in self.data_dir.segments.glob(f"in-{segment_id:012d}.*.seg"):
+                self._load(path, 0.0)
+        if self.state.knows(segment_id):
+            self.state.extend(segment_id, end)
+            self.counts["appended_notices"] += 1
+
+    # ---- the loop --------------------------------------------------------------------------
+    def step(self, now: float) -> None:
+        timeout = 0 if self.to_completion else self.poll_ms
+        if self.parked:
+            timeout = min(timeout, 5)
+        events = dict(self.poller.poll(timeout))
+        if self.inbox in events:
+            self._read_inbox()
+        if self.workers in events:
+            self._read_workers(now)
+        self._serve_parked(now)
+        self._timeouts(now)
+        self._outcomes()
+        self._flush_to_completion()
+        self._record_ended()
+        self.file.maybe_sync(now)
+        if now >= self.next_rescan:
+            self.next_rescan = now + RESCAN_S
+            self.samples.append((now, self.counts["handed_out"], self.counts["retired"]))
+            self._rescan()
+            for segment in self.state.forget_finished():
+                self.log.info("segment %d finished; released", segment.segment_id)
+                segment.close()
+            if self.file.garbage_ratio > 0.75 and self.file.file_bytes > 1 << 20:
+                self.file.compact(self._live_leases())
+
+    def _read_inbox(self) -> None:
+        for _ in range(MAX_MESSAGES_PER_STEP):
+            try:
+                message = wire.recv(self.inbox, 0)
+            except WireError as exc:
+                self.log.error("malformed internal message dropped: %s", exc)
+                continue
+            if message is None:
+                return
+            meta = message.meta
+            if message.type == MT.APPENDED:
+                self._appended(int(meta["segment"]), int(meta["end"]))
+            elif message.type == MT.RETIRED:
+                self._retired(message)
+            elif message.type == MT.CANCEL_JOB:
+                taken = self.state.cancel_job(int(meta["job_no"]))
+                self.log.info("job %d cancelled: %d queued item(s) taken", meta["job_no"], taken)
+            else:
+                self.log.error("unexpected internal message %s dropped", message.type.name)
+
+    def _retired(self, message: wire.Message) -> None:
+        items = message.arrays.get("items")
+        if items is not None and len(items):
+            for segment_id in np.unique(items["segment"]).tolist():
+                slots = items["slot"][items["segment"] == segment_id].astype(np.int64)
+                self.state.retired(int(segment_id), slots)
+            self.counts["retired"] += len(items)
+        for route_hex, result_id, count in message.meta["acks"]:
+            route = bytes.fromhex(route_hex)
+            session = self.sessions.get(route.decode("ascii", "replace"))
+            if session is not None:
+                session.retired += int(count)
+            self._send(route, MT.RESULTS_ACK, {"result_ids": [result_id]})
+
+    def _read_workers(self, now: float) -> None:
+        for _ in range(MAX_MESSAGES_PER_STEP):
+            try:
+                message = wire.recv(self.workers, 0)
+            except WireError as exc:
+                self.log.warning("dropped a malformed message from a worker: %s", exc)
+                if exc.route:
+                    self._send(exc.route[0], MT.ERROR, {"reason": f"malformed message: {exc}"})
+                continue
+            if message is None:
+                return
+            try:
+                self._handle(message, now)
+            except (KeyError, ValueError, TypeError) as exc:
+                self.log.warning("bad %s message refused: %s", message.type.name, exc)
+                self._send(message.route[0], MT.ERROR, {"reason": f"bad message: {exc}"})
+
+    def _handle(self, message: wire.Message, now: float) -> None:
+        meta, route = message.meta, message.route[0]
+        kind = message.type
+        if kind == MT.BROKER_STATUS:
+            self._send(route, MT.BROKER_INFO, self._status(now))
+            return
+        if kind == MT.PING:
+            self._send(route, MT.PONG, {"epoch": self.epoch})
+            return
+        session_id = meta.get("session")
+        if not isinstance(session_id, str) or route != session_id.encode():
+            self._send(
+                route, MT.ERROR, {"reason": "a worker's socket identity must be its session"}
+            )
+            return
+        if kind == MT.WORKER_HELLO:
+            self._hello(message, session_id, now)
+            return
+        session = self.sessions.get(session_id)
+        if kind == MT.RESULTS:  # results are welcome from anyone: completion checks each seq
+            self._forward_results(message)
+            if session is not None:
+                session.last_seen = now
+            return
+        if session is None:
+            self._send(route, MT.UNKNOWN_SESSION, {"session": session_id})
+            return
+        session.last_seen = now
+        if kind == MT.WORK_REQUEST:
+            request = _Parked(
+                message.route,
+                session_id,
+                str(meta["model"]),
+                max(1, int(meta["max_items"])),
+                max(1, int(meta["max_tokens"])),
+                now + PARK_S,
+            )
+            if not self._serve(request, now):
+                self.parked.append(request)
+        elif kind == MT.REPORT:
+            held = message.arrays.get("held", np.zeros(0, ITEM_DTYPE))
+            self.state.report(session_id, held, int(meta["seen_batch"]), now)
+        elif kind == MT.HAND_BACK:
+            self._hand_back(
+                session_id,
+                message.arrays.get("items"),
+                str(meta["reason"]),
+                bool(meta.get("count_attempt", False)),
+            )
+        elif kind == MT.BYE:
+            back = self.state.drop_session_quietly(session_id)
+            self.sessions.pop(session_id, None)
+            self.log.info("session %s said goodbye (%d item(s) handed back)", session_id, back)
+        else:
+            self._send(route, MT.ERROR, {"reason": f"dispatch does not take {kind.name}"})
+
+    def _hello(self, message: wire.Message, session_id: str, now: float) -> None:
+        held = message.arrays.get("held", np.zeros(0, ITEM_DTYPE))
+        model = str(message.meta["model"])
+        self.sessions[session_id] = _Session(session_id.encode(), model, now)
+        known = self.state.adopt(session_id, held, now)
+        self.log.info(
+            "session %s (model %s) registered holding %d item(s): %d still live",
+            session_id,
+            model,
+            len(held),
+            int((known > 0).sum()),
+        )
+        for batch in self.state.leases(session_id):
+            if batch.batch_id not in self._recorded:
+                self.file.lease(batch.batch_id, session_id, batch.items)
+                self._recorded.add(batch.batch_id)
+        self._send(
+            session_id.encode(),
+            MT.WELCOME,
+            {
+                "epoch": self.epoch,
+                "lease_s": self.config.lease_s,
+                "report_s": self.config.report_s,
+            },
+            {"known": known},
+        )
+
+    # ---- handing work out ----------------------------------------------------------------
+    def _serve(self, request: _Parked, now: float) -> bool:
+        """Answer one work request with a batch; False when there is nothing for it yet."""
+        if request.session not in self.sessions:
+            return True  # gone meanwhile
+        if self.state.session_batches(request.session) >= self.config.session_max_batches:
+            return False
+        batch = self.state.next_batch(
+            request.session, request.model, request.max_items, request.max_tokens, now
+        )
+        if batch is None:
+            return False
+        self._send_batch(request.route[0], batch)
+        return True
+
+    def _serve_parked(self, now: float) -> None:
+        for _ in range(len(self.parked)):
+            request = self.parked.popleft()
+            if self._serve(request, now):
+                continue
+            if now >= request.until:
+                self._send(request.route[0], MT.NO_WORK, {"retry_ms": 0})
+            else:
+                self.parked.append(request)
+
+    def _send_batch(self, route: bytes, batch: Batch) -> None:
+        shape = self.shapes.get(batch.shape) or {}
+        task = "embed" if shape.get("endpoint") == "/v1/embeddings" else "generate"
+        meta = {
+            "batch_id": batch.batch_id,
+            "segment": batch.segment_id,
+            "lane": batch.lane,
+            "task": task,
+            "model": batch.model,
+            "shape": batch.shape,
+            "max_tokens": int(shape.get("max_tokens") or 16),
+            "lease_s": self.config.lease_s,
+        }
+        self.file.lease(batch.batch_id, batch.session, batch.items)
+        self._recorded.add(batch.batch_id)
+        self._send(
+            route,
+            MT.WORK,
+            meta,
+            {"items": batch.items, "lengths": batch.lengths, "tokens": batch.tokens},
+        )
+        batch.tokens = batch.lengths = np.zeros(0, np.uint32)  # the worker has them now
+        session = self.sessions.get(batch.session)
+        if session is not None:
+            session.handed_out += len(batch.items)
+        self.counts["handed_out"] += len(batch.items)
+
+    def _hand_back(
+        self, session: str, items: np.ndarray | None, reason: str, count_attempt: bool
+    ) -> None:
+        if items is None or not len(items):
+            return
+        back = 0
+        for batch in self.state.leases(session):
+            mine = items["segment"] == batch.segment_id
+            if mine.any():
+                back += self.state.reclaim(
+                    batch.batch_id,
+                    count_attempt=count_attempt,
+                    slots=items["slot"][mine].astype(np.int64),
+                )
+        self.log.info("session %s handed back %d item(s): %s", session, back, reason)
+
+    # ---- results and outcomes -------------------------------------------------------------
+    def _forward_results(self, message: wire.Message) -> None:
+        meta = dict(message.meta)
+        meta["route"] = message.route[0].hex()
+        self.to_completion.append((MT.RESULTS, meta, message.arrays))
+
+    def _outcomes(self) -> None:
+        outcome = self.state.take_outcomes()
+        attempts = self.config.max_attempts
+        for items, reason in (
+            (
+                outcome.dead_letters,
+                f"{DEAD_LETTER}: the item was reclaimed {attempts} time(s) (its worker died, "
+                "stopped answering or let the lease expire each time)",
+            ),
+            (outcome.quarantined, f"{CORRUPT_INPUT}: the stored item failed its checksum"),
+            (outcome.cancelled, f"{CANCELLED}: the job was cancelled"),
+        ):
+            if len(items):
+                self.to_completion.append((MT.ITEM_ERRORS, {"reason": reason}, {"items": items}))
+
+    def _flush_to_completion(self) -> None:
+        while self.to_completion:
+            kind, meta, arrays = self.to_completion[0]
+            try:
+                wire.send(self.completion, kind, meta, arrays)
+            except FabricError:
+                return  # completion restarting or busy: keep them, try on the next step
+            self.to_completion.popleft()
+
+    # ---- time ----------------------------------------------------------------------------
+    def _timeouts(self, now: float) -> None:
+        limit = self.config.session_timeout_s
+        for session_id, session in list(self.sessions.items()):
+            if now - session.last_seen > limit:
+                lost = self.state.drop_session(session_id)
+                del self.sessions[session_id]
+                self.log.warning(
+                    "session %s silent for %.0f s: gone; %d item(s) reclaimed",
+                    session_id,
+                    limit,
+                    lost,
+                )
+        expired = self.state.expire(now)
+        if expired:
+            self.log.warning("%d item(s) reclaimed after their lease expired", expired)
+
+    def _record_ended(self) -> None:
+        for batch_id in self.state.take_ended():
+            if batch_id in self._recorded:
+                self._recorded.discard(batch_id)
+                self.file.drop(batch_id)
+
+    def _live_leases(self):
+        from gpu.dispatch_files import Lease
+
+        return [Lease(b.batch_id, b.session, b.items) for b in self.state.leases()]
+
+    # ---- status --------------------------------------------------------------------------
+    def _status(self, now: float) -> dict:
+        rate_in = rate_out = 0.0
+        if len(self.samples) >= 2:
+            (t0, out0, done0), (t1, out1, done1) = self.samples[0], self.samples[-1]
+            if t1 > t0:
+                rate_in, rate_out = (out1 - out0) / (t1 - t0), (done1 - done0) / (t1 - t0)
+        return {
+            "rate_in": rate_in,
+            "rate_out": rate_out,
+            "epoch": self.epoch,
+            "queues": self.state.queue_depth(),
+            "in_flight": self.state.in_flight,
+            "handed_out": self.counts["handed_out"],
+            "retired": self.counts["retired"],
+            "workers": [
+                {
+                    "session": sid,
+                    "model": s.model,
+                    "batches": self.state.session_batches(sid),
+                    "handed_out": s.handed_out,
+                    "retired": s.retired,
+                    "age_s": round(now - s.started, 1),
+                    "silent_s": round(now - s.last_seen, 1),
+                }
+                for sid, s in self.sessions.items()
+            ],
+        }
+
+    def _send(self, route: bytes, kind: MT, meta: dict, arrays: dict | None = None) -> None:
+        try:
+            wire.send(self.workers, kind, meta, arrays, route=(route,))
+        except FabricError as exc:  # a gone or stuck worker never blocks dispatch
+            self.log.debug("could not send %s to %r: %s", kind.name, route, exc)
+
+    # ---- stopping ------------------------------------------------------------------------
+    def drain(self, deadline: float) -> None:
+        while self.to_completion and time.monotonic() < deadline:
+            self._flush_to_completion()
+            self.poller.poll(10)
+
+    def close(self) -> None:
+        self.file.close()
+        for segment in self.state.segments():
+            segment.close()
+        self.workers.close(0)
+        self.inbox.close(0)
+        self.completion.close()
+        self.context.term()

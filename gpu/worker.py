@@ -1,0 +1,581 @@
+"""The worker SDK: pull batches ahead, keep the engine busy, return results, lose nothing.
+
+`python run.py worker --broker ADDR --model M --engine E` runs one `Worker`;
+the supervisor runs `[workers] local = N` of them as `WorkerStage`s.
+
+Two threads. The engine thread takes batches from a bounded queue and runs
+them. The network thread (the caller of `step`) owns the socket and all
+state: it registers, asks for work while the queue has room (`prefetch`
+batches ahead, so the engine never waits), sends results as they finish and
+keeps them until the completion stage has acknowledged them (resending after
+a reconnect), reports what it holds every `report_s` (which renews its
+leases), and hands back what it cannot do.
+
+| situation                         | what the worker does                                     |
+|-----------------------------------|----------------------------------------------------------|
+| broker away                       | keeps working through its queue; keeps results; retries with exponential backoff and jitter |
+| broker back (any restart)         | re-registers with the (segment, slot, seq) of all it holds (invariant 8); drops items the broker says are retired |
+| an item's own error               | that item's error result, at once (invariant 14)           |
+| TransientEngineError              | hands the batch back without an attempt; backs off        |
+| any other engine failure          | hands back what it holds (the failing batch counting an attempt) and exits 7 |
+| SIGTERM                           | stops asking; hands back queued batches; finishes the running one within `drain_s`; sends results; waits for their acks; says BYE (invariant 15) |
+
+Every message carries the session id, a fresh random id per process, which
+is also the socket identity, so the broker routes replies to this process
+only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import random
+import secrets
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import zmq
+
+from gpu.dispatch_state import ITEM_DTYPE
+from gpu.engines import Engine, EngineBatch, EngineResult, TransientEngineError
+from pipeline import exitcodes, wire
+from pipeline.errors import FabricError, WireError
+
+MT = wire.MessageType
+log = logging.getLogger("fabric.worker")
+MAX_BACKOFF_S = 5.0
+RESEND_S = 10.0  # results unacknowledged this long are sent again
+FAULT_ENV = "FABRIC_WORKER_FAULT"  # tests: "phase[:n]" SIGKILLs this process at that point
+PHASES = ("before_compute", "mid_batch", "before_send", "before_ack")
+RESULT_KIND_TOKENS, RESULT_KIND_VECTOR, RESULT_KIND_TEXT = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    broker: str
+    model: str
+    heartbeat: str | None = None
+    batch_items: int = 256
+    batch_tokens: int = 262_144
+    prefetch: int = 4
+    drain_s: float = 30.0
+
+
+@dataclass(eq=False)
+class _Held:
+    batch_id: int
+    items: np.ndarray  # ITEM_DTYPE
+    lengths: np.ndarray
+    tokens: np.ndarray
+    task: str
+    max_tokens: int
+    state: str = "queued"  # queued, running, sent (results out, awaiting ack)
+    result_id: int = 0
+    results: tuple | None = None  # (meta, arrays) while awaiting the ack
+    sent_at: float = 0.0
+
+
+@dataclass
+class _Done:
+    batch_id: int
+    outcome: str  # ok, transient, broken
+    result: EngineResult | None = None
+    reason: str = ""
+
+
+def results_message(items: np.ndarray, lengths: np.ndarray, result: EngineResult) -> dict:
+    """The RESULTS arrays for one batch: status, kind, prompt tokens and payload per item."""
+    n = len(items)
+    errors = result.errors
+    status = np.zeros(n, np.uint8)
+    if result.embeddings is not None:
+        vectors = np.ascontiguousarray(result.embeddings, dtype="<f4")
+        kind = np.full(n, RESULT_KIND_VECTOR, np.uint8)
+        payload = vectors.view(np.uint8).reshape(-1)
+        offsets = np.arange(n + 1, dtype=np.int64) * vectors.shape[1] * 4
+    else:
+        tokens = np.ascontiguousarray(result.tokens, dtype="<u4")
+        kind = np.full(n, RESULT_KIND_TOKENS, np.uint8)
+        payload = tokens.view(np.uint8)
+        offsets = np.asarray(result.offsets, np.int64) * 4
+    if any(e is not None for e in errors):
+        parts = []
+        sizes = []
+        for i, error in enumerate(errors):
+            if error is None:
+                part = payload[offsets[i] : offsets[i + 1]].tobytes()
+            else:
+                part = error.encode("utf-8")
+                status[i], kind[i] = 1, RESULT_KIND_TEXT
+            parts.append(part)
+            sizes.append(len(part))
+        payload = np.frombuffer(b"".join(parts), np.uint8)
+        offsets = np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
+    return {
+        "items": items,
+        "status": status,
+        "kind": kind,
+        "prompt_tokens": lengths.astype(np.uint32),
+        "payload": payload,
+        "offsets": offsets,
+    }
+
+
+def _fault_plan() -> tuple[str, int] | None:
+    spec = os.environ.get(FAULT_ENV, "")
+    if not spec:
+        return None
+    phase, _, count = spec.partition(":")
+    if phase not in PHASES:
+        raise FabricError(f"{FAULT_ENV}={spec!r}: phase must be one of {', '.join(PHASES)}")
+    return phase, int(count or 1)
+
+
+class Worker:
+    """One worker session. Call `open()`, then `step()` until done, then `close()`."""
+
+    def __init__(
+        self, options: WorkerOptions, engine: Engine, now: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.options = options
+        self.engine = engine
+        self.session = secrets.token_hex(8)
+        self.now = now
+        self.held: dict[int, _Held] = {}
+        self.ready: queue.Queue[_Held | None] = queue.Queue()
+        self.done: queue.Queue[_Done] = queue.Queue()
+        self.registered = False
+        self.epoch: int | None = None
+        self.report_s = 1.0
+        self.asking = False
+        self.ask_sent = 0.0
+        self.next_try = 0.0
+        self.backoff = 0.2
+        self.hello_sent = 0.0
+        self.last_report = 0.0
+        self.last_heard = 0.0
+        self.next_ping = 0.0
+        self.pause_until = 0.0
+        self.seen_batch = 0
+        self.next_result_id = 1
+        self.draining = False
+        self.broken: str | None = None
+        self.exit_code: int | None = None
+        self.completed = 0
+        self.idle_s = 0.0
+        self._idle_since: float | None = None
+        self._fault = _fault_plan()
+        self._fault_seen: dict[str, int] = {}
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    def open(self) -> None:
+        self.engine.load()
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.IDENTITY, self.session.encode())
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.SNDTIMEO, 0)
+        self.socket.setsockopt(zmq.IMMEDIATE, 1)  # nothing queues for a broker that is not there
+        self.socket.setsockopt(zmq.RECONNECT_IVL, 100)
+        self.socket.setsockopt(zmq.RECONNECT_IVL_MAX, int(MAX_BACKOFF_S * 1000))
+        self.socket.connect(self.options.broker)
+        self.pinger = None
+        if self.options.heartbeat:
+            self.pinger = self.context.socket(zmq.DEALER)
+            self.pinger.setsockopt(zmq.LINGER, 0)
+            self.pinger.setsockopt(zmq.SNDTIMEO, 0)
+            self.pinger.setsockopt(zmq.IMMEDIATE, 1)
+            self.pinger.connect(self.options.heartbeat)
+        self.thread = threading.Thread(target=self._engine_loop, name="engine", daemon=True)
+        self.thread.start()
+        log.info(
+            "worker session %s for model %s on %s (engine %s)",
+            self.session,
+            self.options.model,
+            self.options.broker,
+            self.engine.name,
+        )
+
+    def close(self) -> None:
+        self.ready.put(None)
+        self.thread.join(timeout=1.0)
+        self.socket.close(0)
+        if self.pinger is not None:
+            self.pinger.close(0)
+        self.context.term()
+
+    # ---- the engine thread ---------------------------------------------------------------
+    def _engine_loop(self) -> None:
+        while True:
+            held = self.ready.get()
+            if held is None:
+                return
+            if held.state != "queued":  # handed back meanwhile (draining)
+                continue
+            held.state = "running"
+            self._maybe_fault("before_compute")
+            batch = EngineBatch(held.task, held.tokens, held.lengths, held.max_tokens)
+            try:
+                self._maybe_fault("mid_batch")
+                result = self.engine.run(batch)
+                if len(result.errors) != len(held.items):
+                    raise FabricError(
+                        f"engine {self.engine.name} returned {len(result.errors)} outcomes "
+                        f"for {len(held.items)} items"
+                    )
+                self.done.put(_Done(held.batch_id, "ok", result))
+            except TransientEngineError as exc:
+                self.done.put(_Done(held.batch_id, "transient", reason=str(exc)))
+            except Exception as exc:  # the engine is broken: never retry against it
+                log.exception("engine %s failed", self.engine.name)
+                self.done.put(_Done(held.batch_id, "broken", reason=f"{type(exc).__name__}: {exc}"))
+                return
+
+    def _maybe_fault(self, phase: str) -> None:
+        if self._fault is None or self._fault[0] != phase:
+            return
+        seen = self._fault_seen[phase] = self._fault_seen.get(phase, 0) + 1
+        if seen >= self._fault[1]:
+            log.warning("fault injection: SIGKILL at %s", phase)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    # ---- the network thread --------------------------------------------------------------
+    def step(self, timeout_ms: int = 20) -> None:
+        now = self.now()
+        self._ping(now)
+        if not self.registered and now >= self.next_try:
+            self._hello(now)
+        self._take_done(now)
+        if self.registered:
+            self._ask(now)
+            if now - self.last_report >= self.report_s:
+                self._report(now)
+            self._resend(now)
+        try:
+            if self.socket.poll(timeout_ms, zmq.POLLIN):
+                for _ in range(64):
+                    message = wire.recv(self.socket, 0)
+                    if message is None:
+                        break
+                    self.last_heard = self.now()
+                    self._handle(message, self.last_heard)
+        except WireError as exc:
+            log.warning("malformed message from the broker dropped: %s", exc)
+        self._read_pings()
+        self._track_idle(now)
+
+    def _track_idle(self, now: float) -> None:
+        busy = any(h.state in ("queued", "running") for h in self.held.values())
+        if busy or self.draining:
+            if self._idle_since is not None:
+                self.idle_s += now - self._idle_since
+                self._idle_since = None
+        elif self._idle_since is None:
+            self._idle_since = now
+
+    def _send(self, kind: MT, meta: dict, arrays: dict | None = None) -> bool:
+        try:
+            wire.send(self.socket, kind, {"session": self.session, **meta}, arrays)
+            return True
+        except FabricError:
+            return False
+
+    def _held_items(self) -> np.ndarray:
+        parts = [h.items for h in self.held.values()]
+        return np.concatenate(parts) if parts else np.zeros(0, ITEM_DTYPE)
+
+    def _hello(self, now: float) -> None:
+        sent = self._send(
+            MT.WORKER_HELLO,
+            {"model": self.options.model, "epoch": self.epoch or 0},
+            {"held": self._held_items()},
+        )
+        self.hello_sent = now
+        delay = self.backoff * (0.5 + random.random())  # jitter: a fleet does not stampede
+        self.next_try = now + delay
+        self.backoff = min(MAX_BACKOFF_S, self.backoff * 2)
+        if not sent:
+            log.debug("broker not reachable; next try in %.2f s", delay)
+
+    def _ask(self, now: float) -> None:
+        if self.draining or self.broken or now < self.pause_until:
+            return
+        if self.asking and now - self.ask_sent < 5.0:
+            return
+        waiting = sum(1 for h in self.held.values() if h.state in ("queued", "running"))
+        if waiting >= self.options.prefetch:
+            return
+        if self._send(
+            MT.WORK_REQUEST,
+            {
+                "model": self.options.model,
+                "max_items": self.options.batch_items,
+                "max_tokens": self.options.batch_tokens,
+            },
+        ):
+            self.asking = True
+            self.ask_sent = now
+
+    def _report(self, now: float) -> None:
+        self.last_report = now
+        self._send(MT.REPORT, {"seen_batch": self.seen_batch}, {"held": self._held_items()})
+
+    def _resend(self, now: float) -> None:
+        for held in self.held.values():
+            if held.state == "sent" and now - held.sent_at > RESEND_S:
+                self._send_results(held, now)
+
+    def _handle(self, message: wire.Message, now: float) -> None:
+        kind, meta = message.type, message.meta
+        if kind == MT.WELCOME:
+            self._welcome(message, now)
+        elif kind == MT.WORK:
+            self.asking = False
+            a = message.arrays
+            batch_id = int(meta["batch_id"])
+            self.seen_batch = max(self.seen_batch, batch_id)
+            held = _Held(
+                batch_id,
+                np.array(a["items"]),
+                np.array(a["lengths"]),
+                a["tokens"],
+                str(meta["task"]),
+                int(meta.get("max_tokens", 16)),
+            )
+            self.held[batch_id] = held
+            self.ready.put(held)
+            self._ask(now)  # keep the queue full
+        elif kind == MT.NO_WORK:
+            self.asking = False
+            self.pause_until = now + int(meta["retry_ms"]) / 1000
+        elif kind == MT.RESULTS_ACK:
+            acked = set(meta["result_ids"])
+            for batch_id in [b for b, h in self.held.items() if h.result_id in acked]:
+                self.completed += len(self.held.pop(batch_id).items)
+        elif kind == MT.UNKNOWN_SESSION:
+            if self.registered:
+                log.warning("the broker does not know this session (it restarted); re-registering")
+            self.registered = False
+            self.asking = False
+            self.next_try = now
+        elif kind == MT.PONG:
+            pass
+        elif kind == MT.ERROR:
+            log.error("broker says: %s", meta.get("reason"))
+        else:
+            log.warning("unexpected %s from the broker ignored", kind.name)
+
+    def _welcome(self, message: wire.Message, now: float) -> None:
+        meta = message.meta
+        known = message.arrays.get("known", np.zeros(0, np.uint8))
+        held = self._held_items()
+        if len(known) == len(held) and len(held):
+            gone = held[known == 0]
+            for h in list(self.held.values()):
+                drop = np.isin(h.items["slot"], gone["slot"]) & np.isin(
+                    h.items["segment"], gone["segment"]
+                )
+                if drop.any() and h.state != "running":
+                    h.items = h.items[~drop]
+                    if not len(h.items):
+                        del self.held[h.batch_id]
+        if self.epoch is not None and meta["epoch"] != self.epoch:
+            log.info("broker restarted (epoch %d -> %d)", self.epoch, meta["epoch"])
+        self.epoch = int(meta["epoch"])
+        self.report_s = float(meta["report_s"])
+        self.registered = True
+        self.backoff = 0.2
+        self.asking = False
+        log.info("registered with the broker (epoch %d), holding %d item(s)", self.epoch, len(held))
+        for h in self.held.values():
+            if h.state == "sent":
+                self._send_results(h, now)
+
+    def _ping(self, now: float) -> None:
+        if self.pinger is None or now < self.next_ping:
+            return
+        self.next_ping = now + self.report_s
+        with contextlib.suppress(FabricError):
+            wire.send(self.pinger, MT.PING, {})
+
+    def _read_pings(self) -> None:
+        if self.pinger is None:
+            return
+        while True:
+            try:
+                message = wire.recv(self.pinger, 0)
+            except WireError:
+                continue
+            if message is None:
+                return
+            epoch = message.meta.get("epoch")
+            if (
+                message.type == MT.PONG
+                and self.registered
+                and self.epoch is not None
+                and epoch != self.epoch
+            ):
+                log.warning("heartbeat: broker epoch changed to %s; re-registering", epoch)
+                self.registered = False
+                self.next_try = self.now()
+
+    # ---- outcomes from the engine --------------------------------------------------------
+    def _take_done(self, now: float) -> None:
+        while True:
+            try:
+                done = self.done.get_nowait()
+            except queue.Empty:
+                return
+            held = self.held.get(done.batch_id)
+            if held is None:
+                continue
+            if done.outcome == "ok":
+                held.results = (
+                    {},
+                    results_message(held.items, held.lengths, done.result),
+                )
+                held.tokens = np.zeros((0, 0), np.uint32)
+                held.result_id = self.next_result_id
+                self.next_result_id += 1
+                self._maybe_fault("before_send")
+                self._send_results(held, now)
+                self._maybe_fault("before_ack")
+            elif done.outcome == "transient":
+                self._hand_back([held], f"transient engine failure: {done.reason}", False)
+                self.pause_until = now + self.backoff * (0.5 + random.random())
+                self.backoff = min(MAX_BACKOFF_S, self.backoff * 2)
+            else:
+                self.broken = done.reason
+                self._hand_back([held], f"engine failed: {done.reason}", True)
+                queued = [h for h in self.held.values() if h.state == "queued"]
+                self._hand_back(queued, "engine failed; never started", False)
+                self.exit_code = exitcodes.FAILED
+
+    def _send_results(self, held: _Held, now: float) -> None:
+        held.state = "sent"
+        held.sent_at = now
+        if self._send(MT.RESULTS, {"result_id": held.result_id}, held.results[1]):
+            return
+        held.sent_at = now - RESEND_S + 1.0  # not sent: try again in about a second
+
+    def _hand_back(self, batches: list[_Held], reason: str, count_attempt: bool) -> None:
+        for held in batches:
+            self.held.pop(held.batch_id, None)
+            held.state = "handed_back"
+        if not batches:
+            return
+        items = np.concatenate([h.items for h in batches])
+        self._send(
+            MT.HAND_BACK, {"reason": reason, "count_attempt": count_attempt}, {"items": items}
+        )
+        log.info("handed back %d item(s): %s", len(items), reason)
+
+    # ---- draining --------------------------------------------------------------------------
+    def drain(self, deadline: float) -> None:
+        """Stop asking, hand back what has not started, finish the rest, say goodbye."""
+        self.draining = True
+        queued = [h for h in self.held.values() if h.state == "queued"]
+        self._hand_back(queued, "worker stopping (SIGTERM)", False)  # the engine skips them
+        while self.now() < deadline and self.held:
+            self.step(20)
+        if self.held:
+            left = list(self.held.values())
+            self._hand_back(left, "worker stopping (SIGTERM): out of grace time", False)
+        self._send(MT.BYE, {})
+        log.info("worker drained: %d item(s) completed in this session", self.completed)
+
+    def run(self, stop: Callable[[], bool]) -> int:
+        """Loop until `stop()` or a broken engine; drain; return the exit code."""
+        while not stop() and self.exit_code is None:
+            self.step()
+        if self.exit_code is None:
+            self.drain(self.now() + self.options.drain_s)
+            return exitcodes.OK
+        self.step(0)
+        log.error("worker exits: %s", self.broken)
+        return self.exit_code
+
+
+@dataclass
+class _Stopper:
+    stop: bool = False
+    signals: list[int] = field(default_factory=list)
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on)
+
+    def _on(self, signum: int, frame: object) -> None:
+        self.stop = True
+        self.signals.append(signum)
+
+
+def run_worker(options: WorkerOptions, engine: Engine) -> int:
+    """The body of `python run.py worker`: one session until SIGTERM (drain) or engine failure."""
+    stopper = _Stopper()
+    stopper.install()
+    worker = Worker(options, engine)
+    worker.open()
+    try:
+        return worker.run(lambda: stopper.stop)
+    finally:
+        worker.close()
+
+
+class WorkerStage:
+    """A local worker started by the supervisor (`[workers] local = N`), run like a stage."""
+
+    name = "worker"
+
+    def __init__(self, settings, index: int) -> None:
+        from gpu.engines import make_engine
+
+        self.settings = settings
+        self.index = index
+        workers = settings.workers
+        model = workers.model or settings.models[0].name
+        engine_name = workers.engine or next(
+            (m.engine for m in settings.models if m.name == model), "echo"
+        )
+        options = {}
+        if engine_name == "simulated":
+            options["tokens_per_s"] = workers.simulated_tokens_per_s
+        self.worker = Worker(
+            WorkerOptions(
+                broker=_local(settings.dispatch.bind),
+                model=model,
+                heartbeat=_local(settings.dispatch.heartbeat_bind),
+                batch_items=workers.batch_items,
+                batch_tokens=workers.batch_tokens,
+                prefetch=workers.prefetch,
+                drain_s=workers.drain_s,
+            ),
+            make_engine(engine_name, **options),
+        )
+
+    def open(self) -> None:
+        self.worker.open()
+
+    def step(self, now: float) -> None:
+        self.worker.step()
+        if self.worker.exit_code is not None:
+            raise SystemExit(self.worker.exit_code)
+
+    def drain(self, deadline: float) -> None:
+        self.worker.drain(time.monotonic() + self.settings.workers.drain_s)
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+def _local(address: str) -> str:
+    """A bind address as a local client connects to it (tcp://*:P -> tcp://127.0.0.1:P)."""
+    return address.replace("tcp://*:", "tcp://127.0.0.1:").replace(
+        "tcp://0.0.0.0:", "tcp://127.0.0.1:"
+    )

@@ -1,0 +1,425 @@
+"""The back half with real processes: workers, dispatch and completion under kills.
+
+Every test submits a real job, lets real workers (local ones started by the
+supervisor, or `run.py worker` processes) work through it while something is
+killed, fetches the results with `run.py results`, and checks that each
+custom_id appears exactly once across the output and error files; then it
+stops the broker and runs the project's consistency check.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from broker import REPO, Broker, submit, write_config, write_jsonl
+from conftest import assert_check_clean, wait_for
+
+from pipeline import exitcodes
+
+FAST = """lease_s = 6.0
+session_timeout_s = 2.0
+reregister_grace_s = 1.0
+report_s = 0.3
+max_attempts = 3"""
+
+
+@pytest.fixture
+def broker(tmp_path):
+    started = []
+
+    def start(workers: int = 1, dispatch: str = FAST, env: dict | None = None) -> Broker:
+        config = write_config(tmp_path, workers=workers, dispatch=dispatch)
+        b = Broker(config)
+        if env:
+            os.environ.update(env)
+        try:
+            b.start()
+        finally:
+            for key in env or {}:
+                os.environ.pop(key, None)
+        started.append(b)
+        return b
+
+    yield start
+    for b in started:
+        b.close()
+
+
+@pytest.fixture
+def workers():
+    procs: list[subprocess.Popen] = []
+
+    def start(b: Broker, engine: str = "echo", *options: str, env: dict | None = None, **kw):
+        args = [
+            sys.executable,
+            str(REPO / "run.py"),
+            "worker",
+            "--broker",
+            b.settings.dispatch.bind,
+            "--heartbeat",
+            b.settings.dispatch.heartbeat_bind,
+            "--model",
+            "echo",
+            "--engine",
+            engine,
+            "--batch-items",
+            str(kw.get("batch_items", 64)),
+            "--prefetch",
+            str(kw.get("prefetch", 2)),
+            "--drain-s",
+            str(kw.get("drain_s", 10)),
+        ]
+        for option in options:
+            args += ["--option", option]
+        proc = subprocess.Popen(
+            args,
+            cwd=REPO,
+            env={**os.environ, **(env or {})},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+        proc.stderr.close()
+
+
+def job_info(b: Broker, job: str) -> dict:
+    result = subprocess.run(
+        [sys.executable, "run.py", "status", job, "--json", "--config", str(b.config)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def fetch(b: Broker, job: str, out: Path, *args: str, timeout_s: float = 120):
+    return subprocess.run(
+        [
+            sys.executable,
+            "run.py",
+            "results",
+            job,
+            "-o",
+            str(out),
+            "--config",
+            str(b.config),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=timeout_s,
+    )
+
+
+def delivered(out: Path) -> Counter:
+    """custom_id (or id, when it had none) -> lines, across the output and error files."""
+    counts: Counter = Counter()
+    for path in (out, Path(f"{out}.errors.jsonl")):
+        if path.exists():
+            for line in path.read_text().splitlines():
+                record = json.loads(line)
+                counts[record["custom_id"] or record["id"]] += 1
+    return counts
+
+
+def assert_each_once(out: Path, n: int) -> None:
+    counts = delivered(out)
+    twice = [k for k, c in counts.items() if c > 1]
+    assert not twice, f"{len(twice)} custom_ids delivered twice, e.g. {twice[:5]}"
+    assert len(counts) == n, f"{len(counts)} of {n} lines have a result"
+
+
+def submit_job(b: Broker, tmp_path: Path, n: int, job: str, **kw) -> Path:
+    data = tmp_path / f"{job}.jsonl"
+    write_jsonl(data, n, **kw)
+    result = submit(b.config, data, "--job-id", job)
+    assert result.returncode == 0, result.stderr
+    return data
+
+
+def finished(b: Broker, job: str) -> bool:
+    return job_info(b, job)["state"] in ("completed", "cancelled")
+
+
+def stop_and_check(b: Broker) -> None:
+    assert b.stop() == exitcodes.OK, b.stderr
+    assert_check_clean(b.data_dir)
+
+
+def log_of(b: Broker, label: str) -> str:
+    path = b.data_dir.log / f"{label}.log"
+    return path.read_text() if path.exists() else ""
+
+
+def test_local_workers_finish_a_job_and_results_arrive_once_with_its_errors(tmp_path, broker):
+    b = broker(workers=2)
+    submit_job(b, tmp_path, 2000, "j", bad_every=97)
+    out = tmp_path / "out.jsonl"
+    result = fetch(b, "j", out, "--follow")
+    assert result.returncode == 0, result.stderr
+    assert "state completed" in result.stderr
+    assert_each_once(out, 2000)
+    errors = Path(f"{out}.errors.jsonl").read_text().splitlines()
+    assert len(errors) == 2000 // 97 and all("invalid_json" in e for e in errors)
+    info = job_info(b, "j")
+    assert (info["total"], info["completed"], info["failed"], info["pending"]) == (
+        2000,
+        2000 - 2000 // 97,
+        2000 // 97,
+        0,
+    )
+    again = fetch(b, "j", out)  # everything was delivered: nothing is written twice
+    assert again.returncode == 0 and "0 results" in again.stderr
+    refetch = fetch(b, "j", tmp_path / "all.jsonl", "--all")
+    assert refetch.returncode == 0, refetch.stderr
+    assert_each_once(tmp_path / "all.jsonl", 2000)
+    stop_and_check(b)
+
+
+@pytest.mark.parametrize("phase", ["before_compute", "mid_batch", "before_send", "before_ack"])
+def test_a_worker_killed_at_each_phase_loses_and_doubles_nothing(tmp_path, broker, workers, phase):
+    b = broker(workers=0)
+    submit_job(b, tmp_path, 1500, "k")
+    doomed = workers(b, env={"FABRIC_WORKER_FAULT": f"{phase}:3"})
+    wait_for(lambda: doomed.poll() is not None, f"the worker to die {phase}", timeout_s=60)
+    assert doomed.returncode == -signal.SIGKILL
+    workers(b)  # a healthy one finishes the job, after the dead session's items are reclaimed
+    wait_for(lambda: finished(b, "k"), "the job to finish", timeout_s=90)
+    out = tmp_path / "out.jsonl"
+    assert fetch(b, "k", out).returncode == 0
+    assert_each_once(out, 1500)
+    assert "silent for" in log_of(b, "dispatch-0")  # the dead session was declared gone
+    stop_and_check(b)
+
+
+def test_broker_sigkilled_while_workers_hold_batches_they_re_register(tmp_path, broker, workers):
+    b = broker(
+        workers=0, dispatch=FAST.replace("reregister_grace_s = 1.0", "reregister_grace_s = 3.0")
+    )
+    submit_job(b, tmp_path, 1200, "r")
+    slow = workers(b, "simulated", "tokens_per_s=20000", batch_items=32, prefetch=3)
+    wait_for(lambda: "holding 0 item" in log_of(b, "dispatch-0"), "the worker to register")
+    wait_for(lambda: job_info(b, "r")["completed"] > 100, "some progress")
+    b.kill()  # the whole broker, with batches out
+    b.start()
+    wait_for(
+        lambda: re.search(r"registered holding [1-9]\d* item", log_of(b, "dispatch-0")),
+        "the worker to re-register with what it holds",
+    )
+    assert slow.poll() is None  # the worker lived through it
+    wait_for(lambda: finished(b, "r"), "the job to finish", timeout_s=120)
+    out = tmp_path / "out.jsonl"
+    assert fetch(b, "r", out).returncode == 0
+    assert_each_once(out, 1200)
+    assert "duplicate result" not in log_of(b, "completion-0")  # nothing it held ran twice
+    stop_and_check(b)
+
+
+def test_a_poison_item_is_dead_lettered_and_the_rest_of_the_job_completes(tmp_path, broker):
+    data = tmp_path / "p.jsonl"
+    lines = [
+        {
+            "custom_id": f"c{i}",
+            "method": "POST",
+            "url": "/v1/embeddings",
+            "body": {"model": "echo", "prompt_token_ids": [666 if i == 37 else 5, 7, 8]},
+        }
+        for i in range(300)
+    ]
+    data.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    b = broker(workers=1, env={"FABRIC_ECHO_POISON": "666"})
+    assert submit(b.config, data, "--job-id", "p").returncode == 0
+    wait_for(lambda: finished(b, "p"), "the job to finish despite the poison item", timeout_s=120)
+    out = tmp_path / "out.jsonl"
+    assert fetch(b, "p", out).returncode == 0
+    assert_each_once(out, 300)
+    errors = [json.loads(e) for e in Path(f"{out}.errors.jsonl").read_text().splitlines()]
+    assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [("c37", "dead_lettered")]
+    stop_and_check(b)
+
+
+def test_a_stopped_worker_loses_its_work_and_resumes_without_doubling(tmp_path, broker, workers):
+    b = broker(workers=0)
+    submit_job(b, tmp_path, 800, "s")
+    stopped = workers(b, "simulated", "tokens_per_s=20000", batch_items=16)
+    wait_for(lambda: job_info(b, "s")["completed"] > 20, "some progress")
+    stopped.send_signal(signal.SIGSTOP)
+    wait_for(lambda: "silent for" in log_of(b, "dispatch-0"), "the silent session to be reclaimed")
+    workers(b)  # another worker does the reclaimed items
+    wait_for(lambda: finished(b, "s"), "the job to finish", timeout_s=90)
+    stopped.send_signal(signal.SIGCONT)
+    wait_for(lambda: log_of(b, "dispatch-0").count("registered holding") >= 3, "it to re-register")
+    out = tmp_path / "out.jsonl"
+    assert fetch(b, "s", out).returncode == 0
+    assert_each_once(out, 800)
+    stop_and_check(b)
+
+
+def test_dispatch_sigkilled_alone_reloads_its_file_and_workers_keep_their_batches(
+    tmp_path, broker, workers
+):
+    b = broker(workers=0)
+    submit_job(b, tmp_path, 1000, "d")
+    workers(b, "simulated", "tokens_per_s=20000", batch_items=32, prefetch=3)
+    wait_for(lambda: job_info(b, "d")["completed"] > 50, "some progress")
+    b.kill_stage("dispatch-0")
+    wait_for(lambda: "reloaded" in log_of(b, "dispatch-0"), "dispatch to reload its file")
+    wait_for(lambda: finished(b, "d"), "the job to finish", timeout_s=90)
+    out = tmp_path / "out.jsonl"
+    assert fetch(b, "d", out).returncode == 0
+    assert_each_once(out, 1000)
+    stop_and_check(b)
+
+
+def test_sigterm_drains_a_worker_and_nothing_waits_for_a_lease(tmp_path, broker, workers):
+    b = broker(
+        workers=0,
+        dispatch=FAST.replace("lease_s = 6.0", "lease_s = 300.0").replace(
+            "session_timeout_s = 2.0", "session_timeout_s = 300.0"
+        ),
+    )
+    submit_job(b, tmp_path, 600, "t")
+    first = workers(b, "simulated", "tokens_per_s=5000", batch_items=16, prefetch=4)
+    wait_for(lambda: job_info(b, "t")["completed"] > 10, "some progress")
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(timeout=30) == 0
+    assert "handed back" in first.stderr.read()
+    workers(b)  # finishes at once: nothing waits for a 300 s lease
+    wait_for(lambda: finished(b, "t"), "the job to finish without lease expiry", timeout_s=60)
+    out = tmp_path / "out.jsonl"
+    assert fetch(b, "t", out).returncode == 0
+    assert_each_once(out, 600)
+    stop_and_check(b)
+
+
+def test_a_late_result_after_lease_expiry_is_dropped_once_another_attempt_won(
+    tmp_path, broker, workers
+):
+    slow_reports = (
+        FAST.replace("report_s = 0.3", "report_s = 30.0")
+        .replace("lease_s = 6.0", "lease_s = 1.0")
+        .replace("session_timeout_s = 2.0", "session_timeout_s = 60.0")
+    )
+    b = broker(workers=0, dispatch=slow_reports)
+    submit_job(b, tmp_path, 200, "l")
+    workers(
+        b, "simulated", "tokens_per_s=2000", batch_items=100, prefetch=1
+    )  # slower than its lease
+    wait_for(lambda: "lease expired" in log_of(b, "dispatch-0"), "a lease to expire mid-compute")
+    workers(b)
+    wait_for(lambda: finished(b, "l"), "the job to finish", timeout_s=90)
+    out = tmp_path / "out.jsonl"
+    assert fetch(b, "l", out).returncode == 0
+    assert_each_once(out, 200)
+    stop_and_check(b)
+
+
+def test_completion_sigkilled_mid_stream_keeps_one_result_and_one_tombstone_each(tmp_path, broker):
+    b = broker(workers=2)
+    submit_job(b, tmp_path, 3000, "c")
+    for _ in range(3):
+        wait_for(lambda: job_info(b, "c")["completed"] > 0, "progress")
+        b.kill_stage("completion-0")
+    wait_for(lambda: finished(b, "c"), "the job to finish", timeout_s=90)
+    out = tmp_path / "out.jsonl"
+    assert fetch(b, "c", out).returncode == 0
+    assert_each_once(out, 3000)
+    stop_and_check(b)
+
+
+def test_results_client_killed_mid_stream_then_rerun_writes_each_id_once(tmp_path, broker):
+    b = broker(workers=2)
+    submit_job(b, tmp_path, 4000, "x")
+    wait_for(lambda: finished(b, "x"), "the job to finish", timeout_s=90)
+    out = tmp_path / "out.jsonl"
+    for _ in range(3):
+        client = subprocess.Popen(
+            [sys.executable, "run.py", "results", "x", "-o", str(out), "--config", str(b.config)],
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        wait_for(
+            lambda c=client: (out.exists() and out.stat().st_size > 0) or c.poll() is not None,
+            "output",
+        )
+        client.kill()
+        client.wait(timeout=10)
+    assert fetch(b, "x", out).returncode == 0
+    assert_each_once(out, 4000)
+    stop_and_check(b)
+
+
+def test_results_follow_survives_a_broker_restart(tmp_path, broker):
+    b = broker(workers=0)
+    submit_job(b, tmp_path, 500, "f")
+    out = tmp_path / "out.jsonl"
+    client = subprocess.Popen(
+        [
+            sys.executable,
+            "run.py",
+            "results",
+            "f",
+            "-o",
+            str(out),
+            "--follow",
+            "--config",
+            str(b.config),
+        ],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    b.kill()
+    config = b.config.read_text().replace("local = 0", "local = 1")
+    b.config.write_text(config)
+    b.__init__(b.config)
+    b.start()
+    _, err = client.communicate(timeout=120)
+    assert client.returncode == 0, err
+    assert_each_once(out, 500)
+    stop_and_check(b)
+
+
+def test_cancel_retires_queued_items_as_cancelled_with_honest_counts(tmp_path, broker):
+    b = broker(workers=0)
+    submit_job(b, tmp_path, 700, "z")
+    result = subprocess.run(
+        [sys.executable, "run.py", "cancel", "z", "--config", str(b.config)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    wait_for(lambda: job_info(b, "z")["state"] == "cancelled", "the job to end cancelled")
+    info = job_info(b, "z")
+    assert (info["completed"], info["failed"], info["pending"]) == (0, 700, 0)
+    out = tmp_path / "out.jsonl"
+    assert fetch(b, "z", out).returncode == 0
+    assert_each_once(out, 700)
+    codes = {
+        json.loads(e)["error"]["code"] for e in Path(f"{out}.errors.jsonl").read_text().splitlines()
+    }
+    assert codes == {"cancelled"}
+    stop_and_check(b)
