@@ -2,7 +2,7 @@
 
 `BenchBroker(root, models, tokenizer_processes)` writes a config under
 `root` (free loopback ports, 256 MiB segments, 4096-item chunks, default
-process counts unless told), starts `python run.py --config` in a
+process counts and no local workers unless `sections` says otherwise), starts `python run.py --config` in a
 subprocess and waits until every stage's log says it is up. While it runs,
 `RssSampler` sums VmRSS over the supervisor and every process under it every
 0.2 s. `stop()` sends SIGTERM and returns the exit code; `check()` runs
@@ -26,7 +26,7 @@ from pathlib import Path
 
 from config import load_settings
 from pipeline.ring import Ring
-from pipeline.topology import ring_specs
+from pipeline.topology import ring_specs, stage_specs
 
 REPO = Path(__file__).resolve().parent.parent
 STARTED = re.compile(r"started stage (\S+) \(pid (\d+)\)")
@@ -46,29 +46,57 @@ def free_port() -> int:
 class Model:
     name: str
     tokenizer: str = ""  # path of a tokenizer.json; "" = token ids only
+    endpoints: tuple[str, ...] = ("/v1/embeddings",)
 
 
-def write_config(root: Path, models: list[Model], tokenizer_processes: int = 1) -> Path:
-    """A broker config with its data dir under `root` and free loopback ports."""
+def _toml(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    return repr(value)
+
+
+def write_config(
+    root: Path,
+    models: list[Model],
+    tokenizer_processes: int = 1,
+    sections: dict[str, dict[str, object]] | None = None,
+) -> Path:
+    """A broker config with its data dir under `root` and free loopback ports.
+
+    No local workers unless `sections` asks for them (`{"workers": {"local": 2}}`):
+    an ingest benchmark measures a log that nothing consumes. `sections` is
+    merged over the base, key by key.
+    """
     ports = [free_port() for _ in range(4)]
-    tables = "".join(
-        f'\n[[models]]\nname = "{m.name}"\nengine = "echo"\nendpoints = ["/v1/embeddings"]\n'
+    base: dict[str, dict[str, object]] = {
+        "broker": {"data_dir": str(root / "data"), "segment_bytes": SEGMENT_BYTES},
+        "ingest": {
+            "bind": f"tcp://127.0.0.1:{ports[0]}",
+            "chunk_items": CHUNK_ITEMS,
+            "processes": tokenizer_processes,
+        },
+        "dispatch": {
+            "bind": f"tcp://127.0.0.1:{ports[1]}",
+            "heartbeat_bind": f"tcp://127.0.0.1:{ports[2]}",
+        },
+        "completion": {"bind": f"tcp://127.0.0.1:{ports[3]}"},
+        "workers": {"local": 0},
+    }
+    for name, keys in (sections or {}).items():
+        base.setdefault(name, {}).update(keys)
+    text = "".join(
+        f"[{name}]\n" + "".join(f"{key} = {_toml(value)}\n" for key, value in keys.items())
+        for name, keys in base.items()
+    )
+    text += "".join(
+        f'\n[[models]]\nname = "{m.name}"\nengine = "echo"\nendpoints = {_toml(m.endpoints)}\n'
         + (f'tokenizer = "{m.tokenizer}"\n' if m.tokenizer else "")
         for m in models
     )
-    text = f"""[broker]
-data_dir = "{root / "data"}"
-segment_bytes = {SEGMENT_BYTES}
-[ingest]
-bind = "tcp://127.0.0.1:{ports[0]}"
-chunk_items = {CHUNK_ITEMS}
-processes = {tokenizer_processes}
-[dispatch]
-bind = "tcp://127.0.0.1:{ports[1]}"
-heartbeat_bind = "tcp://127.0.0.1:{ports[2]}"
-[completion]
-bind = "tcp://127.0.0.1:{ports[3]}"
-{tables}"""
     path = root / "broker.toml"
     path.write_text(text)
     return path
@@ -159,13 +187,20 @@ class RssSampler:
 class BenchBroker:
     """`python run.py --config FILE` in a subprocess, for one benchmark step."""
 
-    def __init__(self, root: Path, models: list[Model], tokenizer_processes: int = 1) -> None:
+    def __init__(
+        self,
+        root: Path,
+        models: list[Model],
+        tokenizer_processes: int = 1,
+        sections: dict[str, dict[str, object]] | None = None,
+    ) -> None:
         root.mkdir(parents=True, exist_ok=True)
         self.root = root
-        self.config = write_config(root, models, tokenizer_processes)
+        self.config = write_config(root, models, tokenizer_processes, sections)
+        self.settings = load_settings(self.config)
         self.data = root / "data"
         self.log_dir = self.data / "log"
-        self.stages = 3 + tokenizer_processes  # front, tokenizers, router, writer
+        self.stages = len(stage_specs(self.settings))
         self.proc: subprocess.Popen | None = None
         self.address = ""
 

@@ -34,7 +34,7 @@ def py_spy() -> str | None:
 
 
 WAITS = ("Poller.poll", "Socket.poll", "Condition.wait", "GarbageCollectorThread.run")
-PROJECT = ("ingest/", "router/", "pipeline/", "config/")
+PROJECT = ("ingest/", "router/", "pipeline/", "config/", "gpu/", "collector/")
 
 
 @dataclass(frozen=True)

@@ -171,7 +171,14 @@ class CompletionStage(Stage):
             return
         ack[2] = n
         status = flags_of(a["status"].astype(np.uint32) & 1, a["kind"].astype(np.uint32) & 0xF)
-        self._record(items, status, payload, offsets, a["prompt_tokens"].astype(np.uint32))
+        self._record(
+            items,
+            status,
+            payload,
+            offsets,
+            a["prompt_tokens"].astype(np.uint32),
+            "sent again" if meta.get("resent") else "computed again",
+        )
 
     def _item_errors(self, message: wire.Message) -> None:
         items = message.arrays["items"]
@@ -182,7 +189,7 @@ class CompletionStage(Stage):
         status = np.full(n, flags_of(ERROR_RESULT, TEXT), np.uint32)
         self._record(items, status, payload, offsets, np.zeros(n, np.uint32))
 
-    def _record(self, items, status, payload, offsets, prompt) -> None:
+    def _record(self, items, status, payload, offsets, prompt, why: str = "computed again") -> None:
         job_nos = items["seq"] >> np.uint64(32)
         for job_no in np.unique(job_nos).tolist():
             pick = np.flatnonzero(job_nos == job_no)
@@ -211,9 +218,7 @@ class CompletionStage(Stage):
             self.stored += recorded.stored
             if recorded.duplicates:
                 self.log.info(
-                    "job %s: %d duplicate result(s) dropped (computed again)",
-                    job_id,
-                    recorded.duplicates,
+                    "job %s: %d duplicate result(s) dropped (%s)", job_id, recorded.duplicates, why
                 )
             for line in recorded.refused[:5]:
                 self.log.warning("job %s: result refused: %s", job_id, line)
@@ -281,8 +286,6 @@ class CompletionStage(Stage):
         if total is None:
             return "validating"
         if done >= total:
-            if total == 0 and (view.directory / FINISHED_FILE).exists():
-                return "expired"
             return "cancelled" if view.cancelled else "completed"
         if view.cancelled:
             return "cancelling"
@@ -302,8 +305,7 @@ class CompletionStage(Stage):
         rate = (done - first[1]) / elapsed if elapsed > 1 else 0.0
         pending = None if total is None else max(0, total - done)
         if state in ("completed", "cancelled") and not (view.directory / FINISHED_FILE).exists():
-            self.log_.finish_job(job_id)
-            (view.directory / FINISHED_FILE).write_text(f"{time.time_ns()}\n")
+            self._finish(view)
         return {
             "job": job_id,
             "exists": True,
@@ -370,11 +372,30 @@ class CompletionStage(Stage):
 
     # ---- housekeeping --------------------------------------------------------------------
     def _tidy(self) -> None:
-        """Release input segments that are finished (sealed, every slot retired)."""
+        """Release finished input segments; finish jobs whose every item has a result."""
         for segment_id, segment in list(self.inputs.items()):
             if segment.sealed and segment.deleted >= segment.entries:
                 segment.close()
                 del self.inputs[segment_id]
+        for job_id in self.log_.known_jobs():
+            view = self.jobs.view(job_id)
+            if view is None:
+                continue
+            if (view.directory / FINISHED_FILE).exists():
+                if job_id not in self.pages and not self.log_.undelivered(job_id):
+                    self.log_.unload(job_id)  # all delivered: free its bitmaps and handles
+                    self.jobs.forget(job_id)
+                continue
+            self._catch_up(view)
+            total = view.total
+            if total is not None and self.log_.completed(job_id) >= total:
+                self._finish(view)
+
+    def _finish(self, view: JobView) -> None:
+        """Seal the job's completion segments and note when it finished (for retention)."""
+        self.log_.finish_job(view.job_id)
+        (view.directory / FINISHED_FILE).write_text(f"{time.time_ns()}\n")
+        self.log.info("job %s finished", view.job_id)
 
     def drain(self, deadline: float) -> None:
         while time.monotonic() < deadline:

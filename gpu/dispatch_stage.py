@@ -94,6 +94,9 @@ class DispatchStage(Stage):
         self.data_dir = DataDir(settings.data_path).ensure()
         self.epoch = broker_epoch()
         self.state = DispatchState(config.lease_s, config.max_attempts)
+        # Batch ids grow across restarts and broker lives (microseconds since the epoch), so
+        # a worker's `seen_batch` from an earlier life never covers a batch of this one.
+        self.state.set_next_batch_id(time.time_ns() // 1000)
         self.shapes = ShapeTable(settings.data_path)
         self.sessions: dict[str, _Session] = {}
         self.parked: collections.deque[_Parked] = collections.deque()
@@ -123,6 +126,8 @@ class DispatchStage(Stage):
                 self.epoch,
             )
         for cancel in (self.data_dir.root / "jobs").glob("*/cancel"):
+            if (cancel.parent / "finished").exists():
+                continue  # nothing of it is queued any more
             try:
                 self.state.cancelled_jobs.add(int(cancel.read_text().split()[0]))
             except (OSError, ValueError, IndexError):
@@ -203,6 +208,7 @@ class DispatchStage(Stage):
         events = dict(self.poller.poll(timeout))
         if self.inbox in events:
             self._read_inbox()
+            self.state.sweep_cancelled()  # work that just arrived for a cancelled job
         if self.workers in events:
             self._read_workers(now)
         self._serve_parked(now)
@@ -215,6 +221,7 @@ class DispatchStage(Stage):
             self.next_rescan = now + RESCAN_S
             self.samples.append((now, self.counts["handed_out"], self.counts["retired"]))
             self._rescan()
+            self.state.sweep_cancelled()
             for segment in self.state.forget_finished():
                 self.log.info("segment %d finished; released", segment.segment_id)
                 segment.close()

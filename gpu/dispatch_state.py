@@ -16,8 +16,9 @@ the bitmap and the cursor. A slot whose checksum fails is quarantined, never
 sent, and reported so the completion stage can give it an error result.
 
 An item that was reclaimed before (its attempts byte is not 0) is handed
-out alone, so a poison item that kills its worker takes no healthy items
-down with it on the next tries.
+out alone, to a session that holds nothing else and gets nothing else until
+that item is resolved, so a poison item that kills its worker takes no
+healthy items down with it on the next tries.
 
 Reclaiming (invariant 7) rewinds only the affected segment's cursor to the
 earliest reclaimed slot; each reclaim that counts an attempt writes the
@@ -58,6 +59,7 @@ class Batch:
     lengths: np.ndarray  # uint32
     tokens: np.ndarray  # uint32 [n, lane]
     deadline_s: float
+    suspect: bool = False  # one item that failed before: its session gets nothing else meanwhile
 
 
 @dataclass(eq=False)
@@ -103,6 +105,8 @@ class DispatchState:
         self.cancelled_jobs: set[int] = set()
         self.cancelled: list[np.ndarray] = []
         self._ended: list[int] = []
+        self._swept: dict[int, int] = {}  # segment -> end already swept for cancelled jobs
+        self._suspect: set[str] = set()  # sessions holding a retried item (nothing else for them)
 
     # ---- what there is to do -----------------------------------------------------------------
     def add_segment(
@@ -197,20 +201,30 @@ class DispatchState:
         Items out on lease finish (or not) with their worker. Returns the items taken.
         """
         self.cancelled_jobs.add(job_no)
+        self._swept.clear()  # a new job to look for: every queue once more
+        return self.sweep_cancelled()
+
+    def sweep_cancelled(self) -> int:
+        """Take queued items of cancelled jobs written since the last sweep; returns how many."""
+        if not self.cancelled_jobs:
+            return 0
+        jobs = np.fromiter(self.cancelled_jobs, np.uint64)
         taken = 0
-        for work in self._work.values():
+        for segment_id, work in self._work.items():
             segment = work.segment
-            if work.cursor >= work.end:
+            start = max(work.cursor, self._swept.get(segment_id, 0))
+            if start >= work.end:
                 continue
-            span = np.arange(work.cursor, work.end)
-            live = (segment.markers[work.cursor : work.end] & STATE_MASK) == LIVE
+            span = np.arange(start, work.end)
+            live = (segment.markers[start : work.end] & STATE_MASK) == LIVE
             if work.out is not None:
-                live &= ~work.out[work.cursor : work.end]
+                live &= ~work.out[start : work.end]
+            self._swept[segment_id] = work.end
             slots = span[live]
             if not len(slots):
                 continue
             seqs = segment.slots["seq"][slots]
-            mine = (seqs >> np.uint64(32)) == np.uint64(job_no)
+            mine = np.isin(seqs >> np.uint64(32), jobs)
             if mine.any():
                 self._mark_out(work, slots[mine])
                 self.cancelled.append(_items(segment.segment_id, slots[mine], seqs[mine]))
@@ -227,7 +241,9 @@ class DispatchState:
         now: float,
         prefer: Iterable[int] = (),
     ) -> Batch | None:
-        """A batch for `session`, or None when the model has no dispatchable work."""
+        """A batch for `session`, or None when the model has no dispatchable work for it."""
+        if session in self._suspect:
+            return None
         candidates = sorted(
             (
                 w
@@ -252,8 +268,11 @@ class DispatchState:
             work.cursor = max(work.cursor, scanned_to)
             return None
         retried = segment.attempts(slots) > 0
+        suspect = bool(retried[0])
+        if suspect and self._by_session.get(session):
+            return None  # a retried item goes to a worker that holds nothing else
         if retried.any():  # an item that failed before goes alone: a poison item sinks no batch
-            cut = 1 if retried[0] else int(np.argmax(retried))
+            cut = 1 if suspect else int(np.argmax(retried))
             slots = slots[:cut]
             scanned_to = int(slots[-1]) + 1
         ok = segment.verify(slots)
@@ -296,6 +315,7 @@ class DispatchState:
             lengths=segment.slots["count"][slots].astype(np.uint32),
             tokens=np.ascontiguousarray(words[:, 8 : 8 + lane]),
             deadline_s=now + self.lease_s,
+            suspect=suspect,
         )
         self._next_batch_id += 1
         self._add_lease(batch, work)
@@ -303,6 +323,8 @@ class DispatchState:
 
     def _add_lease(self, batch: Batch, work: _Work) -> None:
         self._leases[batch.batch_id] = batch
+        if batch.suspect:
+            self._suspect.add(batch.session)
         self._by_session.setdefault(batch.session, set()).add(batch.batch_id)
         if work.batches is None:
             work.batches = set()
@@ -311,6 +333,8 @@ class DispatchState:
     def _remove_lease(self, batch: Batch) -> None:
         self._leases.pop(batch.batch_id, None)
         self._ended.append(batch.batch_id)
+        if batch.suspect:
+            self._suspect.discard(batch.session)
         held = self._by_session.get(batch.session)
         if held is not None:
             held.discard(batch.batch_id)

@@ -388,6 +388,7 @@ class Worker:
         if self.epoch is not None and meta["epoch"] != self.epoch:
             log.info("broker restarted (epoch %d -> %d)", self.epoch, meta["epoch"])
         self.epoch = int(meta["epoch"])
+        self.seen_batch = 0  # batch ids of this dispatch life are all new
         self.report_s = float(meta["report_s"])
         self.registered = True
         self.backoff = 0.2
@@ -458,9 +459,11 @@ class Worker:
                 self.exit_code = exitcodes.FAILED
 
     def _send_results(self, held: _Held, now: float) -> None:
+        resent = held.state == "sent"
         held.state = "sent"
         held.sent_at = now
-        if self._send(MT.RESULTS, {"result_id": held.result_id}, held.results[1]):
+        meta = {"result_id": held.result_id, "resent": resent}
+        if self._send(MT.RESULTS, meta, held.results[1]):
             return
         held.sent_at = now - RESEND_S + 1.0  # not sent: try again in about a second
 

@@ -211,26 +211,28 @@ def test_a_worker_killed_at_each_phase_loses_and_doubles_nothing(tmp_path, broke
     stop_and_check(b)
 
 
-def test_broker_sigkilled_while_workers_hold_batches_they_re_register(tmp_path, broker, workers):
+def test_broker_sigkilled_while_a_fleet_holds_batches_all_re_register(tmp_path, broker, workers):
     b = broker(
         workers=0, dispatch=FAST.replace("reregister_grace_s = 1.0", "reregister_grace_s = 3.0")
     )
     submit_job(b, tmp_path, 1200, "r")
-    slow = workers(b, "simulated", "tokens_per_s=20000", batch_items=32, prefetch=3)
-    wait_for(lambda: "holding 0 item" in log_of(b, "dispatch-0"), "the worker to register")
+    fleet = [
+        workers(b, "simulated", "tokens_per_s=20000", batch_items=32, prefetch=3) for _ in range(3)
+    ]
+    wait_for(lambda: log_of(b, "dispatch-0").count("holding 0 item") == 3, "the fleet to register")
     wait_for(lambda: job_info(b, "r")["completed"] > 100, "some progress")
     b.kill()  # the whole broker, with batches out
     b.start()
     wait_for(
-        lambda: re.search(r"registered holding [1-9]\d* item", log_of(b, "dispatch-0")),
-        "the worker to re-register with what it holds",
+        lambda: len(re.findall(r"registered holding [1-9]\d* item", log_of(b, "dispatch-0"))) == 3,
+        "the whole fleet to re-register with what it holds",
     )
-    assert slow.poll() is None  # the worker lived through it
+    assert all(w.poll() is None for w in fleet)  # the workers lived through it
     wait_for(lambda: finished(b, "r"), "the job to finish", timeout_s=120)
     out = tmp_path / "out.jsonl"
     assert fetch(b, "r", out).returncode == 0
     assert_each_once(out, 1200)
-    assert "duplicate result" not in log_of(b, "completion-0")  # nothing it held ran twice
+    assert "computed again" not in log_of(b, "completion-0")  # nothing they held ran twice
     stop_and_check(b)
 
 
@@ -422,4 +424,50 @@ def test_cancel_retires_queued_items_as_cancelled_with_honest_counts(tmp_path, b
         json.loads(e)["error"]["code"] for e in Path(f"{out}.errors.jsonl").read_text().splitlines()
     }
     assert codes == {"cancelled"}
+    stop_and_check(b)
+
+
+def test_delivered_results_expire_after_retention_and_finished_inputs_are_collected(
+    tmp_path, broker
+):
+    b = broker(workers=1)
+    config = b.config.read_text()
+    b.stop()
+    config = config.replace("[completion]\n", "[completion]\nresults_retention_s = 0.0\n")
+    config = config.replace("[broker]\n", "[broker]\nsegment_idle_s = 0.5\n")
+    b.config.write_text(config + "\n[collector]\ninterval_s = 0.3\n")
+    b.__init__(b.config)
+    b.start()
+    submit_job(b, tmp_path, 400, "e")
+    out = tmp_path / "out.jsonl"
+    assert fetch(b, "e", out, "--follow").returncode == 0
+    assert_each_once(out, 400)
+    wait_for(lambda: job_info(b, "e")["state"] == "expired", "the job to expire")
+    wait_for(lambda: not list(b.data_dir.completion.glob("out-*.seg")), "results to be removed")
+    wait_for(lambda: not list(b.data_dir.segments.glob("in-*.seg")), "inputs to be collected")
+    again = fetch(b, "e", tmp_path / "late.jsonl")
+    assert again.returncode == 0 and "state expired" in again.stderr
+    stop_and_check(b)
+
+
+def test_the_heartbeat_port_answers_while_dispatch_restarts(tmp_path, broker):
+    import zmq
+
+    from pipeline import wire
+
+    b = broker(workers=0)
+    context = zmq.Context()
+    ping = context.socket(zmq.DEALER)
+    ping.setsockopt(zmq.LINGER, 0)
+    ping.connect(b.settings.dispatch.heartbeat_bind)
+    try:
+        os.kill(b.pids()["dispatch-0"], signal.SIGKILL)
+        wire.send(ping, wire.MessageType.PING, {})
+        pong = wire.recv(ping, 5000)
+        assert pong is not None and pong.type == wire.MessageType.PONG
+        assert pong.meta["recovered"] is True and pong.meta["epoch"] > 0
+        wait_for(b.all_up, "dispatch to be restarted")
+    finally:
+        ping.close(0)
+        context.term()
     stop_and_check(b)
