@@ -17,8 +17,9 @@ import sys
 import time
 
 from config import load_settings
+from config.defaults import DEFAULTS
 from pipeline import exitcodes
-from pipeline.errors import ConfigError, DataDirLockedError, FabricError
+from pipeline.errors import BrokerUnreachableError, ConfigError, DataDirLockedError, FabricError
 
 COMMANDS = ("check", "submit", "status", "results", "cancel", "worker")
 
@@ -231,7 +232,12 @@ def _worker(args: argparse.Namespace) -> int:
             options[key] = float(value) if "." in value else int(value)
         except ValueError:
             options[key] = value
-    engine = make_engine(args.engine, **options)
+    try:
+        engine = make_engine(args.engine, **options)
+    except TypeError as exc:
+        raise FabricError(
+            f"engine {args.engine!r} does not take options {options}: {exc}"
+        ) from None
     heartbeat = args.heartbeat
     if heartbeat is None and args.broker.startswith("tcp://"):
         host, _, port = args.broker.rpartition(":")
@@ -308,10 +314,22 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--engine", required=True, help="echo, simulated, ...")
     worker.add_argument("--option", action="append", help="engine option KEY=VALUE (repeat)")
     worker.add_argument("--heartbeat", help="heartbeat address (default: the broker's port + 1)")
-    worker.add_argument("--batch-items", type=int, default=256, help="largest batch, in items")
-    worker.add_argument("--batch-tokens", type=int, default=262144, help="largest batch, in tokens")
-    worker.add_argument("--prefetch", type=int, default=4, help="batches queued ahead")
-    worker.add_argument("--drain-s", type=float, default=30.0, help="grace period on SIGTERM")
+    defaults = DEFAULTS["workers"]
+    worker.add_argument(
+        "--batch-items", type=int, default=defaults["batch_items"], help="largest batch, in items"
+    )
+    worker.add_argument(
+        "--batch-tokens",
+        type=int,
+        default=defaults["batch_tokens"],
+        help="largest batch, in tokens",
+    )
+    worker.add_argument(
+        "--prefetch", type=int, default=defaults["prefetch"], help="batches queued ahead"
+    )
+    worker.add_argument(
+        "--drain-s", type=float, default=defaults["drain_s"], help="grace period on SIGTERM"
+    )
     worker.set_defaults(handler=_worker)
     return parser
 
@@ -338,6 +356,9 @@ def main(argv: list[str] | None = None) -> int:
     except DataDirLockedError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exitcodes.LOCKED
+    except BrokerUnreachableError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exitcodes.UNAVAILABLE
     except FabricError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exitcodes.FAILED

@@ -77,7 +77,7 @@ def throughput_cases(args: argparse.Namespace) -> dict[int, list[Case]]:
     return {
         DEFAULT_MAX_BATCHES: [
             Case(64, small, 256, 1),
-            Case(64, small, 1024, 1),
+            Case(64, small, 1024, 1, repeat=args.repeat, headline=True),
             Case(64, small, 1024, 2),
         ],
         RAISED_MAX_BATCHES: [

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import ingest_profile
+from bench import dispatch_profile, ingest_profile
 from bench.dispatch_common import MODEL, Status, Workers, make_rows, submit, wait_for
-from bench.ingest_broker import BenchBroker
+from bench.ingest_broker import BenchBroker, cpu_times
 from bench.ingest_common import Outcome, progress
 from bench.report import Row
 
@@ -33,8 +33,9 @@ STEP = "1 throughput"
 ITEMS_TARGET = 200_000
 POLL_S = 0.05
 RUN_TIMEOUT_S = 300.0
-PROFILE_S = 8
+PROFILE_S = 6
 PROFILED = ("dispatch-0", "completion-0")
+CPU_OF = ("dispatch-0", "completion-0")
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class Timing:
     handed_s: float  # first worker started -> every item handed out
     submit_s: float
     peak_in_flight: int
+    cpu: dict[str, float]  # process -> CPU seconds (user + system) from worker start to done
 
     @property
     def rate(self) -> float:
@@ -92,6 +94,8 @@ def run_case(
     workers = Workers(
         broker, case.workers, batch_items=case.batch_items, batch_tokens=case.batch_tokens
     )
+    stages = {label: pid for label, pid in broker.pids().items() if label in CPU_OF}
+    cpu0 = {label: sum(cpu_times(pid)) for label, pid in stages.items()}
     started = time.monotonic()
     workers.start()
     first_out = handed = None
@@ -114,6 +118,9 @@ def run_case(
                 raise RuntimeError(f"{case.label}: not done in {RUN_TIMEOUT_S:g} s: {info}")
             time.sleep(POLL_S)
         done = time.monotonic()
+        cpu = {label: sum(cpu_times(pid)) - cpu0[label] for label, pid in stages.items()}
+        for k, pid in enumerate(workers.pids):
+            cpu[f"worker {k}"] = sum(cpu_times(pid))  # since its start
     finally:
         codes = workers.stop()
     if any(codes):
@@ -125,6 +132,7 @@ def run_case(
         (handed or done) - started,
         submit_s,
         peak,
+        cpu,
     )
 
 
@@ -212,7 +220,8 @@ def _profile(broker, status, cases, rows_by_shape, max_batches) -> list[str]:
         f"{timing.rate:,.0f} items/s over the whole run.",
         "",
     ]
-    return lines + ingest_profile.render(found.get("profiles", []), found.get("rate", 0.0))
+    what = f"job completions over the {PROFILE_S} s sampled"
+    return lines + dispatch_profile.render(found.get("profiles", []), found.get("rate", 0.0), what)
 
 
 def rows_for(results: list[tuple[int, Case, list[Timing]]]) -> list[Row]:
@@ -254,4 +263,13 @@ def rows_for(results: list[tuple[int, Case, list[Timing]]]) -> list[Row]:
                 ),
                 Row(STEP, f"{tag}: peak items in flight", tuple(t.peak_in_flight for t in timings)),
             ]
+            for label in timings[0].cpu:
+                out.append(
+                    Row(
+                        STEP,
+                        f"{tag}: CPU of {label}, % of one core (worker start -> job completed)",
+                        tuple(t.cpu[label] / t.seconds for t in timings),
+                        percent=True,
+                    )
+                )
     return out

@@ -22,14 +22,10 @@ import zmq
 from collector.completion_log import subset
 from collector.export import ExportContext, ResultFile, ResultPage, format_page, page_keys
 from pipeline import wire
-from pipeline.errors import FabricError, WireError
+from pipeline.errors import BrokerUnreachableError, FabricError, WireError
 
 MT = wire.MessageType
 TERMINAL = ("completed", "cancelled", "expired")
-
-
-class BrokerUnreachableError(FabricError):
-    """No answer from the broker within the tries allowed."""
 
 
 @dataclass
@@ -121,7 +117,7 @@ class ResultsClient(Client):
         everything: bool = False,
         decoders: dict[str, Callable[[list[int]], str]] | None = None,
         progress: Callable[[FetchReport], None] | None = None,
-        page_items: int = 4096,
+        page_items: int | None = None,
         poll_s: float = 0.2,
     ) -> FetchReport:
         """Write the job's results to out/err, exactly once per custom_id; returns what it did."""
@@ -131,15 +127,14 @@ class ResultsClient(Client):
         cursors: list = []
         with ResultFile.open(out_path) as out, ResultFile.open(err_path) as err:
             while True:
-                meta = {"job": job_id, "ack": ack, "all": everything, "limit": page_items}
+                meta = {"job": job_id, "ack": ack, "all": everything}
+                if page_items:
+                    meta["limit"] = page_items
                 if everything:
                     meta["cursors"] = cursors
-                try:
-                    message = self.request(
-                        MT.FETCH, meta, MT.RESULT_PAGE, attempts=1_000_000 if follow else None
-                    )
-                except BrokerUnreachableError:
-                    raise
+                message = self.request(
+                    MT.FETCH, meta, MT.RESULT_PAGE, attempts=1_000_000 if follow else None
+                )
                 info = message.meta
                 report.info = info
                 ack = 0
@@ -155,7 +150,7 @@ class ResultsClient(Client):
                     if progress is not None:
                         progress(report)
                     continue
-                finished = info["state"] in TERMINAL and not info.get("undelivered")
+                finished = info["state"] in TERMINAL and (everything or not info.get("undelivered"))
                 if not follow or finished or (everything and n == 0 and not follow):
                     return report
                 time.sleep(poll_s)  # nothing new yet: the job is still running

@@ -34,6 +34,7 @@ in the completion log, DEAD means delivered (invariant 12).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -58,6 +59,7 @@ from pipeline.segment_format import (
 from pipeline.segment_log import SegmentAppender, SegmentIds
 from router.shapes import ShapeTable
 
+log = logging.getLogger("fabric.completion")
 RESULT = 0
 ERROR_RESULT = 1
 TOKENS = 0  # generated token ids, little-endian u32
@@ -357,10 +359,7 @@ class CompletionLog:
             width = int(stored[pick].max())
             body = np.zeros((len(pick), width), dtype=np.uint8)
             body[:, :PROMPT_HEADER] = prompt[pick].astype("<u4").view(np.uint8).reshape(-1, 4)
-            columns = np.arange(width - PROMPT_HEADER)[None, :]
-            mask = columns < sizes[pick][:, None]
-            src = starts[pick][:, None] + columns
-            body[:, PROMPT_HEADER:][mask] = payload[src[mask]]
+            _gather(body[:, PROMPT_HEADER:], payload, starts[pick], sizes[pick])
             appender = self._appender(job, SIZE_CLASSES[c])
             appender.append(
                 seq[pick],
@@ -441,7 +440,21 @@ class CompletionLog:
             if not len(slots):
                 continue
             cursors[segment_id] = int(slots[-1]) + 1
-            slots = slots[seg.verify(slots)]
+            ok = seg.verify(slots)
+            if not ok.all():  # never sent; marked delivered so nothing waits on it for ever
+                bad = slots[~ok]
+                log.error(
+                    "job %s: %d stored result(s) in %s fail their checksum and are lost: slots %s",
+                    job_id,
+                    len(bad),
+                    seg.path.name,
+                    bad[:10].tolist(),
+                )
+                live = bad[(seg.markers[bad] & STATE_MASK) == LIVE]
+                if len(live):
+                    seg.tombstone(live)
+                    seg.sync()
+                slots = slots[ok]
             where.append((segment_id, slots))
             parts.append((seg, slots))
             taken += len(slots)
@@ -514,7 +527,7 @@ def _page(where, parts, next_at) -> Page:
         count = seg.slots["count"][slots].astype(np.int64)
         counts.append(count)
         width = int(count.max())
-        bodies.append((seg.bodies[slots][:, :width], count))
+        bodies.append((seg.bodies[slots, :width], count))
     index = np.concatenate(index)
     flags = np.concatenate(flags)
     count = np.concatenate(counts)
@@ -523,6 +536,9 @@ def _page(where, parts, next_at) -> Page:
     )
     chunks = []
     for body, c in bodies:
+        if (c == c[0]).all():  # the usual case: every result the same size, one slice
+            chunks.append(body[:, PROMPT_HEADER : int(c[0])].reshape(-1))
+            continue
         columns = np.arange(body.shape[1])[None, :]
         mask = (columns >= PROMPT_HEADER) & (columns < c[:, None])
         chunks.append(body[mask])
@@ -551,3 +567,21 @@ def subset(payload: np.ndarray, offsets: np.ndarray, pick: np.ndarray) -> tuple:
         return np.zeros(0, np.uint8), new_offsets
     index = np.repeat(starts - new_offsets[:-1], sizes) + np.arange(int(sizes.sum()))
     return payload[index], new_offsets
+
+
+def _gather(out: np.ndarray, payload: np.ndarray, starts: np.ndarray, sizes: np.ndarray) -> None:
+    """Copy item i's bytes payload[starts[i] : starts[i] + sizes[i]] to the front of out[i]."""
+    n = len(sizes)
+    if not n:
+        return
+    size = int(sizes[0])
+    if (sizes == size).all():
+        first = int(starts[0])
+        if (starts == first + np.arange(n) * size).all():  # back to back: one reshape, one copy
+            out[:, :size] = payload[first : first + n * size].reshape(n, size)
+        else:
+            out[:, :size] = payload[starts[:, None] + np.arange(size)[None, :]]
+        return
+    columns = np.arange(out.shape[1])[None, :]
+    mask = columns < sizes[:, None]
+    out[mask] = payload[(starts[:, None] + columns)[mask]]

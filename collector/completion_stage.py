@@ -263,20 +263,31 @@ class CompletionStage(Stage):
         if message.type == MT.JOB_STATUS:
             self._reply(route, MT.JOB_INFO, self._job_info(view, now))
         elif message.type == MT.CANCEL:
+            info = self._job_info(view, now)
+            if info["state"] in ("completed", "expired"):
+                self._reply(route, MT.ERROR, {"reason": f"job {job_id} is already {info['state']}"})
+                return
             if not view.cancelled:
                 write_cancel(view)
-                wire.send(self.dispatch, MT.CANCEL_JOB, {"job_no": view.job_no})
                 self.log.info("job %s cancelled by a client", job_id)
+            try:  # again on every request: dispatch may have restarted (it also reads the mark)
+                wire.send(self.dispatch, MT.CANCEL_JOB, {"job_no": view.job_no})
+            except FabricError as exc:
+                self.log.warning("could not tell dispatch of the cancel yet: %s", exc)
             info = self._job_info(view, now)
             self._reply(route, MT.CANCELLED, {**info, "state": info["state"]})
         else:
             self._fetch(route, view, meta, now)
 
     def _catch_up(self, view: JobView) -> None:
-        """Read what the front appended; rejected lines become error results."""
+        """Read what the front appended; rejected lines become error results.
+
+        Not once the job has finished: its results may be collected by then, and
+        the rejected lines were stored before it could finish.
+        """
         view.refresh()
         rejected = view.take_rejected()
-        if rejected:
+        if rejected and not (view.directory / FINISHED_FILE).exists():
             index = np.array([int(r[0]) - 1 for r in rejected], np.int64)
             reasons = [f"{r[2]}: {r[3]}" for r in rejected]
             self.log_.record_errors(view.job_id, view.job_no, index, reasons)
@@ -296,8 +307,14 @@ class CompletionStage(Stage):
         done = self.log_.completed(job_id)
         failed = self.log_.failed(job_id)
         total = view.total
-        if (view.directory / FINISHED_FILE).exists() and done == 0 and total:
-            state = "expired"
+        undelivered = self.log_.undelivered(job_id)
+        if (
+            (view.directory / FINISHED_FILE).exists()
+            and total is not None
+            and done < total
+            and not undelivered
+        ):
+            state = "expired"  # finished once; its delivered results are past retention, removed
         else:
             state = self._state(view, done, total)
         first = self.rates.setdefault(job_id, (now, done))
@@ -314,7 +331,7 @@ class CompletionStage(Stage):
             "completed": done - failed,
             "failed": failed,
             "pending": pending,
-            "undelivered": self.log_.undelivered(job_id),
+            "undelivered": undelivered,
             "created_ns": view.created_ns,
             "rate": round(rate, 1),
             "eta_s": round(pending / rate, 1) if rate > 0 and pending else None,

@@ -70,10 +70,15 @@ class SegmentCollector:
         return self.offer(sorted(self._pending))
 
     def sweep(self, data_dir, retention_s: float) -> CollectResult:
-        """Offer every finished segment on disk: input segments at once, completion segments
-        (all results delivered) once they have been sealed for `retention_s`."""
+        """Offer every finished segment on disk: input segments at once; completion segments
+        (every result delivered) once their job finished `retention_s` ago.
+
+        A job has finished when every item has a result: the completion stage then
+        writes `jobs/<job>/finished` (the wall time in ns), which retention counts from.
+        """
         candidates = []
         now_ns = time.time_ns()
+        finished: dict[str, int | None] = {}
         for path in data_dir.segment_files():
             try:
                 with open(path, "rb") as f:
@@ -86,8 +91,13 @@ class SegmentCollector:
                 continue
             if not sealed or deleted < entries:
                 continue
-            if path.parent == data_dir.completion and now_ns - sealed_ns < retention_s * 1e9:
-                continue
+            if path.parent == data_dir.completion:
+                job = path.name.split(".")[1]
+                if job not in finished:
+                    finished[job] = _finished_ns(data_dir.root / "jobs" / job / "finished")
+                done_ns = finished[job]
+                if done_ns is None or now_ns - max(done_ns, sealed_ns) < retention_s * 1e9:
+                    continue
             candidates.append(path)
         return self.offer(candidates) if candidates else CollectResult()
 
@@ -120,3 +130,11 @@ class SegmentCollector:
             return "removed"
         finally:
             os.close(fd)
+
+
+def _finished_ns(path: Path) -> int | None:
+    """When a job finished (its `finished` file), or None while it runs."""
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None

@@ -82,7 +82,7 @@ DEFAULTS: Final[dict[str, Any]] = {
         # hold some of it to re-register (invariant 8); work queued later goes at once.
         "reregister_grace_s": 5.0,
         # Batches one worker session may hold at once.
-        "session_max_batches": 8,
+        "session_max_batches": 64,
     },
     "completion": {
         # Address results are delivered to clients and sinks from.

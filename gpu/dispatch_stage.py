@@ -41,15 +41,15 @@ from pipeline.datadir import DataDir
 from pipeline.errors import FabricError, WireError
 from pipeline.scan import SegmentSummary, scan_segment
 from pipeline.segment import Segment
-from pipeline.stage import Stage
+from pipeline.stage import EPOCH_ENV, Stage
 from pipeline.topology import internal_address
 from router.shapes import ShapeTable
 
 MT = wire.MessageType
-EPOCH_ENV = "FABRIC_EPOCH"
 PARK_S = 0.5  # a work request with nothing to give waits this long before NO_WORK
 RESCAN_S = 1.0
 MAX_MESSAGES_PER_STEP = 512
+MAX_WAITING_FOR_COMPLETION = 2048  # forwarded result batches held while completion is away
 DEAD_LETTER = "dead_lettered"
 CORRUPT_INPUT = "corrupt_input"
 CANCELLED = "cancelled"
@@ -107,6 +107,7 @@ class DispatchStage(Stage):
         now = time.monotonic()
         grace_until = now + config.reregister_grace_s
         self._scanned: set[int] = set()
+        self._notified: dict[int, float] = {}  # segment -> last APPENDED notice (monotonic)
         self._rescan(not_before=grace_until)
         self.next_rescan = now + RESCAN_S
         (self.data_dir.root / "dispatch").mkdir(exist_ok=True)
@@ -168,8 +169,10 @@ class DispatchStage(Stage):
             if self.state.knows(segment_id) or segment_id in self._scanned:
                 continue
             self._load(path, not_before)
-        for segment in self.state.segments():
-            self.state.extend(segment.segment_id, segment.entries)
+        now = time.monotonic()
+        for segment in self.state.segments():  # a notice lost while this stage was down
+            if now - self._notified.get(segment.segment_id, 0.0) > 2 * RESCAN_S:
+                self.state.extend(segment.segment_id, segment.entries)
 
     def _load(self, path, not_before: float) -> None:
         summary = scan_segment(path)
@@ -197,6 +200,7 @@ class DispatchStage(Stage):
             for path in self.data_dir.segments.glob(f"in-{segment_id:012d}.*.seg"):
                 self._load(path, 0.0)
         if self.state.knows(segment_id):
+            self._notified[segment_id] = time.monotonic()
             self.state.extend(segment_id, end)
             self.counts["appended_notices"] += 1
 
@@ -300,6 +304,9 @@ class DispatchStage(Stage):
         session = self.sessions.get(session_id)
         if kind == MT.RESULTS:  # results are welcome from anyone: completion checks each seq
             self._forward_results(message)
+            items = message.arrays.get("items")
+            if items is not None and items.dtype == ITEM_DTYPE:
+                self.state.survived(session_id, items)
             if session is not None:
                 session.last_seen = now
             return
@@ -320,7 +327,9 @@ class DispatchStage(Stage):
                 self.parked.append(request)
         elif kind == MT.REPORT:
             held = message.arrays.get("held", np.zeros(0, ITEM_DTYPE))
-            self.state.report(session_id, held, int(meta["seen_batch"]), now)
+            self.state.report(
+                session_id, held, int(meta["seen_batch"]), now, meta.get("queued", ())
+            )
         elif kind == MT.HAND_BACK:
             self._hand_back(
                 session_id,
@@ -432,6 +441,9 @@ class DispatchStage(Stage):
 
     # ---- results and outcomes -------------------------------------------------------------
     def _forward_results(self, message: wire.Message) -> None:
+        if len(self.to_completion) >= MAX_WAITING_FOR_COMPLETION:
+            self.log.warning("completion is not taking results; dropped one batch (resent later)")
+            return  # the worker keeps it unacknowledged and sends it again
         meta = dict(message.meta)
         meta["route"] = message.route[0].hex()
         self.to_completion.append((MT.RESULTS, meta, message.arrays))
@@ -468,8 +480,9 @@ class DispatchStage(Stage):
                 lost = self.state.drop_session(session_id)
                 del self.sessions[session_id]
                 self.log.warning(
-                    "session %s silent for %.0f s: gone; %d item(s) reclaimed",
+                    "session %s silent for %.1f s (limit %.1f s): gone; %d item(s) reclaimed",
                     session_id,
+                    now - session.last_seen,
                     limit,
                     lost,
                 )
@@ -478,6 +491,9 @@ class DispatchStage(Stage):
             self.log.warning("%d item(s) reclaimed after their lease expired", expired)
 
     def _record_ended(self) -> None:
+        for batch_id, slots in self.state.take_dropped():
+            if batch_id in self._recorded:
+                self.file.drop(batch_id, slots)
         for batch_id in self.state.take_ended():
             if batch_id in self._recorded:
                 self._recorded.discard(batch_id)

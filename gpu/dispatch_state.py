@@ -59,7 +59,8 @@ class Batch:
     lengths: np.ndarray  # uint32
     tokens: np.ndarray  # uint32 [n, lane]
     deadline_s: float
-    suspect: bool = False  # one item that failed before: its session gets nothing else meanwhile
+    suspect: bool = False  # one item on its last try: its session gets nothing else meanwhile
+    started: bool = True  # the worker may have started it (False once a report says queued)
 
 
 @dataclass(eq=False)
@@ -105,8 +106,9 @@ class DispatchState:
         self.cancelled_jobs: set[int] = set()
         self.cancelled: list[np.ndarray] = []
         self._ended: list[int] = []
+        self._dropped: list[tuple[int, np.ndarray]] = []  # (lease, slots) left a lease that goes on
         self._swept: dict[int, int] = {}  # segment -> end already swept for cancelled jobs
-        self._suspect: set[str] = set()  # sessions holding a retried item (nothing else for them)
+        self._suspect: dict[str, int] = {}  # session -> its lease of one item on its last try
 
     # ---- what there is to do -----------------------------------------------------------------
     def add_segment(
@@ -267,12 +269,12 @@ class DispatchState:
         if len(slots) == 0:
             work.cursor = max(work.cursor, scanned_to)
             return None
-        retried = segment.attempts(slots) > 0
-        suspect = bool(retried[0])
+        last_try = segment.attempts(slots) >= max(1, self.max_attempts - 1)
+        suspect = bool(last_try[0])
         if suspect and self._by_session.get(session):
-            return None  # a retried item goes to a worker that holds nothing else
-        if retried.any():  # an item that failed before goes alone: a poison item sinks no batch
-            cut = 1 if suspect else int(np.argmax(retried))
+            return None  # an item on its last try goes to a worker that holds nothing else
+        if last_try.any():  # ... and alone: a poison item sinks no healthy batch-mate
+            cut = 1 if suspect else int(np.argmax(last_try))
             slots = slots[:cut]
             scanned_to = int(slots[-1]) + 1
         ok = segment.verify(slots)
@@ -324,7 +326,7 @@ class DispatchState:
     def _add_lease(self, batch: Batch, work: _Work) -> None:
         self._leases[batch.batch_id] = batch
         if batch.suspect:
-            self._suspect.add(batch.session)
+            self._suspect[batch.session] = batch.batch_id
         self._by_session.setdefault(batch.session, set()).add(batch.batch_id)
         if work.batches is None:
             work.batches = set()
@@ -333,8 +335,8 @@ class DispatchState:
     def _remove_lease(self, batch: Batch) -> None:
         self._leases.pop(batch.batch_id, None)
         self._ended.append(batch.batch_id)
-        if batch.suspect:
-            self._suspect.discard(batch.session)
+        if batch.suspect and self._suspect.get(batch.session) == batch.batch_id:
+            del self._suspect[batch.session]
         held = self._by_session.get(batch.session)
         if held is not None:
             held.discard(batch.batch_id)
@@ -399,7 +401,29 @@ class DispatchState:
                 self._add_lease(batch, work)
         return answer
 
-    def report(self, session: str, held: np.ndarray, seen_batch: int, now: float) -> int:
+    def survived(self, session: str, items: np.ndarray) -> None:
+        """The session sent results for `items`: if its last-try item is among them, it lived
+        through it, and may have work again without waiting for the retire."""
+        batch_id = self._suspect.get(session)
+        if batch_id is None:
+            return
+        batch = self._leases.get(batch_id)
+        if (
+            batch is None
+            or np.isin(
+                batch.items["slot"], items["slot"][items["segment"] == batch.segment_id]
+            ).all()
+        ):
+            del self._suspect[session]
+
+    def report(
+        self,
+        session: str,
+        held: np.ndarray,
+        seen_batch: int,
+        now: float,
+        queued: Iterable[int] = (),
+    ) -> int:
         """A session's periodic report: renew its leases; reclaim at once what it no longer holds.
 
         Only batches up to `seen_batch` (the newest the worker had received when
@@ -407,11 +431,13 @@ class DispatchState:
         mistaken for a lost one. Returns the items reclaimed.
         """
         reclaimed = 0
+        not_started = set(queued)
         for batch_id in sorted(self._by_session.get(session, set())):
             batch = self._leases[batch_id]
             batch.deadline_s = now + self.lease_s
             if batch_id > seen_batch:
                 continue
+            batch.started = batch_id not in not_started
             mine = held["segment"] == batch.segment_id
             missing = ~np.isin(batch.items["slot"], held["slot"][mine])
             if missing.any():
@@ -429,6 +455,11 @@ class DispatchState:
         """Ids of leases that ended (all their items retired or reclaimed) since the last call."""
         ended, self._ended = self._ended, []
         return ended
+
+    def take_dropped(self) -> list[tuple[int, np.ndarray]]:
+        """(lease id, slots) reclaimed from leases that go on, since the last call."""
+        dropped, self._dropped = self._dropped, []
+        return dropped
 
     def drop_session_quietly(self, session: str) -> int:
         """A session left cleanly: hand back whatever it still holds without counting attempts."""
@@ -483,12 +514,13 @@ class DispatchState:
         if not self._loaded:
             return 0
         expired = [b for b in self._leases.values() if b.deadline_s < now]
-        return sum(self.reclaim(b.batch_id, count_attempt=True) for b in expired)
+        return sum(self.reclaim(b.batch_id, count_attempt=b.started) for b in expired)
 
     def drop_session(self, session: str) -> int:
-        """A session is gone: reclaim all it held, counting an attempt for each item."""
-        held = sorted(self._by_session.get(session, ()))
-        return sum(self.reclaim(batch_id, count_attempt=True) for batch_id in held)
+        """A session is gone: reclaim all it held, counting an attempt for each item it may
+        have started (its last report said which batches were still queued, untouched)."""
+        held = [self._leases[b] for b in sorted(self._by_session.get(session, ()))]
+        return sum(self.reclaim(b.batch_id, count_attempt=b.started) for b in held)
 
     def reclaim(self, batch_id: int, count_attempt: bool, slots: np.ndarray | None = None) -> int:
         """Hand a batch (or some of its slots) back. Rewinds only its segment (invariant 7)."""
@@ -501,6 +533,7 @@ class DispatchState:
         rest = np.setdiff1d(all_slots, back)
         if len(rest):
             batch.items = batch.items[np.isin(all_slots, rest)]
+            self._dropped.append((batch_id, back))
         else:
             self._remove_lease(batch)
         segment = work.segment

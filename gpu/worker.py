@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import zmq
 
+from config.defaults import DEFAULTS
 from gpu.dispatch_state import ITEM_DTYPE
 from gpu.engines import Engine, EngineBatch, EngineResult, TransientEngineError
 from pipeline import exitcodes, wire
@@ -58,13 +59,15 @@ RESULT_KIND_TOKENS, RESULT_KIND_VECTOR, RESULT_KIND_TEXT = 0, 1, 2
 
 @dataclass(frozen=True)
 class WorkerOptions:
+    """How a worker connects and how much it asks for (defaults: config/defaults.py [workers])."""
+
     broker: str
     model: str
     heartbeat: str | None = None
-    batch_items: int = 256
-    batch_tokens: int = 262_144
-    prefetch: int = 4
-    drain_s: float = 30.0
+    batch_items: int = DEFAULTS["workers"]["batch_items"]
+    batch_tokens: int = DEFAULTS["workers"]["batch_tokens"]
+    prefetch: int = DEFAULTS["workers"]["prefetch"]
+    drain_s: float = DEFAULTS["workers"]["drain_s"]
 
 
 @dataclass(eq=False)
@@ -222,7 +225,8 @@ class Worker:
             self._maybe_fault("before_compute")
             batch = EngineBatch(held.task, held.tokens, held.lengths, held.max_tokens)
             try:
-                self._maybe_fault("mid_batch")
+                if self._fault is not None and self._fault[0] == "mid_batch":  # while it runs
+                    threading.Timer(0.002, self._maybe_fault, ("mid_batch",)).start()
                 result = self.engine.run(batch)
                 if len(result.errors) != len(held.items):
                     raise FabricError(
@@ -324,7 +328,12 @@ class Worker:
 
     def _report(self, now: float) -> None:
         self.last_report = now
-        self._send(MT.REPORT, {"seen_batch": self.seen_batch}, {"held": self._held_items()})
+        queued = [b for b, h in self.held.items() if h.state == "queued"]
+        self._send(
+            MT.REPORT,
+            {"seen_batch": self.seen_batch, "queued": queued},
+            {"held": self._held_items()},
+        )
 
     def _resend(self, now: float) -> None:
         for held in self.held.values():
@@ -456,6 +465,7 @@ class Worker:
                 self._hand_back([held], f"engine failed: {done.reason}", True)
                 queued = [h for h in self.held.values() if h.state == "queued"]
                 self._hand_back(queued, "engine failed; never started", False)
+                self._send(MT.BYE, {})  # nothing waits for this session to time out
                 self.exit_code = exitcodes.FAILED
 
     def _send_results(self, held: _Held, now: float) -> None:

@@ -4,7 +4,7 @@
 |------------------------------|------------------------------------------------|
 | `<data_dir>/broker.lock`     | flock held exclusively by the broker (or check --fix); holds its pid |
 | `<data_dir>/segments/`       | the input log: `in-<id>.<model>.s<shape>.l<lane>.seg` |
-| `<data_dir>/completion/`     | the completion log: `out-<id>.<job>.s0.l0.seg` |
+| `<data_dir>/completion/`     | the completion log: `out-<id>.<job>.s0.l<size class>.seg` (collector/completion_log.py) |
 | `<data_dir>/next-segment-id` | the lowest id not yet handed out (text)         |
 | `<data_dir>/log/`            | one log file per stage process                  |
 """

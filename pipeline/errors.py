@@ -96,3 +96,7 @@ class SendTimeoutError(WireError):
     """
 
     retryable = True
+
+
+class BrokerUnreachableError(FabricError):
+    """A client got no answer from the broker within the tries allowed (exit code 6)."""

@@ -22,7 +22,7 @@ Header (bytes 0..HEADER_CHECKED are written once and covered by a CRC-32):
 | 12     | 4    | kind        | 1 = input log, 2 = completion log                  | creator    |
 | 16     | 8    | segment_id  | increasing, never reused                           | creator    |
 | 24     | 4    | shape       | shape id (input) or 0                              | creator    |
-| 28     | 4    | lane        | lane edge in tokens (input) or 0                   | creator    |
+| 28     | 4    | lane        | lane edge in tokens (input) or result size class in bytes (completion) | creator |
 | 32     | 4    | slot_bytes  | bytes per slot, a multiple of 8                    | creator    |
 | 36     | 4    | capacity    | number of slots                                    | creator    |
 | 40     | 8    | created_ns  | wall-clock creation time                           | creator    |
@@ -50,7 +50,7 @@ Slot (u32 words; body_bytes = slot_bytes - 32):
 | 4    | index    | u32, item index within its job                          |
 | 5    | count    | u32, body length: tokens (input) or bytes (completion)  |
 | 6    | checksum | u32, see slot_checksums()                               |
-| 7    | flags    | u32: input log 0; completion log 0 = result, 1 = error result |
+| 7    | flags    | u32: input log 0; completion log: status, kind, model, shape (completion_log) |
 | 8..  | body     | tokens (u32) or result bytes, zero padded               |
 
 A slot is written before its marker becomes LIVE; both reach the disk in the

@@ -23,6 +23,7 @@ from pipeline.logs import setup_stage_logging
 
 log = logging.getLogger("fabric.stage")
 PR_SET_PDEATHSIG = 1
+EPOCH_ENV = "FABRIC_EPOCH"  # the broker life's epoch, set by the supervisor for every stage
 
 
 @dataclass(frozen=True)

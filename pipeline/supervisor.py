@@ -37,10 +37,8 @@ from pipeline.datadir import DataDir
 from pipeline.logs import setup_stage_logging
 from pipeline.recovery import recover
 from pipeline.ring import Ring
-from pipeline.stage import StageSpec, stage_main
+from pipeline.stage import EPOCH_ENV, StageSpec, stage_main
 from pipeline.topology import RING_BYTES, RingSpec
-
-EPOCH_ENV = "FABRIC_EPOCH"
 
 log = logging.getLogger("fabric.supervisor")
 MAX_BACKOFF_S = 30.0
@@ -107,7 +105,10 @@ class Supervisor:
             len(report.damaged),
             report.elapsed_s,
         )
-        self.collector.offer(report.finished)
+        # Input segments go at once; completion segments wait for their job's retention (sweep).
+        self.collector.offer(
+            [s for s in report.finished if s.path.parent == self.data_dir.segments]
+        )
         self.heartbeat.recovered = True
         for ring in self.rings:
             _fresh_ring(ring)
@@ -171,6 +172,17 @@ class Supervisor:
                 f"(last: {how}); see {self.data_dir.log / (child.spec.label + '.log')}"
             )
             log.error("%s", self.failure)
+            return
+        if len(child.deaths) > self.config.max_restarts:  # not critical: leave it down
+            log.error(
+                "stage %s died %d times within %g s (last: %s); not restarting it: see %s",
+                child.spec.label,
+                len(child.deaths),
+                window,
+                how,
+                self.data_dir.log / (child.spec.label + ".log"),
+            )
+            child.restart_at = None
             return
         label = child.spec.label
         for ring in self.rings:

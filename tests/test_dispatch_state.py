@@ -72,7 +72,7 @@ def test_nothing_is_handed_out_twice_and_retired_slots_never_return(data_dir):
 
 def test_leases_expire_only_after_loading_and_rewind_with_an_attempt(data_dir):
     seg = segment(data_dir, 1, 10)
-    s = DispatchState(lease_s=5.0, max_attempts=3)
+    s = DispatchState(lease_s=5.0, max_attempts=2)  # so the next try is the last one
     s.add_segment(seg, 0, 10)
     batch = s.next_batch("a", "m", 4, 10_000, now=0.0)
     assert s.expire(now=100.0) == 0  # recovery not finished: no timeouts (invariant 9)
@@ -184,3 +184,25 @@ def test_unknown_segment_retire_is_ignored(data_dir):
     s.retired(42, np.array([1]))
     with pytest.raises(KeyError):
         s.extend(42, 10)
+
+
+def test_only_batches_a_worker_may_have_started_count_an_attempt_when_it_dies(data_dir):
+    seg = segment(data_dir, 1, 12)
+    s = state(seg, max_attempts=3)
+    running = s.next_batch("w", "m", 4, 10_000, 0.0)
+    queued = s.next_batch("w", "m", 4, 10_000, 0.0)
+    held = np.concatenate([running.items, queued.items])
+    s.report("w", held, seen_batch=queued.batch_id, now=1.0, queued=[queued.batch_id])
+    assert s.drop_session("w") == 8
+    assert seg.attempts(np.arange(8)).tolist() == [1, 1, 1, 1, 0, 0, 0, 0]
+
+
+def test_a_last_try_goes_alone_and_its_session_gets_more_once_it_survived(data_dir):
+    seg = segment(data_dir, 1, 6)
+    s = state(seg, max_attempts=3)
+    seg.set_attempts(np.array([0]), np.array([2]))  # slot 0 failed twice already
+    alone = s.next_batch("w", "m", 10, 10_000, 0.0)
+    assert alone.items["slot"].tolist() == [0] and alone.suspect
+    assert s.next_batch("w", "m", 10, 10_000, 0.0) is None  # nothing else while it runs
+    s.survived("w", alone.items)  # its results came back: the worker lived through it
+    assert s.next_batch("w", "m", 10, 10_000, 0.0).items["slot"].tolist() == [1, 2, 3, 4, 5]
