@@ -15,13 +15,13 @@ chunks at a time (results are delivered roughly in order).
 
 from __future__ import annotations
 
-import bisect
 import collections
 import os
 import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import orjson
 
 from pipeline.records import _iter as iter_records
@@ -46,7 +46,7 @@ class JobView:
         self.rejected: list[list[Any]] = []  # [line, custom_id, code, message], not yet taken
         self.rejected_count = 0
         self.front_state = "validating"
-        self._ids: collections.OrderedDict[int, dict[int, str]] = collections.OrderedDict()
+        self._ids: collections.OrderedDict[int, tuple] = collections.OrderedDict()
         self.refresh()
 
     @property
@@ -101,34 +101,48 @@ class JobView:
 
     def custom_ids(self, indexes: list[int]) -> list[str | None]:
         """The custom_id of each item index (None when the line had no readable one)."""
-        firsts = sorted(self.first_lines)
-        out: list[str | None] = []
-        for index in indexes:
-            line = index + 1
-            at = bisect.bisect_right(firsts, line) - 1
-            chunk = self.first_lines[firsts[at]] if at >= 0 else None
-            out.append(None if chunk is None else self._ids_of(chunk).get(line))
+        if not indexes:
+            return []
+        lines = np.asarray(indexes, np.int64) + 1
+        firsts = np.array(sorted(self.first_lines), np.int64)
+        at = np.searchsorted(firsts, lines, side="right") - 1
+        out: list[str | None] = [None] * len(lines)
+        for k in np.unique(at).tolist():
+            if k < 0:
+                continue
+            mine = np.flatnonzero(at == k)
+            chunk_lines, ids, extra = self._ids_of(self.first_lines[int(firsts[k])])
+            want = lines[mine]
+            pos = np.minimum(np.searchsorted(chunk_lines, want), max(len(chunk_lines) - 1, 0))
+            hit = (chunk_lines[pos] == want) if len(chunk_lines) else np.zeros(len(want), bool)
+            rows = zip(mine.tolist(), pos.tolist(), hit.tolist(), want.tolist(), strict=True)
+            for i, p, h, line in rows:
+                out[i] = ids[p] if h else extra.get(line)
         return out
 
-    def _ids_of(self, chunk: int) -> dict[int, str]:
-        ids = self._ids.get(chunk)
-        if ids is not None:
+    def _ids_of(self, chunk: int) -> tuple[np.ndarray, list[str], dict[int, str]]:
+        """A committed chunk's stored lines (sorted), their custom_ids, and rejected ones'."""
+        cached = self._ids.get(chunk)
+        if cached is not None:
             self._ids.move_to_end(chunk, last=False)
-            return ids
+            return cached
         start, end = self.commits[chunk]
         with open(self.directory / "chunks.log", "rb") as f:
             f.seek(start)
             data = f.read(end - start)
         record = next(iter_records(data))[0]
-        ids = dict(zip(record["lines"], record["ids"], strict=True))
-        for line, custom_id, *_ in record["errors"]:
-            if custom_id is not None:
-                ids[int(line)] = custom_id
-        self._ids[chunk] = ids
+        lines = np.asarray(record["lines"], np.int64)
+        ids = list(record["ids"])
+        if len(lines) > 1 and (np.diff(lines) < 0).any():
+            order = np.argsort(lines, kind="stable")
+            lines, ids = lines[order], [ids[i] for i in order.tolist()]
+        extra = {int(line): cid for line, cid, *_ in record["errors"] if cid is not None}
+        cached = (lines, ids, extra)
+        self._ids[chunk] = cached
         self._ids.move_to_end(chunk, last=False)
         while len(self._ids) > CHUNKS_CACHED:
             self._ids.popitem(last=True)
-        return ids
+        return cached
 
 
 class JobIndex:

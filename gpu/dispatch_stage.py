@@ -415,9 +415,9 @@ class DispatchStage(Stage):
             route,
             MT.WORK,
             meta,
-            {"items": batch.items, "lengths": batch.lengths, "tokens": batch.tokens},
+            {"items": batch.items, "lengths": batch.lengths, "slots": batch.slots},
         )
-        batch.tokens = batch.lengths = np.zeros(0, np.uint32)  # the worker has them now
+        batch.slots = batch.tokens = batch.lengths = np.zeros(0, np.uint32)  # the worker has them
         session = self.sessions.get(batch.session)
         if session is not None:
             session.handed_out += len(batch.items)

@@ -37,12 +37,20 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipeline.segment import Segment
-from pipeline.segment_format import LIVE, STATE_MASK
+from pipeline.segment_format import (
+    CHECKSUM_WORD,
+    LIVE,
+    SLOT_HEADER_BYTES,
+    STATE_MASK,
+    slot_checksums,
+)
 
 log = logging.getLogger("fabric.dispatch")
 
 ITEM_DTYPE = np.dtype([("segment", "<u8"), ("slot", "<u4"), ("seq", "<u8")])
 SCAN_MARKERS = 1 << 16  # markers examined per step when looking for free slots
+SLOT_HEADER_WORDS = SLOT_HEADER_BYTES // 4
+COUNT_WORD = 5  # the slot header's token count, as a u32 word (seq 0-1, job 2-3, index 4)
 
 
 @dataclass(eq=False)
@@ -57,8 +65,9 @@ class Batch:
     lane: int
     items: np.ndarray  # ITEM_DTYPE
     lengths: np.ndarray  # uint32
-    tokens: np.ndarray  # uint32 [n, lane]
+    tokens: np.ndarray  # uint32 [n, lane]: a view of `slots`
     deadline_s: float
+    slots: np.ndarray | None = None  # uint32 [n, slot words]: the slots as read (sent as is)
     suspect: bool = False  # one item on its last try: its session gets nothing else meanwhile
     started: bool = True  # the worker may have started it (False once a report says queued)
 
@@ -277,8 +286,9 @@ class DispatchState:
             cut = 1 if suspect else int(np.argmax(last_try))
             slots = slots[:cut]
             scanned_to = int(slots[-1]) + 1
-        ok = segment.verify(slots)
-        seqs = segment.slots["seq"][slots]
+        words = _read_rows(segment.words, slots)  # the one copy of the slots, checked as read
+        ok = slot_checksums(words) == words[:, CHECKSUM_WORD]
+        seqs = np.ascontiguousarray(words[:, :2]).view("<u8").reshape(-1)
         if self.cancelled_jobs:
             jobs = seqs >> np.uint64(32)
             gone = np.isin(jobs, np.fromiter(self.cancelled_jobs, np.uint64)) & ok
@@ -288,7 +298,7 @@ class DispatchState:
         if gone is not None and gone.any():
             self.cancelled.append(_items(segment.segment_id, slots[gone], seqs[gone]))
             self._mark_out(work, slots[gone])
-            slots, seqs, ok = slots[~gone], seqs[~gone], ok[~gone]
+            slots, seqs, ok, words = slots[~gone], seqs[~gone], ok[~gone], words[~gone]
         if not ok.all():
             bad = slots[~ok]
             log.error(
@@ -299,12 +309,11 @@ class DispatchState:
             )
             self.quarantined.append(_items(segment.segment_id, bad, seqs[~ok]))
             self._mark_out(work, bad)  # never offered again in this life
-            slots, seqs = slots[ok], seqs[ok]
+            slots, seqs, words = slots[ok], seqs[ok], words[ok]
         work.cursor = max(work.cursor, scanned_to)
         if len(slots) == 0:
             return None
         self._mark_out(work, slots)
-        words = segment.words[slots]
         lane = segment.key.lane
         batch = Batch(
             batch_id=self._next_batch_id,
@@ -314,8 +323,9 @@ class DispatchState:
             shape=segment.key.shape,
             lane=lane,
             items=_items(segment.segment_id, slots, seqs),
-            lengths=segment.slots["count"][slots].astype(np.uint32),
-            tokens=np.ascontiguousarray(words[:, 8 : 8 + lane]),
+            lengths=words[:, COUNT_WORD].copy(),
+            tokens=words[:, SLOT_HEADER_WORDS : SLOT_HEADER_WORDS + lane],  # a view of `slots`
+            slots=words,
             deadline_s=now + self.lease_s,
             suspect=suspect,
         )
@@ -608,3 +618,11 @@ def _items(segment_id: int, slots: np.ndarray, seqs: np.ndarray) -> np.ndarray:
     items["slot"] = slots
     items["seq"] = seqs
     return items
+
+
+def _read_rows(rows: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """rows[index] as a new array; one memcpy when the index is a contiguous run."""
+    first, last = int(index[0]), int(index[-1])
+    if last - first + 1 == len(index):
+        return rows[first : last + 1].copy()
+    return rows[index]

@@ -43,7 +43,7 @@ import numpy as np
 import zmq
 
 from config.defaults import DEFAULTS
-from gpu.dispatch_state import ITEM_DTYPE
+from gpu.dispatch_state import ITEM_DTYPE, SLOT_HEADER_WORDS
 from gpu.engines import Engine, EngineBatch, EngineResult, TransientEngineError
 from pipeline import exitcodes, wire
 from pipeline.errors import FabricError, WireError
@@ -349,11 +349,13 @@ class Worker:
             a = message.arrays
             batch_id = int(meta["batch_id"])
             self.seen_batch = max(self.seen_batch, batch_id)
+            lane = int(meta["lane"])
+            slots = a["slots"]  # whole slots as stored: an 8-word header, then the tokens
             held = _Held(
                 batch_id,
                 np.array(a["items"]),
                 np.array(a["lengths"]),
-                a["tokens"],
+                slots[:, SLOT_HEADER_WORDS : SLOT_HEADER_WORDS + lane],
                 str(meta["task"]),
                 int(meta.get("max_tokens", 16)),
             )
