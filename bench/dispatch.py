@@ -39,7 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import dispatch_fed, dispatch_memory, dispatch_throughput, machine
-from bench.dispatch_common import ENDPOINT, MAX_TOKENS
+from bench.dispatch_common import ENDPOINT, MAX_TOKENS, pressure
 from bench.dispatch_throughput import Case
 from bench.ingest_common import Outcome, progress
 from bench.report import Row, render_section, write_section
@@ -103,6 +103,7 @@ def run(args: argparse.Namespace, root: Path, outcome: Outcome) -> list[Row]:
                 if case.tokens == 512:
                     capacity = sum(t.rate for t in timings) / len(timings)
         rows += dispatch_throughput.rows_for(results)
+        outcome.notes += dispatch_throughput.cap_notes(results)
         progress("step 1 (throughput) done")
     if "2" in args.steps:
         fleet = dispatch_fed.Fleet(args.fed_workers, args.fed_tokens_per_s, args.fed_seconds)
@@ -142,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     root = args.dir / f"dispatch-{os.getpid()}"
     root.mkdir()
     facts = machine.describe(args.dir)
+    facts["CPU and I/O pressure at start"] = pressure()
     outcome = Outcome()
     started = time.perf_counter()
     try:
@@ -151,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         if created and not any(args.dir.iterdir()):
             args.dir.rmdir()
     facts["load average at end"] = machine.load_average()
+    facts["CPU and I/O pressure at end"] = pressure()
     tail = []
     if outcome.profile:
         tail = ["", "Profile (step 1, one more run, untimed, under py-spy):", "", *outcome.profile]

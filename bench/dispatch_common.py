@@ -109,6 +109,22 @@ def memory(pid: int) -> dict[str, int]:
     return out
 
 
+def pressure() -> str:
+    """Linux PSI: share of the last 60 s in which some task waited for a CPU, or for I/O.
+
+    Other work on the machine (the two cores are shared) shows here and skews timings.
+    """
+    parts = []
+    for resource in ("cpu", "io"):
+        try:
+            line = Path(f"/proc/pressure/{resource}").read_text().splitlines()[0]
+        except (OSError, IndexError):
+            return "unknown (no /proc/pressure)"
+        fields = dict(f.split("=") for f in line.split()[1:])
+        parts.append(f"{resource} some avg60 {fields.get('avg60', '?')}%")
+    return ", ".join(parts)
+
+
 @dataclass
 class Workers:
     """`python run.py worker` processes against one broker; `stop()` SIGTERMs them all."""

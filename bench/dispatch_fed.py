@@ -181,7 +181,8 @@ def _rows(
         rows.append(
             Row(
                 STEP,
-                "fleet nominal items/s as a share of dispatch's (step 1, 512 tok, 1 echo worker)",
+                "fleet nominal items/s as a share of step 1's 512-token rate (1 echo worker, "
+                "batch 1024, max 64 batches/session)",
                 (fleet.items_per_s / capacity_items_s,),
                 percent=True,
             )

@@ -3,7 +3,7 @@
 The sampling and the reading are bench/ingest_profile.py's (`profile`,
 `read_raw`, `Profile`); this renders them without the frames every sample
 sits under (the stage loop, `Worker.run`), so the inclusive table starts at
-the functions that do the work, and adds a one-line summary per process.
+the functions that do the work.
 """
 
 from __future__ import annotations
@@ -12,6 +12,17 @@ from bench.ingest_profile import RATE, Profile
 
 LINES = 8
 LOOP_SHARE = 0.9  # a function under this share of a process's working samples is its loop
+LOOPS = (  # the loops every sample of a stage or worker sits under
+    ":run_stage",
+    ":stage_main",
+    ":run_worker",
+    ":Worker.run",
+    ":Worker.step",
+    ":Worker._engine_loop",
+    ":WorkerStage.step",
+    ":DispatchStage.step",
+    ":CompletionStage.step",
+)
 
 
 def render(profiles: list[Profile], items_per_s: float, what: str) -> list[str]:
@@ -25,7 +36,11 @@ def render(profiles: list[Profile], items_per_s: float, what: str) -> list[str]:
         "",
     ]
     for p in profiles:
-        inner = [(s, name) for s, name in p.by_function(3 * LINES) if s < LOOP_SHARE * p.busy]
+        inner = [
+            (s, name)
+            for s, name in p.by_function(3 * LINES)
+            if s < LOOP_SHARE * p.busy and not name.endswith(LOOPS)
+        ]
         lines += [
             f"**{p.label}**: working {100 * p.busy:.0f}% of the time, waiting in polls "
             f"{100 * p.waiting:.0f}%.",

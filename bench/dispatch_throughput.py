@@ -17,6 +17,7 @@ size bound what one worker can be handed per flush.
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -222,6 +223,27 @@ def _profile(broker, status, cases, rows_by_shape, max_batches) -> list[str]:
     ]
     what = f"job completions over the {PROFILE_S} s sampled"
     return lines + dispatch_profile.render(found.get("profiles", []), found.get("rate", 0.0), what)
+
+
+def cap_notes(results: list[tuple[int, Case, list[Timing]]]) -> list[str]:
+    """Where the peak in flight reached the lease budget (session_max_batches x batch_items per
+    worker): a session's batches stay leased until their tombstones are flushed and dispatch
+    is told, so that budget over the lease's round trip bounds the rate."""
+    notes = []
+    for max_batches, case, timings in results:
+        if not (case.headline or case.repeat > 1):
+            continue
+        budget = max_batches * case.batch_items * case.workers
+        peak = max(t.peak_in_flight for t in timings)
+        round_trip_ms = 1000 * budget / statistics.median(t.steady_rate for t in timings)
+        notes.append(
+            f"Step 1, {case.label}, max {max_batches} batches/session: peak in flight "
+            f"{peak:,} of a lease budget of {budget:,} items ({max_batches} x "
+            f"{case.batch_items} x {case.workers}); at the budget, the steady rate means each "
+            f"lease lasted about {round_trip_ms:.0f} ms from hand-out to dispatch hearing it "
+            "retired (tombstones are flushed every tombstone_flush_ms = 100 ms)."
+        )
+    return notes
 
 
 def rows_for(results: list[tuple[int, Case, list[Timing]]]) -> list[Row]:

@@ -13,13 +13,16 @@ In one run, on one disk (default dir: var/bench-e2e under the repository):
    producer SDK while `python run.py results JOB --follow` writes every
    result to a file; timed from the first SDK call until that client exits
    with every result delivered. With [workers] batch_items 1024: one and two
-   workers, K times each; once with every default (batch_items 256); once
-   with `session_max_batches = 64`; once more under py-spy. Every broker
-   process's memory at the end of each run;
+   workers, K times each (the two-worker runs then fetch the finished job
+   once more with `--all`: delivery alone); once with every default
+   (batch_items 256); once each with `session_max_batches = 64`; once more
+   under py-spy. CPU of every process over each run, and every broker
+   process's memory at its end;
 2. Redis Streams (bench/e2e_redis.py), when redis-server is installed: the
    same items XADDed, two consumers (XREADGROUP, XADD a result, XACK), a
    reader (XREAD the results, write a line each, fdatasync per read), K
-   times; the ratio to step 1's two-worker runs, paired by repeat.
+   times, each right after step 1's runs of the same repeat; the ratio to
+   step 1's two-worker runs, paired by repeat.
 
 It prints a markdown table and rewrites its own section of docs/BENCHMARKS.md.
 """
@@ -37,7 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import dispatch_profile, e2e_fabric, e2e_redis, machine
-from bench.dispatch_common import ENDPOINT, MAX_TOKENS, make_rows
+from bench.dispatch_common import ENDPOINT, MAX_TOKENS, make_rows, pressure
 from bench.e2e_fabric import Run, Setup
 from bench.ingest_common import Outcome, progress
 from bench.ingest_redis import redis_binary, redis_version
@@ -81,25 +84,39 @@ def fit_to_disk(root: Path, items: int, notes: list[str]) -> int:
     return fits
 
 
-def bench_fabric(root: Path, rows, args, outcome: Outcome) -> dict[Setup, list[Run]]:
-    """Every setup of step 1; the profiled run's profiles go to `outcome.profile`."""
+HEADLINE = (Setup(1, 1024, 8), Setup(2, 1024, 8))
+PAIRED = Setup(2, 1024, 8)  # paired with Redis's two consumers
+EXTRA = (Setup(1, 256, 8), Setup(1, 1024, 64), Setup(2, 1024, 64))
+
+
+def bench_all(root: Path, rows, args, outcome: Outcome):
+    """Repeat by repeat: each headline setup, then Redis (so a pair runs close in time); then
+    the extra setups once each, and the profiled run. Returns (fabric runs, Redis runs)."""
     n = rows.shape[0]
-    plan = [(Setup(w, 1024, 8), args.repeat) for w in (1, 2)]
-    plan += [(Setup(1, 256, 8), 1), (Setup(1, 1024, 64), 1), (Setup(2, 1024, 64), 1)]
+    binary = redis_binary()
     runs: dict[Setup, list[Run]] = {}
-    profiled: list[Run] = []
-    for k, (setup, repeat) in enumerate(plan):
-        part = rows if setup.batch_items >= 1024 else rows[: max(10_000, n // 4)]
-        for r in range(repeat):
-            run = e2e_fabric.run_once(root / f"fabric-{k}-{r}", setup, part)
+    redis: list[dict] = []
+    for r in range(args.repeat):
+        for k, setup in enumerate(HEADLINE):
+            run = e2e_fabric.run_once(
+                root / f"fabric-{k}-{r}", setup, rows, refetch=setup == PAIRED
+            )
             runs.setdefault(setup, []).append(run)
             progress(f"step 1: {setup.label}: {run.rate:,.0f} items/s ({run.seconds:.1f} s)")
+        if binary is not None:
+            redis.append(e2e_redis.run_once(binary, root / f"redis-{r}", rows))
+            progress(f"step 2: Redis run {r + 1}: {n / redis[-1]['seconds']:,.0f} items/s")
+    for k, setup in enumerate(EXTRA):
+        part = rows if setup.batch_items >= 1024 else rows[: max(10_000, n // 4)]
+        run = e2e_fabric.run_once(root / f"fabric-extra-{k}", setup, part)
+        runs.setdefault(setup, []).append(run)
+        progress(f"step 1: {setup.label}: {run.rate:,.0f} items/s ({run.seconds:.1f} s)")
+    profiled: list[Run] = []
     if args.profile == "on":
-        setup = Setup(2, 1024, 8)
-        run = e2e_fabric.run_once(root / "fabric-profile", setup, rows, profile=True)
+        run = e2e_fabric.run_once(root / "fabric-profile", PAIRED, rows, profile=True)
         profiled.append(run)
         what = (
-            f"{setup.label}, {n:,} items, end to end; each process sampled for "
+            f"{PAIRED.label}, {n:,} items, end to end; each process sampled for "
             f"{e2e_fabric.PROFILE_S} s from the start of the run (the results client from its "
             "own start), while submit and delivery overlap"
         )
@@ -117,7 +134,11 @@ def bench_fabric(root: Path, rows, args, outcome: Outcome) -> dict[Setup, list[R
         (f"stage logs of every run: {len(problems)} warning or error lines", not problems)
     )
     outcome.notes += [f"Stage log: `{line[:300]}`" for line in problems[:5]]
-    return runs
+    if binary is None:
+        outcome.notes.append("Step 2 skipped: redis-server is not installed.")
+    else:
+        outcome.notes.append(redis_note(binary, redis))
+    return runs, redis
 
 
 def fabric_rows(runs: dict[Setup, list[Run]]) -> list[Row]:
@@ -152,6 +173,15 @@ def fabric_rows(runs: dict[Setup, list[Run]]) -> list[Row]:
                     tuple(r.seconds - r.submit_s for r in done),
                 ),
             ]
+        if setup == PAIRED:
+            out.append(
+                Row(
+                    STEP_FABRIC,
+                    f"{setup.label}: delivery alone, items/s (`run.py results JOB --all` of the "
+                    "finished job: pages, formatting, writes and fsyncs, nothing else running)",
+                    tuple(n / r.refetch_s for r in done if r.refetch_s),
+                )
+            )
     return out
 
 
@@ -219,36 +249,29 @@ def _stage_order(label: str) -> tuple[int, str]:
     return len(order), label
 
 
-def bench_redis(root: Path, rows, fabric: list[Run], repeat: int, outcome: Outcome) -> list[Row]:
-    binary = redis_binary()
-    if binary is None:
-        outcome.notes.append("Step 2 skipped: redis-server is not installed.")
-        return []
-    n = rows.shape[0]
-    done = []
-    for r in range(repeat):
-        result = e2e_redis.run_once(binary, root / f"redis-{r}", rows)
-        if result["lines"] != n:
-            raise RuntimeError(f"Redis run {r}: {result['lines']:,} lines for {n:,} items")
-        done.append(result)
-        progress(f"step 2: Redis run {r + 1}: {n / result['seconds']:,.0f} items/s")
-    rates = tuple(n / d["seconds"] for d in done)
-    fabric_rates = [run.rate for run in fabric]
-    outcome.notes.append(
+def redis_note(binary: str, done: list[dict]) -> str:
+    aof = statistics.median(d["aof"] for d in done) / 2**30 if done else 0.0
+    return (
         f"Redis {redis_version(binary)}: `redis-server --appendonly yes --appendfsync everysec "
-        '--save "" --auto-aof-rewrite-percentage 0`, a fresh server per run. Producer: this '
-        f"process, XADD `items` with fields c (a 13-byte custom_id) and t ({TOKENS * 4} token "
-        "bytes), 1024 commands per pipelined round. Consumers: 2 processes, XREADGROUP COUNT "
-        "1024 BLOCK 200, then one pipelined round of an XADD `results` per item (fields i: "
-        f"the item's entry id, c, r: its first {MAX_TOKENS} tokens, 64 bytes) and one XACK of "
-        "the batch. Reader: 1 process, XREAD COUNT 4096 BLOCK 200 from 0-0, one line per "
-        "result in the fabric's output form (orjson), write + fdatasync per read. Consumers "
-        "and reader are started and blocked on their first read before the clock starts "
-        "(the fabric's results client starts inside its timed run). Redis acknowledges an "
-        "XADD before its fsync: with everysec it may lose up to a second of acknowledged "
-        f"work. AOF at the end of a run: {statistics.median(d['aof'] for d in done) / 2**30:.1f}"
-        " GiB.",
+        '--save "" --auto-aof-rewrite-percentage 0`, a fresh server per run, run right after '
+        "the fabric's runs of the same repeat. Producer: this process, XADD `items` with "
+        f"fields c (a 13-byte custom_id) and t ({TOKENS * 4} token bytes), 1024 commands per "
+        "pipelined round. Consumers: 2 processes, XREADGROUP COUNT 1024 BLOCK 200, then one "
+        "pipelined round of an XADD `results` per item (fields i: the item's entry id, c, r: "
+        f"its first {MAX_TOKENS} tokens, 64 bytes) and one XACK of the batch. Reader: 1 "
+        "process, XREAD COUNT 4096 BLOCK 200 from 0-0, one line per result in the fabric's "
+        "output form (orjson), write + fdatasync per read. Consumers and reader are started "
+        "and blocked on their first read before the clock starts (the fabric's results "
+        "client starts inside its timed run). Redis acknowledges an XADD before its fsync: "
+        f"with everysec it may lose up to a second of acknowledged work. AOF at the end of a "
+        f"run: {aof:.1f} GiB."
     )
+
+
+def redis_rows(done: list[dict], n: int, fabric: list[Run]) -> list[Row]:
+    if not done:
+        return []
+    rates = tuple(n / d["seconds"] for d in done)
     return [
         Row(
             STEP_REDIS,
@@ -259,8 +282,8 @@ def bench_redis(root: Path, rows, fabric: list[Run], repeat: int, outcome: Outco
         Row(STEP_REDIS, "redis-server RSS at the end, MiB", tuple(d["rss"] / 2**20 for d in done)),
         Row(
             STEP_REDIS,
-            "ratio Inference Fabric (2 workers, batch 1024) / Redis items/s, paired by repeat",
-            tuple(f / r for f, r in zip(fabric_rates, rates, strict=False)),
+            f"ratio Inference Fabric ({PAIRED.label}) / Redis items/s, paired by repeat",
+            tuple(f.rate / r for f, r in zip(fabric, rates, strict=False)),
             target=f">= {RATIO_TARGET:g}x",
             at_least=RATIO_TARGET,
         ),
@@ -301,24 +324,23 @@ def main(argv: list[str] | None = None) -> int:
     root = args.dir / f"e2e-{os.getpid()}"
     root.mkdir()
     facts = machine.describe(args.dir)
+    facts["CPU and I/O pressure at start"] = pressure()
     outcome = Outcome()
     notes: list[str] = []
     started = time.perf_counter()
     try:
         n = fit_to_disk(root, args.items, notes)
         rows = make_rows(n, TOKENS)
-        runs = bench_fabric(root, rows, args, outcome)
-        progress("step 1 (Inference Fabric) done")
-        two = runs[Setup(2, 1024, 8)]
-        table = fabric_rows(runs) + cpu_rows(two, Setup(2, 1024, 8))
-        table += memory_rows(two, Setup(2, 1024, 8), outcome)
-        table += bench_redis(root, rows, two, args.repeat, outcome)
-        progress("step 2 (Redis Streams) done")
+        runs, redis = bench_all(root, rows, args, outcome)
+        two = runs[PAIRED]
+        table = fabric_rows(runs) + cpu_rows(two, PAIRED) + memory_rows(two, PAIRED, outcome)
+        table += redis_rows(redis, n, two)
     finally:
         shutil.rmtree(root, ignore_errors=True)
         if created and not any(args.dir.iterdir()):
             args.dir.rmdir()
     facts["load average at end"] = machine.load_average()
+    facts["CPU and I/O pressure at end"] = pressure()
     tail = ["", "Profile (step 1, one more run, untimed, under py-spy):", "", *outcome.profile]
     body = render_section(
         "End to end (bench/e2e.py)",

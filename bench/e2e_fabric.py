@@ -57,6 +57,7 @@ class Run:
     rss: dict[str, dict[str, int]] = field(default_factory=dict)  # process -> memory()
     cpu: dict[str, float] = field(default_factory=dict)  # process -> CPU seconds in the run
     profile: list = field(default_factory=list)  # ingest_profile.Profile per process
+    refetch_s: float | None = None  # `run.py results JOB --all` of the finished job, seconds
     exit_code: int | None = None  # the broker's, after SIGTERM
     log_problems: list[str] = field(default_factory=list)  # WARNING / ERROR lines of its stages
 
@@ -81,11 +82,18 @@ def broker_for(root: Path, setup: Setup) -> BenchBroker:
     )
 
 
-def run_once(root: Path, setup: Setup, rows: np.ndarray, profile: bool = False) -> Run:
+def run_once(
+    root: Path, setup: Setup, rows: np.ndarray, profile: bool = False, refetch: bool = False
+) -> Run:
+    """One timed run on a fresh broker; with `refetch`, then the finished job's results once
+    more (`run.py results JOB --all`), timed alone: delivery without anything else running."""
     broker = broker_for(root, setup)
+    job = f"e2e-{os.getpid()}"
     try:
         broker.start()
-        run = _timed(broker, rows, f"e2e-{os.getpid()}", profile)
+        run = _timed(broker, rows, job, profile)
+        if refetch:
+            run.refetch_s = _refetch(broker, job, rows.shape[0])
         run.exit_code = broker.stop()
         run.log_problems = broker.stage_log_problems()
     finally:
@@ -204,6 +212,24 @@ class Spies:
             if spy.returncode == 0 and path.exists():
                 profiles.append(ingest_profile.read_raw(path, label, PROFILE_S))
         return profiles
+
+
+def _refetch(broker: BenchBroker, job: str, n: int) -> float:
+    out, err = broker.root / "again.jsonl", broker.root / "again.err.jsonl"
+    command = [sys.executable, str(REPO / "run.py"), "results", job, "-o", str(out), "--all"]
+    started = time.perf_counter()
+    done = subprocess.run(
+        [*command, "--errors", str(err), "--config", str(broker.config)],
+        capture_output=True,
+        text=True,
+        timeout=RESULTS_TIMEOUT_S,
+        cwd=REPO,
+    )
+    seconds = time.perf_counter() - started
+    if done.returncode != 0 or _count_lines(out) != n:
+        raise RuntimeError(f"results --all: exit {done.returncode}, {done.stderr[-500:]}")
+    out.unlink()
+    return seconds
 
 
 def broker_memory(broker: BenchBroker) -> dict[str, dict[str, int]]:

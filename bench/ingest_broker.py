@@ -26,7 +26,7 @@ from pathlib import Path
 
 from config import load_settings
 from pipeline.ring import Ring
-from pipeline.topology import ring_specs, stage_specs
+from pipeline.topology import ring_specs, run_dir, stage_specs
 
 REPO = Path(__file__).resolve().parent.parent
 STARTED = re.compile(r"started stage (\S+) \(pid (\d+)\)")
@@ -275,13 +275,15 @@ class BenchBroker:
         return sum(p.stat().st_size for p in self.data.rglob("*") if p.is_file())
 
     def close(self) -> None:
-        """Kill whatever is left, remove its rings and its data. Idempotent."""
+        """Kill whatever is left, remove its rings, its ipc socket directory and its data.
+        Idempotent."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(timeout=30)
         if self.proc is not None:
-            for ring in ring_specs(load_settings(self.config)):
+            for ring in ring_specs(self.settings):
                 Ring.unlink(ring.name)
+            shutil.rmtree(run_dir(self.settings), ignore_errors=True)
             self._stderr.close()
             self.proc = None
         shutil.rmtree(self.root, ignore_errors=True)

@@ -304,9 +304,9 @@ class DispatchStage(Stage):
         session = self.sessions.get(session_id)
         if kind == MT.RESULTS:  # results are welcome from anyone: completion checks each seq
             self._forward_results(message)
-            items = message.arrays.get("items")
-            if items is not None and items.dtype == ITEM_DTYPE:
-                self.state.survived(session_id, items)
+            batch_id = meta.get("batch_id")
+            if isinstance(batch_id, int):
+                self.state.answered(session_id, batch_id)
             if session is not None:
                 session.last_seen = now
             return

@@ -70,6 +70,7 @@ class Batch:
     slots: np.ndarray | None = None  # uint32 [n, slot words]: the slots as read (sent as is)
     suspect: bool = False  # one item on its last try: its session gets nothing else meanwhile
     started: bool = True  # the worker may have started it (False once a report says queued)
+    answered: bool = False  # its results passed through dispatch (retire pending)
 
 
 @dataclass(eq=False)
@@ -411,21 +412,6 @@ class DispatchState:
                 self._add_lease(batch, work)
         return answer
 
-    def survived(self, session: str, items: np.ndarray) -> None:
-        """The session sent results for `items`: if its last-try item is among them, it lived
-        through it, and may have work again without waiting for the retire."""
-        batch_id = self._suspect.get(session)
-        if batch_id is None:
-            return
-        batch = self._leases.get(batch_id)
-        if (
-            batch is None
-            or np.isin(
-                batch.items["slot"], items["slot"][items["segment"] == batch.segment_id]
-            ).all()
-        ):
-            del self._suspect[session]
-
     def report(
         self,
         session: str,
@@ -477,7 +463,17 @@ class DispatchState:
         return sum(self.reclaim(batch_id, count_attempt=False) for batch_id in held)
 
     def session_batches(self, session: str) -> int:
-        return len(self._by_session.get(session, ()))
+        """Batches the session holds whose results have not come back yet."""
+        return sum(1 for b in self._by_session.get(session, ()) if not self._leases[b].answered)
+
+    def answered(self, session: str, batch_id: int) -> None:
+        """The session sent the results of `batch_id`: it no longer counts against its budget,
+        and if it was the session's last-try item, the worker lived through it."""
+        batch = self._leases.get(batch_id)
+        if batch is not None and batch.session == session:
+            batch.answered = True
+            if self._suspect.get(session) == batch_id:
+                del self._suspect[session]
 
     def sessions(self) -> list[str]:
         return list(self._by_session)

@@ -474,7 +474,7 @@ class Worker:
         resent = held.state == "sent"
         held.state = "sent"
         held.sent_at = now
-        meta = {"result_id": held.result_id, "resent": resent}
+        meta = {"result_id": held.result_id, "resent": resent, "batch_id": held.batch_id}
         if self._send(MT.RESULTS, meta, held.results[1]):
             return
         held.sent_at = now - RESEND_S + 1.0  # not sent: try again in about a second

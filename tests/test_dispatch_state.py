@@ -204,5 +204,16 @@ def test_a_last_try_goes_alone_and_its_session_gets_more_once_it_survived(data_d
     alone = s.next_batch("w", "m", 10, 10_000, 0.0)
     assert alone.items["slot"].tolist() == [0] and alone.suspect
     assert s.next_batch("w", "m", 10, 10_000, 0.0) is None  # nothing else while it runs
-    s.survived("w", alone.items)  # its results came back: the worker lived through it
+    s.answered("w", alone.batch_id)  # its results came back: the worker lived through it
     assert s.next_batch("w", "m", 10, 10_000, 0.0).items["slot"].tolist() == [1, 2, 3, 4, 5]
+
+
+def test_answered_batches_stop_counting_against_a_session_budget(data_dir):
+    seg = segment(data_dir, 1, 10)
+    s = state(seg)
+    first = s.next_batch("w", "m", 2, 10_000, 0.0)
+    s.next_batch("w", "m", 2, 10_000, 0.0)
+    assert s.session_batches("w") == 2
+    s.answered("w", first.batch_id)
+    s.answered("other", first.batch_id + 1)  # only the holder's word counts
+    assert s.session_batches("w") == 1 and len(s.leases("w")) == 2  # still leased until retired
