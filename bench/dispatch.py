@@ -15,8 +15,8 @@ ports, data dir under the bench dir, default var/bench-dispatch):
    items) handed to `python run.py worker --engine echo` processes, timed
    from the first worker's start until the job's completed count reaches N
    (bench/dispatch_throughput.py), with batch_items 256 and 1024, one and two
-   workers, on a broker with the default `session_max_batches` (8) and one
-   with 64; then one more run under py-spy (dispatch, completion, worker);
+   workers, on a broker with `session_max_batches` 8 and one with 64 (the
+   default); then one more run under py-spy (dispatch, completion, worker);
 2. keeping GPUs fed: W simulated workers at T tokens/s each (well below what
    dispatch delivers) on a deep backlog: the share of time they had no batch
    queued or running, and WORK_REQUEST -> WORK latency (bench/dispatch_fed.py,
@@ -47,7 +47,7 @@ from bench.report import Row, render_section, write_section
 REPO = Path(__file__).resolve().parent.parent
 DOC = REPO / "docs" / "BENCHMARKS.md"
 SECTION = "bench/dispatch.py"
-DEFAULT_MAX_BATCHES = 8  # [dispatch] session_max_batches, the default
+DEFAULT_MAX_BATCHES = 8  # [dispatch] session_max_batches of the first broker (the default is 64)
 RAISED_MAX_BATCHES = 64
 
 

@@ -298,7 +298,7 @@ def method_notes(n: int) -> list[str]:
         "`Producer(address, window=8).submit_tokens(..., chunk_lines=4096)`.",
         "Broker: `run.py --config` with 256 MiB segments, default process counts, `[workers] "
         "local = W`, engine echo, batch_items B, batch_tokens B x 512, and `[dispatch] "
-        "session_max_batches` as labelled (8 is the default); a fresh broker (and data dir) "
+        "session_max_batches` as labelled (the default is 64); a fresh broker (and data dir) "
         "per run, stopped with SIGTERM after it.",
         "Timed: from the first SDK call until `python run.py results JOB -o OUT --errors ERR "
         "--follow --config F` exits, having written every result once, fsynced, and had its "

@@ -267,6 +267,8 @@ class CompletionLog:
             states[inside] = seg.markers[slots[inside]] & STATE_MASK
             wrong_seq = np.ones(len(slots), bool)
             wrong_seq[inside] = seg.slots["seq"][slots[inside]] != results.seq[mine][inside]
+            if inside.any():  # read once; not kept resident in this process
+                seg.release_slots(int(slots[inside].min()), int(slots[inside].max()))
             bad = (states == EMPTY) | wrong_seq
             for i in np.flatnonzero(bad).tolist():
                 refused.append(
@@ -473,6 +475,8 @@ class CompletionLog:
             if len(live):
                 count += seg.tombstone(live)
                 seg.sync()
+            if len(slots):
+                seg.release_slots(int(slots.min()), int(slots.max()))  # read and delivered
         return count
 
     def undelivered(self, job_id: str) -> int:

@@ -288,6 +288,7 @@ class DispatchState:
             slots = slots[:cut]
             scanned_to = int(slots[-1]) + 1
         words = _read_rows(segment.words, slots)  # the one copy of the slots, checked as read
+        segment.release_slots(int(slots[0]), int(slots[-1]))  # copied: not resident here
         ok = slot_checksums(words) == words[:, CHECKSUM_WORD]
         seqs = np.ascontiguousarray(words[:, :2]).view("<u8").reshape(-1)
         if self.cancelled_jobs:

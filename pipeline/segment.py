@@ -314,6 +314,22 @@ class Segment:
                 )
             self._synced_end = self._end
 
+    def release_slots(self, first: int, last: int) -> None:
+        """Unmap this process's pages of slots first..last (the file and its data stay).
+
+        For readers done with a range (dispatch after handing it out, delivery
+        after a page is acknowledged): the pages leave this process's resident
+        set instead of accumulating there; the kernel keeps or drops the page
+        cache as it likes. Only whole pages inside the range are released.
+        """
+        slot_bytes = self.header.slot_bytes
+        start = self.header.slots_offset + first * slot_bytes
+        end = self.header.slots_offset + (last + 1) * slot_bytes
+        start = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+        end = end // mmap.PAGESIZE * mmap.PAGESIZE
+        if end > start:
+            self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
+
     # ---- the completion stage's and dispatch's operations -------------------
     def tombstone(self, slots: np.ndarray) -> int:
         """Retire LIVE slots with 4-byte DEAD stores, then move the deleted count.
