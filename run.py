@@ -1,6 +1,7 @@
 """Inference Fabric: the one entry point (DESIGN.md section 6).
 
 python run.py --config prod.toml                   serve: recovery, then all stages; SIGTERM drains
+python run.py demo                                 the real pipeline on a real model, on the CPU
 python run.py submit FILE.jsonl [--config F | --broker ADDR] [--job-id ID] [--strict]
 python run.py status [JOB] [--json]                queue depth, in-flight, workers; or one job's counts
 python run.py results JOB -o OUT.jsonl [--errors ERR.jsonl] [--follow] [--all]
@@ -21,7 +22,7 @@ from config.defaults import DEFAULTS
 from pipeline import exitcodes
 from pipeline.errors import BrokerUnreachableError, ConfigError, DataDirLockedError, FabricError
 
-COMMANDS = ("check", "submit", "status", "results", "cancel", "worker")
+COMMANDS = ("check", "submit", "status", "results", "cancel", "worker", "demo")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -257,9 +258,20 @@ def _worker(args: argparse.Namespace) -> int:
     )
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from pipeline.demo import run_demo
+
+    return run_demo(args.dir, args.workers, args.limit)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="run.py", description="Inference Fabric broker")
     commands = parser.add_subparsers(dest="command", required=True)
+    demo = commands.add_parser("demo", help="embed the Python docs with MiniLM, end to end")
+    demo.add_argument("--dir", default="var/demo", help="where the demo keeps its broker and files")
+    demo.add_argument("--workers", type=int, default=1, help="local minilm worker processes")
+    demo.add_argument("--limit", type=int, help="embed only the first N paragraphs")
+    demo.set_defaults(handler=_demo)
     check = commands.add_parser("check", help="offline consistency check of the data dir")
     check.add_argument("--config", default="config/default.toml", help="TOML settings file")
     check.add_argument("--fix", action="store_true", help="repair what is safe to repair")

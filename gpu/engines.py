@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -137,7 +138,17 @@ class SimulatedEngine(Engine):
         return EngineResult([None] * n, tokens=out.astype(np.uint32).reshape(-1), offsets=offsets)
 
 
-ENGINES: dict[str, type[Engine]] = {"echo": EchoEngine, "simulated": SimulatedEngine}
+def _minilm(**options) -> Engine:
+    from gpu.minilm_engine import MiniLMEngine  # onnxruntime loads only when selected
+
+    return MiniLMEngine(**options)
+
+
+ENGINES: dict[str, Callable[..., Engine]] = {
+    "echo": EchoEngine,
+    "simulated": SimulatedEngine,
+    "minilm": _minilm,
+}
 
 
 def make_engine(name: str, **options) -> Engine:

@@ -561,6 +561,8 @@ class WorkerStage:
         options = {}
         if engine_name == "simulated":
             options["tokens_per_s"] = workers.simulated_tokens_per_s
+        elif engine_name == "minilm":  # the host's cores shared among its local workers
+            options["threads"] = max(1, (os.cpu_count() or 1) // max(1, workers.local))
         self.worker = Worker(
             WorkerOptions(
                 broker=_local(settings.dispatch.bind),

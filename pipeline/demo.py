@@ -1,0 +1,233 @@
+"""`python run.py demo`: the real pipeline on a real model, with nothing downloaded.
+
+It starts a broker of its own (data dir `var/demo/data`, kept between runs,
+loopback ports picked free), with local `minilm` workers; submits a corpus
+of real text that every CPython ships (the paragraphs of the Python
+documentation topics in `pydoc_data`); shows progress for submit and
+completion; writes `var/demo/results.jsonl` (OpenAI Batch output lines, one
+embedding per paragraph); prints a summary; and stops the broker cleanly.
+Run again, it says what it found and does it all again as a new job,
+rewriting the results file. Ctrl-C stops the broker cleanly too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from pipeline import exitcodes
+
+REPO = Path(__file__).resolve().parents[1]
+MIN_WORDS = 6
+SENTENCE_WORDS = 60  # a paragraph is cut at the first sentence end past this many words
+MAX_WORDS = 90  # ... or here at the latest
+MAX_TOKENS = 256  # the model's limit; the few longer pieces (code) are left out
+
+
+def corpus() -> list[str]:
+    """Paragraphs of the Python documentation topics (pydoc_data ships with CPython)."""
+    from pydoc_data.topics import topics
+
+    paragraphs = []
+    for name in sorted(topics):
+        for block in topics[name].split("\n\n"):
+            words = block.split()
+            if len(words) < MIN_WORDS:
+                continue
+            piece: list[str] = []
+            for word in words:
+                piece.append(word)
+                sentence_end = word.endswith((".", ":", ";"))
+                if len(piece) >= MAX_WORDS or (len(piece) >= SENTENCE_WORDS and sentence_end):
+                    paragraphs.append(" ".join(piece))
+                    piece = []
+            if len(piece) >= MIN_WORDS:
+                paragraphs.append(" ".join(piece))
+    from tokenizers import Tokenizer
+
+    from gpu.minilm_engine import minilm_tokenizer_path
+
+    tokenizer = Tokenizer.from_file(str(minilm_tokenizer_path()))
+    tokenizer.no_truncation()
+    lengths = [len(e.ids) for e in tokenizer.encode_batch(paragraphs)]
+    return [p for p, n in zip(paragraphs, lengths, strict=True) if n <= MAX_TOKENS]
+
+
+def _free_ports(n: int) -> list[int]:
+    sockets, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        sockets.append(s)
+        ports.append(s.getsockname()[1])
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def write_config(root: Path, workers: int) -> Path:
+    from gpu.minilm_engine import minilm_tokenizer_path
+
+    ports = _free_ports(4)
+    text = f"""# Written by `python run.py demo`; rewritten on every run.
+[broker]
+data_dir = "{root / "data"}"
+segment_bytes = 16777216
+lanes = [32, 64, 128, 256]
+[ingest]
+bind = "tcp://127.0.0.1:{ports[0]}"
+chunk_items = 512
+[dispatch]
+bind = "tcp://127.0.0.1:{ports[1]}"
+heartbeat_bind = "tcp://127.0.0.1:{ports[2]}"
+reregister_grace_s = 1.0
+[completion]
+bind = "tcp://127.0.0.1:{ports[3]}"
+results_retention_s = 0.0  # results.jsonl holds them: the next start collects the files
+[workers]
+local = {workers}
+batch_items = 64
+batch_tokens = 16384
+prefetch = 2
+[[models]]
+name = "minilm"
+engine = "minilm"
+tokenizer = "{minilm_tokenizer_path()}"
+max_tokens = 256
+"""
+    path = root / "demo.toml"
+    path.write_text(text)
+    return path
+
+
+class _Bar:
+    """One line of progress on stderr (redrawn in place on a terminal)."""
+
+    def __init__(self, label: str, total: int) -> None:
+        self.label, self.total = label, max(1, total)
+        self.tty = sys.stderr.isatty()
+        self.last = 0.0
+
+    def show(self, done: int, note: str = "", final: bool = False) -> None:
+        now = time.monotonic()
+        if not final and now - self.last < (0.1 if self.tty else 5.0):
+            return
+        self.last = now
+        filled = int(30 * min(done, self.total) / self.total)
+        line = f"{self.label:<10} [{'#' * filled}{'.' * (30 - filled)}] {done}/{self.total} {note}"
+        if self.tty:
+            print("\r" + line, end="\n" if final else "", file=sys.stderr, flush=True)
+        elif final or done:
+            print(line, file=sys.stderr, flush=True)
+
+
+def run_demo(root: Path | str = "var/demo", workers: int = 1, limit: int | None = None) -> int:
+    from collector.client import ResultsClient
+    from config import load_settings
+    from ingest.sdk import Producer
+
+    root = (REPO / root) if not Path(root).is_absolute() else Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    jobs_dir = root / "data" / "jobs"
+    earlier = sorted(p.name for p in jobs_dir.iterdir() if p.is_dir()) if jobs_dir.is_dir() else []
+    if earlier:
+        print(
+            f"demo: found {root} with {len(earlier)} earlier job(s) ({', '.join(earlier[-3:])}); "
+            "running again as a new job",
+            file=sys.stderr,
+        )
+    for old in ("results.jsonl", "errors.jsonl", "corpus.jsonl"):
+        (root / old).unlink(missing_ok=True)
+    texts = corpus()[:limit]
+    with open(root / "corpus.jsonl", "w") as out:
+        for i, text in enumerate(texts):
+            line = {
+                "custom_id": f"para-{i}",
+                "method": "POST",
+                "url": "/v1/embeddings",
+                "body": {"model": "minilm", "input": text},
+            }
+            out.write(json.dumps(line) + "\n")
+    config = write_config(root, workers)
+    settings = load_settings(config)
+    print(
+        f"demo: {len(texts)} paragraphs of the Python documentation -> all-MiniLM-L6-v2 "
+        f"embeddings on the CPU ({workers} local worker(s)); broker logs in {root / 'data/log'}",
+        file=sys.stderr,
+    )
+    broker_err = open(root / "broker.err", "w")  # noqa: SIM115 - lives as long as the broker
+    broker = subprocess.Popen(
+        [sys.executable, str(REPO / "run.py"), "--config", str(config)],
+        stdout=subprocess.DEVNULL,
+        stderr=broker_err,
+        cwd=REPO,
+    )
+    started = time.monotonic()
+    job_id = f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
+    try:
+        with Producer(settings.ingest.bind, timeout_s=30.0, attempts=20) as producer:
+            bar = _Bar("submit", len(texts))
+            report = producer.submit_file(
+                root / "corpus.jsonl",
+                job_id,
+                progress=lambda r, lines: bar.show(lines),
+            )
+            bar.show(report.stored + report.rejected, "durable", final=True)
+        submitted = time.monotonic()
+        bar = _Bar("embed", len(texts))
+        with ResultsClient(settings.completion.bind, timeout_s=10.0) as client:
+            fetched = client.fetch(
+                job_id,
+                str(root / "results.jsonl"),
+                str(root / "errors.jsonl"),
+                follow=True,
+                progress=lambda r: bar.show(
+                    r.written + r.errors, f"({(r.info or {}).get('state', '')})"
+                ),
+            )
+        bar.show(fetched.written + fetched.errors, "delivered", final=True)
+        finished = time.monotonic()
+    except KeyboardInterrupt:
+        print("\ndemo: interrupted; stopping the broker", file=sys.stderr)
+        _stop(broker)
+        return 130
+    except BaseException:
+        _stop(broker)
+        raise
+    code = _stop(broker)
+    broker_err.close()
+    tokens = 0
+    with open(root / "results.jsonl") as results:
+        for line in results:
+            tokens += json.loads(line)["response"]["body"]["usage"]["prompt_tokens"]
+    elapsed = finished - started
+    print(
+        f"\ndemo: {fetched.written} embeddings, {fetched.errors} errors, {tokens} tokens in "
+        f"{elapsed:.1f} s ({fetched.written / max(finished - submitted, 1e-9):.0f} items/s "
+        f"after submit, {fetched.written / elapsed:.0f} items/s overall)\n"
+        f"  results: {root / 'results.jsonl'}  (errors: {root / 'errors.jsonl'})\n"
+        f"  broker stopped (exit {code}); start it yourself and look around:\n"
+        f"    python run.py --config {config}\n"
+        f"    python run.py status --config {config}\n"
+        f"    python run.py status {job_id} --config {config}\n"
+        f"    python run.py results {job_id} -o out.jsonl --all --config {config}",
+        file=sys.stderr,
+    )
+    return exitcodes.OK if code == 0 and fetched.written else exitcodes.FAILED
+
+
+def _stop(broker: subprocess.Popen) -> int:
+    if broker.poll() is None:
+        broker.send_signal(signal.SIGTERM)
+        try:
+            return broker.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            broker.kill()
+            return broker.wait()
+    return broker.returncode if broker.returncode is not None else os.EX_SOFTWARE

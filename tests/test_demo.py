@@ -1,0 +1,38 @@
+"""`python run.py demo`: the real pipeline on the real model, twice in one directory."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from broker import REPO
+from conftest import assert_check_clean
+
+from pipeline.datadir import DataDir
+
+
+def demo(root, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "run.py", "demo", "--dir", str(root), "--limit", "300", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=180,
+    )
+
+
+def test_the_demo_embeds_real_text_end_to_end_and_runs_again_cleanly(tmp_path):
+    root = tmp_path / "demo"
+    first = demo(root)
+    assert first.returncode == 0, first.stderr
+    assert "300 embeddings, 0 errors" in first.stderr
+    lines = [json.loads(line) for line in (root / "results.jsonl").read_text().splitlines()]
+    assert sorted(line["custom_id"] for line in lines) == sorted(f"para-{i}" for i in range(300))
+    vector = lines[0]["response"]["body"]["data"][0]["embedding"]
+    assert len(vector) == 384 and abs(sum(v * v for v in vector) - 1.0) < 1e-3
+    again = demo(root)
+    assert again.returncode == 0, again.stderr
+    assert "found" in again.stderr and "1 earlier job" in again.stderr
+    assert len((root / "results.jsonl").read_text().splitlines()) == 300  # rewritten, not added
+    assert_check_clean(DataDir(root / "data"))
