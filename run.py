@@ -253,6 +253,7 @@ def _worker(args: argparse.Namespace) -> int:
             batch_tokens=args.batch_tokens,
             prefetch=args.prefetch,
             drain_s=args.drain_s,
+            target_batch_s=args.target_batch_s,
         ),
         engine,
     )
@@ -341,6 +342,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     worker.add_argument(
         "--drain-s", type=float, default=defaults["drain_s"], help="grace period on SIGTERM"
+    )
+    worker.add_argument(
+        "--target-batch-s",
+        type=float,
+        default=defaults["target_batch_s"],
+        help="size batches to take the engine about this long (0: always the maximum)",
     )
     worker.set_defaults(handler=_worker)
     return parser

@@ -115,6 +115,9 @@ DEFAULTS: Final[dict[str, Any]] = {
         "batch_tokens": 262144,
         # Batches a worker keeps queued ahead of its engine.
         "prefetch": 4,
+        # A worker sizes its requests so a batch takes its engine about this long (it
+        # measures the engine's tokens/s); 0 = always ask for batch_items / batch_tokens.
+        "target_batch_s": 0.2,
         # On SIGTERM a worker finishes what it can within this long, then hands the rest back.
         "drain_s": 30.0,
     },

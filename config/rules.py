@@ -164,6 +164,7 @@ RULES: Final[dict[str, Rule]] = {
     "workers.batch_items": count(1),
     "workers.batch_tokens": count(1),
     "workers.prefetch": count(1),
+    "workers.target_batch_s": interval("seconds", zero_ok=True),
     "workers.drain_s": interval("seconds", zero_ok=True),
     "supervisor.restart_backoff_s": interval("seconds", zero_ok=True),
     "supervisor.max_restarts": count(0),

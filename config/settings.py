@@ -110,6 +110,7 @@ class WorkerSettings:
     batch_items: int
     batch_tokens: int
     prefetch: int
+    target_batch_s: float
     drain_s: float
 
 

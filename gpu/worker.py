@@ -55,6 +55,7 @@ RESEND_S = 10.0  # results unacknowledged this long are sent again
 FAULT_ENV = "FABRIC_WORKER_FAULT"  # tests: "phase[:n]" SIGKILLs this process at that point
 PHASES = ("before_compute", "mid_batch", "before_send", "before_ack")
 RESULT_KIND_TOKENS, RESULT_KIND_VECTOR, RESULT_KIND_TEXT = 0, 1, 2
+FIRST_BATCH_TOKENS = 4096  # the first request's token budget, before the engine is measured
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class WorkerOptions:
     batch_tokens: int = DEFAULTS["workers"]["batch_tokens"]
     prefetch: int = DEFAULTS["workers"]["prefetch"]
     drain_s: float = DEFAULTS["workers"]["drain_s"]
+    target_batch_s: float = DEFAULTS["workers"]["target_batch_s"]
 
 
 @dataclass(eq=False)
@@ -171,6 +173,7 @@ class Worker:
         self.broken: str | None = None
         self.exit_code: int | None = None
         self.completed = 0
+        self.tokens_per_s: float | None = None  # the engine's measured speed
         self.idle_s = 0.0
         self._idle_since: float | None = None
         self._fault = _fault_plan()
@@ -227,7 +230,9 @@ class Worker:
             try:
                 if self._fault is not None and self._fault[0] == "mid_batch":  # while it runs
                     threading.Timer(0.002, self._maybe_fault, ("mid_batch",)).start()
+                began = time.monotonic()
                 result = self.engine.run(batch)
+                self._measured(held.tokens.size, time.monotonic() - began)
                 if len(result.errors) != len(held.items):
                     raise FabricError(
                         f"engine {self.engine.name} returned {len(result.errors)} outcomes "
@@ -240,6 +245,25 @@ class Worker:
                 log.exception("engine %s failed", self.engine.name)
                 self.done.put(_Done(held.batch_id, "broken", reason=f"{type(exc).__name__}: {exc}"))
                 return
+
+    def _measured(self, tokens: int, seconds: float) -> None:
+        """The engine's speed in (lane-padded) tokens per second, smoothed over batches."""
+        if seconds <= 0 or tokens <= 0:
+            return
+        rate = tokens / seconds
+        self.tokens_per_s = (
+            rate if self.tokens_per_s is None else 0.7 * self.tokens_per_s + 0.3 * rate
+        )
+
+    def token_budget(self) -> int:
+        """Tokens to ask for: what the engine does in about `target_batch_s` (within bounds)."""
+        limit = self.options.batch_tokens
+        target = self.options.target_batch_s
+        if target <= 0:
+            return limit
+        if self.tokens_per_s is None:  # not measured yet: start small, it grows after a batch
+            return min(limit, FIRST_BATCH_TOKENS)
+        return max(1, min(limit, int(self.tokens_per_s * target)))
 
     def _maybe_fault(self, phase: str) -> None:
         if self._fault is None or self._fault[0] != phase:
@@ -320,7 +344,7 @@ class Worker:
             {
                 "model": self.options.model,
                 "max_items": self.options.batch_items,
-                "max_tokens": self.options.batch_tokens,
+                "max_tokens": self.token_budget(),
             },
         ):
             self.asking = True
@@ -570,6 +594,7 @@ class WorkerStage:
                 heartbeat=_local(settings.dispatch.heartbeat_bind),
                 batch_items=workers.batch_items,
                 batch_tokens=workers.batch_tokens,
+                target_batch_s=workers.target_batch_s,
                 prefetch=workers.prefetch,
                 drain_s=workers.drain_s,
             ),

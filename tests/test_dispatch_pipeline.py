@@ -76,6 +76,8 @@ def workers():
             str(kw.get("prefetch", 2)),
             "--drain-s",
             str(kw.get("drain_s", 10)),
+            "--target-batch-s",
+            "0",  # the batch sizes these tests ask for, not ones measured from the engine
         ]
         for option in options:
             args += ["--option", option]
