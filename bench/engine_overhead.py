@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO))
 from bench.machine import command_line, describe, load_average  # noqa: E402
 from bench.report import Row, render_section, write_section  # noqa: E402
 
-LANES = (32, 64, 128, 256)
+LANES = (16, 24, 32, 48, 64, 96, 128, 192, 256)  # as pipeline/demo.py writes them
 BATCH = 64
 DOC = REPO / "docs" / "BENCHMARKS.md"
 

@@ -79,7 +79,7 @@ def write_config(root: Path, workers: int) -> Path:
 [broker]
 data_dir = "{root / "data"}"
 segment_bytes = 16777216
-lanes = [32, 64, 128, 256]
+lanes = [16, 24, 32, 48, 64, 96, 128, 192, 256]
 [ingest]
 bind = "tcp://127.0.0.1:{ports[0]}"
 chunk_items = 512
