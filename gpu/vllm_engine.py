@@ -1,0 +1,216 @@
+"""The `vllm` engine: generation and embeddings on GPU hosts with vLLM's offline `LLM`.
+
+vLLM is imported only when this engine is selected; where it is not
+installed, building the engine raises an `EngineError` that says so. One
+engine serves one model in one of two runners:
+
+| runner     | task served | call                                                                 |
+|------------|-------------|----------------------------------------------------------------------|
+| `generate` | generate    | `LLM.generate([{"prompt_token_ids": ids}, ...], SamplingParams(...))` |
+| `pooling`  | embed       | `LLM.embed([{"prompt_token_ids": ids}, ...])` (vLLM's pooling API)   |
+
+The broker sends token ids, so vLLM never tokenises a prompt; each item
+goes in at its own length (vLLM batches and pads internally). A batch of the
+other task gets an error for every item. Sampling follows the request's
+shape (`batch.shape`: temperature, top_p, seed, stop; greedy with no stop
+strings when the batch has none), as `gpu.transformers_engine.Sampling`
+reads it, and max_tokens from the batch.
+
+Outputs match the `transformers` engine: generated ids without the EOS or
+stop token that ended them, and without the tokens of a stop string (vLLM
+cuts the text; the ids are cut to the longest prefix whose text ends before
+the stop string); embeddings as float32 `[n, dim]` as the model's pooler
+returns them (normalised for embedding models). An item of 0 tokens, one
+with an id outside the vocabulary, or one whose prompt + max_tokens passes
+`max_model_len` gets its own error before vLLM sees it, so one bad item
+never fails the batch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import numpy as np
+
+from gpu.engines import EMBED, GENERATE, Engine, EngineBatch, EngineError, EngineResult
+from gpu.transformers_engine import Sampling, item_errors, kept_before_stop, pack
+
+MODEL_ENV = "FABRIC_VLLM_MODEL"  # the model when the engine is given none (local workers)
+RUNNERS = {"generate": GENERATE, "pooling": EMBED}
+INSTALL_HINT = (
+    "install vLLM on a GPU host (pip install vllm; it brings its own CUDA build of torch) "
+    "and run this worker there, or pick the transformers engine (docs/engines.md)"
+)
+
+
+def vllm_installed() -> bool:
+    """Whether `import vllm` can work here, without importing it."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+class VllmEngine(Engine):
+    """vLLM's offline LLM on this host's GPU(s); see the module docstring."""
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        model: str | None = None,
+        runner: str = "generate",
+        dtype: str = "auto",
+        gpu_memory_utilization: float = 0.9,
+        max_model_len: int | None = None,
+        tensor_parallel_size: int = 1,
+        enforce_eager: bool | str = False,
+    ) -> None:
+        if not vllm_installed():
+            raise EngineError(
+                f"vllm engine: vllm is not installed in {sys.executable}; {INSTALL_HINT}"
+            )
+        model = model or os.environ.get(MODEL_ENV, "")
+        if not model:
+            raise EngineError(
+                "vllm engine: no model given; set the engine option model (run.py worker "
+                f"--option model=PATH_OR_HF_ID) or the environment variable {MODEL_ENV}"
+            )
+        if runner not in RUNNERS:
+            raise EngineError(
+                f"vllm engine: runner = {runner!r}; set generate (completions) or pooling "
+                "(embeddings)"
+            )
+        if enforce_eager not in (True, False, "true", "false", 1, 0):  # from --option: a string
+            raise EngineError(f"vllm engine: enforce_eager = {enforce_eager!r}; set true or false")
+        if not 0.0 < gpu_memory_utilization <= 1.0:
+            raise EngineError(
+                f"vllm engine: gpu_memory_utilization = {gpu_memory_utilization} must be in (0, 1]"
+            )
+        self.model = model
+        self.runner = runner
+        self.task = RUNNERS[runner]
+        self.llm_options = {
+            "dtype": dtype,
+            "gpu_memory_utilization": float(gpu_memory_utilization),
+            "tensor_parallel_size": int(tensor_parallel_size),
+            "enforce_eager": enforce_eager in (True, "true", 1),
+        }
+        if max_model_len is not None:
+            self.llm_options["max_model_len"] = int(max_model_len)
+        self._llm = None
+        self._sampling_params = None
+        self._decode = None
+        self.dim = 0
+        self.vocab_size = 0
+        self.context_tokens = 0
+
+    def load(self) -> None:
+        try:
+            import vllm
+        except ImportError as exc:
+            raise EngineError(f"vllm engine: cannot import vllm ({exc}); {INSTALL_HINT}") from None
+        options = dict(self.llm_options)
+        if self.runner == "pooling":
+            options["runner"] = "pooling"
+        try:
+            try:
+                llm = vllm.LLM(model=self.model, **options)
+            except TypeError:  # vLLM before `runner` (0.10.1) named the pooling mode by task
+                if self.runner != "pooling":
+                    raise
+                options.pop("runner")
+                llm = vllm.LLM(model=self.model, task="embed", **options)
+        except Exception as exc:  # vLLM raises many unrelated types while it starts
+            raise EngineError(
+                f"vllm engine: cannot start model {self.model!r} with {options} "
+                f"({type(exc).__name__}: {exc}); check the model path and the GPU"
+            ) from exc
+        self.attach(llm, vllm.SamplingParams)
+
+    def attach(self, llm, sampling_params) -> None:
+        """Use a started `LLM` (and vLLM's SamplingParams class); warms it up with one item."""
+        config = getattr(llm, "model_config", None) or llm.llm_engine.model_config
+        self._llm = llm
+        self._sampling_params = sampling_params
+        self.vocab_size = int(config.get_vocab_size())
+        self.context_tokens = int(config.max_model_len)
+        if self.task == GENERATE:
+            tokenizer = llm.get_tokenizer()
+            self._decode = tokenizer.decode
+        warm = np.zeros((1, 8), np.uint32)
+        warm[0, :3] = (1, 2, 3)
+        result = self.run(EngineBatch(self.task, warm, np.array([3], np.uint32), max_tokens=1))
+        if result.errors[0] is not None:
+            raise EngineError(f"vllm engine: warm-up of {self.model!r} failed: {result.errors[0]}")
+        if self.task == EMBED:
+            self.dim = result.embeddings.shape[1]
+
+    def run(self, batch: EngineBatch) -> EngineResult:
+        n = len(batch.lengths)
+        if batch.task != self.task:
+            return self._wrong_task(batch)
+        if self._llm is None:
+            raise EngineError("vllm engine: run() before load()")
+        max_tokens = batch.max_tokens if batch.task == GENERATE else 0
+        errors = item_errors(
+            EngineBatch(batch.task, batch.tokens, batch.lengths, max_tokens),
+            self.vocab_size,
+            self.context_tokens,
+            self.name,
+        )
+        good = [i for i, e in enumerate(errors) if e is None]
+        lengths = batch.lengths.tolist()
+        prompts = [{"prompt_token_ids": batch.tokens[i, : lengths[i]].tolist()} for i in good]
+        if batch.task == EMBED:
+            vectors = np.zeros((n, self.dim), np.float32)
+            if prompts:
+                outs = self._llm.embed(prompts, use_tqdm=False)
+                got = np.array([o.outputs.embedding for o in outs], np.float32)
+                if vectors.shape[1] != got.shape[1]:
+                    vectors = np.zeros((n, got.shape[1]), np.float32)
+                vectors[good] = got
+            return EngineResult(errors, embeddings=vectors)
+        outputs: list[np.ndarray | None] = [None] * n
+        if prompts:
+            sampling = Sampling.of(batch)
+            params = self._sampling_params(
+                n=1,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                seed=sampling.seed,
+                max_tokens=batch.max_tokens,
+                stop=list(sampling.stop) or None,
+                stop_token_ids=list(sampling.stop_token_ids) or None,
+                detokenize=bool(sampling.stop),  # vLLM matches stop strings on text
+            )
+            outs = self._llm.generate(prompts, params, use_tqdm=False)
+            for i, out in zip(good, outs, strict=True):
+                outputs[i] = self._generated(out.outputs[0])
+        tokens, offsets = pack(outputs)
+        return EngineResult(errors, tokens=tokens, offsets=offsets)
+
+    def _generated(self, completion) -> np.ndarray:
+        """One completion's ids as this broker returns them (see the module docstring)."""
+        ids = np.asarray(completion.token_ids, np.int64)
+        if completion.finish_reason != "stop" or not len(ids):
+            return ids
+        if isinstance(completion.stop_reason, str):  # a stop string: its tokens go
+            return ids[: kept_before_stop(ids, (completion.stop_reason,), self._decode)]
+        return ids[:-1]  # EOS (stop_reason None) or a stop token id: vLLM appends it
+
+    def _wrong_task(self, batch: EngineBatch) -> EngineResult:
+        n = len(batch.lengths)
+        if self.task == GENERATE:
+            error = (
+                f"model on engine vllm (runner generate) only generates; task {batch.task!r} is "
+                "not served: send /v1/chat/completions or /v1/completions requests, or run an "
+                "embedding model with runner = pooling"
+            )
+            return EngineResult(
+                [error] * n, tokens=np.zeros(0, np.uint32), offsets=np.zeros(n + 1, np.int64)
+            )
+        error = (
+            f"model on engine vllm (runner pooling) only embeds; task {batch.task!r} is not "
+            "served: send this model /v1/embeddings requests"
+        )
+        return EngineResult([error] * n, embeddings=np.zeros((n, self.dim), np.float32))

