@@ -8,7 +8,8 @@ with truncation and padding turned off, whatever the file says, so an
 over-long prompt is seen whole and refused (`prompt_too_long`) instead of
 being cut silently. Texts are encoded with `encode_batch_fast` (special
 tokens added, no offsets) and come back as one flat uint32 array plus
-offsets. Chat messages go through `ingest.chat_template.render_role_tags`.
+offsets. Chat messages are rendered with the model's own chat template when its
+tokenizer_config.json has one, else with the role-tag template (ingest/chat_template.py).
 
 `encode_batch_fast` runs on the tokenizers library's own thread pool
 (RAYON_NUM_THREADS threads, default one per core); with several tokeniser
@@ -29,7 +30,7 @@ from tokenizers import Tokenizer
 
 from config.settings import ModelSettings, Settings
 from ingest.catalog import CHAT_COMPLETIONS, prompt_limit_tokens
-from ingest.chat_template import render_role_tags
+from ingest.chat_template import NativeTemplate, render_role_tags
 from ingest.input_chunk import InputChunk, TokenGroup
 from ingest.line_errors import EMPTY_PROMPT, PROMPT_TOO_LONG, LineError, show
 from ingest.line_parser import TEXT_FIELD, TextPrompt
@@ -39,12 +40,15 @@ from pipeline.errors import TokenizerError
 class ModelTokenizer:
     """One model's tokenizer: texts or chat messages in, flat uint32 tokens and offsets out."""
 
-    def __init__(self, model: str, tokenizer: Tokenizer, path: Path) -> None:
+    def __init__(
+        self, model: str, tokenizer: Tokenizer, path: Path, render=render_role_tags
+    ) -> None:
         tokenizer.no_truncation()
         tokenizer.no_padding()
         self.model = model
         self.path = path
         self._tokenizer = tokenizer
+        self.render = render
 
     @classmethod
     def load(cls, model: ModelSettings, base_dir: Path | None = None) -> ModelTokenizer:
@@ -52,7 +56,8 @@ class ModelTokenizer:
 
         Raises TokenizerError naming the model and the path if the model has
         no tokenizer, the file is missing or unreadable, or the model serves
-        chat while its tokenizer_config.json has a chat template.
+        chat and its tokenizer_config.json is unreadable or has a template that does not
+        compile.
         """
         if not model.tokenizer:
             raise TokenizerError(
@@ -71,9 +76,10 @@ class ModelTokenizer:
             raise TokenizerError(
                 f"model {model.name!r}: cannot load tokenizer file {path} ({exc}); {fix}"
             ) from exc
+        render = render_role_tags
         if CHAT_COMPLETIONS in model.endpoints:
-            _refuse_native_chat_template(model.name, path)
-        return cls(model.name, tokenizer, path)
+            render = _chat_renderer(model.name, path)
+        return cls(model.name, tokenizer, path, render)
 
     def encode(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         """Token ids of `texts`: flat uint32 tokens, and int64 offsets (len(texts) + 1)."""
@@ -87,7 +93,7 @@ class ModelTokenizer:
 
     def encode_prompts(self, prompts: Sequence[TextPrompt]) -> tuple[np.ndarray, np.ndarray]:
         """`encode` for parsed prompts: strings as they are, chat messages rendered first."""
-        return self.encode([p if isinstance(p, str) else render_role_tags(p) for p in prompts])
+        return self.encode([p if isinstance(p, str) else self.render(p) for p in prompts])
 
 
 def load_tokenizers(settings: Settings, base_dir: Path | None = None) -> dict[str, ModelTokenizer]:
@@ -161,21 +167,17 @@ def _strict(chunk: InputChunk) -> InputChunk:
     return chunk
 
 
-def _refuse_native_chat_template(model: str, path: Path) -> None:
+def _chat_renderer(model: str, path: Path):
+    """The model's own chat template when its tokenizer_config.json has one, else role tags."""
     config = path.with_name("tokenizer_config.json")
     try:
         values = json.loads(config.read_text("utf-8"))
     except FileNotFoundError:
-        return
+        return render_role_tags
     except (OSError, ValueError) as exc:
         raise TokenizerError(
             f"model {model!r}: cannot read {config} ({exc}); fix or remove that file"
         ) from exc
-    if isinstance(values, dict) and values.get("chat_template"):
-        raise TokenizerError(
-            f"model {model!r} serves {CHAT_COMPLETIONS} and {config} has a chat_template, "
-            "which this version cannot render (it would prompt the model in a format it was "
-            "not trained on); remove /v1/chat/completions from the model's endpoints and "
-            "send chat as prompt_token_ids, or remove chat_template to use the role-tag "
-            "template (docs/input-format.md)"
-        )
+    if isinstance(values, dict) and isinstance(values.get("chat_template"), str):
+        return NativeTemplate(model, config, values)
+    return render_role_tags

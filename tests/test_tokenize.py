@@ -158,18 +158,48 @@ def test_a_relative_tokenizer_path_resolves_against_base_dir(tmp_path):
     assert tokenizer.path == tmp_path / "models" / "tokenizer.json"
 
 
-def test_a_native_chat_template_is_refused_for_chat_but_not_for_embeddings(tmp_path, settings):
+def test_a_native_chat_template_prompts_chat_in_the_models_own_format(tmp_path, settings):
     build_tokenizer(tmp_path / "tokenizer.json")
+    chatml = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
     for folder in (tmp_path, tmp_path / "plain"):
-        (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ x }}"}))
+        (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": chatml}))
     ModelTokenizer.load(settings.model("embedder"))  # serves /v1/embeddings only
+    chat = ModelTokenizer.load(settings.model("chat"))
+    prompt = chat.render([("user", "w1 w2")])
+    assert prompt == "<|im_start|>user\nw1 w2<|im_end|>\n<|im_start|>assistant\n"
+    (tmp_path / "plain" / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% x"}))
     with pytest.raises(
-        TokenizerError, match=r"model 'chat' serves /v1/chat/completions .* chat_template"
+        TokenizerError, match=r"model 'chat': the chat_template .* does not compile"
     ):
         ModelTokenizer.load(settings.model("chat"))
     (tmp_path / "plain" / "tokenizer_config.json").write_text("{oops")
     with pytest.raises(TokenizerError, match=r"cannot read .*tokenizer_config\.json"):
         ModelTokenizer.load(settings.model("chat"))
+
+
+def test_smollm2_chat_is_rendered_as_chatml_with_its_default_system_prompt():
+    from config import load_settings
+
+    settings = load_settings(
+        None,
+        {
+            "models": [
+                {
+                    "name": "smol",
+                    "engine": "transformers",
+                    "tokenizer": "gpu/smollm2/tokenizer.json",
+                    "endpoints": ["/v1/chat/completions"],
+                }
+            ]
+        },
+    )
+    smol = ModelTokenizer.load(settings.model("smol"), base_dir=Path(__file__).parents[1])
+    prompt = smol.render([("user", "Name a prime.")])
+    assert prompt.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+    assert prompt.endswith("<|im_start|>user\nName a prime.<|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_load_tokenizers_loads_one_per_model_with_a_tokenizer(tokenizers):
