@@ -96,7 +96,9 @@ class RecordLog:
         data = b"".join(encode_record(r) for r in self._pending)
         start = os.lseek(self._fd, 0, os.SEEK_CUR)
         try:
-            os.write(self._fd, data)
+            view = memoryview(data)
+            while view:  # a write may take only part of the bytes (a filling disk)
+                view = view[os.write(self._fd, view) :]
             os.fdatasync(self._fd)
         except OSError as exc:
             try:

@@ -1,0 +1,19 @@
+"""Vector shards: a journalled, append-only home for embeddings (DESIGN.md section 5)."""
+
+from collector.vectors.shard import (
+    Shard,
+    VectorError,
+    VectorInputError,
+    VectorSealedError,
+    VectorShardError,
+)
+from collector.vectors.store import VectorStore
+
+__all__ = [
+    "Shard",
+    "VectorError",
+    "VectorInputError",
+    "VectorSealedError",
+    "VectorShardError",
+    "VectorStore",
+]
