@@ -126,11 +126,11 @@ def _submit(args: argparse.Namespace) -> int:
 
 def _address(args: argparse.Namespace, section: str) -> str:
     """The broker address a client command uses: --broker, else the config's (as a client)."""
-    from gpu.worker import _local
+    from pipeline.topology import client_address
 
     if getattr(args, "broker", None):
         return args.broker
-    return _local(getattr(load_settings(args.config), section).bind)
+    return client_address(getattr(load_settings(args.config), section).bind)
 
 
 def _decoders(args: argparse.Namespace) -> dict:

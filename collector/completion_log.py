@@ -140,6 +140,7 @@ class _Job:
         self.failed = np.zeros(1024, dtype=bool)
         self.readers: dict[int, Segment] = {}
         self.first_undelivered: dict[int, int] = {}  # per completion segment: all before delivered
+        self.segments_changed = True  # the directory may hold segments `readers` lacks
         self.last_result_ns = 0
 
     def mark(self, index: np.ndarray, failed: np.ndarray | None = None) -> None:
@@ -374,6 +375,7 @@ class CompletionLog:
             self._dirty.add(appender)
         job.mark(index, (flags & np.uint32(STATUS_MASK)) == ERROR_RESULT)
         job.last_result_ns = time.time_ns()
+        job.segments_changed = True
 
     def sync_outputs(self) -> None:
         """Make stored results durable, then write their inputs' DEAD markers (invariant 3)."""
@@ -396,12 +398,18 @@ class CompletionLog:
 
     # ---- delivery ------------------------------------------------------------------------
     def _readers(self, job: _Job) -> dict[int, Segment]:
+        """Open handles on the job's completion segments; the directory is listed again only
+        after this process appended results for the job (which may create a segment)."""
+        if not job.segments_changed:
+            return job.readers
+        job.segments_changed = False
         for path in self._paths(job.job_id):
             segment_id = int(path.name[4:16])
             if segment_id not in job.readers:
                 try:
                     job.readers[segment_id] = Segment.open(path, writable=True)
                 except (FabricError, OSError):
+                    job.segments_changed = True  # try it again next time
                     continue
         return job.readers
 

@@ -47,6 +47,8 @@ from gpu.dispatch_state import ITEM_DTYPE, SLOT_HEADER_WORDS
 from gpu.engines import Engine, EngineBatch, EngineResult, TransientEngineError
 from pipeline import exitcodes, wire
 from pipeline.errors import FabricError, WireError
+from pipeline.stage import StopFlags
+from pipeline.topology import client_address
 
 MT = wire.MessageType
 log = logging.getLogger("fabric.worker")
@@ -545,24 +547,9 @@ class Worker:
         return self.exit_code
 
 
-@dataclass
-class _Stopper:
-    stop: bool = False
-    signals: list[int] = field(default_factory=list)
-
-    def install(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._on)
-
-    def _on(self, signum: int, frame: object) -> None:
-        self.stop = True
-        self.signals.append(signum)
-
-
 def run_worker(options: WorkerOptions, engine: Engine) -> int:
     """The body of `python run.py worker`: one session until SIGTERM (drain) or engine failure."""
-    stopper = _Stopper()
-    stopper.install()
+    stopper = StopFlags()
     worker = Worker(options, engine)
     worker.open()
     try:
@@ -593,9 +580,9 @@ class WorkerStage:
             options["threads"] = max(1, (os.cpu_count() or 1) // max(1, workers.local))
         self.worker = Worker(
             WorkerOptions(
-                broker=_local(settings.dispatch.bind),
+                broker=client_address(settings.dispatch.bind),
                 model=model,
-                heartbeat=_local(settings.dispatch.heartbeat_bind),
+                heartbeat=client_address(settings.dispatch.heartbeat_bind),
                 batch_items=workers.batch_items,
                 batch_tokens=workers.batch_tokens,
                 target_batch_s=workers.target_batch_s,
@@ -618,10 +605,3 @@ class WorkerStage:
 
     def close(self) -> None:
         self.worker.close()
-
-
-def _local(address: str) -> str:
-    """A bind address as a local client connects to it (tcp://*:P -> tcp://127.0.0.1:P)."""
-    return address.replace("tcp://*:", "tcp://127.0.0.1:").replace(
-        "tcp://0.0.0.0:", "tcp://127.0.0.1:"
-    )

@@ -70,7 +70,9 @@ class Stage:
         """Release everything `open()` made."""
 
 
-class _Flags:
+class StopFlags:
+    """SIGTERM and SIGINT set `stop` (handlers only set the flag); for stages and workers."""
+
     stop = False
 
     def __init__(self) -> None:
@@ -95,7 +97,7 @@ def run_stage(spec: StageSpec, settings, drain_s: float = 30.0) -> int:
     except ImportError:  # a cosmetic nicety; the stage works without it
         pass
     setup_stage_logging(settings.data_path / "log", spec.label)
-    flags = _Flags()
+    flags = StopFlags()
     stage = load_stage_class(spec.target)(settings, spec.index)
     stage.open()
     log.info("stage %s up", spec.label)

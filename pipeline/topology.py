@@ -47,6 +47,14 @@ def run_dir(settings) -> Path:
     return path
 
 
+def client_address(bind: str) -> str:
+    """A bind address as a client on this host connects to it (tcp://*:P -> tcp://127.0.0.1:P)."""
+    for wildcard in ("tcp://*:", "tcp://0.0.0.0:"):
+        if bind.startswith(wildcard):
+            return "tcp://127.0.0.1:" + bind[len(wildcard) :]
+    return bind
+
+
 def internal_address(settings, endpoint: str) -> str:
     """`ipc://` address of an internal socket: front, tokenize, router-<r>, writer-<w>."""
     return f"ipc://{run_dir(settings) / endpoint}.ipc"

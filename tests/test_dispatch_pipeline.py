@@ -100,36 +100,25 @@ def workers():
         proc.stderr.close()
 
 
-def job_info(b: Broker, job: str) -> dict:
-    result = subprocess.run(
-        [sys.executable, "run.py", "status", job, "--json", "--config", str(b.config)],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=60,
-    )
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)
-
-
-def fetch(b: Broker, job: str, out: Path, *args: str, timeout_s: float = 120):
+def cli(b: Broker, *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
+    """`python run.py ARGS --config <the broker's>`, captured."""
     return subprocess.run(
-        [
-            sys.executable,
-            "run.py",
-            "results",
-            job,
-            "-o",
-            str(out),
-            "--config",
-            str(b.config),
-            *args,
-        ],
+        [sys.executable, "run.py", *args, "--config", str(b.config)],
         capture_output=True,
         text=True,
         cwd=REPO,
         timeout=timeout_s,
     )
+
+
+def job_info(b: Broker, job: str) -> dict:
+    result = cli(b, "status", job, "--json", timeout_s=60)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def fetch(b: Broker, job: str, out: Path, *args: str, timeout_s: float = 120):
+    return cli(b, "results", job, "-o", str(out), *args, timeout_s=timeout_s)
 
 
 def delivered(out: Path) -> Counter:
@@ -410,13 +399,7 @@ def test_results_follow_survives_a_broker_restart(tmp_path, broker):
 def test_cancel_retires_queued_items_as_cancelled_with_honest_counts(tmp_path, broker):
     b = broker(workers=0)
     submit_job(b, tmp_path, 700, "z")
-    result = subprocess.run(
-        [sys.executable, "run.py", "cancel", "z", "--config", str(b.config)],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=60,
-    )
+    result = cli(b, "cancel", "z", timeout_s=60)
     assert result.returncode == 0, result.stderr
     wait_for(lambda: job_info(b, "z")["state"] == "cancelled", "the job to end cancelled")
     info = job_info(b, "z")
