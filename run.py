@@ -2,10 +2,12 @@
 
 python run.py --config prod.toml                   serve: recovery, then all stages; SIGTERM drains
 python run.py demo                                 the real pipeline on a real model, on the CPU
-python run.py submit FILE.jsonl [--config F | --broker ADDR] [--job-id ID] [--strict]
+python run.py submit FILE.jsonl [--config F | --broker ADDR] [--job-id ID] [--deliver vectors[:S]]
 python run.py status [JOB] [--json]                queue depth, in-flight, workers; or one job's counts
+python run.py status --watch [--plain]             a live dashboard, redrawn every second
 python run.py results JOB -o OUT.jsonl [--errors ERR.jsonl] [--follow] [--all]
 python run.py cancel JOB                           retire the job's queued items as cancelled
+python run.py vectors stats|search|export          the vector store (docs/vectors.md)
 python run.py worker --broker ADDR --model M --engine E   a GPU (or CPU) worker process
 python run.py check --config prod.toml [--fix]     offline consistency check of the data dir
 """
@@ -22,7 +24,7 @@ from config.defaults import DEFAULTS
 from pipeline import exitcodes
 from pipeline.errors import BrokerUnreachableError, ConfigError, DataDirLockedError, FabricError
 
-COMMANDS = ("check", "submit", "status", "results", "cancel", "worker", "demo")
+COMMANDS = ("check", "submit", "status", "results", "cancel", "vectors", "worker", "demo")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -102,6 +104,7 @@ def _submit(args: argparse.Namespace) -> int:
                 chunk_lines=args.chunk_lines,
                 strict=args.strict,
                 progress=progress,
+                deliver=args.deliver,
             )
         except BrokerUnavailableError as exc:
             print(f"\nerror: {exc}", file=sys.stderr)
@@ -189,11 +192,19 @@ def _results(args: argparse.Namespace) -> int:
     return exitcodes.OK
 
 
+def _vectors(args: argparse.Namespace) -> int:
+    from collector.vectors.cli import run_vectors
+
+    return run_vectors(args, _address(args, "vectors"), lambda: load_settings(args.config))
+
+
 def _status(args: argparse.Namespace) -> int:
     import orjson
 
     from collector.client import DispatchClient, ResultsClient
 
+    if args.watch:
+        return _watch(args)
     if args.job:
         with ResultsClient(_address(args, "completion"), timeout_s=args.timeout) as client:
             info = client.job_status(args.job)
@@ -207,6 +218,35 @@ def _status(args: argparse.Namespace) -> int:
 
     print(render_job(info) if args.job else render_broker(info))
     return exitcodes.OK
+
+
+def _watch(args: argparse.Namespace) -> int:
+    """`status --watch`: the dashboard (collector/status_watch.py) until Ctrl-C."""
+    import os
+
+    from collector.status_sources import Sources
+    from collector.status_watch import watch
+    from pipeline.topology import client_address
+
+    if args.json:
+        print("error: --watch and --json do not go together", file=sys.stderr)
+        return exitcodes.USAGE
+    if args.interval <= 0:
+        print(f"error: --interval {args.interval:g} must be > 0 seconds", file=sys.stderr)
+        return exitcodes.USAGE
+    if args.broker:  # maybe another host: only what dispatch says
+        sources = Sources(args.broker, None, None, args.timeout, only_job=args.job)
+    else:
+        settings = load_settings(args.config)
+        sources = Sources(
+            client_address(settings.dispatch.bind),
+            client_address(settings.completion.bind),
+            settings.data_path,
+            args.timeout,
+            only_job=args.job,
+        )
+    plain = args.plain or not sys.stdout.isatty() or os.environ.get("TERM") == "dumb"
+    return watch(sources, sources.dispatch_address, args.interval, plain)
 
 
 def _cancel(args: argparse.Namespace) -> int:
@@ -293,6 +333,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     submit.add_argument("--chunk-lines", type=int, help="lines per chunk (default: the broker's)")
     submit.add_argument(
+        "--deliver",
+        default="file",
+        help="where results go: file (results clients; the default), vectors (the vector "
+        "store named after the model) or vectors:STORE (docs/vectors.md)",
+    )
+    submit.add_argument(
         "--errors", help="where to write rejected lines (default FILE.errors.jsonl)"
     )
     submit.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for an answer")
@@ -307,6 +353,15 @@ def build_parser() -> argparse.ArgumentParser:
     status = commands.add_parser("status", help="queue depth and workers, or one job's progress")
     status.add_argument("job", nargs="?", help="a job id (omit for the whole broker)")
     status.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    status.add_argument(
+        "--watch", action="store_true", help="a live dashboard until Ctrl-C (JOB: only that job)"
+    )
+    status.add_argument(
+        "--plain", action="store_true", help="with --watch: plain lines even on a terminal"
+    )
+    status.add_argument(
+        "--interval", type=float, default=1.0, help="with --watch: seconds between refreshes"
+    )
     client_options(status, "completion (with JOB) or dispatch")
     status.set_defaults(handler=_status)
     results = commands.add_parser("results", help="fetch a job's results, each exactly once")
@@ -321,6 +376,9 @@ def build_parser() -> argparse.ArgumentParser:
     cancel.add_argument("job", help="the job id")
     client_options(cancel, "completion")
     cancel.set_defaults(handler=_cancel)
+    from collector.vectors.cli import add_parser as add_vectors_parser
+
+    add_vectors_parser(commands, client_options, _vectors)
     worker = commands.add_parser("worker", help="a worker process: pulls batches, runs an engine")
     worker.add_argument("--broker", required=True, help="dispatch address, e.g. tcp://host:7711")
     worker.add_argument("--model", required=True, help="the model this worker serves")

@@ -56,13 +56,18 @@ class Client:
         self.socket.connect(self.address)
 
     def request(
-        self, kind: MT, meta: dict, answer: MT, attempts: int | None = None
+        self,
+        kind: MT,
+        meta: dict,
+        answer: MT,
+        attempts: int | None = None,
+        arrays: dict | None = None,
     ) -> wire.Message:
         attempts = self.attempts if attempts is None else attempts
         backoff = 0.2
         for attempt in range(attempts):
             try:
-                wire.send(self.socket, kind, meta)
+                wire.send(self.socket, kind, meta, arrays)
                 deadline = time.monotonic() + self.timeout_s
                 while (left := deadline - time.monotonic()) > 0:
                     message = wire.recv(self.socket, int(left * 1000) + 1)

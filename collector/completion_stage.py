@@ -39,6 +39,7 @@ from collector.completion_log import (
 )
 from collector.job_view import JobIndex, JobView, write_cancel
 from gpu.dispatch_state import ITEM_DTYPE
+from ingest.jobs import JOB_ID
 from pipeline import wire
 from pipeline.datadir import DataDir
 from pipeline.errors import FabricError, SegmentError, WireError
@@ -50,6 +51,37 @@ from router.shapes import ShapeTable
 MT = wire.MessageType
 MAX_MESSAGES_PER_STEP = 256
 FINISHED_FILE = "finished"
+
+
+def results_problem(arrays: dict[str, np.ndarray]) -> str | None:
+    """What is wrong with the arrays of a RESULTS message (docs/wire.md), or None.
+
+    Every array is one-dimensional with one entry per item (offsets: n + 1 byte
+    offsets into the u1 payload, from 0, never decreasing, never past its end),
+    so nothing a worker sends can index outside what it sent.
+    """
+    names = ("items", "status", "kind", "prompt_tokens", "payload", "offsets")
+    missing = [name for name in names if name not in arrays]
+    if missing:
+        return f"arrays {missing} missing"
+    if any(arrays[name].ndim != 1 for name in names):
+        return "an array is not one-dimensional"
+    items, payload, offsets = arrays["items"], arrays["payload"], arrays["offsets"]
+    if items.dtype != ITEM_DTYPE:
+        return f"items are {items.dtype.descr}, not {ITEM_DTYPE.descr}"
+    n = len(items)
+    for name in ("status", "kind", "prompt_tokens", "offsets"):
+        if arrays[name].dtype.kind not in "ui":
+            return f"{name} is {arrays[name].dtype.str}, not integers"
+        if len(arrays[name]) != (n + 1 if name == "offsets" else n):
+            return f"{name} has {len(arrays[name])} entries for {n} items"
+    if payload.dtype != np.uint8:
+        return f"payload is {payload.dtype.str}, not u1"
+    if offsets[0] != 0 or int(offsets.min()) < 0 or int(offsets.max()) > len(payload):
+        return f"offsets do not run from 0 up to at most the {len(payload)} payload bytes"
+    if (np.diff(offsets.astype(np.int64)) < 0).any():  # in range: no wrap-around
+        return "offsets decrease"
+    return None
 
 
 class CompletionStage(Stage):
@@ -82,11 +114,15 @@ class CompletionStage(Stage):
         self.clients = self.context.socket(zmq.ROUTER)
         self.clients.setsockopt(zmq.LINGER, 0)
         self.clients.setsockopt(zmq.SNDTIMEO, 0)
+        self.clients.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)  # bigger: dropped
+        self.limits = wire.WireLimits(max_bytes=self.config.max_message_bytes)
         self.clients.bind(self.config.bind)
         self.poller = zmq.Poller()
         self.poller.register(self.inbox, zmq.POLLIN)
         self.poller.register(self.clients, zmq.POLLIN)
         self.stored = 0
+        self.duplicates = 0  # results dropped: their item had one (metrics)
+        self.delivered = 0  # results marked delivered (metrics)
 
     def _input(self, segment_id: int) -> Segment:
         segment = self.inputs.get(segment_id)
@@ -155,21 +191,14 @@ class CompletionStage(Stage):
         meta, a = message.meta, message.arrays
         ack = [meta.get("route", ""), meta["result_id"], 0]
         self.acks.append(ack)
-        items = a["items"]
-        n = len(items)
-        offsets = a["offsets"].astype(np.int64)
-        payload = a["payload"]
-        fields = ("status", "kind", "prompt_tokens")
-        if (
-            items.dtype != ITEM_DTYPE
-            or any(len(a[f]) != n for f in fields)
-            or len(offsets) != n + 1
-            or (n and (offsets[0] != 0 or (np.diff(offsets) < 0).any()))
-            or offsets[-1] > len(payload)
-        ):
-            self.log.error("results from session %s are malformed; dropped", meta["session"])
+        problem = results_problem(a)
+        if problem is not None:
+            self.log.error(
+                "results from session %s are malformed (%s); dropped", meta["session"], problem
+            )
             return
-        ack[2] = n
+        items, payload, offsets = a["items"], a["payload"], a["offsets"].astype(np.int64)
+        ack[2] = len(items)
         status = flags_of(a["status"].astype(np.uint32) & 1, a["kind"].astype(np.uint32) & 0xF)
         self._record(
             items,
@@ -216,6 +245,7 @@ class CompletionStage(Stage):
                 sync=False,
             )
             self.stored += recorded.stored
+            self.duplicates += recorded.duplicates
             if recorded.duplicates:
                 self.log.info(
                     "job %s: %d duplicate result(s) dropped (%s)", job_id, recorded.duplicates, why
@@ -227,7 +257,7 @@ class CompletionStage(Stage):
     def _read_clients(self, now: float) -> None:
         for _ in range(64):
             try:
-                message = wire.recv(self.clients, 0)
+                message = wire.recv(self.clients, 0, limits=self.limits)
             except WireError as exc:
                 self.log.warning("dropped a malformed message from a client: %s", exc)
                 if exc.route:
@@ -251,6 +281,9 @@ class CompletionStage(Stage):
             )
             return
         job_id = str(meta["job"])
+        if not JOB_ID.match(job_id):  # never a path outside jobs/ ("../x", "/etc")
+            self._reply(route, MT.ERROR, {"reason": f"job id {job_id!r} is not allowed"})
+            return
         try:
             view = self.jobs.view(job_id)
         except (FabricError, OSError, ValueError) as exc:
@@ -333,18 +366,32 @@ class CompletionStage(Stage):
             "pending": pending,
             "undelivered": undelivered,
             "created_ns": view.created_ns,
+            "deliver": view.deliver,
             "rate": round(rate, 1),
             "eta_s": round(pending / rate, 1) if rate > 0 and pending else None,
         }
 
     def _fetch(self, route, view: JobView, meta: dict, now: float) -> None:
         job_id = view.job_id
+        everything = bool(meta.get("all", False))
+        if view.deliver != "file" and not everything and meta.get("sink") != "vectors":
+            self._reply(
+                route,
+                MT.ERROR,
+                {
+                    "reason": f"job {job_id} delivers its results to the vector store "
+                    f"({view.deliver}); read them with `results {job_id} --all` (until "
+                    "retention ends) or `python run.py vectors search/export`"
+                },
+            )
+            return
         outstanding = self.pages.pop(job_id, None)
         if outstanding is not None and meta.get("ack") == outstanding[0]:
-            self.log_.delivered(job_id, outstanding[1])
-        everything = bool(meta.get("all", False))
+            self.delivered += self.log_.delivered(job_id, outstanding[1])
         limit = max(1, min(int(meta.get("limit", self.config.page_items)), 65536))
-        cursors = {int(s): int(k) for s, k in meta.get("cursors", [])} if everything else None
+        cursors = (  # a negative cursor would count from a segment's end
+            {int(s): max(0, int(k)) for s, k in meta.get("cursors", [])} if everything else None
+        )
         page = self.log_.page(job_id, limit, cursors, everything)
         info = self._job_info(view, now)
         page_id = 0
@@ -364,6 +411,7 @@ class CompletionStage(Stage):
             "models": {str(k): v for k, v in models.items()},
             "shapes": {str(k): v for k, v in shapes.items()},
             "cursors": [[s, k] for s, k in page.next.items()],
+            "req": meta.get("req", 0),  # echoed: a sink tells a stale answer from the current one
         }
         self._reply(
             route,
@@ -380,6 +428,14 @@ class CompletionStage(Stage):
                 "offsets": page.offsets,
             },
         )
+
+    def stats(self, now: float) -> dict:
+        """Results stored, duplicates dropped, results delivered (docs/metrics.md)."""
+        return {
+            "fabric_items_completed_total": self.stored,
+            "fabric_duplicate_results_total": self.duplicates,
+            "fabric_results_delivered_total": self.delivered,
+        }
 
     def _reply(self, route, kind: MT, meta: dict, arrays: dict | None = None) -> None:
         try:

@@ -145,6 +145,19 @@ def page_keys(page: ResultPage, context: ExportContext) -> tuple[list[str], list
     return out, err
 
 
+def error_line(
+    job_id: str, index: int, custom_id: str | None, payload: bytes, code: str | None = None
+) -> tuple[bytes, str]:
+    """One error line and its key for item `index`: `payload` is a stored error ("code: message"),
+    or the message itself when `code` is given."""
+    if code is None:
+        code, message = _split_error(payload)
+    else:
+        message = payload.decode("utf-8", errors="replace")
+    line = LineError(index + 1, custom_id, code, message).to_batch_error_line(job_id)
+    return line, line_key(custom_id, f"{job_id}-line-{index + 1}")
+
+
 def line_key(custom_id: str | None, line_id: str) -> str:
     """The dedupe key of one line: its custom_id, or its id when it has none (never confused)."""
     return "id:" + line_id if custom_id is None else "custom_id:" + custom_id

@@ -38,6 +38,7 @@ class JobView:
         self.job_id: str = meta["job_id"]
         self.job_no: int = int(meta["job_no"])
         self.created_ns: int = int(meta["created_ns"])
+        self.deliver: str = meta.get("deliver", "file")  # ingest.jobs.parse_deliver
         self.offset = 0
         self.commits: dict[int, tuple[int, int]] = {}  # chunk -> (start, end) in chunks.log
         self.first_lines: dict[int, int] = {}  # first line of a committed chunk -> chunk

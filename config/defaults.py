@@ -50,6 +50,12 @@ DEFAULTS: Final[dict[str, Any]] = {
         # Seconds a chunk may take inside the broker before it is failed (retryable)
         # and writers drop what is left of it.
         "chunk_timeout_s": 60.0,
+        # Chunks the front works on at once, all producers together; while full it
+        # reads no more requests (they wait in the socket: backpressure).
+        "max_chunks_in_flight": 64,
+        # Chunks one producer connection may have in flight; more are refused with a
+        # retryable CHUNK_ERROR, so one producer cannot take the whole front.
+        "producer_chunks_in_flight": 16,
     },
     "router": {
         # Router processes (assign model, shape and lane to each item).
@@ -83,6 +89,9 @@ DEFAULTS: Final[dict[str, Any]] = {
         "reregister_grace_s": 5.0,
         # Batches one worker session may hold at once.
         "session_max_batches": 64,
+        # Largest message accepted from a worker (RESULTS, REPORT, ...), in bytes (64 MiB);
+        # a peer that sends more is disconnected.
+        "max_message_bytes": 64 * 1024 * 1024,
     },
     "completion": {
         # Address results are delivered to clients and sinks from.
@@ -96,6 +105,23 @@ DEFAULTS: Final[dict[str, Any]] = {
         "results_retention_s": 7 * 86400.0,
         # Results per page sent to a results client.
         "page_items": 4096,
+        # Largest request accepted from a results client, in bytes (1 MiB); a peer that
+        # sends more is disconnected.
+        "max_message_bytes": 1024 * 1024,
+    },
+    "vectors": {
+        # Address of the vector shard manager: searches, reads and stats from users.
+        "bind": "tcp://127.0.0.1:7714",
+        # Appended rows become durable (and their results delivered) about this often.
+        "flush_ms": 100.0,
+        # A shard is sealed (immutable) and the next one started at this size (1 GiB).
+        "shard_bytes": 1024 * 1024 * 1024,
+        # How new stores keep vectors: "float32", or "float16" for half the disk.
+        "dtype": "float32",
+        # Rows scored at once by a search: bounds its memory (rows x dim x 4 bytes).
+        "search_block_rows": 65536,
+        # Results the sink asks completion for at once (per job page).
+        "page_items": 16384,
     },
     "collector": {
         # The segment collector looks for fully retired files this often.
@@ -130,6 +156,13 @@ DEFAULTS: Final[dict[str, Any]] = {
         "restart_window_s": 60.0,
         # On shutdown, a stage still running this long after SIGTERM gets SIGKILL.
         "stop_timeout_s": 30.0,
+    },
+    "metrics": {
+        # HOST:PORT where the supervisor serves Prometheus metrics over HTTP (GET /metrics);
+        # "" = no metrics endpoint (docs/metrics.md lists what it serves).
+        "bind": "127.0.0.1:7719",
+        # Stages send their statistics to the supervisor this often.
+        "interval_s": 1.0,
     },
     # Models served when the file has no [[models]] table.
     "models": [

@@ -111,6 +111,21 @@ def _endpoints_problem(endpoints: list[str]) -> str | None:
 
 ADDRESS = Rule("string", "tcp://HOST:PORT (PORT 1-65535) or ipc://PATH", _address_problem)
 
+
+def _http_address_problem(address: str) -> str | None:
+    if address == "":
+        return None  # no endpoint
+    problem = _address_problem("tcp://" + address)
+    if problem is not None or address.startswith("*"):
+        return "is not a HOST:PORT address (e.g. 127.0.0.1:7719; 0.0.0.0 for every interface)"
+    return None
+
+
+# An HTTP listening address: HOST:PORT, or "" for none. It takes a TCP port like ADDRESS does.
+HTTP_ADDRESS = Rule(
+    "string", 'HOST:PORT (PORT 1-65535), or "" for no endpoint', _http_address_problem
+)
+
 RULES: Final[dict[str, Rule]] = {
     "broker.data_dir": Rule("string", "a non-empty path", lambda v: None if v else "is empty"),
     "broker.segment_bytes": count(MIN_SEGMENT_BYTES, " (1 MiB)"),
@@ -127,6 +142,8 @@ RULES: Final[dict[str, Rule]] = {
     "ingest.max_message_bytes": count(1),
     "ingest.chunk_items": count(1),
     "ingest.chunk_timeout_s": interval("seconds", zero_ok=False),
+    "ingest.max_chunks_in_flight": count(1),
+    "ingest.producer_chunks_in_flight": count(1),
     "router.processes": count(1),
     "writers.processes": count(1),
     "writers.flush_ms": interval("milliseconds", zero_ok=True),
@@ -143,6 +160,7 @@ RULES: Final[dict[str, Rule]] = {
     "dispatch.report_s": interval("seconds", zero_ok=False),
     "dispatch.reregister_grace_s": interval("seconds", zero_ok=True),
     "dispatch.session_max_batches": count(1),
+    "dispatch.max_message_bytes": count(4096, " (4 KiB)"),
     "completion.bind": ADDRESS,
     "completion.processes": Rule(
         "integer",
@@ -152,6 +170,21 @@ RULES: Final[dict[str, Rule]] = {
     "completion.tombstone_flush_ms": interval("milliseconds", zero_ok=False),
     "completion.results_retention_s": interval("seconds", zero_ok=True),
     "completion.page_items": count(1),
+    "completion.max_message_bytes": count(4096, " (4 KiB)"),
+    "vectors.bind": ADDRESS,
+    "vectors.flush_ms": interval("milliseconds", zero_ok=False),
+    "vectors.shard_bytes": count(MIN_SEGMENT_BYTES),
+    "vectors.dtype": Rule(
+        "string",
+        '"float32" or "float16"',
+        lambda v: None if v in ("float32", "float16") else "is not a supported dtype",
+    ),
+    "vectors.search_block_rows": count(1),
+    "vectors.page_items": Rule(
+        "integer",
+        "an integer from 1 to 65536",
+        lambda v: None if 1 <= v <= 65536 else "is outside 1-65536",
+    ),
     "collector.interval_s": interval("seconds", zero_ok=False),
     "workers.local": count(0, " (0 = remote workers only)"),
     "workers.model": Rule("string", 'a model name, or "" for the first model', lambda v: None),
@@ -170,6 +203,8 @@ RULES: Final[dict[str, Rule]] = {
     "supervisor.max_restarts": count(0),
     "supervisor.restart_window_s": interval("seconds", zero_ok=False),
     "supervisor.stop_timeout_s": interval("seconds", zero_ok=False),
+    "metrics.bind": HTTP_ADDRESS,
+    "metrics.interval_s": interval("seconds", zero_ok=False),
 }
 
 MODEL_RULES: Final[dict[str, Rule]] = {

@@ -49,6 +49,8 @@ class IngestSettings:
     max_message_bytes: int
     chunk_items: int
     chunk_timeout_s: float
+    max_chunks_in_flight: int
+    producer_chunks_in_flight: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +81,7 @@ class DispatchSettings:
     report_s: float
     reregister_grace_s: float
     session_max_batches: int
+    max_message_bytes: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +92,19 @@ class CompletionSettings:
     processes: int
     tombstone_flush_ms: float
     results_retention_s: float
+    page_items: int
+    max_message_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class VectorSettings:
+    """[vectors]: the vector shard manager (stores, flushes, searches)."""
+
+    bind: str
+    flush_ms: float
+    shard_bytes: int
+    dtype: str
+    search_block_rows: int
     page_items: int
 
 
@@ -125,6 +141,14 @@ class SupervisorSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class MetricsSettings:
+    """[metrics]: the supervisor's Prometheus endpoint and how often stages report."""
+
+    bind: str
+    interval_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class ModelSettings:
     """One [[models]] table: a model name, its engine and what it accepts."""
 
@@ -151,9 +175,11 @@ class Settings:
     writers: WriterSettings
     dispatch: DispatchSettings
     completion: CompletionSettings
+    vectors: VectorSettings
     collector: CollectorSettings
     workers: WorkerSettings
     supervisor: SupervisorSettings
+    metrics: MetricsSettings
     models: tuple[ModelSettings, ...]
     data_path: Path
     source: str
@@ -177,9 +203,11 @@ _SECTION_TYPES: dict[str, type] = {
     "writers": WriterSettings,
     "dispatch": DispatchSettings,
     "completion": CompletionSettings,
+    "vectors": VectorSettings,
     "collector": CollectorSettings,
     "workers": WorkerSettings,
     "supervisor": SupervisorSettings,
+    "metrics": MetricsSettings,
 }
 
 

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Set
 from typing import Any
 
 from config.defaults import DEFAULTS, MODEL_DEFAULTS, REQUIRED, SECTIONS
-from config.rules import ADDRESS, MODEL_RULES, RULES, Rule, clash
+from config.rules import ADDRESS, HTTP_ADDRESS, MODEL_RULES, RULES, Rule, clash
 from pipeline.errors import ConfigError
 
 
@@ -144,22 +144,25 @@ def _check_models(models: Any, lanes: list[int], where: Callable[[str], str]) ->
 
 
 def _check_addresses(data: Mapping[str, Any], where: Callable[[str], str]) -> None:
-    bound: dict[str, str] = {}  # dotted key -> address, for keys checked so far
+    bound: dict[str, tuple[str, str]] = {}  # dotted key -> (address, as written), keys so far
     for key, rule in RULES.items():
-        if rule is not ADDRESS:
+        if rule is not ADDRESS and rule is not HTTP_ADDRESS:
             continue
         section, name = key.split(".")
-        address = data[section][name]
-        for other, taken in bound.items():
+        written = data[section][name]
+        if rule is HTTP_ADDRESS and not written:
+            continue  # no endpoint
+        address = "tcp://" + written if rule is HTTP_ADDRESS else written  # the port it takes
+        for other, (taken, shown) in bound.items():
             if clash(address, taken):
                 raise _refuse(
                     where(key),
                     key,
-                    address,
-                    f"clashes with {other} = {show(taken)}",
+                    written,
+                    f"clashes with {other} = {show(shown)}",
                     "give each stage its own address",
                 )
-        bound[key] = address
+        bound[key] = (address, written)
 
 
 def _refuse(where: str, key: str, value: Any, problem: str, fix: str) -> ConfigError:

@@ -27,6 +27,7 @@ stage also reloads its dispatch file (same epoch, invariant 11).
 from __future__ import annotations
 
 import collections
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -34,11 +35,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import zmq
 
+from gpu.arrivals import Arrivals
 from gpu.dispatch_files import DispatchFile
 from gpu.dispatch_state import ITEM_DTYPE, Batch, DispatchState
 from pipeline import wire
 from pipeline.datadir import DataDir
 from pipeline.errors import FabricError, WireError
+from pipeline.metrics import RECLAIM_CAUSES
 from pipeline.scan import SegmentSummary, scan_segment
 from pipeline.segment import Segment
 from pipeline.stage import EPOCH_ENV, Stage
@@ -48,11 +51,42 @@ from router.shapes import ShapeTable
 MT = wire.MessageType
 PARK_S = 0.5  # a work request with nothing to give waits this long before NO_WORK
 RESCAN_S = 1.0
+IDLE_SAMPLE_S = 0.1  # how often each session is sampled for idleness (no batch awaiting results)
+RECENT_DEAD_LETTERS = 20  # dead-letter events kept for BROKER_STATUS
 MAX_MESSAGES_PER_STEP = 512
 MAX_WAITING_FOR_COMPLETION = 2048  # forwarded result batches held while completion is away
 DEAD_LETTER = "dead_lettered"
 CORRUPT_INPUT = "corrupt_input"
 CANCELLED = "cancelled"
+
+
+def item_array(message: wire.Message, name: str) -> np.ndarray:
+    """The message's `name` array of (segment, slot, seq) items, empty if absent.
+
+    ValueError (answered with ERROR) unless it is one-dimensional ITEM_DTYPE: a
+    worker's arrays are checked here, before any of them indexes a segment.
+    """
+    items = message.arrays.get(name)
+    if items is None:
+        return np.zeros(0, ITEM_DTYPE)
+    if items.dtype != ITEM_DTYPE or items.ndim != 1:
+        raise ValueError(
+            f"array {name!r} is {items.dtype.descr} x {list(items.shape)}, "
+            f"not one-dimensional {ITEM_DTYPE.descr}"
+        )
+    return items
+
+
+def worker_figures(meta: dict) -> dict[str, float]:
+    """What a worker's REPORT says about itself (prompt_tokens, tokens_per_s, idle_s; totals
+    since the worker started); a missing or malformed figure is left out."""
+    figures = {}
+    for key in ("prompt_tokens", "tokens_per_s", "idle_s"):
+        value = meta.get(key)
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if number and math.isfinite(value) and value >= 0:
+            figures[key] = float(value)
+    return figures
 
 
 def broker_epoch() -> int:
@@ -71,6 +105,11 @@ class _Session:
     handed_out: int = 0
     retired: int = 0
     started: float = field(default_factory=time.monotonic)
+    idle_s: float = 0.0  # time sampled holding no batch awaiting results
+    idle_marks: collections.deque = field(
+        default_factory=lambda: collections.deque(maxlen=11)
+    )  # (t, idle_s), one per rescan tick
+    reported: dict = field(default_factory=dict)  # the worker's own figures from its last REPORT
 
 
 @dataclass
@@ -102,14 +141,19 @@ class DispatchStage(Stage):
         self.parked: collections.deque[_Parked] = collections.deque()
         self.to_completion: collections.deque[tuple[MT, dict, dict]] = collections.deque()
         self.counts = collections.Counter()
+        self.dispatched = collections.Counter()  # model -> items handed out (metrics)
+        self.reclaimed = collections.Counter()  # cause -> items put back in the queue (metrics)
+        self.arrivals = Arrivals()  # when queued slots became durable: the queue's age
         self._recorded: set[int] = set()  # lease ids written to the dispatch file
         self.samples: collections.deque = collections.deque(maxlen=11)  # (t, out, retired)
+        self.dead_letters: collections.deque[dict] = collections.deque(maxlen=RECENT_DEAD_LETTERS)
         now = time.monotonic()
         grace_until = now + config.reregister_grace_s
         self._scanned: set[int] = set()
         self._notified: dict[int, float] = {}  # segment -> last APPENDED notice (monotonic)
         self._rescan(not_before=grace_until)
         self.next_rescan = now + RESCAN_S
+        self.last_idle_sample = now
         (self.data_dir.root / "dispatch").mkdir(exist_ok=True)
         self.file, leases = DispatchFile.open(
             self.data_dir.root / "dispatch" / "inflight.log", self.epoch
@@ -139,6 +183,8 @@ class DispatchStage(Stage):
         self.workers.setsockopt(zmq.LINGER, 0)
         self.workers.setsockopt(zmq.SNDTIMEO, 0)
         self.workers.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting session takes its id back
+        self.workers.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)  # bigger: disconnected
+        self.limits = wire.WireLimits(max_bytes=config.max_message_bytes)
         self.workers.bind(settings.dispatch.bind)
         self.inbox = self.context.socket(zmq.PULL)
         self.inbox.setsockopt(zmq.LINGER, 0)
@@ -173,6 +219,7 @@ class DispatchStage(Stage):
         for segment in self.state.segments():  # a notice lost while this stage was down
             if now - self._notified.get(segment.segment_id, 0.0) > 2 * RESCAN_S:
                 self.state.extend(segment.segment_id, segment.entries)
+                self.arrivals.seen(segment.segment_id, segment.entries, time.time())
 
     def _load(self, path, not_before: float) -> None:
         summary = scan_segment(path)
@@ -194,6 +241,8 @@ class DispatchStage(Stage):
         self.state.add_segment(
             segment, first, max(summary.end, segment.entries), priority, not_before
         )
+        created_s = segment.header.created_ns / 1e9  # found on disk: as old as its segment
+        self.arrivals.seen(segment.segment_id, max(summary.end, segment.entries), created_s)
 
     def _appended(self, segment_id: int, end: int) -> None:
         if not self.state.knows(segment_id):
@@ -202,6 +251,7 @@ class DispatchStage(Stage):
         if self.state.knows(segment_id):
             self._notified[segment_id] = time.monotonic()
             self.state.extend(segment_id, end)
+            self.arrivals.seen(segment_id, end, time.time())
             self.counts["appended_notices"] += 1
 
     # ---- the loop --------------------------------------------------------------------------
@@ -221,12 +271,17 @@ class DispatchStage(Stage):
         self._flush_to_completion()
         self._record_ended()
         self.file.maybe_sync(now)
+        if now - self.last_idle_sample >= IDLE_SAMPLE_S:
+            self._sample_idle(now)
         if now >= self.next_rescan:
             self.next_rescan = now + RESCAN_S
             self.samples.append((now, self.counts["handed_out"], self.counts["retired"]))
+            for session in self.sessions.values():
+                session.idle_marks.append((now, session.idle_s))
             self._rescan()
             self.state.sweep_cancelled()
             for segment in self.state.forget_finished():
+                self.arrivals.forget(segment.segment_id)
                 self.log.info("segment %d finished; released", segment.segment_id)
                 segment.close()
             if self.file.garbage_ratio > 0.75 and self.file.file_bytes > 1 << 20:
@@ -269,7 +324,7 @@ class DispatchStage(Stage):
     def _read_workers(self, now: float) -> None:
         for _ in range(MAX_MESSAGES_PER_STEP):
             try:
-                message = wire.recv(self.workers, 0)
+                message = wire.recv(self.workers, 0, limits=self.limits)
             except WireError as exc:
                 self.log.warning("dropped a malformed message from a worker: %s", exc)
                 if exc.route:
@@ -323,29 +378,32 @@ class DispatchStage(Stage):
                 max(1, int(meta["max_tokens"])),
                 now + PARK_S,
             )
-            if not self._serve(request, now):
+            if not self._serve(request, now):  # one parked request per session: the latest
+                self.parked = collections.deque(p for p in self.parked if p.session != session_id)
                 self.parked.append(request)
         elif kind == MT.REPORT:
-            held = message.arrays.get("held", np.zeros(0, ITEM_DTYPE))
-            self.state.report(
+            held = item_array(message, "held")
+            self.reclaimed["missing_from_report"] += self.state.report(
                 session_id, held, int(meta["seen_batch"]), now, meta.get("queued", ())
             )
+            session.reported = worker_figures(meta)
         elif kind == MT.HAND_BACK:
             self._hand_back(
                 session_id,
-                message.arrays.get("items"),
+                item_array(message, "items"),
                 str(meta["reason"]),
                 bool(meta.get("count_attempt", False)),
             )
         elif kind == MT.BYE:
             back = self.state.drop_session_quietly(session_id)
+            self.reclaimed["worker_left"] += back
             self.sessions.pop(session_id, None)
             self.log.info("session %s said goodbye (%d item(s) handed back)", session_id, back)
         else:
             self._send(route, MT.ERROR, {"reason": f"dispatch does not take {kind.name}"})
 
     def _hello(self, message: wire.Message, session_id: str, now: float) -> None:
-        held = message.arrays.get("held", np.zeros(0, ITEM_DTYPE))
+        held = item_array(message, "held")
         model = str(message.meta["model"])
         self.sessions[session_id] = _Session(session_id.encode(), model, now)
         known = self.state.adopt(session_id, held, now)
@@ -423,6 +481,7 @@ class DispatchStage(Stage):
         if session is not None:
             session.handed_out += len(batch.items)
         self.counts["handed_out"] += len(batch.items)
+        self.dispatched[batch.model] += len(batch.items)
 
     def _hand_back(
         self, session: str, items: np.ndarray | None, reason: str, count_attempt: bool
@@ -438,6 +497,7 @@ class DispatchStage(Stage):
                     count_attempt=count_attempt,
                     slots=items["slot"][mine].astype(np.int64),
                 )
+        self.reclaimed["handed_back"] += back
         self.log.info("session %s handed back %d item(s): %s", session, back, reason)
 
     # ---- results and outcomes -------------------------------------------------------------
@@ -463,6 +523,28 @@ class DispatchStage(Stage):
         ):
             if len(items):
                 self.to_completion.append((MT.ITEM_ERRORS, {"reason": reason}, {"items": items}))
+        for items, code in (
+            (outcome.dead_letters, DEAD_LETTER),
+            (outcome.quarantined, CORRUPT_INPUT),
+        ):
+            if len(items):
+                self._note_dead_letters(items, code)
+
+    def _note_dead_letters(self, items: np.ndarray, code: str) -> None:
+        """Count dead-lettered or corrupt items and keep one event per job for BROKER_STATUS."""
+        self.counts[code] += len(items)
+        jobs = items["seq"] >> np.uint64(32)
+        for job_no in np.unique(jobs).tolist():
+            mine = items[jobs == job_no]
+            self.dead_letters.append(
+                {
+                    "ns": time.time_ns(),
+                    "reason": code,
+                    "job_no": int(job_no),
+                    "items": len(mine),
+                    "segments": np.unique(mine["segment"]).tolist(),
+                }
+            )
 
     def _flush_to_completion(self) -> None:
         while self.to_completion:
@@ -479,6 +561,7 @@ class DispatchStage(Stage):
         for session_id, session in list(self.sessions.items()):
             if now - session.last_seen > limit:
                 lost = self.state.drop_session(session_id)
+                self.reclaimed["session_lost"] += lost
                 del self.sessions[session_id]
                 self.log.warning(
                     "session %s silent for %.1f s (limit %.1f s): gone; %d item(s) reclaimed",
@@ -488,6 +571,7 @@ class DispatchStage(Stage):
                     lost,
                 )
         expired = self.state.expire(now)
+        self.reclaimed["lease_expired"] += expired
         if expired:
             self.log.warning("%d item(s) reclaimed after their lease expired", expired)
 
@@ -505,7 +589,79 @@ class DispatchStage(Stage):
 
         return [Lease(b.batch_id, b.session, b.items) for b in self.state.leases()]
 
+    # ---- metrics -------------------------------------------------------------------------
+    def stats(self, now: float) -> dict:
+        """Queues, queue age, workers, dispatches, reclaims and dead letters (docs/metrics.md)."""
+        wall_s = time.time()
+        models = [m.name for m in self.settings.models]
+        queued: collections.Counter = collections.Counter()
+        tokens: collections.Counter = collections.Counter()
+        oldest = dict.fromkeys(models, 0.0)
+        for segment_id, model, lane, waiting, cursor, floor in self.state.backlog():
+            self.arrivals.forget_below(segment_id, floor)
+            queued[(model, str(lane))] += waiting
+            tokens[(model, str(lane))] += waiting * lane
+            arrived = self.arrivals.arrived(segment_id, cursor) if waiting else None
+            if arrived is not None:
+                oldest[model] = max(oldest.get(model, 0.0), wall_s - arrived)
+        sessions = collections.Counter(dict.fromkeys(models, 0))
+        in_flight: collections.Counter = collections.Counter()
+        leases: collections.Counter = collections.Counter()
+        figures: dict[str, dict] = {
+            "fabric_worker_prompt_tokens_total": {},
+            "fabric_worker_engine_tokens_per_second": {},
+            "fabric_worker_idle_seconds_total": {},
+        }
+        for session_id, session in self.sessions.items():
+            if not session.model:
+                continue  # reloaded from the dispatch file; not registered again yet
+            key = (session.model, session_id)
+            sessions[session.model] += 1
+            in_flight[key] += 0
+            leases[key] += 0
+            for name, field_name in zip(
+                figures, ("prompt_tokens", "tokens_per_s", "idle_s"), strict=True
+            ):
+                if field_name in session.reported:
+                    figures[name][key] = session.reported[field_name]
+        for batch in self.state.leases():  # a session serves one model: its batches'
+            key = (batch.model, batch.session)
+            in_flight[key] += len(batch.items)
+            leases[key] += 1
+        return {
+            "fabric_queued_items": dict(queued),
+            "fabric_queued_tokens": dict(tokens),
+            "fabric_oldest_queued_item_age_seconds": {(m,): age for m, age in oldest.items()},
+            "fabric_items_dispatched_total": {(m,): n for m, n in self.dispatched.items()},
+            "fabric_items_reclaimed_total": {(c,): self.reclaimed[c] for c in RECLAIM_CAUSES},
+            "fabric_dead_letters_total": self.counts[DEAD_LETTER],
+            "fabric_quarantined_items_total": self.counts[CORRUPT_INPUT],
+            "fabric_worker_sessions": {(m,): n for m, n in sessions.items()},
+            "fabric_worker_in_flight_items": dict(in_flight),
+            "fabric_worker_leases": dict(leases),
+            **figures,
+        }
+
     # ---- status --------------------------------------------------------------------------
+    def _sample_idle(self, now: float) -> None:
+        """Add the time since the last sample to each session that holds no unanswered batch."""
+        elapsed = now - self.last_idle_sample
+        self.last_idle_sample = now
+        for session_id, session in self.sessions.items():
+            if self.state.session_batches(session_id) == 0:
+                session.idle_s += elapsed
+
+    @staticmethod
+    def _idle_fraction(session: _Session, now: float) -> float:
+        """Share of the last ~10 s (or of the session's life, if shorter) it held no batch."""
+        if len(session.idle_marks) >= 2:
+            (t0, idle0), (t1, idle1) = session.idle_marks[0], session.idle_marks[-1]
+        else:
+            (t0, idle0), (t1, idle1) = (session.started, 0.0), (now, session.idle_s)
+        if t1 <= t0:
+            return 0.0
+        return round(min(1.0, max(0.0, (idle1 - idle0) / (t1 - t0))), 3)
+
     def _status(self, now: float) -> dict:
         rate_in = rate_out = 0.0
         if len(self.samples) >= 2:
@@ -520,6 +676,9 @@ class DispatchStage(Stage):
             "in_flight": self.state.in_flight,
             "handed_out": self.counts["handed_out"],
             "retired": self.counts["retired"],
+            "dead_lettered": self.counts[DEAD_LETTER],
+            "corrupt": self.counts[CORRUPT_INPUT],
+            "dead_letters": list(self.dead_letters),
             "workers": [
                 {
                     "session": sid,
@@ -529,6 +688,7 @@ class DispatchStage(Stage):
                     "retired": s.retired,
                     "age_s": round(now - s.started, 1),
                     "silent_s": round(now - s.last_seen, 1),
+                    "idle_fraction": self._idle_fraction(s, now),
                 }
                 for sid, s in self.sessions.items()
             ],

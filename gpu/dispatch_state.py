@@ -190,6 +190,28 @@ class DispatchState:
             )
         return rows
 
+    def backlog(self) -> list[tuple[int, str, int, int, int, int]]:
+        """Per known segment: (segment id, model, lane, items waiting, cursor, floor), for metrics.
+
+        Items waiting: slots from the cursor to the written end not out on
+        lease (a slot retired past a rewound cursor counts until the cursor
+        passes it). `floor`: the lowest slot that may wait again, the cursor or
+        the earliest slot out on lease there (a reclaim rewinds to it).
+        """
+        rows = []
+        for segment_id, work in self._work.items():
+            waiting = max(0, work.end - work.cursor)
+            if waiting and work.out is not None:
+                waiting -= int(np.count_nonzero(work.out[work.cursor : work.end]))
+            floor = work.cursor
+            for batch_id in work.batches or ():
+                slots = self._leases[batch_id].items["slot"]
+                if len(slots):
+                    floor = min(floor, int(slots.min()))
+            key = work.segment.key
+            rows.append((segment_id, key.name, key.lane, waiting, work.cursor, floor))
+        return rows
+
     def extend(self, segment_id: int, end: int) -> None:
         """A writer appended to a known segment: slots up to `end` exist."""
         self._work[segment_id].end = max(self._work[segment_id].end, end)
@@ -386,8 +408,8 @@ class DispatchState:
                 if batch.segment_id == segment_id:
                     held_by_me |= np.isin(slots, batch.items["slot"])
             elsewhere = ok & ~held_by_me
-            if work.out is not None:
-                elsewhere &= work.out[slots]
+            if work.out is not None:  # (a slot past the written end is never `ok`)
+                elsewhere[inside] &= work.out[slots[inside]]
             else:
                 elsewhere[:] = False
             fresh = ok & ~held_by_me & ~elsewhere

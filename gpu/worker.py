@@ -179,6 +179,7 @@ class Worker:
         self.tokens_per_s: float | None = None  # the engine's measured speed
         self.idle_s = 0.0
         self._idle_since: float | None = None
+        self.prompt_tokens = 0  # of the batches the engine finished (engine thread; reported)
         self._fault = _fault_plan()
         self._fault_seen: dict[str, int] = {}
 
@@ -243,6 +244,7 @@ class Worker:
                         f"engine {self.engine.name} returned {len(result.errors)} outcomes "
                         f"for {len(held.items)} items"
                     )
+                self.prompt_tokens += int(held.lengths.sum())
                 self.done.put(_Done(held.batch_id, "ok", result))
             except TransientEngineError as exc:
                 self.done.put(_Done(held.batch_id, "transient", reason=str(exc)))
@@ -358,9 +360,17 @@ class Worker:
     def _report(self, now: float) -> None:
         self.last_report = now
         queued = [b for b, h in self.held.items() if h.state == "queued"]
+        idle_s = self.idle_s + (now - self._idle_since if self._idle_since is not None else 0.0)
         self._send(
             MT.REPORT,
-            {"seen_batch": self.seen_batch, "queued": queued},
+            {
+                "seen_batch": self.seen_batch,
+                "queued": queued,
+                # for the broker's metrics (docs/metrics.md): totals since this worker started
+                "prompt_tokens": self.prompt_tokens,
+                "tokens_per_s": round(self.tokens_per_s or 0.0, 1),
+                "idle_s": round(max(0.0, idle_s), 3),
+            },
             {"held": self._held_items()},
         )
 

@@ -26,8 +26,8 @@ import numpy as np
 import orjson
 
 from ingest.input_chunk import InputChunk
-from ingest.line_errors import LineError
-from ingest.request_shape import Shape
+from ingest.line_errors import LineError, Rejected
+from ingest.request_shape import SHAPE_PARAMETERS, Shape, parse_shape
 from pipeline.errors import WireError
 
 ARRAYS = (
@@ -86,30 +86,19 @@ def chunk_from_wire(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> Inpu
     missing = [name for name in ARRAYS if name not in arrays]
     if missing:
         raise WireError(f"chunk message lacks arrays {missing}")
+    for name in ARRAYS:  # flat integers only: no floats, structs or matrices to cast or index
+        _check(
+            arrays[name].ndim == 1 and arrays[name].dtype.kind in "ui",
+            f"{name} is {arrays[name].dtype.str} x {list(arrays[name].shape)}, not a 1-d int array",
+        )
     try:
         n = len(arrays["line"])
-        ids_offsets = arrays["ids_offsets"].astype(np.int64)
-        offsets = arrays["offsets"].astype(np.int64)
-        _check(
-            len(ids_offsets) == n + 1 and len(offsets) == n + 1,
-            "offsets do not match the item count",
-        )
-        _check(
-            ids_offsets[0] == 0 and bool(np.all(np.diff(ids_offsets) >= 0)),
-            "custom_id offsets are not increasing",
-        )
-        _check(
-            int(ids_offsets[-1]) == len(arrays["ids"]), "custom_id offsets do not match the blob"
-        )
-        _check(
-            offsets[0] == 0 and bool(np.all(np.diff(offsets) >= 0)),
-            "token offsets are not increasing",
-        )
-        _check(int(offsets[-1]) == len(arrays["tokens"]), "token offsets do not match the tokens")
+        ids_offsets = _offsets(arrays["ids_offsets"], n, len(arrays["ids"]), "custom_id")
+        offsets = _offsets(arrays["offsets"], n, len(arrays["tokens"]), "token")
         for name in ("model_index", "shape_index"):
             _check(len(arrays[name]) == n, f"{name} has {len(arrays[name])} entries for {n} items")
         models = [str(m) for m in meta["models"]]
-        shapes = tuple(Shape(**{**s, "stop": tuple(s.get("stop") or ())}) for s in meta["shapes"])
+        shapes = tuple(_shape(s) for s in meta["shapes"])
         _check(n == 0 or int(arrays["model_index"].max()) < len(models), "model_index out of range")
         _check(n == 0 or int(arrays["shape_index"].max()) < len(shapes), "shape_index out of range")
         blob = arrays["ids"].tobytes()
@@ -127,14 +116,26 @@ def chunk_from_wire(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> Inpu
             len(text_items) == 0 or (int(text_items.min()) >= 0 and int(text_items.max()) < n),
             "text_items out of range",
         )
+        _check(bool(np.all(np.diff(text_items) > 0)), "text_items are not increasing")
+        first_line, last_line = int(meta["first_line"]), int(meta["last_line"])
+        line = arrays["line"]  # an item's index in its job is its line - 1 (a u32)
+        _check(
+            n == 0
+            or (
+                1 <= first_line <= int(line.min())
+                and int(line.max()) <= last_line < 2**32
+                and bool(np.all(np.diff(line.astype(np.int64)) > 0))
+            ),
+            "line numbers are not increasing within first_line..last_line",
+        )
         errors = tuple(
             LineError(int(a), None if b is None else str(b), str(c), str(d))
             for a, b, c, d in orjson.loads(arrays["errors"].tobytes())
         )
         return InputChunk(
             index=int(meta["index"]),
-            first_line=int(meta["first_line"]),
-            last_line=int(meta["last_line"]),
+            first_line=first_line,
+            last_line=last_line,
             line=arrays["line"].astype(np.uint64),
             custom_ids=custom_ids,
             models=tuple(models),
@@ -151,6 +152,30 @@ def chunk_from_wire(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> Inpu
         raise
     except (KeyError, TypeError, ValueError, UnicodeDecodeError, orjson.JSONDecodeError) as exc:
         raise WireError(f"chunk message is malformed: {type(exc).__name__}: {exc}") from None
+
+
+def _offsets(raw: np.ndarray, n: int, blob: int, what: str) -> np.ndarray:
+    """n + 1 offsets from 0 to `blob`, never decreasing, as int64; WireError otherwise."""
+    _check(len(raw) == n + 1, f"{what} offsets do not match the item count")
+    _check(
+        int(raw[0]) == 0 and int(raw.min()) >= 0 and int(raw[-1]) == blob,
+        f"{what} offsets do not run from 0 to the {blob} entries they index",
+    )
+    offsets = raw.astype(np.int64)  # in 0..blob now: no wrap-around below
+    _check(bool(np.all(np.diff(offsets) >= 0)), f"{what} offsets are not increasing")
+    return offsets
+
+
+def _shape(spec: object) -> Shape:
+    """A shape from the wire, checked like a request body's (so dispatch can trust it)."""
+    fields = set(Shape.__slots__)
+    _check(isinstance(spec, dict) and set(spec) <= fields, f"shape {spec!r} is not a shape")
+    endpoint = spec.get("endpoint")
+    _check(endpoint in SHAPE_PARAMETERS, f"shape endpoint {endpoint!r} is not an endpoint")
+    try:
+        return parse_shape({**spec, "stop": spec.get("stop") or None}, endpoint)  # [] = none
+    except Rejected as exc:
+        raise WireError(f"chunk message is inconsistent: shape {spec!r}: {exc}") from None
 
 
 def _check(ok: bool, problem: str) -> None:

@@ -39,7 +39,7 @@ from ingest.catalog import ModelCatalog
 from ingest.chunk_check import Checked, recheck
 from ingest.chunk_wire import chunk_from_wire, chunk_to_wire
 from ingest.input_chunk import InputChunk
-from ingest.jobs import Job, JobRegistry, check_job_id
+from ingest.jobs import DELIVER_FILE, Job, JobRegistry, check_job_id, parse_deliver
 from ingest.line_errors import (
     LineError,
 )
@@ -55,7 +55,6 @@ from pipeline.topology import internal_address
 
 MT = wire.MessageType
 DEADLINE_MARGIN_S = 5.0  # the front waits this much past the writers' deadline
-MAX_INFLIGHT_CHUNKS = 64
 
 
 @dataclass
@@ -97,6 +96,8 @@ class FrontStage(Stage):
         self.registry = JobRegistry(settings.data_path)
         self.catalog = ModelCatalog.from_settings(settings)
         self.chunk_timeout_s = settings.ingest.chunk_timeout_s
+        self.max_in_flight = settings.ingest.max_chunks_in_flight
+        self.producer_in_flight = settings.ingest.producer_chunks_in_flight
         self.limits = wire.WireLimits(max_bytes=settings.ingest.max_message_bytes)
         self.context = zmq.Context()
         self.producers = self.context.socket(zmq.ROUTER)
@@ -128,7 +129,7 @@ class FrontStage(Stage):
         if self.inbox in events:
             self._read_inbox()
         accepting = (
-            not self.stopping and not self.unsent and len(self.inflight) < MAX_INFLIGHT_CHUNKS
+            not self.stopping and not self.unsent and len(self.inflight) < self.max_in_flight
         )
         fresh: list[Inflight] = []
         if accepting and self.producers in events:
@@ -219,12 +220,18 @@ class FrontStage(Stage):
         meta, route = message.meta, message.route
         job_id, number = check_job_id(str(meta["job"])), int(meta["chunk"])
         chunk_lines = int(meta.get("chunk_lines", 0))
+        deliver = parse_deliver(meta.get("deliver", DELIVER_FILE))
         job = self.registry.get(job_id)
         if job is None:
             if chunk_lines < 1:
                 raise IngestError(f"chunk_lines {chunk_lines} must be a positive number of lines")
-            job = self.registry.create(job_id, chunk_lines)
+            job = self.registry.create(job_id, chunk_lines, deliver)
         self.jobs_by_no[job.job_no] = job
+        if deliver != job.deliver:
+            raise IngestError(
+                f"job {job_id} was submitted with --deliver {job.deliver}, this chunk says "
+                f"{deliver}; resume it with the same --deliver"
+            )
         if chunk_lines != job.chunk_lines:
             raise IngestError(
                 f"job {job_id} was started with chunks of {job.chunk_lines} lines, this chunk says "
@@ -248,6 +255,18 @@ class FrontStage(Stage):
         flight = self.inflight.get((job.job_no, number))
         if flight is not None:
             flight.route = route  # answer the latest sender
+            return None
+        if sum(1 for f in self.inflight.values() if f.route == route) >= self.producer_in_flight:
+            reason = (
+                f"this producer already has {self.producer_in_flight} chunks in flight "
+                "(ingest.producer_chunks_in_flight); send it again when one is answered"
+            )
+            self._reply(
+                route,
+                MT.CHUNK_ERROR,
+                {"job": job_id, "chunk": number, "reason": reason},
+                wire.Flag.RETRYABLE,
+            )
             return None
         chunk = chunk_from_wire(meta, message.arrays)
         first = number * job.chunk_lines + 1

@@ -3,7 +3,7 @@
 | path                               | what                                              |
 |------------------------------------|---------------------------------------------------|
 | `jobs/next-job-no`                 | DurableCounter of job numbers (1, 2, ...)         |
-| `jobs/<job_id>/job.json`           | id, number, created_ns, chunk_lines; written once, atomically |
+| `jobs/<job_id>/job.json`           | id, number, created_ns, chunk_lines, deliver; written once, atomically |
 | `jobs/<job_id>/chunks.log`         | RecordLog of chunk events (below)                 |
 
 Chunk events, in order of their durability:
@@ -36,12 +36,31 @@ from pipeline.counter import DurableCounter
 from pipeline.errors import IngestError
 from pipeline.records import RecordLog
 
-JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")  # \Z: "$" would allow a final newline
 STATES = ("validating", "queued", "in_progress", "completed", "cancelled", "failed")
+DELIVER_FILE = "file"
+DELIVER_VECTORS = "vectors"
 
 
 def seq_of(job_no: int, index: int) -> int:
     return (job_no << 32) | index
+
+
+def parse_deliver(text: str) -> str:
+    """Where a job's results go: "file" (results clients), "vectors" (the vector store named
+    after each result's model) or "vectors:STORE". Returns the canonical form."""
+    kind, _, store = str(text).partition(":")
+    if kind == DELIVER_FILE and not store:
+        return DELIVER_FILE
+    if kind == DELIVER_VECTORS:
+        if not store:
+            return DELIVER_VECTORS
+        if JOB_ID.match(store):
+            return f"{DELIVER_VECTORS}:{store}"
+    raise IngestError(
+        f"deliver {text!r} is not understood: use 'file', 'vectors' (a store named after "
+        "the model) or 'vectors:STORE' (a store name of letters, digits, '.', '_' or '-')"
+    )
 
 
 def check_job_id(job_id: str) -> str:
@@ -74,6 +93,7 @@ class Job:
     chunks: dict[int, ChunkState] = field(default_factory=dict)
     custom_ids: CustomIdSet = field(default_factory=CustomIdSet)
     state: str = "validating"
+    deliver: str = DELIVER_FILE
     stored: int = 0
     rejected: int = 0
 
@@ -170,6 +190,7 @@ class Job:
         return {
             "job_id": self.job_id,
             "state": self.state,
+            "deliver": self.deliver,
             "stored": self.stored,
             "rejected": self.rejected,
             "chunks_committed": sum(1 for c in self.chunks.values() if c.committed is not None),
@@ -200,13 +221,15 @@ class JobRegistry:
         job = Job(
             job_id, meta["job_no"], meta["created_ns"], meta["chunk_lines"], directory, journal
         )
+        job.deliver = meta.get("deliver", DELIVER_FILE)
         for record in journal.records:
             job._apply(record)
         self._jobs[job_id] = job
         return job
 
-    def create(self, job_id: str, chunk_lines: int) -> Job:
-        """Create a job durably (directory, job.json, empty journal); its chunks have `chunk_lines` lines."""
+    def create(self, job_id: str, chunk_lines: int, deliver: str = DELIVER_FILE) -> Job:
+        """Create a job durably (directory, job.json, empty journal); its chunks have
+        `chunk_lines` lines and its results go where `deliver` says (`parse_deliver`)."""
         check_job_id(job_id)
         directory = self.root / job_id
         directory.mkdir(exist_ok=True)
@@ -220,6 +243,7 @@ class JobRegistry:
                     "job_no": job_no,
                     "created_ns": created_ns,
                     "chunk_lines": chunk_lines,
+                    "deliver": deliver,
                 }
             )
         )
@@ -238,6 +262,7 @@ class JobRegistry:
         job = Job(
             job_id, job_no, created_ns, chunk_lines, directory, RecordLog(directory / "chunks.log")
         )
+        job.deliver = deliver
         self._jobs[job_id] = job
         return job
 

@@ -161,6 +161,7 @@ class Producer:
         chunk_lines: int | None = None,
         strict: bool = False,
         progress: Progress | None = None,
+        deliver: str = "file",
     ) -> SubmitReport:
         """Send every line of an OpenAI Batch JSONL file; return when all of it is durable.
 
@@ -180,7 +181,7 @@ class Producer:
                 pass
         chunks = iter_batch_input(source, settings, chunk_lines=lines)
         with _resume_hint(job_id):
-            return self._send_chunks(job_id, lines, chunks, status, progress)
+            return self._send_chunks(job_id, lines, chunks, status, progress, deliver)
 
     def submit_tokens(
         self,
@@ -195,6 +196,7 @@ class Producer:
         priority: int = 0,
         chunk_lines: int | None = None,
         progress: Progress | None = None,
+        deliver: str = "file",
     ) -> SubmitReport:
         """Send pre-tokenised items without JSON: `rows` is a list of uint32 arrays, or a 2-D
         array (with `lengths` when rows are padded). Item i gets line number i + 1 and
@@ -217,7 +219,7 @@ class Producer:
         )
         chunks = _token_chunks(rows, lengths, custom_ids, model, shape, lines)
         with _resume_hint(job_id):
-            return self._send_chunks(job_id, lines, chunks, status, progress)
+            return self._send_chunks(job_id, lines, chunks, status, progress, deliver)
 
     def _send_chunks(
         self,
@@ -226,6 +228,7 @@ class Producer:
         chunks: Iterable[InputChunk],
         status: dict[str, Any],
         progress: Progress | None,
+        deliver: str = "file",
     ) -> SubmitReport:
         report = SubmitReport(job_id)
         done = set(status.get("committed", [])) if status["exists"] else set()
@@ -248,7 +251,13 @@ class Producer:
                     report.skipped_chunks += 1
                     continue
                 meta, arrays = chunk_to_wire(chunk)
-                meta.update(job=job_id, chunk=chunk.index, chunk_lines=chunk_lines, final=last)
+                meta.update(
+                    job=job_id,
+                    chunk=chunk.index,
+                    chunk_lines=chunk_lines,
+                    final=last,
+                    deliver=deliver,
+                )
                 self._send(MT.SUBMIT_CHUNK, meta, arrays)
                 pending[chunk.index] = (meta, arrays, time.monotonic(), 1)
             if pending:

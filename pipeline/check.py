@@ -167,6 +167,11 @@ def check_data_dir(data_dir: DataDir, fix: bool = False) -> CheckReport:
                 report.findings.append(
                     Finding(path, "stray-file", "not a segment file; left alone")
                 )
+    from collector.vectors.check import check_vectors  # the vector stores (docs/vectors.md)
+
+    vector_findings, vector_fixed = check_vectors(data_dir.root, fix)
+    report.findings.extend(vector_findings)
+    report.fixed.extend(vector_fixed)
     # After repairs, what is left is whatever a fresh read-only pass still finds.
     report.remaining = check_data_dir(data_dir).findings if report.fixed else report.findings
     return report

@@ -4,8 +4,11 @@ It starts a broker of its own (data dir `var/demo/data`, kept between runs,
 loopback ports picked free), with local `minilm` workers; submits a corpus
 of real text that every CPython ships (the paragraphs of the Python
 documentation topics in `pydoc_data`); shows progress for submit and
-completion; writes `var/demo/results.jsonl` (OpenAI Batch output lines, one
-embedding per paragraph); prints a summary; and stops the broker cleanly.
+completion; delivers the embeddings to the vector store `minilm`
+(`--deliver vectors`), then also writes `var/demo/results.jsonl` (OpenAI
+Batch output lines, one embedding per paragraph, read with `results --all`);
+searches the store for a few questions and prints the nearest paragraphs;
+prints a summary; and stops the broker cleanly.
 Run again, it says what it found and does it all again as a new job,
 rewriting the results file. Ctrl-C stops the broker cleanly too.
 """
@@ -74,7 +77,7 @@ def _free_ports(n: int) -> list[int]:
 def write_config(root: Path, workers: int) -> Path:
     from gpu.minilm_engine import minilm_tokenizer_path
 
-    ports = _free_ports(4)
+    ports = _free_ports(6)
     text = f"""# Written by `python run.py demo`; rewritten on every run.
 [broker]
 data_dir = "{root / "data"}"
@@ -89,7 +92,11 @@ heartbeat_bind = "tcp://127.0.0.1:{ports[2]}"
 reregister_grace_s = 1.0
 [completion]
 bind = "tcp://127.0.0.1:{ports[3]}"
-results_retention_s = 0.0  # results.jsonl holds them: the next start collects the files
+results_retention_s = 600.0  # the store holds them; `results --all` reads them meanwhile
+[vectors]
+bind = "tcp://127.0.0.1:{ports[4]}"
+[metrics]
+bind = "127.0.0.1:{ports[5]}"
 [workers]
 local = {workers}
 batch_items = 64
@@ -129,6 +136,7 @@ class _Bar:
 
 def run_demo(root: Path | str = "var/demo", workers: int = 1, limit: int | None = None) -> int:
     from collector.client import ResultsClient
+    from collector.vectors.client import VectorsClient
     from config import load_settings
     from ingest.sdk import Producer
 
@@ -177,22 +185,25 @@ def run_demo(root: Path | str = "var/demo", workers: int = 1, limit: int | None 
                 root / "corpus.jsonl",
                 job_id,
                 progress=lambda r, lines: bar.show(lines),
+                deliver="vectors",
             )
             bar.show(report.stored + report.rejected, "durable", final=True)
         submitted = time.monotonic()
         bar = _Bar("embed", len(texts))
-        with ResultsClient(settings.completion.bind, timeout_s=10.0) as client:
-            fetched = client.fetch(
-                job_id,
-                str(root / "results.jsonl"),
-                str(root / "errors.jsonl"),
-                follow=True,
-                progress=lambda r: bar.show(
-                    r.written + r.errors, f"({(r.info or {}).get('state', '')})"
-                ),
+        with (
+            ResultsClient(settings.completion.bind, timeout_s=10.0) as client,
+            VectorsClient(settings.vectors.bind, timeout_s=10.0) as vectors,
+        ):
+            while not vectors.job_delivered(job_id):
+                info = client.job_status(job_id)
+                bar.show(info["completed"] + info["failed"], f"({info['state']})")
+                time.sleep(0.2)  # the job is running: look again
+            bar.show(len(texts), "in the vector store", final=True)
+            finished = time.monotonic()
+            fetched = client.fetch(  # as well as the store: every result, as JSONL
+                job_id, str(root / "results.jsonl"), str(root / "errors.jsonl"), everything=True
             )
-        bar.show(fetched.written + fetched.errors, "delivered", final=True)
-        finished = time.monotonic()
+            neighbours = _search(settings, vectors, texts)
     except KeyboardInterrupt:
         print("\ndemo: interrupted; stopping the broker", file=sys.stderr)
         _stop(broker)
@@ -202,6 +213,7 @@ def run_demo(root: Path | str = "var/demo", workers: int = 1, limit: int | None 
         raise
     code = _stop(broker)
     broker_err.close()
+    print(neighbours, file=sys.stderr)
     tokens = 0
     with open(root / "results.jsonl") as results:
         for line in results:
@@ -211,15 +223,43 @@ def run_demo(root: Path | str = "var/demo", workers: int = 1, limit: int | None 
         f"\ndemo: {fetched.written} embeddings, {fetched.errors} errors, {tokens} tokens in "
         f"{elapsed:.1f} s ({fetched.written / max(finished - submitted, 1e-9):.0f} items/s "
         f"after submit, {fetched.written / elapsed:.0f} items/s overall)\n"
+        f"  vectors: store minilm in {root / 'data/vectors/minilm'}\n"
         f"  results: {root / 'results.jsonl'}  (errors: {root / 'errors.jsonl'})\n"
         f"  broker stopped (exit {code}); start it yourself and look around:\n"
         f"    python run.py --config {config}\n"
         f"    python run.py status --config {config}\n"
         f"    python run.py status {job_id} --config {config}\n"
+        f"    python run.py vectors stats --config {config}\n"
+        f'    python run.py vectors search --store minilm --text "how do I read a file" '
+        f"--config {config}\n"
         f"    python run.py results {job_id} -o out.jsonl --all --config {config}",
         file=sys.stderr,
     )
     return exitcodes.OK if code == 0 and fetched.written else exitcodes.FAILED
+
+
+QUESTIONS = (
+    "how do I catch an exception",
+    "iterate over the keys of a dictionary",
+    "what does the with statement do",
+)
+
+
+def _search(settings, vectors, texts: list[str]) -> str:
+    """The store's 3 nearest paragraphs to a few questions, embedded by the same model."""
+    from collector.vectors.client import embed_texts
+
+    hits = vectors.search("minilm", embed_texts(settings, "minilm", list(QUESTIONS)), 3, "cosine")
+    k = hits.meta["shape"][1]
+    lines = [f"\ndemo: nearest paragraphs in the vector store ({hits.meta['rows']} vectors):"]
+    for i, question in enumerate(QUESTIONS):
+        lines.append(f"  {question!r}")
+        for j in range(k):
+            custom_id = hits.meta["custom_ids"][i * k + j] or ""
+            text = texts[int(custom_id.removeprefix("para-"))] if custom_id else "?"
+            score = float(hits.arrays["scores"][i, j])
+            lines.append(f"    {score:.3f} {custom_id}: {text[:90]}...")
+    return "\n".join(lines)
 
 
 def _stop(broker: subprocess.Popen) -> int:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from pipeline.logs import setup_stage_logging
+from pipeline.metrics import StatsPusher
 
 log = logging.getLogger("fabric.stage")
 PR_SET_PDEATHSIG = 1
@@ -69,6 +70,13 @@ class Stage:
     def close(self) -> None:
         """Release everything `open()` made."""
 
+    def stats(self, now: float) -> dict | None:
+        """Figures for the metrics endpoint, or None: {metric name: value} (pipeline/metrics.py).
+
+        Called on the stage's own thread every `metrics.interval_s`; keep it cheap.
+        """
+        return None
+
 
 class StopFlags:
     """SIGTERM and SIGINT set `stop` (handlers only set the flag); for stages and workers."""
@@ -101,12 +109,16 @@ def run_stage(spec: StageSpec, settings, drain_s: float = 30.0) -> int:
     stage = load_stage_class(spec.target)(settings, spec.index)
     stage.open()
     log.info("stage %s up", spec.label)
+    pusher = StatsPusher(settings, spec.label)
     try:
         while not flags.stop:
-            stage.step(time.monotonic())
+            now = time.monotonic()
+            stage.step(now)
+            pusher.maybe_push(stage, now)
         log.info("stage %s draining", spec.label)
         stage.drain(time.monotonic() + drain_s)
     finally:
+        pusher.close()
         stage.close()
     log.info("stage %s stopped", spec.label)
     return 0

@@ -2,7 +2,8 @@
 
 `python run.py --config FILE` runs one Supervisor. Order of business:
 
-1. Take the data dir's exclusive lock (a second broker on it exits 4).
+1. Take the data dir's exclusive lock (a second broker on it exits 4);
+   start the heartbeat port and the metrics thread (pipeline/metrics_server.py).
 2. Run recovery (invariant 4) and hand finished segments to the collector.
 3. Create the shared-memory rings between stages, then start every stage
    as its own process (spawn), in pipeline order. A stage that dies has its
@@ -35,6 +36,8 @@ from collector.segments import SegmentCollector
 from pipeline import exitcodes
 from pipeline.datadir import DataDir
 from pipeline.logs import setup_stage_logging
+from pipeline.metrics_hub import MetricsHub
+from pipeline.metrics_server import MetricsServer
 from pipeline.recovery import recover
 from pipeline.ring import Ring
 from pipeline.stage import EPOCH_ENV, StageSpec, stage_main
@@ -42,6 +45,7 @@ from pipeline.topology import RING_BYTES, RingSpec
 
 log = logging.getLogger("fabric.supervisor")
 MAX_BACKOFF_S = 30.0
+HEARTBEAT_MAX_MESSAGE_BYTES = 4096  # a PING is about 40 bytes; a bigger frame disconnects the peer
 
 
 def describe_exit(exitcode: int | None) -> str:
@@ -86,6 +90,8 @@ class Supervisor:
         self.failure: str | None = None
         self.next_sweep = 0.0
         self.heartbeat: Heartbeat | None = None
+        self.metrics_hub = MetricsHub()  # what the stages report, restarts; served by `metrics`
+        self.metrics: MetricsServer | None = None
 
     # ---- lifecycle -------------------------------------------------------
     def start(self) -> None:
@@ -96,6 +102,8 @@ class Supervisor:
         os.environ[EPOCH_ENV] = str(self.epoch)  # inherited by every stage: dispatch files
         self.heartbeat = Heartbeat(self.settings.dispatch.heartbeat_bind, self.epoch)
         self.heartbeat.start()
+        self.metrics = MetricsServer(self.settings, self.metrics_hub)
+        self.metrics.start()
         report = recover(self.data_dir, self.settings.broker.recovery_processes)
         log.info(
             "recovery: %d segments, %d live items, %d torn slots cut, %d damaged files, %.3f s",
@@ -162,6 +170,7 @@ class Supervisor:
         how = describe_exit(child.process.exitcode)
         child.process.close()
         child.process = None
+        self.metrics_hub.ended(child.spec.label)
         window = self.config.restart_window_s
         child.deaths.append(now)
         while child.deaths and child.deaths[0] < now - window:
@@ -198,6 +207,7 @@ class Supervisor:
         )
         process.start()
         child.process = process
+        self.metrics_hub.started(child.spec.label, process.pid)
         child.restart_at = None
         log.info("started stage %s (pid %d)", child.spec.label, process.pid)
 
@@ -222,10 +232,13 @@ class Supervisor:
             log.info("stage %s stopped (%s)", child.spec.label, describe_exit(process.exitcode))
             process.close()
             child.process = None
+            self.metrics_hub.ended(child.spec.label)
         for ring in self.rings:
             Ring.unlink(ring.name)
         if self.heartbeat is not None:
             self.heartbeat.stop()
+        if self.metrics is not None:
+            self.metrics.stop()
 
     def pids(self) -> dict[str, int]:
         return {c.spec.label: c.process.pid for c in self._children if c.process is not None}
@@ -244,7 +257,7 @@ class Heartbeat(threading.Thread):
         self.epoch = epoch
         self.recovered = False
         self._stop_event = threading.Event()
-        self.started_ns = time.time_ns()
+        self.started_s = time.monotonic()  # up_s is a duration: a wall-clock step cannot bend it
 
     def run(self) -> None:
         import zmq
@@ -256,6 +269,8 @@ class Heartbeat(threading.Thread):
         socket = context.socket(zmq.ROUTER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.SNDTIMEO, 0)
+        socket.setsockopt(zmq.MAXMSGSIZE, HEARTBEAT_MAX_MESSAGE_BYTES)
+        limits = wire.WireLimits(max_frames=1, max_bytes=HEARTBEAT_MAX_MESSAGE_BYTES)
         try:
             socket.bind(self.address)
         except zmq.ZMQError as exc:
@@ -266,8 +281,9 @@ class Heartbeat(threading.Thread):
         try:
             while not self._stop_event.is_set():
                 try:
-                    message = wire.recv(socket, 100)
-                except WireError:
+                    message = wire.recv(socket, 100, limits=limits)
+                except WireError as exc:
+                    log.warning("heartbeat: dropped a malformed message: %s", exc)
                     continue
                 if message is None or message.type != wire.MessageType.PING:
                     continue
@@ -278,7 +294,7 @@ class Heartbeat(threading.Thread):
                         {
                             "epoch": self.epoch,
                             "recovered": self.recovered,
-                            "up_s": (time.time_ns() - self.started_ns) / 1e9,
+                            "up_s": round(time.monotonic() - self.started_s, 3),
                         },
                         route=message.route,
                     )

@@ -9,6 +9,7 @@
 | `worker`    | workers.local        | dispatch.bind (a client, like any worker) | dispatch.bind                          |
 | `dispatch`  | 1                    | segments, dispatch.bind, `dispatch` socket | dispatch.bind, `completion` socket     |
 | `completion`| 1                    | `completion` socket, completion.bind     | completion log, input markers, `dispatch` socket |
+| `vectors`   | 1                    | vector stores (recovered first), vectors.bind, completion.bind (as a sink) | vector shards |
 
 Stages are listed front first: the supervisor stops them in this order, so
 work already accepted drains downstream, and local workers hand back what
@@ -80,6 +81,7 @@ def stage_specs(settings) -> list[StageSpec]:
     ]
     specs.append(StageSpec("dispatch", 0, "gpu.dispatch_stage:DispatchStage"))
     specs.append(StageSpec("completion", 0, "collector.completion_stage:CompletionStage"))
+    specs.append(StageSpec("vectors", 0, "collector.vectors.manager:VectorStage"))
     return specs
 
 

@@ -43,6 +43,7 @@ others may be added freely):
 | 21    | PONG         | reply to PING              | (none)                                        |
 | 30    | ERROR        | any -> sender of a message | reason: str; RETRYABLE flag as above          |
 | 40-56 | worker, dispatch and completion messages: see docs/wire.md (dispatch and completion) | | |
+| 57    | STATS        | stage -> supervisor        | stage: str, pid: int, samples: list (pipeline/metrics.py) |
 | 60-65 | results clients <-> completion: see docs/wire.md                              | | |
 
 Ints in required fields are non-negative and below 2**64. ITEM_BATCH names a
@@ -113,10 +114,17 @@ class MessageType(IntEnum):
     CANCEL_JOB = 54
     BROKER_STATUS = 55
     BROKER_INFO = 56
+    STATS = 57
     FETCH = 60
     RESULT_PAGE = 61
     CANCEL = 64
     CANCELLED = 65
+    VECTORS_STATS = 70
+    VECTORS_INFO = 71
+    VECTORS_SEARCH = 72
+    VECTORS_HITS = 73
+    VECTORS_READ = 74
+    VECTORS_ROWS = 75
 
 
 class Flag(IntFlag):
@@ -158,10 +166,17 @@ REQUIRED_META: dict[MessageType, dict[str, type]] = {
     MessageType.CANCEL_JOB: {"job_no": int},
     MessageType.BROKER_STATUS: {},
     MessageType.BROKER_INFO: {"epoch": int},
+    MessageType.STATS: {"stage": str, "pid": int, "samples": list},
     MessageType.FETCH: {"job": str},
     MessageType.RESULT_PAGE: {"job": str, "page": int},
     MessageType.CANCEL: {"job": str},
     MessageType.CANCELLED: {"job": str, "state": str},
+    MessageType.VECTORS_STATS: {},
+    MessageType.VECTORS_INFO: {"stores": list},
+    MessageType.VECTORS_SEARCH: {"store": str, "k": int, "metric": str},
+    MessageType.VECTORS_HITS: {"store": str},
+    MessageType.VECTORS_READ: {"store": str, "shard": int, "first": int, "count": int},
+    MessageType.VECTORS_ROWS: {"store": str, "shard": int, "first": int},
 }
 
 

@@ -12,7 +12,7 @@ producer will retry it. A full disk answers the chunk with a retryable error.
 from __future__ import annotations
 
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import numpy as np
 import zmq
@@ -21,6 +21,7 @@ from pipeline import wire
 from pipeline.batches import KEYED, Keyed, read_keyed
 from pipeline.datadir import DataDir
 from pipeline.errors import DiskFullError, FabricError
+from pipeline.metrics import FSYNC_BUCKETS_S, Histogram
 from pipeline.ring_port import RingPort
 from pipeline.segment_format import KIND_INPUT, SegmentKey, slot_bytes_for
 from pipeline.segment_log import SegmentAppender, SegmentIds
@@ -60,6 +61,8 @@ class WriterStage(Stage):
         self.placed: dict[int, int] = {}  # segment id -> end of what this step appended
         self.appended = 0
         self.flush_s = settings.writers.flush_ms / 1000
+        self.appended_by_key: Counter = Counter()  # (model, lane) -> items appended (metrics)
+        self.fsync_s = Histogram(FSYNC_BUCKETS_S)  # one group commit per observation
 
     def _appender(self, key: tuple[str, int, int]) -> SegmentAppender:
         appender = self.appenders.get(key)
@@ -104,8 +107,10 @@ class WriterStage(Stage):
                     break
                 taken += self._take(now, durable, failed)
         if durable:
+            began = time.perf_counter()
             for appender in self.appenders.values():
                 appender.sync()
+            self.fsync_s.observe(time.perf_counter() - began)
             self._announce()
         for (job_no, chunk), count in durable.items():
             if (job_no, chunk) not in failed:
@@ -172,6 +177,7 @@ class WriterStage(Stage):
                 keyed.tokens,
             )
             durable[chunk] += len(keyed.index)
+            self.appended_by_key[(keyed.model, str(keyed.lane))] += len(keyed.index)
             for segment_id, first, count in placed.tolist():
                 self.placed[segment_id] = max(self.placed.get(segment_id, 0), first + count)
         except DiskFullError as exc:
@@ -188,6 +194,13 @@ class WriterStage(Stage):
             except FabricError:
                 break
         self.placed.clear()
+
+    def stats(self, now: float) -> dict:
+        """Items appended per (model, lane) and group-commit latency (docs/metrics.md)."""
+        return {
+            "fabric_items_appended_total": dict(self.appended_by_key),
+            "fabric_writer_fsync_seconds": self.fsync_s,
+        }
 
     def _backlog(self) -> bool:
         """True while any input ring holds records."""

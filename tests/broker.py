@@ -54,11 +54,14 @@ def write_config(
     writers: int = 1,
     workers: int = 0,
     dispatch: str = "",
+    worker_keys: str = "",
+    vectors: str = "",
 ) -> Path:
-    """A config with a data dir under tmp_path, free loopback ports, and two models:
-    `echo` (token ids only) and `texty` (text, with a small word-level tokenizer)."""
+    """A config with a data dir under tmp_path, free loopback ports, and three models:
+    `echo` (token ids only), `texty` (text, with a small word-level tokenizer) and `sim`
+    (the simulated engine's 384-dim embeddings of the same text)."""
     tokenizer = build_tokenizer(tmp_path / "tokenizer.json")
-    ports = [free_port() for _ in range(4)]
+    ports = [free_port() for _ in range(6)]
     text = f"""
 [broker]
 data_dir = "{tmp_path / "data"}"
@@ -78,8 +81,14 @@ heartbeat_bind = "tcp://127.0.0.1:{ports[2]}"
 {dispatch}
 [workers]
 local = {workers}
+{worker_keys}
+[vectors]
+bind = "tcp://127.0.0.1:{ports[5]}"
+{vectors}
 [completion]
 bind = "tcp://127.0.0.1:{ports[3]}"
+[metrics]
+bind = "127.0.0.1:{ports[4]}"
 [supervisor]
 restart_backoff_s = 0.2
 stop_timeout_s = 20.0
@@ -91,6 +100,12 @@ endpoints = ["/v1/embeddings"]
 [[models]]
 name = "texty"
 engine = "echo"
+endpoints = ["/v1/embeddings"]
+tokenizer = "{tokenizer}"
+max_tokens = {TEXT_LIMIT_TOKENS}
+[[models]]
+name = "sim"
+engine = "simulated"
 endpoints = ["/v1/embeddings"]
 tokenizer = "{tokenizer}"
 max_tokens = {TEXT_LIMIT_TOKENS}

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import small_tmpfs
+from conftest import assert_check_clean, small_tmpfs
 
 from collector.vectors.shard import (
     Shard,
@@ -25,6 +25,8 @@ from collector.vectors.shard import (
     shard_paths,
 )
 from collector.vectors.store import VectorStore
+from collector.vectors.stores import create_store
+from pipeline.datadir import DataDir
 from pipeline.errors import DiskFullError
 from pipeline.records import read_records
 
@@ -332,17 +334,19 @@ class Writer:
 
 
 def test_sigkill_loses_nothing_acknowledged(tmp_path):
-    Shard.create(tmp_path, 0, DIM, "float32").close()
+    create_store(tmp_path / "vectors", "s", "m", DIM, "float32", 1 << 30)[1].close()
+    directory = tmp_path / "vectors" / "s"  # a store, so the project's check covers it
+    Shard.create(directory, 0, DIM, "float32").close()
     chooser = random.Random(7)
     acked: list[tuple[int, int]] = []
     for cycle in range(15):
-        writer = Writer(tmp_path, cycle)
+        writer = Writer(directory, cycle)
         for _ in range(chooser.randint(1, 40)):
             acked.append(writer.acks.get(timeout=30))
         writer.kill()
         while not writer.acks.empty():
             acked.append(writer.acks.get_nowait())
-        with Shard.open(tmp_path, 0) as shard:
+        with Shard.open(directory, 0) as shard:
             end = max(first + count for first, count in acked)
             assert shard.rows >= end
             assert_rows_ok(shard)
@@ -353,3 +357,4 @@ def test_sigkill_loses_nothing_acknowledged(tmp_path):
     for (first, count), (later, _) in itertools.pairwise(spans):
         assert first + count <= later, "two acknowledgements name the same rows"
     assert len(spans) >= 8
+    assert_check_clean(DataDir(tmp_path))

@@ -23,13 +23,17 @@ class VectorStore:
     count)`, one row per shard the batch landed in, stable forever.
     """
 
-    def __init__(self, directory: Path, dim: int, dtype: str, shard_rows: int) -> None:
+    def __init__(
+        self, directory: Path, dim: int, dtype: str, shard_rows: int, readonly: bool = False
+    ) -> None:
         if dtype not in DTYPES:
             raise VectorInputError(f"dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}")
         if shard_rows < 1:
             raise VectorInputError(f"shard_rows {shard_rows!r} must be at least 1")
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.readonly = readonly
+        if not readonly:
+            self.directory.mkdir(parents=True, exist_ok=True)
         self.dim, self.dtype, self.shard_rows = dim, DTYPES[dtype], shard_rows
         self._dtype_name = dtype
         self.shards: list[Shard] = []
@@ -50,7 +54,7 @@ class VectorStore:
         return ids
 
     def _open_shard(self, shard_id: int) -> None:
-        shard = Shard.open(self.directory, shard_id)
+        shard = Shard.open(self.directory, shard_id, readonly=self.readonly)
         self.shards.append(shard)
         if (shard.dim, shard.dtype) != (self.dim, self.dtype):
             raise VectorShardError(
@@ -71,8 +75,19 @@ class VectorStore:
         """Durable rows over all shards."""
         return sum(s.rows for s in self.shards)
 
+    @property
+    def pending_rows(self) -> int:
+        """Rows appended, not yet durable."""
+        return sum(s.pending_rows for s in self.shards)
+
+    def ids(self):
+        """Every shard's durable ids, one read-only memmap each."""
+        return [s.read(0, s.rows)[0] for s in self.shards]
+
     def append(self, ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """Queue a batch (validated whole first: all or nothing); returns its placements."""
+        if self.readonly:
+            raise VectorInputError(f"{self.directory}: opened read-only")
         ids, rows = (self.shards[-1] if self.shards else self._writable()).validate(ids, rows)
         placements = []
         start = 0

@@ -1,0 +1,133 @@
+"""`python run.py vectors stats|search|export`: the vector store from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+import orjson
+
+from collector.vectors.client import VectorsClient, embed_texts
+from collector.vectors.search import METRICS
+from collector.vectors.shard import VectorInputError
+from pipeline import exitcodes
+
+
+def add_parser(commands, client_options, handler) -> None:
+    vectors = commands.add_parser("vectors", help="the vector store: stats, search, export")
+    actions = vectors.add_subparsers(dest="action", required=True)
+    stats = actions.add_parser("stats", help="stores, rows, shards, jobs being delivered")
+    stats.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    client_options(stats, "vectors")
+    search = actions.add_parser("search", help="exact top-k neighbours of a text or a vector")
+    search.add_argument("--store", required=True, help="store name (by default the model's name)")
+    what = search.add_mutually_exclusive_group(required=True)
+    what.add_argument("--text", action="append", help="query text (repeat for several)")
+    what.add_argument("--vector-file", help=".npy file of one vector [dim] or queries [q, dim]")
+    search.add_argument("-k", type=int, default=10, help="neighbours per query (default 10)")
+    search.add_argument("--metric", choices=METRICS, default="cosine", help="default cosine")
+    search.add_argument("--json", action="store_true", help="JSON lines instead of a table")
+    client_options(search, "vectors")
+    export = actions.add_parser("export", help="every durable vector to .npy or .parquet")
+    export.add_argument("--store", required=True, help="store name")
+    export.add_argument("-o", "--output", required=True, help="out.npy or out.parquet")
+    client_options(export, "vectors")
+    vectors.set_defaults(handler=handler)
+
+
+def run_vectors(args: argparse.Namespace, address: str, settings_of) -> int:
+    with VectorsClient(address, timeout_s=args.timeout) as client:
+        if args.action == "stats":
+            return _stats(client, args)
+        if args.action == "search":
+            return _search(client, args, settings_of)
+        return _export(client, args)
+
+
+def _stats(client: VectorsClient, args) -> int:
+    info = client.stats()
+    if args.json:
+        print(orjson.dumps(info).decode())
+        return exitcodes.OK
+    if not info["stores"]:
+        print("no vector stores yet (submit a job with --deliver vectors)")
+    for store in info["stores"]:
+        if not store.get("served", True):
+            print(f"store {store['name']}: NOT SERVED: {store['reason']}")
+            continue
+        print(
+            f"store {store['name']}: model {store['model']}, dim {store['dim']} {store['dtype']}, "
+            f"{store['rows']:,} rows durable ({store['pending']:,} pending), "
+            f"{store['shards']} shard(s) ({store['sealed']} sealed), "
+            f"{store['bytes'] / 1e6:,.1f} MB"
+        )
+    for job in info["jobs"]:
+        print(
+            f"  delivering job {job['job']}: {job['stored']:,} stored, {job['errors']:,} error "
+            f"line(s), {job['skipped']:,} skipped as already stored"
+        )
+    print(f"jobs delivered: {info['delivered_jobs']}; searches served: {info['searches']}")
+    if info["flush_failing"]:
+        print("WARNING: flushes are failing (disk full?); see the vectors stage log")
+    return exitcodes.OK
+
+
+def _search(client: VectorsClient, args, settings_of) -> int:
+    if args.text:
+        store = client.store(args.store)
+        query = embed_texts(settings_of(), store["model"], args.text)
+        labels = args.text
+    else:
+        try:
+            query = np.load(args.vector_file, allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            raise VectorInputError(f"{args.vector_file}: not a readable .npy file ({exc})") from exc
+        if query.dtype.kind not in "fiu" or query.ndim not in (1, 2):
+            raise VectorInputError(
+                f"{args.vector_file}: holds {query.dtype} {query.shape}; need [dim] or [q, dim] numbers"
+            )
+        query = np.atleast_2d(query).astype(np.float32)
+        labels = [f"vector {i}" for i in range(len(query))]
+    hits = client.search(args.store, query, args.k, args.metric)
+    meta, a = hits.meta, hits.arrays
+    q, k = meta["shape"]
+    for i in range(q):
+        if not args.json:
+            print(f"{labels[i]!r}: top {k} of {meta['rows']:,} in {meta['seconds'] * 1000:.1f} ms")
+        for j in range(k):
+            at = i * k + j
+            hit = {
+                "query": i,
+                "rank": j + 1,
+                "score": round(float(a["scores"][i, j]), 6),
+                "custom_id": meta["custom_ids"][at],
+                "job": meta["jobs"][at],
+                "shard": int(a["shard"][i, j]),
+                "row": int(a["row"][i, j]),
+            }
+            if args.json:
+                print(orjson.dumps(hit).decode())
+            else:
+                print(
+                    f"  {j + 1:>3}. {hit['score']:.4f}  {hit['custom_id']}  "
+                    f"(job {hit['job']}, shard {hit['shard']} row {hit['row']})"
+                )
+    return exitcodes.OK
+
+
+def _export(client: VectorsClient, args) -> int:
+    out = Path(args.output)
+    tty = sys.stderr.isatty()
+
+    def progress(done: int, total: int) -> None:
+        if tty:
+            print(f"\rexport: {done:,}/{total:,} rows", end="", file=sys.stderr, flush=True)
+
+    rows = client.export(args.store, out, progress)
+    if tty:
+        print(file=sys.stderr)
+    extra = f" (ids and custom_ids: {out}.ids.jsonl)" if out.suffix.lower() == ".npy" else ""
+    print(f"export: {rows:,} rows of store {args.store} to {out}{extra}", file=sys.stderr)
+    return exitcodes.OK

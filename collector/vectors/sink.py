@@ -1,0 +1,293 @@
+"""The vector sink: delivers `--deliver vectors[:STORE]` jobs from completion into stores, once.
+
+With completion (collector/completion_stage.py), one page per job in flight:
+
+1. FETCH `{job, ack, sink: "vectors", limit, req}` -> RESULT_PAGE, which echoes `req`
+   (an answer to an older request is dropped).
+2. The page's embeddings are appended to their store (queued, not yet durable).
+   Its other results (failed items; a result that is not an embedding, of
+   another dim or model than the store's, or not finite) become OpenAI Batch
+   error lines in `vectors/errors/<job>.jsonl`, written and fsynced at once.
+3. At the next scheduled flush (`vectors.flush_ms`) the stores are made
+   durable; only then does the job's next FETCH carry `ack` = that page, and
+   completion marks its results delivered (invariant 12). A failed flush
+   (a full disk) acknowledges nothing; the rows stay queued for the next.
+4. An empty page of a finished job with nothing undelivered ends it:
+   `vectors/delivered/<job>` is written and the job is forgotten.
+
+Exactly once. The store does not deduplicate; the sink does. A page can come
+back (the sink or completion restarted between a flush and its ack), so the
+sink keeps, per job being delivered, a bitmap of the items already stored.
+It is rebuilt at start from the stores' ids files (an id is the item's global
+id, `job_no << 32 | index`), and an item already there is skipped. Error lines
+are deduplicated by their file (collector/export.py `ResultFile`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import orjson
+
+from collector.completion_log import subset
+from collector.export import KIND_EMBEDDING, ResultFile, error_line
+from collector.vectors.stores import StoreSet
+from ingest.jobs import DELIVER_VECTORS
+from pipeline.errors import FabricError
+
+TERMINAL = ("completed", "cancelled", "expired")
+IDLE_POLL_S = 0.25  # a job with nothing new is asked again this often
+ANSWER_TIMEOUT_S = 10.0  # a FETCH without an answer is sent again after this long
+BROKEN_RETRY_S = 30.0  # a job whose store is not served is asked again this often
+REFUSED = "vector_refused"  # error code of a result the store cannot take
+
+
+@dataclass
+class SinkJob:
+    """One job being delivered to stores."""
+
+    job_id: str
+    job_no: int
+    deliver: str  # "vectors" or "vectors:STORE"
+    req: int = 0  # the FETCH whose answer counts
+    sent_at: float | None = None  # that FETCH is unanswered since
+    next_at: float = 0.0  # when to send the next FETCH
+    ack: int = 0  # page to acknowledge with the next FETCH: its vectors are durable
+    unflushed: int = 0  # page appended, waiting for the flush
+    have: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))  # indexes stored
+    stored: int = 0
+    skipped: int = 0
+    errors: int = 0
+
+    def mark(self, index: np.ndarray) -> None:
+        if len(index) and int(index.max()) >= len(self.have):
+            grown = np.zeros(max(int(index.max()) + 1, 2 * len(self.have)), bool)
+            grown[: len(self.have)] = self.have
+            self.have = grown
+        self.have[index] = True
+
+    def stored_already(self, index: np.ndarray) -> np.ndarray:
+        inside = index < len(self.have)
+        out = np.zeros(len(index), bool)
+        out[inside] = self.have[index[inside]]
+        return out
+
+
+class VectorSink:
+    """Decides what to fetch, turns pages into appends and error lines; the manager sends."""
+
+    def __init__(
+        self, stores: StoreSet, jobs_root: Path, page_items: int, log: logging.Logger
+    ) -> None:
+        self.stores = stores
+        self.jobs_root = jobs_root
+        self.page_items = page_items
+        self.log = log
+        self.delivered_dir = stores.root / "delivered"
+        self.errors_dir = stores.root / "errors"
+        for directory in (self.delivered_dir, self.errors_dir):
+            directory.mkdir(parents=True, exist_ok=True)
+        self.jobs: dict[str, SinkJob] = {}
+        self.rows_stored = 0  # appended by this life of the sink
+        self.seen: set[str] = set()  # job ids looked at (delivered or not ours)
+        self.delivered_jobs = len(os.listdir(self.delivered_dir))
+        self.discover()
+        self._rebuild_bitmaps()
+
+    # ---- which jobs ------------------------------------------------------------------
+    def discover(self) -> list[str]:
+        """Start delivering jobs submitted with `--deliver vectors` since the last look."""
+        found = []
+        if not self.jobs_root.is_dir():
+            return found
+        for directory in self.jobs_root.iterdir():
+            job_id = directory.name
+            if job_id in self.seen:
+                continue
+            meta_path = directory / "job.json"
+            if not meta_path.exists():
+                continue  # being created: look again next time
+            self.seen.add(job_id)
+            try:
+                meta = orjson.loads(meta_path.read_bytes())
+            except (OSError, orjson.JSONDecodeError) as exc:
+                self.log.error("job %s: unreadable job.json (%s); not delivered", job_id, exc)
+                continue
+            deliver = str(meta.get("deliver", "file"))
+            if not deliver.startswith(DELIVER_VECTORS):
+                continue
+            if (self.delivered_dir / job_id).exists():
+                continue
+            self.jobs[job_id] = SinkJob(job_id, int(meta["job_no"]), deliver)
+            found.append(job_id)
+        return found
+
+    def _rebuild_bitmaps(self) -> None:
+        """Mark the items of jobs being delivered that a store already holds (one pass of ids)."""
+        if not self.jobs:
+            return
+        by_no = {job.job_no: job for job in self.jobs.values()}
+        numbers = np.array(sorted(by_no), np.uint64)
+        for _, store in self.stores.open.values():
+            for ids in store.ids():
+                job_nos = ids >> np.uint64(32)
+                mine = np.isin(job_nos, numbers)
+                if not mine.any():
+                    continue
+                for job_no in np.unique(job_nos[mine]).tolist():
+                    index = (ids[job_nos == job_no] & np.uint64(0xFFFFFFFF)).astype(np.int64)
+                    by_no[job_no].mark(index)
+                    by_no[job_no].stored += len(index)
+
+    # ---- fetching --------------------------------------------------------------------
+    def due(self, now: float) -> list[dict]:
+        """FETCH metas to send now (each job at most one in flight)."""
+        out = []
+        for job in self.jobs.values():
+            if job.unflushed:
+                continue
+            if job.sent_at is not None and now - job.sent_at < ANSWER_TIMEOUT_S:
+                continue
+            if job.sent_at is None and now < job.next_at:
+                continue
+            job.req += 1
+            job.sent_at = now
+            out.append(
+                {
+                    "job": job.job_id,
+                    "ack": job.ack,
+                    "sink": "vectors",
+                    "limit": self.page_items,
+                    "req": job.req,
+                }
+            )
+        return out
+
+    def on_page(self, meta: dict, arrays: dict, now: float) -> None:
+        job = self.jobs.get(str(meta.get("job")))
+        if job is None or meta.get("req") != job.req or job.sent_at is None:
+            return  # an answer to an older request, or a job already finished
+        job.sent_at = None
+        job.ack = 0  # completion has taken it
+        index = np.asarray(arrays["index"]).astype(np.int64)
+        if not len(index):
+            if meta.get("state") in TERMINAL and not meta.get("undelivered"):
+                self._finish(job)
+            else:
+                job.next_at = now + IDLE_POLL_S
+            return
+        try:
+            appended = self._deliver(job, meta, arrays, index)
+        except (FabricError, OSError) as exc:  # a store not served, a full disk, ...
+            self.log.error("job %s: page not delivered, asked again later: %s", job.job_id, exc)
+            job.next_at = now + BROKEN_RETRY_S
+            return
+        if appended:
+            job.unflushed = int(meta["page"])
+        else:  # nothing waits for a flush: acknowledge at once
+            job.ack = int(meta["page"])
+            job.next_at = now
+
+    def flushed(self, now: float) -> None:
+        """Every store is durable up to now: pages appended before may be acknowledged."""
+        for job in self.jobs.values():
+            if job.unflushed:
+                job.ack, job.unflushed = job.unflushed, 0
+                job.next_at = now
+
+    def _finish(self, job: SinkJob) -> None:
+        marker = self.delivered_dir / job.job_id
+        marker.write_bytes(b"")
+        self.log.info(
+            "job %s delivered to vectors: %d stored, %d error line(s), %d sent again and skipped",
+            job.job_id,
+            job.stored,
+            job.errors,
+            job.skipped,
+        )
+        del self.jobs[job.job_id]
+        self.delivered_jobs += 1
+
+    # ---- one page --------------------------------------------------------------------
+    def _deliver(self, job: SinkJob, meta: dict, a: dict, index: np.ndarray) -> int:
+        """Append the page's vectors and write its error lines; returns rows appended."""
+        custom_ids = meta["custom_ids"]
+        models = {int(k): v for k, v in meta["models"].items()}
+        status, kind = np.asarray(a["status"]), np.asarray(a["kind"])
+        offsets = np.asarray(a["offsets"]).astype(np.int64)
+        payload = np.asarray(a["payload"], np.uint8)
+        sizes = np.diff(offsets)
+        refused: dict[int, str] = {}  # page row -> why the store cannot take it
+        appended = 0
+        ok = (status == 0) & (kind == KIND_EMBEDDING)
+        for i in np.flatnonzero((status == 0) & ~ok).tolist():
+            refused[i] = "the result is not an embedding; a vectors job takes /v1/embeddings"
+        model_ids = np.asarray(a["model"])
+        for model_id in np.unique(model_ids[ok]).tolist():
+            rows = np.flatnonzero(ok & (model_ids == model_id))
+            model = models.get(model_id, "")
+            name = job.deliver.partition(":")[2] or model
+            if name not in self.stores.open and name not in self.stores.broken:
+                if sizes[rows[0]] % 4 or not sizes[rows[0]]:
+                    for i in rows.tolist():
+                        refused[i] = f"the embedding has {int(sizes[i])} bytes, not float32s"
+                    continue
+                self.stores.create(name, model, int(sizes[rows[0]]) // 4)
+                self.log.info("vector store %s created for %s", name, model)
+            store_meta, store = self.stores.get(name)
+            if store_meta.model != model:
+                for i in rows.tolist():
+                    refused[i] = f"store {name} holds {store_meta.model} vectors, not {model}"
+                continue
+            fits = sizes[rows] == store_meta.dim * 4
+            for i in rows[~fits].tolist():
+                refused[i] = (
+                    f"the embedding has {int(sizes[i]) / 4:g} values; store {name} holds "
+                    f"dim {store_meta.dim}"
+                )
+            rows = rows[fits]
+            already = job.stored_already(index[rows])
+            job.skipped += int(already.sum())
+            rows = rows[~already]
+            if not len(rows):
+                continue
+            data, _ = subset(payload, offsets, rows)
+            vectors = data.view("<f4").reshape(len(rows), store_meta.dim)
+            finite = np.isfinite(vectors).all(axis=1)
+            for i in rows[~finite].tolist():
+                refused[i] = "the embedding has NaN or infinite values"
+            if not finite.all():
+                rows, vectors = rows[finite], vectors[finite]
+            ids = (np.uint64(job.job_no) << np.uint64(32)) | index[rows].astype(np.uint64)
+            store.append(ids, vectors)
+            job.mark(index[rows])
+            job.stored += len(rows)
+            self.rows_stored += len(rows)
+            appended += len(rows)
+        self._write_errors(job, index, custom_ids, status, offsets, payload, refused)
+        return appended
+
+    def _write_errors(self, job, index, custom_ids, status, offsets, payload, refused) -> None:
+        lines, keys = [], []
+        for i in np.flatnonzero(status != 0).tolist():
+            line, key = error_line(
+                job.job_id,
+                int(index[i]),
+                custom_ids[i],
+                payload[offsets[i] : offsets[i + 1]].tobytes(),
+            )
+            lines.append(line)
+            keys.append(key)
+        for i, why in sorted(refused.items()):
+            line, key = error_line(job.job_id, int(index[i]), custom_ids[i], why.encode(), REFUSED)
+            lines.append(line)
+            keys.append(key)
+        if not lines:
+            return
+        with ResultFile.open(self.errors_dir / f"{job.job_id}.jsonl") as errors:
+            job.errors += errors.write(lines, keys)
+            errors.sync()
