@@ -10,6 +10,10 @@ python run.py cancel JOB                           retire the job's queued items
 python run.py vectors stats|search|export          the vector store (docs/vectors.md)
 python run.py worker --broker ADDR --model M --engine E   a GPU (or CPU) worker process
 python run.py check --config prod.toml [--fix]     offline consistency check of the data dir
+python run.py keys new NAME [--dir DIR]            a CURVE key pair (docs/operations.md)
+
+Client commands and `worker` take `--key NAME.key_secret` and `--server-key BROKER.key`
+for a broker that requires CURVE keys (else `[security]` in --config).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from config.defaults import DEFAULTS
 from pipeline import exitcodes
 from pipeline.errors import BrokerUnreachableError, ConfigError, DataDirLockedError, FabricError
 
-COMMANDS = ("check", "submit", "status", "results", "cancel", "vectors", "worker", "demo")
+COMMANDS = ("check", "submit", "status", "results", "cancel", "vectors", "worker", "demo", "keys")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -89,6 +93,22 @@ class _ProgressLine:
         )
 
 
+def _retry_line(attempts: int):
+    """What `submit` prints when the broker asks for a chunk again (a full disk, say)."""
+
+    start = "\n" if sys.stderr.isatty() else ""  # off the progress line redrawn in place
+
+    def say(job_id: str, chunk: int, tries: int, reason: str, delay_s: float) -> None:
+        print(
+            f"{start}submit {job_id}: chunk {chunk} not stored yet (try {tries} of {attempts}): "
+            f"{reason}; sending it again in {delay_s:.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    return say
+
+
 def _submit(args: argparse.Namespace) -> int:
     import orjson
 
@@ -96,7 +116,9 @@ def _submit(args: argparse.Namespace) -> int:
 
     address = args.broker or load_settings(args.config).ingest.bind
     progress = _ProgressLine()
-    with Producer(address, timeout_s=args.timeout, attempts=args.attempts) as producer:
+    curve = _curve(args)
+    with Producer(address, timeout_s=args.timeout, attempts=args.attempts, curve=curve) as producer:
+        producer.on_retry = _retry_line(args.attempts)
         try:
             report = producer.submit_file(
                 args.file,
@@ -136,6 +158,25 @@ def _address(args: argparse.Namespace, section: str) -> str:
     return client_address(getattr(load_settings(args.config), section).bind)
 
 
+def _curve(args: argparse.Namespace):
+    """This client's CURVE keys: --key / --server-key over the config's [security], or None.
+
+    The config is read only when it exists, so `--broker ADDR --key K --server-key S`
+    works on a host without one.
+    """
+    import os
+
+    from config.settings import SecuritySettings
+    from pipeline.security import client_curve
+
+    config = getattr(args, "config", None)
+    if config and (os.path.exists(config) or not getattr(args, "broker", None)):
+        security = load_settings(config).security
+    else:
+        security = SecuritySettings(**DEFAULTS["security"])
+    return client_curve(security, args.key, args.server_key)
+
+
 def _decoders(args: argparse.Namespace) -> dict:
     """Tokenizers of the configured models, to decode generated text (when present here)."""
     import os
@@ -169,7 +210,9 @@ def _results(args: argparse.Namespace) -> int:
                 flush=True,
             )
 
-    with ResultsClient(_address(args, "completion"), timeout_s=args.timeout) as client:
+    with ResultsClient(
+        _address(args, "completion"), timeout_s=args.timeout, curve=_curve(args)
+    ) as client:
         report = client.fetch(
             args.job,
             args.output,
@@ -195,7 +238,9 @@ def _results(args: argparse.Namespace) -> int:
 def _vectors(args: argparse.Namespace) -> int:
     from collector.vectors.cli import run_vectors
 
-    return run_vectors(args, _address(args, "vectors"), lambda: load_settings(args.config))
+    return run_vectors(
+        args, _address(args, "vectors"), lambda: load_settings(args.config), _curve(args)
+    )
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -205,11 +250,12 @@ def _status(args: argparse.Namespace) -> int:
 
     if args.watch:
         return _watch(args)
+    curve = _curve(args)
     if args.job:
-        with ResultsClient(_address(args, "completion"), timeout_s=args.timeout) as client:
+        with ResultsClient(_address(args, "completion"), args.timeout, curve=curve) as client:
             info = client.job_status(args.job)
     else:
-        with DispatchClient(_address(args, "dispatch"), timeout_s=args.timeout) as client:
+        with DispatchClient(_address(args, "dispatch"), args.timeout, curve=curve) as client:
             info = client.broker_status()
     if args.json:
         print(orjson.dumps(info, option=orjson.OPT_INDENT_2).decode())
@@ -234,8 +280,9 @@ def _watch(args: argparse.Namespace) -> int:
     if args.interval <= 0:
         print(f"error: --interval {args.interval:g} must be > 0 seconds", file=sys.stderr)
         return exitcodes.USAGE
+    curve = _curve(args)
     if args.broker:  # maybe another host: only what dispatch says
-        sources = Sources(args.broker, None, None, args.timeout, only_job=args.job)
+        sources = Sources(args.broker, None, None, args.timeout, only_job=args.job, curve=curve)
     else:
         settings = load_settings(args.config)
         sources = Sources(
@@ -244,6 +291,7 @@ def _watch(args: argparse.Namespace) -> int:
             settings.data_path,
             args.timeout,
             only_job=args.job,
+            curve=curve,
         )
     plain = args.plain or not sys.stdout.isatty() or os.environ.get("TERM") == "dumb"
     return watch(sources, sources.dispatch_address, args.interval, plain)
@@ -252,7 +300,9 @@ def _watch(args: argparse.Namespace) -> int:
 def _cancel(args: argparse.Namespace) -> int:
     from collector.client import ResultsClient
 
-    with ResultsClient(_address(args, "completion"), timeout_s=args.timeout) as client:
+    with ResultsClient(
+        _address(args, "completion"), timeout_s=args.timeout, curve=_curve(args)
+    ) as client:
         info = client.cancel(args.job)
     print(
         f"job {args.job}: {info['state']}; {info['completed']} completed, {info['failed']} failed "
@@ -294,9 +344,31 @@ def _worker(args: argparse.Namespace) -> int:
             prefetch=args.prefetch,
             drain_s=args.drain_s,
             target_batch_s=args.target_batch_s,
+            curve=_curve(args),
         ),
         engine,
     )
+
+
+def _keys(args: argparse.Namespace) -> int:
+    """`keys new NAME [--dir DIR]`: a CURVE key pair, and how to use and authorize it."""
+    from pathlib import Path
+
+    from pipeline.security import new_key_pair
+
+    public, secret = new_key_pair(args.name, Path(args.dir))
+    print(f"public key: {public}")
+    print(f"secret key: {secret} (mode 0600: keep it on the host that uses it)")
+    print(
+        f"authorize it on a broker: copy {public} into the broker's security.authorized_keys "
+        f"directory (new connections see it at once; no restart)"
+    )
+    print(
+        f"use it as a client: --key {secret} --server-key BROKER.key, or security.client_key = "
+        f'"{secret}" and security.server_public_key in the config'
+    )
+    print(f'use it as the broker\'s own key: security.server_key = "{secret}"')
+    return exitcodes.OK
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -317,6 +389,19 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--config", default="config/default.toml", help="TOML settings file")
     check.add_argument("--fix", action="store_true", help="repair what is safe to repair")
     check.set_defaults(handler=_check)
+    keys = commands.add_parser("keys", help="CURVE key pairs for the broker and its clients")
+    key_actions = keys.add_subparsers(dest="action", required=True)
+    new = key_actions.add_parser("new", help="write NAME.key (public) and NAME.key_secret")
+    new.add_argument("name", help="a name for the pair: letters, digits, '.', '_', '-'")
+    new.add_argument("--dir", default="var/keys", help="where to write the pair")
+    new.set_defaults(handler=_keys)
+
+    def key_options(command) -> None:
+        command.add_argument(
+            "--key", help="this client's secret key file, NAME.key_secret (run.py keys new)"
+        )
+        command.add_argument("--server-key", help="the broker's public key file, NAME.key")
+
     submit = commands.add_parser(
         "submit", help="submit an OpenAI Batch JSONL file; prints the job id"
     )
@@ -343,12 +428,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     submit.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for an answer")
     submit.add_argument("--attempts", type=int, default=10, help="tries per chunk before giving up")
+    key_options(submit)
     submit.set_defaults(handler=_submit)
 
     def client_options(command, section: str) -> None:
         command.add_argument("--config", default="config/default.toml", help="TOML settings file")
         command.add_argument("--broker", help=f"{section} address (overrides --config)")
         command.add_argument("--timeout", type=float, default=5.0, help="seconds per try")
+        key_options(command)
 
     status = commands.add_parser("status", help="queue depth and workers, or one job's progress")
     status.add_argument("job", nargs="?", help="a job id (omit for the whole broker)")
@@ -385,6 +472,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--engine", required=True, help="echo, simulated, ...")
     worker.add_argument("--option", action="append", help="engine option KEY=VALUE (repeat)")
     worker.add_argument("--heartbeat", help="heartbeat address (default: the broker's port + 1)")
+    key_options(worker)
     defaults = DEFAULTS["workers"]
     worker.add_argument(
         "--batch-items", type=int, default=defaults["batch_items"], help="largest batch, in items"

@@ -66,7 +66,7 @@ def bench_append(store_dir: Path, rows: int) -> tuple[list[float], float, list[i
                     break
                 slot = (done // BATCH + written // BATCH) % 4
                 ids = np.arange(done + written, done + written + n, dtype=np.uint64)
-                store.append(ids, pool[slot * BATCH : slot * BATCH + n])
+                store.append(ids, pool[slot * BATCH : slot * BATCH + n], copy=False)
                 written += n
                 if time.perf_counter() - last_flush >= FLUSH_S:
                     flushes.append(store.pending_rows * DIM * 4)
@@ -278,8 +278,9 @@ def run(search_rows: int, recovery_rows: int) -> tuple[list[Row], list[str]]:
         "VectorStore in pages of 4096 rows, flushed every 100 ms as the manager flushes "
         "(payload and ids written from the queued arrays without a joined copy, fdatasynced, "
         "then the journal record, fdatasynced; then the written pages are dropped from the "
-        f"page cache); spread over {REPEAT} slices. Validation (a copy to the store dtype, and "
-        "a finite check by row sums) runs in append(). Disk ceiling: bench/disk.py "
+        f"page cache); spread over {REPEAT} slices. Validation (the dtype, and "
+        "a finite check by row sums) runs in append(); the rows are queued without a copy "
+        "(copy=False, as the sink appends the array it gathered from a result page). Disk ceiling: bench/disk.py "
         "write_bandwidth (preallocated file, pwrite + fdatasync per chunk of the median flush "
         "size, pages dropped), 3 runs, same run, after the appends.",
         f"(c) search reads each shard through its memmap in blocks of 65536 rows, warm page "

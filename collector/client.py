@@ -23,6 +23,7 @@ from collector.completion_log import subset
 from collector.export import ExportContext, ResultFile, ResultPage, format_page, page_keys
 from pipeline import wire
 from pipeline.errors import BrokerUnreachableError, FabricError, WireError
+from pipeline.security import ClientCurve, secure_client
 
 MT = wire.MessageType
 TERMINAL = ("completed", "cancelled", "expired")
@@ -39,10 +40,18 @@ class FetchReport:
 class Client:
     """A DEALER to one broker address; `request` retries with backoff on silence."""
 
-    def __init__(self, address: str, timeout_s: float = 5.0, attempts: int = 5) -> None:
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float = 5.0,
+        attempts: int = 5,
+        curve: ClientCurve | None = None,
+    ) -> None:
+        """`curve`: this client's CURVE keys, for a broker that requires them."""
         self.address = address
         self.timeout_s = timeout_s
         self.attempts = attempts
+        self.curve = curve
         self.context = zmq.Context()
         self.socket = None
         self._connect()
@@ -53,6 +62,7 @@ class Client:
         self.socket = self.context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.SNDTIMEO, 1000)
+        secure_client(self.socket, self.curve)
         self.socket.connect(self.address)
 
     def request(
@@ -88,7 +98,8 @@ class Client:
         raise BrokerUnreachableError(
             f"no answer from the broker at {self.address} after {attempts} tries of "
             f"{self.timeout_s:g} s; is it running (python run.py --config FILE)? "
-            "Check --broker / --config"
+            "Check --broker / --config, and that it requires no CURVE key or authorizes this "
+            "client's (--key, security.client_key)"
         )
 
     def close(self) -> None:

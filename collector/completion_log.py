@@ -364,7 +364,7 @@ class CompletionLog:
             body[:, :PROMPT_HEADER] = prompt[pick].astype("<u4").view(np.uint8).reshape(-1, 4)
             _gather(body[:, PROMPT_HEADER:], payload, starts[pick], sizes[pick])
             appender = self._appender(job, SIZE_CLASSES[c])
-            appender.append(
+            appender.append(  # a full disk raises here, with nothing of this class stored
                 seq[pick],
                 np.full(len(pick), job_no, np.uint64),
                 index[pick].astype(np.uint32),
@@ -373,12 +373,21 @@ class CompletionLog:
                 flags[pick],
             )
             self._dirty.add(appender)
-        job.mark(index, (flags & np.uint32(STATUS_MASK)) == ERROR_RESULT)
-        job.last_result_ns = time.time_ns()
-        job.segments_changed = True
+            # Marked per class: if a later class fails, a resend finds these as duplicates.
+            job.mark(index[pick], (flags[pick] & np.uint32(STATUS_MASK)) == ERROR_RESULT)
+            job.last_result_ns = time.time_ns()
+            job.segments_changed = True
+
+    @property
+    def unsynced(self) -> bool:
+        """True while stored results wait for `sync_outputs()` (nothing may be acknowledged)."""
+        return bool(self._dirty or self._to_retire)
 
     def sync_outputs(self) -> None:
-        """Make stored results durable, then write their inputs' DEAD markers (invariant 3)."""
+        """Make stored results durable, then write their inputs' DEAD markers (invariant 3).
+
+        A failed sync (DiskFullError) keeps everything queued for the next call.
+        """
         for appender in self._dirty:
             appender.sync()  # output durable before any tombstone
         self._dirty.clear()

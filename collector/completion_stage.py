@@ -20,10 +20,18 @@ it with its next FETCH (`ack`); only then are those results marked
 delivered (invariant 12). One page per job is outstanding; a FETCH without
 the ack means the client lost the page, which is sent again (the client's
 output files drop what they already hold, so a custom_id is written once).
+
+A full disk (DiskFullError) stops nothing: results that cannot be stored
+are not acknowledged (their workers keep them and send them again), item
+errors from dispatch (sent once) are kept here, client requests are served
+as before, one ERROR line says so, and a store (of the latest results
+refused) is tried again every second until one goes through
+(pipeline/disk_full.py).
 """
 
 from __future__ import annotations
 
+import collections
 import time
 
 import numpy as np
@@ -42,8 +50,10 @@ from gpu.dispatch_state import ITEM_DTYPE
 from ingest.jobs import JOB_ID
 from pipeline import wire
 from pipeline.datadir import DataDir
-from pipeline.errors import FabricError, SegmentError, WireError
-from pipeline.segment import Segment
+from pipeline.disk_full import FullDisk
+from pipeline.errors import DiskFullError, FabricError, SegmentError, WireError
+from pipeline.security import ServerGate
+from pipeline.segment import Segment, disk_error
 from pipeline.stage import Stage
 from pipeline.topology import internal_address
 from router.shapes import ShapeTable
@@ -103,7 +113,15 @@ class CompletionStage(Stage):
         self.pages: dict[str, tuple[int, list]] = {}  # job -> (page id, where) awaiting its ack
         self.next_page = 1
         self.rates: dict[str, tuple[float, int]] = {}  # job -> (first seen, completed then)
+        self.disk = FullDisk(
+            self.log,
+            "results are not taken (workers keep them unacknowledged and send them again); "
+            "status and results reads go on",
+        )
+        self.deferred: collections.deque[wire.Message] = collections.deque()  # ITEM_ERRORS
+        self.probe: wire.Message | None = None  # the latest RESULTS refused: tried each second
         self.context = zmq.Context()
+        self.gate = ServerGate(self.context, settings.security)  # CURVE, when keys are set
         self.inbox = self.context.socket(zmq.PULL)
         self.inbox.setsockopt(zmq.LINGER, 0)
         self.inbox.bind(internal_address(settings, "completion"))
@@ -116,6 +134,7 @@ class CompletionStage(Stage):
         self.clients.setsockopt(zmq.SNDTIMEO, 0)
         self.clients.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)  # bigger: dropped
         self.limits = wire.WireLimits(max_bytes=self.config.max_message_bytes)
+        self.gate.secure(self.clients)
         self.clients.bind(self.config.bind)
         self.poller = zmq.Poller()
         self.poller.register(self.inbox, zmq.POLLIN)
@@ -138,21 +157,35 @@ class CompletionStage(Stage):
     def step(self, now: float) -> None:
         wait_ms = max(0, min(self.poll_ms, int((self.next_flush - now) * 1000)))
         events = dict(self.poller.poll(wait_ms))
-        if self.inbox in events:
-            self._read_inbox()
-        self.log_.sync_outputs()  # outputs durable, then their tombstones written
+        if self.inbox in events or self.deferred or self.probe is not None:
+            self._read_inbox(now)
+        self._sync_outputs(now)  # outputs durable, then their tombstones written
         now = time.monotonic()
         if now >= self.next_flush:
-            self._flush()
+            self._flush(now)
             self.next_flush = now + self.flush_s
         if self.clients in events:
             self._read_clients(now)
         if now >= self.next_tidy:
             self.next_tidy = now + 1.0
-            self._tidy()
+            self._tidy(now)
+            self.disk.settle(now)
 
-    def _flush(self) -> None:
-        retired = self.log_.flush_tombstones()
+    def _sync_outputs(self, now: float) -> None:
+        if self.log_.unsynced and self.disk.ready(now):
+            try:
+                self.log_.sync_outputs()
+            except DiskFullError as exc:  # everything stays queued for the next try
+                self.disk.failed(exc, now)
+
+    def _flush(self, now: float) -> None:
+        if self.log_.unsynced:  # outputs not durable yet (a full disk): acknowledge nothing
+            return
+        try:
+            retired = self.log_.flush_tombstones()
+        except DiskFullError as exc:  # the tombstones and acks wait for the next flush
+            self.disk.failed(exc, now)
+            return
         if not retired and not self.acks:
             return
         parts = []
@@ -168,7 +201,11 @@ class CompletionStage(Stage):
             self.log.warning("could not tell dispatch of %d retired item(s): %s", len(items), exc)
         self.acks = []
 
-    def _read_inbox(self) -> None:
+    def _read_inbox(self, now: float) -> None:
+        while self.deferred and self._store(self.deferred[0], now):
+            self.deferred.popleft()
+        if self.probe is not None and self._store(self.probe, now):
+            self.probe = None  # the disk takes results again, without waiting for a resend
         for _ in range(MAX_MESSAGES_PER_STEP):
             try:
                 message = wire.recv(self.inbox, 0)
@@ -177,17 +214,40 @@ class CompletionStage(Stage):
                 continue
             if message is None:
                 return
-            try:
-                if message.type == MT.RESULTS:
-                    self._results(message)
-                elif message.type == MT.ITEM_ERRORS:
-                    self._item_errors(message)
-                else:
-                    self.log.error("unexpected %s from dispatch dropped", message.type.name)
-            except (KeyError, ValueError, TypeError) as exc:
-                self.log.error("bad %s message dropped: %s", message.type.name, exc)
+            if message.type == MT.ITEM_ERRORS and self.deferred:
+                self.deferred.append(message)  # in order, after those waiting for the disk
+            elif message.type == MT.ITEM_ERRORS:
+                if not self._store(message, now):
+                    self.deferred.append(message)  # sent once: kept until the disk takes it
+            elif message.type == MT.RESULTS:
+                if not self._store(message, now):
+                    self.disk.refused()  # not acknowledged: the worker sends them again
+                    self.probe = message
+            else:
+                self.log.error("unexpected %s from dispatch dropped", message.type.name)
+
+    def _store(self, message: wire.Message, now: float) -> bool:
+        """Record RESULTS or ITEM_ERRORS; False when the disk is full (then nothing of it is
+        acknowledged). A malformed message is dropped (True: it is done with)."""
+        if not self.disk.ready(now):
+            return False
+        try:
+            if message.type == MT.RESULTS:
+                self._results(message)
+            else:
+                self._item_errors(message)
+        except DiskFullError as exc:
+            self.disk.failed(exc, now)
+            return False
+        except (KeyError, ValueError, TypeError) as exc:
+            self.log.error("bad %s message dropped: %s", message.type.name, exc)
+            return True
+        self.disk.succeeded(now)
+        return True
 
     def _results(self, message: wire.Message) -> None:
+        """Store a worker's results; acknowledged at the next flush. DiskFullError: not
+        acknowledged (what was stored of it is a duplicate when the worker sends it again)."""
         meta, a = message.meta, message.arrays
         ack = [meta.get("route", ""), meta["result_id"], 0]
         self.acks.append(ack)
@@ -200,14 +260,20 @@ class CompletionStage(Stage):
         items, payload, offsets = a["items"], a["payload"], a["offsets"].astype(np.int64)
         ack[2] = len(items)
         status = flags_of(a["status"].astype(np.uint32) & 1, a["kind"].astype(np.uint32) & 0xF)
-        self._record(
-            items,
-            status,
-            payload,
-            offsets,
-            a["prompt_tokens"].astype(np.uint32),
-            "sent again" if meta.get("resent") else "computed again",
-        )
+        try:
+            known = self._record(
+                items,
+                status,
+                payload,
+                offsets,
+                a["prompt_tokens"].astype(np.uint32),
+                "sent again" if meta.get("resent") else "computed again",
+            )
+            if not known:  # not acknowledged: the worker sends them again, the rest are duplicates
+                self.acks.pop()
+        except DiskFullError:
+            self.acks.pop()  # this message's ack, appended last: the worker sends them again
+            raise
 
     def _item_errors(self, message: wire.Message) -> None:
         items = message.arrays["items"]
@@ -218,13 +284,16 @@ class CompletionStage(Stage):
         status = np.full(n, flags_of(ERROR_RESULT, TEXT), np.uint32)
         self._record(items, status, payload, offsets, np.zeros(n, np.uint32))
 
-    def _record(self, items, status, payload, offsets, prompt, why: str = "computed again") -> None:
+    def _record(self, items, status, payload, offsets, prompt, why: str = "computed again") -> bool:
+        """Store results; False if some name a job number this broker does not know (yet)."""
+        known = True
         job_nos = items["seq"] >> np.uint64(32)
         for job_no in np.unique(job_nos).tolist():
             pick = np.flatnonzero(job_nos == job_no)
-            job_id = self.jobs.job_id(int(job_no))
+            job_id = self.jobs.job_id(int(job_no), force=True)  # a job created a moment ago
             if job_id is None:
                 self.log.error("%d result(s) for unknown job number %d dropped", len(pick), job_no)
+                known = False
                 continue
             if len(pick) == len(items):
                 sub_payload, sub_offsets = payload, offsets
@@ -252,6 +321,7 @@ class CompletionStage(Stage):
                 )
             for line in recorded.refused[:5]:
                 self.log.warning("job %s: result refused: %s", job_id, line)
+        return known
 
     # ---- clients -------------------------------------------------------------------------
     def _read_clients(self, now: float) -> None:
@@ -269,6 +339,14 @@ class CompletionStage(Stage):
                 self._client(message, now)
             except (KeyError, ValueError, TypeError) as exc:
                 self._reply(message.route, MT.ERROR, {"reason": f"bad request: {exc}"})
+            except FabricError as exc:  # a cancel mark not written (a full disk: ask again)
+                retryable = isinstance(exc, DiskFullError)
+                if retryable:
+                    self.disk.failed(exc, now)
+                else:
+                    self.log.error("a %s request failed: %s", message.type.name, exc)
+                flags = wire.Flag.RETRYABLE if retryable else 0
+                self._reply(message.route, MT.ERROR, {"reason": str(exc)}, flags=flags)
 
     def _client(self, message: wire.Message, now: float) -> None:
         meta, route = message.meta, message.route
@@ -292,7 +370,7 @@ class CompletionStage(Stage):
         if view is None:
             self._reply(route, MT.ERROR, {"reason": f"no job {job_id!r} on this broker"})
             return
-        self._catch_up(view)
+        self._catch_up(view, now)
         if message.type == MT.JOB_STATUS:
             self._reply(route, MT.JOB_INFO, self._job_info(view, now))
         elif message.type == MT.CANCEL:
@@ -301,7 +379,10 @@ class CompletionStage(Stage):
                 self._reply(route, MT.ERROR, {"reason": f"job {job_id} is already {info['state']}"})
                 return
             if not view.cancelled:
-                write_cancel(view)
+                try:
+                    write_cancel(view)
+                except OSError as exc:
+                    raise disk_error(exc, view.cancel_path, "recording a cancel") from exc
                 self.log.info("job %s cancelled by a client", job_id)
             try:  # again on every request: dispatch may have restarted (it also reads the mark)
                 wire.send(self.dispatch, MT.CANCEL_JOB, {"job_no": view.job_no})
@@ -312,19 +393,30 @@ class CompletionStage(Stage):
         else:
             self._fetch(route, view, meta, now)
 
-    def _catch_up(self, view: JobView) -> None:
+    def _catch_up(self, view: JobView, now: float) -> None:
         """Read what the front appended; rejected lines become error results.
 
         Not once the job has finished: its results may be collected by then, and
-        the rejected lines were stored before it could finish.
+        the rejected lines were stored before it could finish. On a full disk the
+        rejected lines stay in the view for a later try.
         """
         view.refresh()
+        if not view.rejected:
+            return
+        if (view.directory / FINISHED_FILE).exists():
+            view.take_rejected()
+            return
+        if not self.disk.ready(now):
+            return
         rejected = view.take_rejected()
-        if rejected and not (view.directory / FINISHED_FILE).exists():
-            index = np.array([int(r[0]) - 1 for r in rejected], np.int64)
-            reasons = [f"{r[2]}: {r[3]}" for r in rejected]
+        index = np.array([int(r[0]) - 1 for r in rejected], np.int64)
+        reasons = [f"{r[2]}: {r[3]}" for r in rejected]
+        try:
             self.log_.record_errors(view.job_id, view.job_no, index, reasons)
             self.log_.sync_outputs()
+        except DiskFullError as exc:  # those stored are skipped as duplicates next time
+            view.rejected[:0] = rejected
+            self.disk.failed(exc, now)
 
     def _state(self, view: JobView, done: int, total: int | None) -> str:
         if total is None:
@@ -355,7 +447,7 @@ class CompletionStage(Stage):
         rate = (done - first[1]) / elapsed if elapsed > 1 else 0.0
         pending = None if total is None else max(0, total - done)
         if state in ("completed", "cancelled") and not (view.directory / FINISHED_FILE).exists():
-            self._finish(view)
+            self._finish(view, now)
         return {
             "job": job_id,
             "exists": True,
@@ -387,7 +479,10 @@ class CompletionStage(Stage):
             return
         outstanding = self.pages.pop(job_id, None)
         if outstanding is not None and meta.get("ack") == outstanding[0]:
-            self.delivered += self.log_.delivered(job_id, outstanding[1])
+            try:
+                self.delivered += self.log_.delivered(job_id, outstanding[1])
+            except DiskFullError as exc:  # marked in memory; made durable by a later sync
+                self.disk.failed(exc, now)
         limit = max(1, min(int(meta.get("limit", self.config.page_items)), 65536))
         cursors = (  # a negative cursor would count from a segment's end
             {int(s): max(0, int(k)) for s, k in meta.get("cursors", [])} if everything else None
@@ -437,14 +532,16 @@ class CompletionStage(Stage):
             "fabric_results_delivered_total": self.delivered,
         }
 
-    def _reply(self, route, kind: MT, meta: dict, arrays: dict | None = None) -> None:
+    def _reply(
+        self, route, kind: MT, meta: dict, arrays: dict | None = None, flags: int = 0
+    ) -> None:
         try:
-            wire.send(self.clients, kind, meta, arrays, route=route)
+            wire.send(self.clients, kind, meta, arrays, route=route, flags=flags)
         except FabricError as exc:
             self.log.debug("could not answer a client: %s", exc)
 
     # ---- housekeeping --------------------------------------------------------------------
-    def _tidy(self) -> None:
+    def _tidy(self, now: float) -> None:
         """Release finished input segments; finish jobs whose every item has a result."""
         for segment_id, segment in list(self.inputs.items()):
             if segment.sealed and segment.deleted >= segment.entries:
@@ -459,15 +556,27 @@ class CompletionStage(Stage):
                     self.log_.unload(job_id)  # all delivered: free its bitmaps and handles
                     self.jobs.forget(job_id)
                 continue
-            self._catch_up(view)
+            self._catch_up(view, now)
             total = view.total
             if total is not None and self.log_.completed(job_id) >= total:
-                self._finish(view)
+                self._finish(view, now)
 
-    def _finish(self, view: JobView) -> None:
-        """Seal the job's completion segments and note when it finished (for retention)."""
-        self.log_.finish_job(view.job_id)
-        (view.directory / FINISHED_FILE).write_text(f"{time.time_ns()}\n")
+    def _finish(self, view: JobView, now: float) -> None:
+        """Seal the job's completion segments and note when it finished (for retention);
+        on a full disk, again at the next tidy."""
+        path = view.directory / FINISHED_FILE
+        tmp = view.directory / f".{FINISHED_FILE}.tmp"
+        try:
+            self.log_.finish_job(view.job_id)
+            try:  # whole or absent: an empty mark would read as finished at time 0
+                tmp.write_text(f"{time.time_ns()}\n")
+                tmp.rename(path)
+            except OSError as exc:
+                tmp.unlink(missing_ok=True)
+                raise disk_error(exc, path, "noting that the job finished") from exc
+        except DiskFullError as exc:
+            self.disk.failed(exc, now)
+            return
         self.log.info("job %s finished", view.job_id)
 
     def drain(self, deadline: float) -> None:
@@ -475,16 +584,30 @@ class CompletionStage(Stage):
             events = dict(self.poller.poll(20))
             if self.inbox not in events:
                 break
-            self._read_inbox()
-            self.log_.sync_outputs()
-        self.log_.sync_outputs()
-        self._flush()
+            now = time.monotonic()
+            self._read_inbox(now)
+            self._sync_outputs(now)
+        now = time.monotonic()
+        self.disk.next_try = now  # one last try each
+        self._sync_outputs(now)
+        self._flush(now)
+        if self.log_.unsynced or self.deferred:
+            self.log.error(
+                "stopping on a full disk: results not stored are sent again by their workers; "
+                "%d item error batch(es) not stored (their items stay queued; dispatch meets "
+                "them again after a restart)",
+                len(self.deferred),
+            )
 
     def close(self) -> None:
-        self.log_.close()
+        try:
+            self.log_.close()
+        except DiskFullError as exc:  # seals not durable: recovery finds them open, harmless
+            self.log.error("closing the completion log: %s", exc)
         for segment in self.inputs.values():
             segment.close()
         self.inbox.close(0)
         self.dispatch.close()
         self.clients.close(0)
+        self.gate.close()
         self.context.term()

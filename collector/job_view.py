@@ -166,9 +166,11 @@ class JobIndex:
             self._by_no[view.job_no] = job_id
         return view
 
-    def job_id(self, job_no: int) -> str | None:
+    def job_id(self, job_no: int, force: bool = False) -> str | None:
+        """The id of job number `job_no`; the jobs directory is listed again at most every
+        0.2 s for a number not seen yet, or at once with `force`."""
         found = self._by_no.get(job_no)
-        if found is None and time.monotonic() - self._rescanned > 0.2:
+        if found is None and (force or time.monotonic() - self._rescanned > 0.2):
             self._rescanned = time.monotonic()
             for meta in self.root.glob("*/job.json"):
                 if meta.parent.name in self.views:

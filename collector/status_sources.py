@@ -26,6 +26,7 @@ import orjson
 
 from collector.client import DispatchClient, ResultsClient
 from pipeline.errors import BrokerUnreachableError, FabricError
+from pipeline.security import ClientCurve
 
 FINISHED_SHOWN_S = 300.0  # a finished job stays on the dashboard this long
 JOBS_SHOWN = 8
@@ -158,8 +159,10 @@ class Sources:
         data_root: Path | None,
         timeout_s: float,
         only_job: str | None = None,
+        curve: ClientCurve | None = None,
     ) -> None:
         self.dispatch_address = dispatch_address
+        self.curve = curve  # CURVE keys for both addresses (pipeline/security.py)
         self.only_job = only_job
         self.completion_address = completion_address
         self.timeout_s = timeout_s
@@ -205,12 +208,16 @@ class Sources:
 
     def _dispatch_client(self) -> DispatchClient:
         if self._dispatch is None:
-            self._dispatch = DispatchClient(self.dispatch_address, self.timeout_s, attempts=1)
+            self._dispatch = DispatchClient(
+                self.dispatch_address, self.timeout_s, attempts=1, curve=self.curve
+            )
         return self._dispatch
 
     def _completion_client(self) -> ResultsClient:
         if self._completion is None:
-            self._completion = ResultsClient(self.completion_address, self.timeout_s, attempts=1)
+            self._completion = ResultsClient(
+                self.completion_address, self.timeout_s, attempts=1, curve=self.curve
+            )
         return self._completion
 
     def _drop_dispatch(self) -> None:

@@ -164,6 +164,22 @@ DEFAULTS: Final[dict[str, Any]] = {
         # Stages send their statistics to the supervisor this often.
         "interval_s": 1.0,
     },
+    "security": {
+        # Path of the broker's secret key file (NAME.key_secret from `run.py keys new`);
+        # set, every ZeroMQ port the broker binds needs CURVE; "" = no authentication.
+        "server_key": "",
+        # Directory of the public keys (*.key) of producers, workers and clients allowed
+        # to connect; required with server_key; read again when its files change.
+        "authorized_keys": "",
+        # Serve anyway when a port listens beyond loopback without CURVE (or the metrics
+        # HTTP endpoint does): a WARNING per exposed address instead of a refusal.
+        "allow_insecure": False,
+        # Clients (run.py commands, workers): this client's secret key file;
+        # "" = server_key (a client on the broker host uses the broker's own key).
+        "client_key": "",
+        # Clients: the broker's public key file (NAME.key); "" = the public half of server_key.
+        "server_public_key": "",
+    },
     # Models served when the file has no [[models]] table.
     "models": [
         {"name": "minilm", "engine": "minilm"},

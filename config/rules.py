@@ -205,6 +205,19 @@ RULES: Final[dict[str, Rule]] = {
     "supervisor.stop_timeout_s": interval("seconds", zero_ok=False),
     "metrics.bind": HTTP_ADDRESS,
     "metrics.interval_s": interval("seconds", zero_ok=False),
+    "security.server_key": Rule(
+        "string", 'a path to the broker\'s NAME.key_secret, or "" for none', lambda v: None
+    ),
+    "security.authorized_keys": Rule(
+        "string", 'a directory of allowed *.key files, or "" for none', lambda v: None
+    ),
+    "security.allow_insecure": Rule("boolean", "true or false", lambda v: None),
+    "security.client_key": Rule(
+        "string", 'a path to this client\'s NAME.key_secret, or "" for server_key', lambda v: None
+    ),
+    "security.server_public_key": Rule(
+        "string", 'a path to the broker\'s NAME.key, or "" for that of server_key', lambda v: None
+    ),
 }
 
 MODEL_RULES: Final[dict[str, Rule]] = {

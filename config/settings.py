@@ -149,6 +149,22 @@ class MetricsSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class SecuritySettings:
+    """[security]: CURVE keys of the broker and its clients (pipeline/security.py uses them)."""
+
+    server_key: str
+    authorized_keys: str
+    allow_insecure: bool
+    client_key: str
+    server_public_key: str
+
+    @property
+    def curve(self) -> bool:
+        """True when the broker's ZeroMQ ports require CURVE (a server key is configured)."""
+        return bool(self.server_key)
+
+
+@dataclass(frozen=True, slots=True)
 class ModelSettings:
     """One [[models]] table: a model name, its engine and what it accepts."""
 
@@ -180,6 +196,7 @@ class Settings:
     workers: WorkerSettings
     supervisor: SupervisorSettings
     metrics: MetricsSettings
+    security: SecuritySettings
     models: tuple[ModelSettings, ...]
     data_path: Path
     source: str
@@ -208,6 +225,7 @@ _SECTION_TYPES: dict[str, type] = {
     "workers": WorkerSettings,
     "supervisor": SupervisorSettings,
     "metrics": MetricsSettings,
+    "security": SecuritySettings,
 }
 
 

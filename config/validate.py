@@ -15,7 +15,10 @@ for example
 Checks in order: unknown sections and keys (with the closest allowed name),
 types (an int is accepted where a float is; a bool is never a number), each
 value against its rule in `config/rules.py`, then the rules that span keys: unique model names,
-`max_tokens` within the largest lane, and no two stages on one address.
+`max_tokens` within the largest lane, no two stages on one address, and the
+broker's key (`security.server_key`) only together with `security.authorized_keys`.
+Whether a bind may listen beyond loopback is judged when the broker starts
+(`pipeline/security.py`), since client commands read the same file.
 """
 
 import datetime
@@ -59,6 +62,7 @@ def validate(data: Mapping[str, Any], source: str, overridden: Set[str] = frozen
         _check_table(table, f"[{section}]", f"{section}.", RULES, where)
     _check_models(data["models"], data["broker"]["lanes"], where)
     _check_addresses(data, where)
+    _check_security(data["security"], where)
 
 
 def _check_table(
@@ -163,6 +167,20 @@ def _check_addresses(data: Mapping[str, Any], where: Callable[[str], str]) -> No
                     "give each stage its own address",
                 )
         bound[key] = (address, written)
+
+
+def _check_security(security: Mapping[str, Any], where: Callable[[str], str]) -> None:
+    """The broker's key and the directory of allowed client keys go together."""
+    for key, other in (("server_key", "authorized_keys"), ("authorized_keys", "server_key")):
+        if security[key] and not security[other]:
+            raise _refuse(
+                where(f"security.{key}"),
+                f"security.{key}",
+                security[key],
+                f"is set but security.{other} is not",
+                "set both (the broker's NAME.key_secret and a directory of allowed *.key "
+                "files; docs/operations.md, Keys and authentication) or neither",
+            )
 
 
 def _refuse(where: str, key: str, value: Any, problem: str, fix: str) -> ConfigError:

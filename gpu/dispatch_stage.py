@@ -43,6 +43,7 @@ from pipeline.datadir import DataDir
 from pipeline.errors import FabricError, WireError
 from pipeline.metrics import RECLAIM_CAUSES
 from pipeline.scan import SegmentSummary, scan_segment
+from pipeline.security import ServerGate
 from pipeline.segment import Segment
 from pipeline.stage import EPOCH_ENV, Stage
 from pipeline.topology import internal_address
@@ -179,12 +180,14 @@ class DispatchStage(Stage):
                 self.log.warning("unreadable cancel mark %s; ignored", cancel)
         self.state.loaded()  # lease and session timeouts count from here (invariant 9)
         self.context = zmq.Context()
+        self.gate = ServerGate(self.context, settings.security)  # CURVE, when keys are set
         self.workers = self.context.socket(zmq.ROUTER)
         self.workers.setsockopt(zmq.LINGER, 0)
         self.workers.setsockopt(zmq.SNDTIMEO, 0)
         self.workers.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting session takes its id back
         self.workers.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)  # bigger: disconnected
         self.limits = wire.WireLimits(max_bytes=config.max_message_bytes)
+        self.gate.secure(self.workers)
         self.workers.bind(settings.dispatch.bind)
         self.inbox = self.context.socket(zmq.PULL)
         self.inbox.setsockopt(zmq.LINGER, 0)
@@ -713,4 +716,5 @@ class DispatchStage(Stage):
         self.workers.close(0)
         self.inbox.close(0)
         self.completion.close()
+        self.gate.close()
         self.context.term()

@@ -47,6 +47,7 @@ from gpu.dispatch_state import ITEM_DTYPE, SLOT_HEADER_WORDS
 from gpu.engines import Engine, EngineBatch, EngineResult, TransientEngineError
 from pipeline import exitcodes, wire
 from pipeline.errors import FabricError, WireError
+from pipeline.security import ClientCurve, internal_curve, secure_client
 from pipeline.stage import StopFlags
 from pipeline.topology import client_address
 
@@ -72,6 +73,7 @@ class WorkerOptions:
     prefetch: int = DEFAULTS["workers"]["prefetch"]
     drain_s: float = DEFAULTS["workers"]["drain_s"]
     target_batch_s: float = DEFAULTS["workers"]["target_batch_s"]
+    curve: ClientCurve | None = None  # CURVE keys for dispatch and heartbeat (pipeline/security.py)
 
 
 @dataclass(eq=False)
@@ -194,6 +196,7 @@ class Worker:
         self.socket.setsockopt(zmq.IMMEDIATE, 1)  # nothing queues for a broker that is not there
         self.socket.setsockopt(zmq.RECONNECT_IVL, 100)
         self.socket.setsockopt(zmq.RECONNECT_IVL_MAX, int(MAX_BACKOFF_S * 1000))
+        secure_client(self.socket, self.options.curve)
         self.socket.connect(self.options.broker)
         self.pinger = None
         if self.options.heartbeat:
@@ -201,6 +204,7 @@ class Worker:
             self.pinger.setsockopt(zmq.LINGER, 0)
             self.pinger.setsockopt(zmq.SNDTIMEO, 0)
             self.pinger.setsockopt(zmq.IMMEDIATE, 1)
+            secure_client(self.pinger, self.options.curve)
             self.pinger.connect(self.options.heartbeat)
         self.thread = threading.Thread(target=self._engine_loop, name="engine", daemon=True)
         self.thread.start()
@@ -598,6 +602,7 @@ class WorkerStage:
                 target_batch_s=workers.target_batch_s,
                 prefetch=workers.prefetch,
                 drain_s=workers.drain_s,
+                curve=internal_curve(settings),  # a local worker uses the broker's own key
             ),
             make_engine(engine_name, **options),
         )

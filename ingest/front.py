@@ -48,8 +48,10 @@ from ingest.tokenizer_stage import items_of
 from pipeline import wire
 from pipeline.batches import put_items, split_items
 from pipeline.datadir import DataDir
-from pipeline.errors import FabricError, IngestError, WireError
+from pipeline.disk_full import FullDisk
+from pipeline.errors import DiskFullError, FabricError, IngestError, WireError
 from pipeline.outlet import Outlet
+from pipeline.security import ServerGate
 from pipeline.stage import Stage
 from pipeline.topology import internal_address
 
@@ -100,10 +102,12 @@ class FrontStage(Stage):
         self.producer_in_flight = settings.ingest.producer_chunks_in_flight
         self.limits = wire.WireLimits(max_bytes=settings.ingest.max_message_bytes)
         self.context = zmq.Context()
+        self.gate = ServerGate(self.context, settings.security)  # CURVE, when keys are set
         self.producers = self.context.socket(zmq.ROUTER)
         self.producers.setsockopt(zmq.LINGER, 0)
         self.producers.setsockopt(zmq.SNDTIMEO, 0)  # a gone producer never blocks the front
         self.producers.setsockopt(zmq.MAXMSGSIZE, settings.ingest.max_message_bytes)
+        self.gate.secure(self.producers)
         self.producers.bind(settings.ingest.bind)
         self.inbox = self.context.socket(zmq.PULL)
         self.inbox.setsockopt(zmq.LINGER, 0)
@@ -122,6 +126,7 @@ class FrontStage(Stage):
         self.replies: list[tuple[tuple[bytes, ...], MT, dict[str, Any], int]] = []
         self.jobs_by_no: dict[int, Job] = {}
         self.stopping = False
+        self.disk = FullDisk(self.log, "chunks are refused, retryably")
 
     # ---- the loop ------------------------------------------------------------------------
     def step(self, now: float) -> None:
@@ -149,7 +154,7 @@ class FrontStage(Stage):
         self._expire(now)
         self._commit_ready()
         try:
-            self.registry.flush()  # accepts and commits of this step: one group commit
+            self._flush_journals(now)  # accepts and commits of this step: one group commit
         except FabricError as exc:
             self._flush_failed(exc, fresh)
             fresh = []
@@ -158,6 +163,7 @@ class FrontStage(Stage):
         self._send_on()
         self._send_replies()
         self._unload_finished()
+        self.disk.settle(now)
 
     # ---- requests from producers ------------------------------------------------------------
     def _handle(self, message: wire.Message, now: float) -> Inflight | None:
@@ -171,6 +177,18 @@ class FrontStage(Stage):
                 return self._submit(message, now)
             except IngestError as exc:
                 self._refuse(route, meta, str(exc))
+            except DiskFullError as exc:  # creating the job's files: the producer retries
+                self.log.warning("job %r: %s", meta.get("job"), exc)
+                self._reply(
+                    route,
+                    MT.CHUNK_ERROR,
+                    {
+                        "job": str(meta.get("job", "")),
+                        "chunk": _int(meta.get("chunk")),
+                        "reason": str(exc),
+                    },
+                    wire.Flag.RETRYABLE,
+                )
             except WireError as exc:
                 self._refuse(route, meta, f"malformed chunk: {exc}")
             except Exception:  # a bug must not turn one chunk into a crash loop
@@ -446,9 +464,23 @@ class FrontStage(Stage):
         meta = {"job": flight.job.job_id, "chunk": flight.chunk.index, "reason": reason}
         self._reply(flight.route, MT.CHUNK_ERROR, meta, wire.Flag.RETRYABLE if retryable else 0)
 
+    def _flush_journals(self, now: float) -> None:
+        """Sync the job journals; on a full disk, one try a second (the rest fail at once)."""
+        if not self.registry.dirty:
+            return
+        if not self.disk.ready(now):
+            raise DiskFullError(self.disk.reason)
+        try:
+            self.registry.flush()
+        except DiskFullError as exc:
+            self.disk.failed(exc, now)
+            raise
+        self.disk.succeeded(now)
+
     def _flush_failed(self, exc: Exception, fresh: list[Inflight]) -> None:
         """The journal could not be synced (a full disk): nothing waiting on it may be answered."""
-        self.log.error("job journal sync failed: %s", exc)
+        if not isinstance(exc, DiskFullError):  # that one is logged once, by self.disk
+            self.log.error("job journal sync failed: %s", exc)
         for flight in fresh:
             self._fail(flight, f"the broker could not record the chunk: {exc}", retryable=True)
         self.replies = [
@@ -504,6 +536,7 @@ class FrontStage(Stage):
         self.outlet.close()
         for sock in (self.producers, self.inbox, self.tokenize):
             sock.close(0)
+        self.gate.close()
         self.context.term()
 
 

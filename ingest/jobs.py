@@ -35,6 +35,7 @@ from ingest.custom_ids import CustomIdSet
 from pipeline.counter import DurableCounter
 from pipeline.errors import IngestError
 from pipeline.records import RecordLog
+from pipeline.segment import disk_error
 
 JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")  # \Z: "$" would allow a final newline
 STATES = ("validating", "queued", "in_progress", "completed", "cancelled", "failed")
@@ -232,33 +233,37 @@ class JobRegistry:
         `chunk_lines` lines and its results go where `deliver` says (`parse_deliver`)."""
         check_job_id(job_id)
         directory = self.root / job_id
-        directory.mkdir(exist_ok=True)
-        job_no = self._counter.next()
+        job_no = self._counter.next()  # DiskFullError when the disk is full
         created_ns = time.time_ns()
         tmp = directory / ".job.json.tmp"
-        tmp.write_bytes(
-            orjson.dumps(
-                {
-                    "job_id": job_id,
-                    "job_no": job_no,
-                    "created_ns": created_ns,
-                    "chunk_lines": chunk_lines,
-                    "deliver": deliver,
-                }
-            )
-        )
-        fd = os.open(tmp, os.O_RDONLY)
         try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        tmp.rename(directory / "job.json")
-        for path in (directory, self.root):
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+            directory.mkdir(exist_ok=True)
+            tmp.write_bytes(
+                orjson.dumps(
+                    {
+                        "job_id": job_id,
+                        "job_no": job_no,
+                        "created_ns": created_ns,
+                        "chunk_lines": chunk_lines,
+                        "deliver": deliver,
+                    }
+                )
+            )
+            fd = os.open(tmp, os.O_RDONLY)
             try:
                 os.fsync(fd)
             finally:
                 os.close(fd)
+            tmp.rename(directory / "job.json")
+            for path in (directory, self.root):
+                fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        except OSError as exc:  # a full disk: nothing of the job exists; the producer retries
+            tmp.unlink(missing_ok=True)
+            raise disk_error(exc, directory / "job.json", "creating the job") from exc
         job = Job(
             job_id, job_no, created_ns, chunk_lines, directory, RecordLog(directory / "chunks.log")
         )
@@ -280,6 +285,11 @@ class JobRegistry:
     def touch(self, job: Job) -> None:
         """Mark a job's journal as needing a flush."""
         self._dirty.add(job.job_id)
+
+    @property
+    def dirty(self) -> bool:
+        """True while some journal has records `flush()` has not made durable."""
+        return bool(self._dirty)
 
     def flush(self) -> None:
         """Make every pending journal record durable (group commit)."""

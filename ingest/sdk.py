@@ -7,8 +7,10 @@
 A job is sent in numbered chunks of `chunk_lines` lines, a few at a time
 (`window`). Each chunk is acknowledged only when every item of it is
 durable in the broker's log, so when `submit_*` returns, the producer may
-exit. A chunk that fails retryably, or gets no answer in `timeout_s`, is
-sent again; the broker stores nothing twice. If the broker stays silent,
+exit. A chunk that fails retryably (a full disk, a busy broker) is sent
+again after a backoff of 0.2 s doubling to 5 s (`on_retry` hears of each),
+one that gets no answer in `timeout_s` at once; the broker stores nothing
+twice. If the broker stays silent,
 BrokerUnavailableError says how far the job got; running the same submit
 again with the same job id resumes after the chunks already acknowledged.
 
@@ -37,10 +39,12 @@ from ingest.input_chunk import InputChunk
 from ingest.request_shape import Shape
 from pipeline import wire
 from pipeline.errors import IngestError, WireError
+from pipeline.security import ClientCurve, secure_client
 
 MT = wire.MessageType
 QUICK_TRIES = 3  # requests that are not chunks: HELLO, JOB_STATUS
 QUICK_WAIT_S = 5.0
+MAX_BACKOFF_S = 5.0  # a chunk failed retryably (a full disk, a busy broker) waits 0.2, 0.4 .. 5 s
 
 
 class BrokerUnavailableError(IngestError):
@@ -65,14 +69,22 @@ class SubmitReport:
 
 
 Progress = Callable[[SubmitReport, int], None]  # (report so far, lines done)
+# (job id, chunk, tries so far, the broker's reason, seconds until it is sent again)
+RetryHook = Callable[[str, int, int, str, float], None]
 
 
 class Producer:
     """A connection to the ingest front; one thread at a time."""
 
     def __init__(
-        self, address: str, timeout_s: float = 30.0, window: int = 4, attempts: int = 10
+        self,
+        address: str,
+        timeout_s: float = 30.0,
+        window: int = 4,
+        attempts: int = 10,
+        curve: ClientCurve | None = None,
     ) -> None:
+        """`curve`: this producer's CURVE keys, for a broker that requires them."""
         self.address = address
         self.timeout_s = timeout_s
         self.window = window
@@ -82,8 +94,11 @@ class Producer:
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
         self._socket.setsockopt(zmq.SNDHWM, window * 2)
+        secure_client(self._socket, curve)
         self._socket.connect(address)
         self._catalog: dict[str, Any] | None = None
+        self._backing_off: dict[int, tuple[float, str]] = {}  # chunk -> (resend at, why)
+        self.on_retry: RetryHook | None = None  # told of each retryable failure (a full disk)
 
     def __enter__(self) -> Producer:
         return self
@@ -122,7 +137,8 @@ class Producer:
                     )
         raise BrokerUnavailableError(
             f"no broker answers at {self.address} ({QUICK_TRIES} tries of {wait_s:g} s); is it "
-            f"running? Start one with `python run.py --config FILE`, or check --broker / --config"
+            f"running? Start one with `python run.py --config FILE`, or check --broker / --config, "
+            f"and that it requires no CURVE key or authorizes this producer's (--key)"
         )
 
     def catalog(self) -> dict[str, Any]:
@@ -231,6 +247,7 @@ class Producer:
         deliver: str = "file",
     ) -> SubmitReport:
         report = SubmitReport(job_id)
+        self._backing_off.clear()
         done = set(status.get("committed", [])) if status["exists"] else set()
         if status["exists"]:
             report.stored = int(status.get("stored", 0))
@@ -267,14 +284,28 @@ class Producer:
         return report
 
     def _await_one(self, job_id: str, pending: dict, report: SubmitReport) -> None:
-        """Wait for one answer; resend chunks that failed retryably or went unanswered."""
-        oldest = min(sent for _, _, sent, _ in pending.values())
-        wait_s = max(0.0, oldest + self.timeout_s - time.monotonic())
+        """Wait for one answer; resend chunks that failed retryably or went unanswered.
+
+        A chunk that failed retryably waits out its backoff in `_backing_off`
+        while the answers to the others keep coming.
+        """
+        now = time.monotonic()
+        for number, (due, why) in list(self._backing_off.items()):
+            if now >= due:
+                del self._backing_off[number]
+                meta, arrays, _, tries = pending[number]
+                self._retry(job_id, pending, number, meta, arrays, tries, why)
+        deadlines = [due for due, _ in self._backing_off.values()] + [
+            sent + self.timeout_s
+            for number, (_, _, sent, _) in pending.items()
+            if number not in self._backing_off
+        ]
+        wait_s = max(0.0, min(deadlines) - time.monotonic())
         message = wire.recv(self._socket, int(wait_s * 1000) + 1)
         now = time.monotonic()
         if message is None:
             for number, (meta, arrays, sent, tries) in list(pending.items()):
-                if now - sent >= self.timeout_s:
+                if number not in self._backing_off and now - sent >= self.timeout_s:
                     self._retry(job_id, pending, number, meta, arrays, tries, "no answer")
             return
         meta = message.meta
@@ -283,6 +314,7 @@ class Producer:
             return  # an answer to an earlier try, already handled
         if message.type == MT.CHUNK_ACK:
             del pending[number]
+            self._backing_off.pop(number, None)
             report.chunks += 1
             if not meta.get("duplicate"):
                 report.stored += int(meta["stored"])
@@ -290,9 +322,17 @@ class Producer:
             report.errors.extend(meta["errors"])
             report.state = str(meta.get("state", ""))
         elif message.type == MT.CHUNK_ERROR and message.retryable:
-            chunk_meta, arrays, _, tries = pending[number]
-            time.sleep(min(5.0, 0.1 * 2**tries))  # back off before the retry
-            self._retry(job_id, pending, number, chunk_meta, arrays, tries, meta["reason"])
+            if number in self._backing_off:
+                return  # an answer to an earlier try of a chunk already waiting
+            tries, reason = pending[number][3], str(meta["reason"])
+            if tries >= self.attempts:
+                raise BrokerUnavailableError(
+                    f"chunk {number} of job {job_id} failed {tries} times (last: {reason})"
+                )
+            delay_s = min(MAX_BACKOFF_S, 0.1 * 2**tries)
+            self._backing_off[number] = (now + delay_s, reason)
+            if self.on_retry is not None:
+                self.on_retry(job_id, number, tries, reason, delay_s)
         elif message.type in (MT.CHUNK_ERROR, MT.ERROR):
             raise ChunkRefusedError(
                 f"the broker refused chunk {number} of job {job_id}: {meta.get('reason')}"

@@ -19,12 +19,16 @@ import time
 from dataclasses import dataclass
 from typing import ClassVar
 
+from pipeline.errors import DiskFullError
 from pipeline.logs import setup_stage_logging
 from pipeline.metrics import StatsPusher
 
 log = logging.getLogger("fabric.stage")
 PR_SET_PDEATHSIG = 1
 EPOCH_ENV = "FABRIC_EPOCH"  # the broker life's epoch, set by the supervisor for every stage
+# EX_TEMPFAIL: a DiskFullError reached the top of a stage (stages handle a full disk; this
+# is the safety net). The supervisor restarts it without counting a crash.
+DISK_FULL_EXIT = 75
 
 
 @dataclass(frozen=True)
@@ -142,6 +146,9 @@ def stage_main(spec: StageSpec, settings, parent_pid: int) -> None:  # pragma: n
     die_with_parent(parent_pid)
     try:
         code = run_stage(spec, settings)
+    except DiskFullError:
+        log.exception("stage %s stopped on a full disk", spec.label)
+        code = DISK_FULL_EXIT
     except Exception:
         log.exception("stage %s crashed", spec.label)
         code = 1

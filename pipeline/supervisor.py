@@ -2,8 +2,11 @@
 
 `python run.py --config FILE` runs one Supervisor. Order of business:
 
-1. Take the data dir's exclusive lock (a second broker on it exits 4);
-   start the heartbeat port and the metrics thread (pipeline/metrics_server.py).
+1. Refuse a bind beyond loopback that nothing authenticates, and unreadable
+   keys (pipeline/security.py; exit 3); set the umask to 0o077, so every file
+   the broker and its stages create is the owner's alone. Take the data dir's
+   exclusive lock (a second broker on it exits 4); start the heartbeat port
+   and the metrics thread (pipeline/metrics_server.py).
 2. Run recovery (invariant 4) and hand finished segments to the collector.
 3. Create the shared-memory rings between stages, then start every stage
    as its own process (spawn), in pipeline order. A stage that dies has its
@@ -40,11 +43,13 @@ from pipeline.metrics_hub import MetricsHub
 from pipeline.metrics_server import MetricsServer
 from pipeline.recovery import recover
 from pipeline.ring import Ring
-from pipeline.stage import EPOCH_ENV, StageSpec, stage_main
+from pipeline.security import ServerGate, ServerKeys, check_exposure, loose_permissions
+from pipeline.stage import DISK_FULL_EXIT, EPOCH_ENV, StageSpec, stage_main
 from pipeline.topology import RING_BYTES, RingSpec
 
 log = logging.getLogger("fabric.supervisor")
 MAX_BACKOFF_S = 30.0
+DISK_FULL_BACKOFF_S = 5.0  # a stage that stopped on a full disk (DISK_FULL_EXIT) waits this much
 HEARTBEAT_MAX_MESSAGE_BYTES = 4096  # a PING is about 40 bytes; a bigger frame disconnects the peer
 
 
@@ -95,12 +100,31 @@ class Supervisor:
 
     # ---- lifecycle -------------------------------------------------------
     def start(self) -> None:
-        """Lock, recover, collect, and start every stage. Raises DataDirLockedError."""
+        """Lock, recover, collect, and start every stage.
+
+        Raises ConfigError (an exposed bind, a bad key) before anything is
+        touched, and DataDirLockedError.
+        """
+        security = self.settings.security
+        insecure = check_exposure(self.settings)
+        ServerKeys.load(security)  # a bad key file stops the start here, not in every stage
+        os.umask(0o077)  # inherited by every stage: data dir files are the owner's alone
         self.data_dir.lock()
+        with contextlib.suppress(OSError):  # a data dir made before (or by someone else)
+            os.chmod(self.data_dir.root, 0o700)
         setup_stage_logging(self.data_dir.log, "supervisor-0")
+        for line in insecure:
+            log.warning("%s", line)
+            print(f"fabric: WARNING: {line}", file=sys.stderr, flush=True)
+        if security.curve and (mode := loose_permissions(security.server_key)) is not None:
+            log.warning(
+                "security.server_key %s is readable by group or others (mode %o); chmod 600 it",
+                security.server_key,
+                mode,
+            )
         self.epoch = time.time_ns()
         os.environ[EPOCH_ENV] = str(self.epoch)  # inherited by every stage: dispatch files
-        self.heartbeat = Heartbeat(self.settings.dispatch.heartbeat_bind, self.epoch)
+        self.heartbeat = Heartbeat(self.settings.dispatch.heartbeat_bind, self.epoch, security)
         self.heartbeat.start()
         self.metrics = MetricsServer(self.settings, self.metrics_hub)
         self.metrics.start()
@@ -168,10 +192,19 @@ class Supervisor:
 
     def _on_death(self, child: _Child, now: float) -> None:
         how = describe_exit(child.process.exitcode)
+        disk_full = child.process.exitcode == DISK_FULL_EXIT
         child.process.close()
         child.process = None
         self.metrics_hub.ended(child.spec.label)
         window = self.config.restart_window_s
+        if disk_full:  # a restart frees nothing: never a crash loop, and no hurry
+            child.restart_at = now + DISK_FULL_BACKOFF_S
+            log.error(
+                "stage %s stopped on a full disk (see its log); restarting it in %.1f s",
+                child.spec.label,
+                DISK_FULL_BACKOFF_S,
+            )
+            return
         child.deaths.append(now)
         while child.deaths and child.deaths[0] < now - window:
             child.deaths.popleft()
@@ -251,10 +284,11 @@ class Heartbeat(threading.Thread):
     while dispatch is busy or restarting.
     """
 
-    def __init__(self, address: str, epoch: int) -> None:
+    def __init__(self, address: str, epoch: int, security=None) -> None:
         super().__init__(name="heartbeat", daemon=True)
         self.address = address
         self.epoch = epoch
+        self.security = security  # SecuritySettings: CURVE on this port when it has a server key
         self.recovered = False
         self._stop_event = threading.Event()
         self.started_s = time.monotonic()  # up_s is a duration: a wall-clock step cannot bend it
@@ -271,11 +305,17 @@ class Heartbeat(threading.Thread):
         socket.setsockopt(zmq.SNDTIMEO, 0)
         socket.setsockopt(zmq.MAXMSGSIZE, HEARTBEAT_MAX_MESSAGE_BYTES)
         limits = wire.WireLimits(max_frames=1, max_bytes=HEARTBEAT_MAX_MESSAGE_BYTES)
+        gate = None
         try:
+            if self.security is not None:
+                gate = ServerGate(context, self.security)
+                gate.secure(socket)
             socket.bind(self.address)
-        except zmq.ZMQError as exc:
+        except (zmq.ZMQError, FabricError) as exc:
             log.error("heartbeat port %s: cannot bind: %s", self.address, exc)
             socket.close(0)
+            if gate is not None:
+                gate.close()
             context.term()
             return
         try:
@@ -300,6 +340,8 @@ class Heartbeat(threading.Thread):
                     )
         finally:
             socket.close(0)
+            if gate is not None:
+                gate.close()
             context.term()
 
     def stop(self) -> None:

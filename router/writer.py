@@ -6,7 +6,10 @@ rings, appends them, syncs every segment it touched (one fdatasync each:
 group commit), releases the rings, and only then tells the front how many
 items of which chunk are durable (APPEND_ACK). A record whose deadline has
 passed is dropped unappended: the front has given up on that chunk and its
-producer will retry it. A full disk answers the chunk with a retryable error.
+producer will retry it. A full disk answers the chunk with a retryable error
+(nothing of a failed append is stored, and a failed group commit fails every
+chunk of the step), logged once, not once per chunk (pipeline/disk_full.py);
+the writer goes on and the next append tries the disk again.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import zmq
 from pipeline import wire
 from pipeline.batches import KEYED, Keyed, read_keyed
 from pipeline.datadir import DataDir
+from pipeline.disk_full import FullDisk
 from pipeline.errors import DiskFullError, FabricError
 from pipeline.metrics import FSYNC_BUCKETS_S, Histogram
 from pipeline.ring_port import RingPort
@@ -63,6 +67,7 @@ class WriterStage(Stage):
         self.flush_s = settings.writers.flush_ms / 1000
         self.appended_by_key: Counter = Counter()  # (model, lane) -> items appended (metrics)
         self.fsync_s = Histogram(FSYNC_BUCKETS_S)  # one group commit per observation
+        self.disk = FullDisk(self.log, "chunks that need new space are refused, retryably")
 
     def _appender(self, key: tuple[str, int, int]) -> SegmentAppender:
         appender = self.appenders.get(key)
@@ -108,10 +113,16 @@ class WriterStage(Stage):
                 taken += self._take(now, durable, failed)
         if durable:
             began = time.perf_counter()
-            for appender in self.appenders.values():
-                appender.sync()
-            self.fsync_s.observe(time.perf_counter() - began)
-            self._announce()
+            try:
+                for appender in self.appenders.values():
+                    appender.sync()
+            except DiskFullError as exc:  # not durable: no chunk of this step is acknowledged
+                self.disk.failed(exc, time.monotonic())
+                failed.update({chunk: str(exc) for chunk in durable if chunk not in failed})
+                self.placed.clear()  # dispatch finds what did reach the disk by its rescan
+            else:
+                self.fsync_s.observe(time.perf_counter() - began)
+                self._announce()
         for (job_no, chunk), count in durable.items():
             if (job_no, chunk) not in failed:
                 self._tell(
@@ -124,9 +135,13 @@ class WriterStage(Stage):
                 {"reason": reason, "job_no": job_no, "chunk": chunk},
                 wire.Flag.RETRYABLE,
             )
+        self.disk.settle(now)
         for appender in self.appenders.values():
             if appender.maybe_rotate(now):
-                appender.sync()
+                try:
+                    appender.sync()
+                except DiskFullError as exc:  # the seal is written again at the next sync
+                    self.disk.failed(exc, time.monotonic())
 
     def _take(self, now: float, durable: dict, failed: dict) -> int:
         """Append every waiting record (up to the step's limit); returns how many were taken.
@@ -180,9 +195,11 @@ class WriterStage(Stage):
             self.appended_by_key[(keyed.model, str(keyed.lane))] += len(keyed.index)
             for segment_id, first, count in placed.tolist():
                 self.placed[segment_id] = max(self.placed.get(segment_id, 0), first + count)
-        except DiskFullError as exc:
+            self.disk.succeeded(time.monotonic())
+        except DiskFullError as exc:  # the front tells the producer, who sends it again
             failed[chunk] = str(exc)
-            self.log.error("job %d chunk %d: %s", *chunk, exc)
+            self.disk.failed(exc, time.monotonic())
+            self.disk.refused()
 
     def _announce(self) -> None:
         """Tell dispatch what is durable now; a lost notice is found by its rescan."""
@@ -226,7 +243,10 @@ class WriterStage(Stage):
 
     def close(self) -> None:
         for appender in self.appenders.values():
-            appender.close()
+            try:
+                appender.close()
+            except DiskFullError as exc:  # a seal not durable: recovery seals it anyway
+                self.log.error("closing %s: %s", appender.key, exc)
         for port in self.ports:
             port.close()
         self.wakeups.close(0)

@@ -56,16 +56,20 @@ def write_config(
     dispatch: str = "",
     worker_keys: str = "",
     vectors: str = "",
+    data_dir: Path | None = None,
+    broker_keys: str = "",
 ) -> Path:
-    """A config with a data dir under tmp_path, free loopback ports, and three models:
-    `echo` (token ids only), `texty` (text, with a small word-level tokenizer) and `sim`
-    (the simulated engine's 384-dim embeddings of the same text)."""
+    """A config with a data dir under tmp_path (or at `data_dir`), free loopback ports, and
+    three models: `echo` (token ids only), `texty` (text, with a small word-level tokenizer)
+    and `sim` (the simulated engine's 384-dim embeddings of the same text). `broker_keys`
+    are more lines for the [broker] section."""
     tokenizer = build_tokenizer(tmp_path / "tokenizer.json")
     ports = [free_port() for _ in range(6)]
     text = f"""
 [broker]
-data_dir = "{tmp_path / "data"}"
+data_dir = "{data_dir or tmp_path / "data"}"
 segment_bytes = 4194304
+{broker_keys}
 [ingest]
 bind = "tcp://127.0.0.1:{ports[0]}"
 chunk_items = 200
@@ -118,8 +122,11 @@ max_tokens = {TEXT_LIMIT_TOKENS}
 class Broker:
     """`python run.py --config FILE` in a subprocess."""
 
-    def __init__(self, config: Path) -> None:
+    def __init__(self, config: Path, stderr_path: Path | None = None) -> None:
+        """`stderr_path`: the broker's stderr goes to that file instead of a pipe (a pipe
+        nobody reads fills up and blocks the stages, e.g. while logging fails on a full disk)."""
         self.config = config
+        self.stderr_path = stderr_path
         from config import load_settings
 
         self.settings = load_settings(config)
@@ -128,13 +135,17 @@ class Broker:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> Broker:
+        path = self.stderr_path
+        err = subprocess.PIPE if path is None else open(path, "w")  # noqa: SIM115
         self.proc = subprocess.Popen(
             [sys.executable, str(REPO / "run.py"), "--config", str(self.config)],
             stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
+            stderr=err,
             text=True,
             cwd=REPO,
         )
+        if self.stderr_path is not None:
+            err.close()
         wait_for(self.all_up, "every stage to be up", timeout_s=60)
         return self
 
@@ -165,12 +176,13 @@ class Broker:
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(timeout=30)
-        self.proc.stderr.close()
+        if self.proc.stderr is not None:
+            self.proc.stderr.close()
 
     def stop(self) -> int:
         self.proc.send_signal(signal.SIGTERM)
         _, err = self.proc.communicate(timeout=90)
-        self.stderr = err
+        self.stderr = err if self.stderr_path is None else self.stderr_path.read_text()
         return self.proc.returncode
 
     def close(self) -> None:

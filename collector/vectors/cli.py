@@ -37,8 +37,9 @@ def add_parser(commands, client_options, handler) -> None:
     vectors.set_defaults(handler=handler)
 
 
-def run_vectors(args: argparse.Namespace, address: str, settings_of) -> int:
-    with VectorsClient(address, timeout_s=args.timeout) as client:
+def run_vectors(args: argparse.Namespace, address: str, settings_of, curve=None) -> int:
+    """One `vectors` action against the manager at `address`; `curve`: the client's CURVE keys."""
+    with VectorsClient(address, timeout_s=args.timeout, curve=curve) as client:
         if args.action == "stats":
             return _stats(client, args)
         if args.action == "search":

@@ -29,6 +29,7 @@ from collector.vectors.stores import StoreSet, stores_root
 from ingest.jobs import JOB_ID
 from pipeline import wire
 from pipeline.errors import FabricError, WireError
+from pipeline.security import ServerGate, internal_curve, secure_client
 from pipeline.stage import Stage
 from pipeline.topology import client_address
 
@@ -73,15 +74,18 @@ class VectorStage(Stage):
         self.flush_failures = 0
         self.searches = 0
         self.context = zmq.Context()
+        self.gate = ServerGate(self.context, settings.security)  # CURVE, when keys are set
         self.completion = self.context.socket(zmq.DEALER)
         self.completion.setsockopt(zmq.LINGER, 0)
         self.completion.setsockopt(zmq.SNDTIMEO, 0)
+        secure_client(self.completion, internal_curve(settings))  # the broker's own key
         self.completion.connect(client_address(settings.completion.bind))
         self.users = self.context.socket(zmq.ROUTER)
         self.users.setsockopt(zmq.LINGER, 0)
         self.users.setsockopt(zmq.SNDTIMEO, 0)
         self.users.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)  # bigger frames: disconnected
         self.limits = wire.WireLimits(max_bytes=MAX_REQUEST_BYTES)
+        self.gate.secure(self.users)
         self.users.bind(self.config.bind)  # only now: every store is recovered
         self.poller = zmq.Poller()
         self.poller.register(self.completion, zmq.POLLIN)
@@ -331,4 +335,5 @@ class VectorStage(Stage):
         self.stores.close()
         self.completion.close(0)
         self.users.close(0)
+        self.gate.close()
         self.context.term()

@@ -335,19 +335,29 @@ class Shard:
         """Rows appended but not yet durable."""
         return self._pending_count
 
-    def append(self, ids: np.ndarray, rows: np.ndarray) -> tuple[int, int]:
-        """Queue rows (all or nothing); returns `(shard_id, first_row)`, durable after `flush()`."""
+    def append(
+        self, ids: np.ndarray, rows: np.ndarray, copy: bool = True, checked: bool = False
+    ) -> tuple[int, int]:
+        """Queue rows (all or nothing); returns `(shard_id, first_row)`, durable after `flush()`.
+
+        With `copy=False` rows already of the shard's dtype are queued as they
+        are: the caller must not change them until the flush. `checked` says
+        `validate` already passed them (the store validates a batch once).
+        """
         if self.sealed:
             raise VectorSealedError(f"{self.journal_path}: shard {self.shard_id} is sealed")
-        ids_arr, rows_arr = self.validate(ids, rows)
+        ids_arr, rows_arr = (ids, rows) if checked else self.validate(ids, rows, copy)
         first = self.rows + self._pending_count
         self._pending_ids.append(ids_arr)
         self._pending_rows.append(rows_arr)
         self._pending_count += len(rows_arr)
         return self.shard_id, first
 
-    def validate(self, ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Copies of `ids` as u64 and `rows` as the shard dtype, or a `VectorInputError`."""
+    def validate(
+        self, ids: np.ndarray, rows: np.ndarray, copy: bool = True
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """`ids` as u64 and `rows` as the shard dtype (copies, unless `copy` is False and they
+        already are), or a `VectorInputError`."""
         rows = np.asarray(rows)
         ids = np.asarray(ids)
         if rows.ndim != 2 or rows.shape[1] != self.dim:
@@ -363,9 +373,9 @@ class Shard:
         if ids.dtype.kind == "i" and len(ids) and ids.min() < 0:
             raise VectorInputError(f"id {ids.min()} at row {int(ids.argmin())} is negative")
         with np.errstate(over="ignore"):
-            stored = rows.astype(self.dtype)
+            stored = np.ascontiguousarray(rows.astype(self.dtype, copy=copy))
         with np.errstate(over="ignore", invalid="ignore"):  # a NaN or inf makes its row sum one
-            sums_finite = np.isfinite(stored.sum(axis=1, dtype=np.float64)).all()
+            sums_finite = np.isfinite(stored.sum(axis=1, dtype=np.float32)).all()
         bad = None if sums_finite else ~np.isfinite(stored).all(axis=1)
         if bad is not None and bad.any():
             row = int(np.flatnonzero(bad)[0])
@@ -373,7 +383,7 @@ class Shard:
                 f"row {row} of the batch (id {int(ids[row])}) has NaN or infinite values "
                 f"as {self.dtype}; nothing was appended"
             )
-        return ids.astype(IDS_DTYPE), stored
+        return np.ascontiguousarray(ids.astype(IDS_DTYPE, copy=copy)), stored
 
     def flush(self) -> tuple[int, int]:
         """Make queued rows durable; returns `(first_row, count)` that became durable.

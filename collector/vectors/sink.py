@@ -263,7 +263,7 @@ class VectorSink:
             if not finite.all():
                 rows, vectors = rows[finite], vectors[finite]
             ids = (np.uint64(job.job_no) << np.uint64(32)) | index[rows].astype(np.uint64)
-            store.append(ids, vectors)
+            store.append(ids, vectors, copy=False)  # `vectors` is this page's own gathered copy
             job.mark(index[rows])
             job.stored += len(rows)
             self.rows_stored += len(rows)

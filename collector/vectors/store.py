@@ -84,18 +84,22 @@ class VectorStore:
         """Every shard's durable ids, one read-only memmap each."""
         return [s.read(0, s.rows)[0] for s in self.shards]
 
-    def append(self, ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        """Queue a batch (validated whole first: all or nothing); returns its placements."""
+    def append(self, ids: np.ndarray, rows: np.ndarray, copy: bool = True) -> np.ndarray:
+        """Queue a batch (validated whole first: all or nothing); returns its placements.
+
+        `copy=False`: see `Shard.append` (the rows must not change until the flush).
+        """
         if self.readonly:
             raise VectorInputError(f"{self.directory}: opened read-only")
-        ids, rows = (self.shards[-1] if self.shards else self._writable()).validate(ids, rows)
+        shard = self.shards[-1] if self.shards else self._writable()
+        ids, rows = shard.validate(ids, rows, copy)
         placements = []
         start = 0
         while start < len(rows):
             shard = self._writable()
             room = self.shard_rows - shard.rows - shard.pending_rows
             end = min(len(rows), start + room)
-            _, first = shard.append(ids[start:end], rows[start:end])
+            _, first = shard.append(ids[start:end], rows[start:end], checked=True)
             placements.append((shard.shard_id, first, end - start))
             start = end
         return np.array(placements, dtype=np.uint64).reshape(-1, 3)

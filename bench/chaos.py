@@ -1,0 +1,452 @@
+"""Chaos: a whole broker under random kills for as long as asked, every outcome checked at the end.
+
+    .venv/bin/python -m bench.chaos --minutes 30 [--seed 1] [--items 2000] [--jobs 2]
+
+It starts a broker (bench/chaos_fleet.py: 2 local echo workers) and two
+`run.py worker` processes (echo and texty), and keeps `--jobs` jobs going: each is submitted
+with `run.py submit --job-id` (token ids and text, broken lines, text too
+long for its model, and one poison item that SIGKILLs any worker that runs
+it) and fetched with `run.py results --follow`. Until the time is up, every
+0.2-1.5 s it does one of: SIGKILL a stage of the broker (any: front,
+tokenizer, router, writer, dispatch, completion, vectors, a local worker),
+SIGKILL a remote worker, SIGKILL the whole broker and start it again,
+SIGKILL a results client or a submit and run it again, or SIGSTOP a worker
+for longer than its lease and let it go later. A client that fails (the
+broker was down too long) is run again with the same arguments, as a user
+would.
+
+At the end it stops killing, lets every job finish and be fetched, and
+asserts for every job: each input line has exactly one outcome (an output
+line or an error line) across its output and error files, no custom_id
+twice, the poison item is an error, the job's counters equal the files; then
+the broker stops cleanly (exit 0), `python run.py check` is clean and every
+input segment is collected. It prints the kills of each kind survived and,
+unless `--quick`, writes the summary to docs/RELIABILITY.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from bench import machine
+from bench.chaos_fleet import (
+    LEASE_S,
+    REPO,
+    BrokerProcess,
+    Client,
+    JobInput,
+    chaos_env,
+    run_py,
+    write_config,
+    write_job,
+)
+from bench.report import write_section
+
+DOC = REPO / "docs" / "RELIABILITY.md"
+STAGES = ("front", "tokenizer", "router", "writer", "dispatch", "completion", "vectors", "worker")
+
+
+@dataclass
+class Job:
+    spec: JobInput
+    submit: Client
+    fetch: Client | None = None
+    out: Path = Path()
+    err: Path = Path()
+
+
+@dataclass
+class Report:
+    seconds: float = 0.0
+    kills: Counter = field(default_factory=Counter)
+    jobs: int = 0
+    lines: int = 0
+    lost: int = 0
+    doubled: int = 0
+    counter_mismatches: int = 0
+    problems: list[str] = field(default_factory=list)
+    submit_runs: int = 0
+    fetch_runs: int = 0
+    poison_deaths: int = 0
+
+    @property
+    def total_kills(self) -> int:
+        return sum(n for kind, n in self.kills.items() if kind != "SIGSTOP worker")
+
+    @property
+    def ok(self) -> bool:
+        return not (self.lost or self.doubled or self.counter_mismatches or self.problems)
+
+
+class Chaos:
+    def __init__(
+        self, root: Path, seed: int, items: int, jobs: int, local_workers: int = 2
+    ) -> None:
+        self.root = root
+        self.random = random.Random(seed)
+        self.rng = np.random.default_rng(seed)
+        self.items, self.jobs_in_flight = items, jobs
+        self.env = chaos_env()
+        self.config = write_config(root, local_workers)
+        # front, tokenizer, router, writer, dispatch, completion, vectors, and the local workers
+        self.broker = BrokerProcess(self.config, root / "data", self.env, 7 + local_workers)
+        self.workers = [  # remote workers: one for each model (the local ones serve echo)
+            Client(
+                f"remote {model} worker",
+                run_py(
+                    "worker",
+                    "--broker",
+                    _address(self.config, "dispatch", "bind"),
+                    "--heartbeat",
+                    _address(self.config, "dispatch", "heartbeat_bind"),
+                    "--model",
+                    model,
+                    "--engine",
+                    "echo",
+                    "--batch-items",
+                    "64",
+                    "--drain-s",
+                    "5",
+                    "--target-batch-s",
+                    "0",
+                ),
+                self.env,
+                root / f"worker-{model}.log",
+            )
+            for model in ("echo", "texty")
+        ]
+        self.jobs: list[Job] = []
+        self.finished: list[Job] = []
+        self.stopped: dict[int, float] = {}  # pid -> when to SIGCONT it
+        self.report = Report()
+        self.next_job = 0
+
+    # ---- the run ---------------------------------------------------------------------
+    def run(self, seconds: float, progress=None) -> Report:
+        began = time.monotonic()
+        self.broker.start()
+        for worker in self.workers:
+            worker.start()
+        deadline = began + seconds
+        next_action = time.monotonic() + 1.0
+        next_note = time.monotonic() + 30
+        try:
+            while time.monotonic() < deadline:
+                self._tend()
+                now = time.monotonic()
+                if now >= next_action:
+                    self._act()
+                    next_action = time.monotonic() + self.random.uniform(0.2, 1.5)
+                if progress is not None and now >= next_note:
+                    next_note = now + 30
+                    progress(self.report, now - began, len(self.finished))
+                time.sleep(0.05)
+            self._settle()
+        finally:
+            for job in self.jobs + self.finished:
+                job.submit.stop()
+                if job.fetch is not None:
+                    job.fetch.stop()
+            for worker in self.workers:
+                worker.done = True
+                worker.stop()
+            self._resume_all()
+            if self.broker.proc is not None and self.broker.proc.poll() is None:
+                code = self.broker.stop()
+                if code != 0:
+                    self.report.problems.append(f"the broker exited with {code} on SIGTERM")
+        self._check_data_dir()
+        self.report.seconds = time.monotonic() - began
+        return self.report
+
+    def _tend(self) -> None:
+        """Keep jobs going, re-run failed clients, resume stopped workers, restart a dead broker."""
+        if self.broker.proc.poll() is not None:
+            self.report.problems.append(
+                f"the broker exited by itself with {self.broker.proc.returncode}; restarted"
+            )
+            self.broker.start()
+        for worker in self.workers:
+            code = worker.proc.poll()
+            if code is not None:
+                if code == -signal.SIGKILL:
+                    self.report.poison_deaths += 1  # the poison item killed it
+                worker.start()
+        for pid, when in list(self.stopped.items()):
+            if time.monotonic() >= when:
+                _signal(pid, signal.SIGCONT)
+                del self.stopped[pid]
+        while len(self.jobs) < self.jobs_in_flight:
+            self._new_job()
+        for job in list(self.jobs):
+            job.submit.poll()
+            if job.submit.done and job.fetch is None:
+                job.fetch = Client(
+                    f"results {job.spec.job_id}",
+                    run_py(
+                        "results",
+                        job.spec.job_id,
+                        "-o",
+                        str(job.out),
+                        "--errors",
+                        str(job.err),
+                        "--follow",
+                        "--config",
+                        str(self.config),
+                    ),
+                    self.env,
+                    self.root / f"{job.spec.job_id}.results.log",
+                )
+                job.fetch.start()
+            if job.fetch is not None:
+                job.fetch.poll()
+                if job.fetch.done:  # verified at once, while completion still holds its counters
+                    self.jobs.remove(job)
+                    self.finished.append(job)
+                    self._verify(job)
+
+    def _new_job(self) -> None:
+        job_id = f"chaos-{self.next_job:04d}"
+        self.next_job += 1
+        spec = write_job(self.root, job_id, self.items, self.rng)
+        submit = Client(
+            f"submit {job_id}",
+            run_py(
+                "submit",
+                str(spec.path),
+                "--job-id",
+                job_id,
+                "--config",
+                str(self.config),
+                "--errors",
+                str(self.root / f"{job_id}.rejected.jsonl"),
+            ),
+            self.env,
+            self.root / f"{job_id}.submit.log",
+        )
+        job = Job(
+            spec, submit, None, self.root / f"{job_id}.out.jsonl", self.root / f"{job_id}.err.jsonl"
+        )
+        submit.start()
+        self.jobs.append(job)
+
+    def _act(self) -> None:
+        roll = self.random.random()
+        kills = self.report.kills
+        if roll < 0.55:
+            pids = {
+                label: pid
+                for label, pid in self.broker.pids().items()
+                if label.split("-")[0] in STAGES
+            }
+            label = self.random.choice(sorted(pids))
+            if _signal(pids[label], signal.SIGKILL):
+                kills[f"stage {label.rsplit('-', 1)[0]}"] += 1
+        elif roll < 0.65:
+            worker = self.random.choice(self.workers)
+            if worker.kill():
+                kills["remote worker"] += 1
+                worker.start()
+        elif roll < 0.72:
+            self.broker.kill()
+            self.stopped.clear()  # its workers died with it
+            kills["whole broker"] += 1
+            self.broker.start()
+        elif roll < 0.85:
+            fetching = [j.fetch for j in self.jobs if j.fetch is not None]
+            if fetching and self.random.choice(fetching).kill():
+                kills["results client"] += 1
+        elif roll < 0.95:
+            submitting = [j.submit for j in self.jobs if not j.submit.done]
+            if submitting and self.random.choice(submitting).kill():
+                kills["submit client"] += 1
+        else:
+            pids = [pid for label, pid in self.broker.pids().items() if label.startswith("worker")]
+            pids += [w.proc.pid for w in self.workers if w.proc.poll() is None]
+            pids = [p for p in pids if p not in self.stopped]
+            if pids:
+                pid = self.random.choice(pids)
+                if _signal(pid, signal.SIGSTOP):
+                    self.stopped[pid] = time.monotonic() + LEASE_S + self.random.uniform(1, 4)
+                    kills["SIGSTOP worker"] += 1
+
+    def _resume_all(self) -> None:
+        for pid in self.stopped:
+            _signal(pid, signal.SIGCONT)
+        self.stopped.clear()
+
+    # ---- the end ---------------------------------------------------------------------
+    def _settle(self, timeout_s: float = 600.0) -> None:
+        """No more kills or new jobs: let every job in flight finish and be fetched."""
+        self._resume_all()
+        self.jobs_in_flight = 0
+        deadline = time.monotonic() + timeout_s
+        while self.jobs and time.monotonic() < deadline:
+            self._tend()
+            time.sleep(0.1)
+        for job in self.jobs:
+            self.report.problems.append(
+                f"job {job.spec.job_id} did not finish within {timeout_s:.0f} s"
+            )
+
+    def _verify(self, job: Job) -> None:
+        spec, report = job.spec, self.report
+        report.jobs += 1
+        report.lines += spec.lines
+        report.submit_runs += job.submit.runs
+        report.fetch_runs += job.fetch.runs
+        seen: Counter = Counter()
+        outputs = errors = 0
+        poison_error = None
+        for path, is_error in ((job.out, False), (job.err, True)):
+            for raw in path.read_text().splitlines() if path.exists() else []:
+                line = json.loads(raw)
+                custom_id = line["custom_id"]
+                if custom_id is None:  # a broken line: `<job>-line-<n>`
+                    number = int(line["id"].rsplit("-", 1)[1])
+                else:
+                    number = int(custom_id.rsplit("-", 1)[1])
+                seen[number] += 1
+                outputs += not is_error
+                errors += is_error
+                if number == spec.poison_line:
+                    poison_error = line["error"] if is_error else "an output line"
+        lost = [n for n in range(1, spec.lines + 1) if not seen[n]]
+        doubled = [n for n, c in seen.items() if c > 1]
+        report.lost += len(lost)
+        report.doubled += len(doubled)
+        if lost or doubled:
+            report.problems.append(
+                f"job {spec.job_id}: lost lines {lost[:10]}, doubled {doubled[:10]}"
+            )
+        if not isinstance(poison_error, dict):
+            report.problems.append(f"job {spec.job_id}: the poison item ended as {poison_error!r}")
+        status = subprocess.run(
+            run_py("status", spec.job_id, "--json", "--config", str(self.config)),
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=60,
+        )
+        info = json.loads(status.stdout) if status.returncode == 0 else {}
+        if info.get("state") != "completed":
+            report.problems.append(f"job {spec.job_id}: state {info.get('state')!r} once fetched")
+        elif info["completed"] != outputs or info["failed"] != errors:
+            report.counter_mismatches += 1
+            report.problems.append(
+                f"job {spec.job_id}: counters say {info['completed']} completed and "
+                f"{info['failed']} failed; the files hold {outputs} and {errors}"
+            )
+
+    def _check_data_dir(self) -> None:
+        check = subprocess.run(
+            run_py("check", "--config", str(self.config)),
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=300,
+        )
+        if check.returncode != 0:
+            self.report.problems.append(f"check found: {check.stdout.strip()[-2000:]}")
+        # Collected: a last start lets the collector remove the finished jobs' segments.
+        self.broker.start()
+        segments = self.root / "data" / "segments"
+        deadline = time.monotonic() + 60
+        while any(segments.glob("in-*.seg")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = sorted(p.name for p in segments.glob("in-*.seg"))
+        if left:
+            self.report.problems.append(f"{len(left)} input segment(s) never collected: {left[:5]}")
+        if self.broker.stop() != 0:
+            self.report.problems.append("the broker did not stop cleanly after the check")
+
+
+def _address(config: Path, section: str, key: str) -> str:
+    import tomllib
+
+    return tomllib.loads(config.read_text())[section][key]
+
+
+def _signal(pid: int, sig: int) -> bool:
+    try:
+        import os
+
+        os.kill(pid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def summary(report: Report, command: str, facts: dict) -> str:
+    kinds = sorted(report.kills.items(), key=lambda kv: (-kv[1], kv[0]))
+    lines = [
+        "## Chaos run (bench/chaos.py)",
+        "",
+        f"Command: `{command}` ({report.seconds / 60:.1f} min)",
+        "",
+        *[f"* {name}: {value}" for name, value in facts.items()],
+        "",
+        "| what | count |",
+        "|---|---|",
+        *[f"| killed: {kind} | {n:,} |" for kind, n in kinds],
+        f"| kills in all (SIGSTOPs not counted) | {report.total_kills:,} |",
+        f"| remote workers killed by the poison item and restarted | {report.poison_deaths:,} |",
+        f"| jobs | {report.jobs:,} |",
+        f"| input lines | {report.lines:,} |",
+        f"| submit runs (a killed or failed submit is run again) | {report.submit_runs:,} |",
+        f"| results runs (likewise) | {report.fetch_runs:,} |",
+        f"| lines lost | {report.lost:,} |",
+        f"| lines with two outcomes | {report.doubled:,} |",
+        f"| jobs whose counters disagree with their files | {report.counter_mismatches:,} |",
+        "",
+        "Result: "
+        + (
+            "**held**: zero lost or doubled outcomes, check clean, segments collected."
+            if report.ok
+            else "**FAILED**:"
+        ),
+        *[f"* {p}" for p in report.problems[:20]],
+    ]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--minutes", type=float, default=30.0)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--items", type=int, default=2000, help="lines per job")
+    parser.add_argument("--jobs", type=int, default=2, help="jobs in flight at once")
+    parser.add_argument("--quick", action="store_true", help="do not write docs/RELIABILITY.md")
+    args = parser.parse_args()
+    root = REPO / "var" / f"chaos-{time.strftime('%Y%m%d-%H%M%S')}"
+    root.mkdir(parents=True)
+    facts = machine.describe(root)
+
+    def progress(report: Report, elapsed: float, finished: int) -> None:
+        print(
+            f"chaos: {elapsed / 60:.1f} min, {report.total_kills} kills, {finished} jobs done",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    report = Chaos(root, args.seed, args.items, args.jobs).run(args.minutes * 60, progress)
+    text = summary(report, machine.command_line(), facts)
+    print(text)
+    if not args.quick:
+        write_section(DOC, "chaos", text)
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

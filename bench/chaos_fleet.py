@@ -1,0 +1,255 @@
+"""The processes a chaos run kills: a broker, a remote worker, submit and results clients.
+
+Everything is started through `run.py`, as a user would, from one config
+written here (`write_config`): local echo workers, one `run.py worker`
+process, fast leases so a stopped or killed worker's items come back soon,
+segments sealed after 2 s idle and results kept for 20 s, so that the files
+of finished jobs are collected while the run goes on, and a supervisor that
+never gives up restarting a stage (a chaos run kills some stage every
+second or so; the default would stop the broker after 5 restarts a minute).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+STARTED = re.compile(r"started stage (\S+) \(pid (\d+)\)")
+POISON_TOKEN = 7  # an echo worker that meets an item starting with it is SIGKILLed (a bad kernel)
+LEASE_S = 4.0
+TEXT_TOKENIZER = REPO / "gpu" / "minilm" / "tokenizer.json"
+
+
+def _free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def write_config(root: Path, local_workers: int) -> Path:
+    ports = _free_ports(7)
+    text = f"""# Written by bench/chaos_fleet.py
+[broker]
+data_dir = "{root / "data"}"
+segment_bytes = 4194304
+segment_idle_s = 2.0
+[ingest]
+bind = "tcp://127.0.0.1:{ports[0]}"
+chunk_items = 250
+chunk_timeout_s = 10.0
+[dispatch]
+bind = "tcp://127.0.0.1:{ports[1]}"
+heartbeat_bind = "tcp://127.0.0.1:{ports[2]}"
+lease_s = {LEASE_S}
+session_timeout_s = 2.0
+reregister_grace_s = 1.0
+report_s = 0.3
+max_attempts = 4
+[completion]
+bind = "tcp://127.0.0.1:{ports[3]}"
+results_retention_s = 20.0
+[vectors]
+bind = "tcp://127.0.0.1:{ports[4]}"
+[metrics]
+bind = "127.0.0.1:{ports[5]}"
+[collector]
+interval_s = 1.0
+[workers]
+local = {local_workers}
+batch_items = 64
+prefetch = 2
+target_batch_s = 0
+drain_s = 5.0
+[supervisor]
+restart_backoff_s = 0.2
+max_restarts = 100000
+stop_timeout_s = 30.0
+[[models]]
+name = "echo"
+engine = "echo"
+endpoints = ["/v1/embeddings", "/v1/completions"]
+[[models]]
+name = "texty"
+engine = "echo"
+endpoints = ["/v1/embeddings"]
+tokenizer = "{TEXT_TOKENIZER}"
+max_tokens = 64
+"""
+    path = root / "chaos.toml"
+    path.write_text(text)
+    return path
+
+
+@dataclass
+class JobInput:
+    job_id: str
+    path: Path
+    lines: int
+    poison_line: int  # 1-based
+    broken_lines: frozenset[int]
+    too_long_lines: frozenset[int]
+
+
+def write_job(root: Path, job_id: str, n: int, rng: np.random.Generator) -> JobInput:
+    """n lines: token ids for `echo` (embeddings and completions), text for `texty` (some too
+    long for it), broken JSON every 97th line, and one poison item."""
+    path = root / f"{job_id}.jsonl"
+    poison = int(rng.integers(1, n + 1))
+    broken, too_long = set(), set()
+    words = ["queue", "log", "tombstone", "lane", "segment", "worker", "lease", "shard"]
+    with open(path, "w") as out:
+        for line in range(1, n + 1):
+            if line % 97 == 0 and line != poison:
+                out.write('{"custom_id": "broken", "method": "POST", \n')
+                broken.add(line)
+                continue
+            url = "/v1/embeddings"
+            if line == poison:
+                body = {"model": "echo", "prompt_token_ids": [POISON_TOKEN, 11, 12]}
+            elif line % 5 == 0:
+                long = line % 35 == 0
+                count = 120 if long else int(rng.integers(1, 40))
+                body = {"model": "texty", "input": " ".join(rng.choice(words, count))}
+                if long:
+                    too_long.add(line)
+            else:
+                tokens = rng.integers(10, 30000, int(rng.integers(1, 300))).tolist()
+                body = {"model": "echo", "prompt_token_ids": tokens}
+                if line % 3 == 0:
+                    url = "/v1/completions"
+                    body["max_tokens"] = 8
+            record = {"custom_id": f"{job_id}-{line}", "method": "POST", "url": url, "body": body}
+            out.write(json.dumps(record) + "\n")
+    return JobInput(job_id, path, n, poison, frozenset(broken), frozenset(too_long))
+
+
+def run_py(*args: str) -> list[str]:
+    return [sys.executable, str(REPO / "run.py"), *args]
+
+
+class BrokerProcess:
+    """`python run.py --config FILE`, its stage pids (from the supervisor's log), kills."""
+
+    def __init__(self, config: Path, data_dir: Path, env: dict, stages: int) -> None:
+        self.config, self.data_dir, self.env = config, data_dir, env
+        self.stages = stages  # stage processes it runs, local workers included
+        self.proc: subprocess.Popen | None = None
+        self.log_from = 0  # where this life of the broker starts in the supervisor's log
+
+    def start(self, timeout_s: float = 90.0) -> None:
+        log = self.data_dir / "log" / "supervisor-0.log"
+        self.log_from = log.stat().st_size if log.exists() else 0
+        self.proc = subprocess.Popen(
+            run_py("--config", str(self.config)),
+            cwd=REPO,
+            env=self.env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + timeout_s
+        while not self.all_up():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the broker exited with {self.proc.returncode} at start")
+            if time.monotonic() > deadline:
+                raise RuntimeError("the broker's stages did not all come up")
+            time.sleep(0.1)
+
+    def pids(self) -> dict[str, int]:
+        path = self.data_dir / "log" / "supervisor-0.log"
+        if not path.exists():
+            return {}
+        with open(path, "rb") as log:
+            log.seek(self.log_from)
+            text = log.read().decode("utf-8", errors="replace")
+        return {label: int(pid) for label, pid in STARTED.findall(text)}
+
+    def all_up(self) -> bool:
+        pids = self.pids()
+        if len(pids) < self.stages:
+            return False
+        for label, pid in pids.items():
+            log = self.data_dir / "log" / f"{label}.log"
+            if not log.exists() or f"{pid} stage {label} up" not in log.read_text():
+                return False
+        return True
+
+    def kill(self) -> None:
+        """SIGKILL the supervisor; its stages die with it (PR_SET_PDEATHSIG). Wait for all."""
+        stages = list(self.pids().values())
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while any(_alive(pid) for pid in stages) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=120)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+class Client:
+    """A client command re-run until it succeeds: a submit, a results --follow, a worker."""
+
+    def __init__(self, name: str, argv: list[str], env: dict, log: Path) -> None:
+        self.name, self.argv, self.env, self.log = name, argv, env, log
+        self.proc: subprocess.Popen | None = None
+        self.runs = 0
+        self.done = False
+
+    def start(self) -> None:
+        self.runs += 1
+        with open(self.log, "a") as log:
+            self.proc = subprocess.Popen(
+                self.argv, cwd=REPO, env=self.env, stdout=log, stderr=log, stdin=subprocess.DEVNULL
+            )
+
+    def poll(self, forever: bool = False) -> None:
+        """Restart it if it ended without success (or at all, when `forever`)."""
+        if self.done or self.proc is None:
+            return
+        code = self.proc.poll()
+        if code is None:
+            return
+        if code == 0 and not forever:
+            self.done = True
+            return
+        self.start()
+
+    def kill(self) -> bool:
+        if self.proc is None or self.proc.poll() is not None or self.done:
+            return False
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+        return True
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+
+def chaos_env() -> dict:
+    return {**os.environ, "FABRIC_ECHO_POISON": str(POISON_TOKEN)}
