@@ -39,6 +39,7 @@ from gpu.arrivals import Arrivals
 from gpu.dispatch_files import DispatchFile
 from gpu.dispatch_state import ITEM_DTYPE, Batch, DispatchState
 from pipeline import wire
+from pipeline.counter import DurableCounter
 from pipeline.datadir import DataDir
 from pipeline.errors import FabricError, WireError
 from pipeline.metrics import RECLAIM_CAUSES
@@ -55,6 +56,8 @@ RESCAN_S = 1.0
 IDLE_SAMPLE_S = 0.1  # how often each session is sampled for idleness (no batch awaiting results)
 RECENT_DEAD_LETTERS = 20  # dead-letter events kept for BROKER_STATUS
 MAX_MESSAGES_PER_STEP = 512
+BATCH_IDS_FILE = "next-batch-id"  # DurableCounter in the data dir: batch ids never reused
+BATCH_ID_BLOCK = 1 << 20  # batch ids reserved at a time
 MAX_WAITING_FOR_COMPLETION = 2048  # forwarded result batches held while completion is away
 DEAD_LETTER = "dead_lettered"
 CORRUPT_INPUT = "corrupt_input"
@@ -134,9 +137,12 @@ class DispatchStage(Stage):
         self.data_dir = DataDir(settings.data_path).ensure()
         self.epoch = broker_epoch()
         self.state = DispatchState(config.lease_s, config.max_attempts)
-        # Batch ids grow across restarts and broker lives (microseconds since the epoch), so
-        # a worker's `seen_batch` from an earlier life never covers a batch of this one.
-        self.state.set_next_batch_id(time.time_ns() // 1000)
+        # Batch ids grow across restarts and broker lives, so a worker's `seen_batch` from an
+        # earlier life never covers a batch of this one: blocks of ids are reserved durably
+        # (at least microseconds since the epoch), so a wall clock stepped back cannot reuse one.
+        self.batch_ids = DurableCounter(self.data_dir.root / BATCH_IDS_FILE)
+        self.batch_ids_end = 0
+        self._reserve_batch_ids()
         self.shapes = ShapeTable(settings.data_path)
         self.sessions: dict[str, _Session] = {}
         self.parked: collections.deque[_Parked] = collections.deque()
@@ -439,6 +445,12 @@ class DispatchStage(Stage):
             return True  # gone meanwhile
         if self.state.session_batches(request.session) >= self.config.session_max_batches:
             return False
+        if self.state.peek_batch_id() >= self.batch_ids_end:
+            try:
+                self._reserve_batch_ids()
+            except FabricError as exc:  # a full disk: no batch until ids can be reserved
+                self.log.warning("cannot reserve batch ids yet: %s", exc)
+                return False
         batch = self.state.next_batch(
             request.session, request.model, request.max_items, request.max_tokens, now
         )
@@ -446,6 +458,11 @@ class DispatchStage(Stage):
             return False
         self._send_batch(request.route[0], batch)
         return True
+
+    def _reserve_batch_ids(self) -> None:
+        first = self.batch_ids.next(floor=time.time_ns() // 1000, count=BATCH_ID_BLOCK)
+        self.state.set_next_batch_id(first - 1)
+        self.batch_ids_end = first + BATCH_ID_BLOCK
 
     def _serve_parked(self, now: float) -> None:
         for _ in range(len(self.parked)):

@@ -145,6 +145,10 @@ class DispatchState:
     def knows(self, segment_id: int) -> bool:
         return segment_id in self._work
 
+    def peek_batch_id(self) -> int:
+        """The id the next batch will get."""
+        return self._next_batch_id
+
     def set_next_batch_id(self, batch_id: int) -> None:
         """Continue numbering after `batch_id` (ids from reloaded dispatch files stay unique)."""
         self._next_batch_id = max(self._next_batch_id, batch_id + 1)

@@ -20,8 +20,9 @@ class DurableCounter:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
 
-    def next(self, floor: int = 1) -> int:
-        """A number >= `floor` that was never handed out before."""
+    def next(self, floor: int = 1, count: int = 1) -> int:
+        """A number >= `floor` that was never handed out before; with `count`, the first of
+        `count` such numbers in a row (a block reserved at once)."""
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
@@ -30,7 +31,7 @@ class DurableCounter:
             fcntl.flock(fd, fcntl.LOCK_EX)
             text = os.pread(fd, 32, 0).decode(errors="replace").strip()
             number = max(int(text) if text.isdigit() else 1, floor)
-            os.pwrite(fd, f"{number + 1:020d}\n".encode(), 0)
+            os.pwrite(fd, f"{number + count:020d}\n".encode(), 0)
             os.fsync(fd)
             return number
         except OSError as exc:

@@ -59,6 +59,16 @@ def test_counter_is_unique_across_processes_and_honours_the_floor(tmp_path):
     assert DurableCounter(tmp_path / "n").next() == 1001
 
 
+def test_a_reserved_block_is_never_handed_out_again_even_below_the_floor(tmp_path):
+    """Dispatch reserves batch ids in blocks with the wall clock as the floor; a clock
+    stepped back (a lower floor) still gets ids past every block reserved before."""
+    counter = DurableCounter(tmp_path / "next-batch-id")
+    first = counter.next(floor=5_000_000, count=1 << 20)
+    assert first == 5_000_000
+    again = DurableCounter(tmp_path / "next-batch-id").next(floor=1_000, count=1 << 20)
+    assert again == first + (1 << 20)
+
+
 def test_shape_ids_are_shared_durable_and_canonical(tmp_path):
     table = ShapeTable(tmp_path)
     embed = table.id_for(EMBED)

@@ -166,3 +166,36 @@ def test_a_page_of_only_errors_is_acknowledged_without_a_flush(sink):
     )
     sink.on_page(info, arrays, 0.0)
     assert fetch(sink, 0.0)["ack"] == 9
+
+
+def test_a_rotation_that_fails_midway_stores_each_row_once_after_the_retry(tmp_path, monkeypatch):
+    from collector.vectors import store as store_module
+    from pipeline.errors import DiskFullError
+
+    make_job(tmp_path, "j", 7, "vectors:docs")
+    stores = StoreSet(tmp_path / "vectors", "float32", 4 * DIM * 4)  # 4 rows a shard
+    sink = VectorSink(stores, tmp_path / "jobs", 100, LOG)
+    rng = np.random.default_rng(3)
+    vectors = rng.standard_normal((6, DIM))
+    real_create = store_module.Shard.create
+    calls = []
+
+    def create(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 2:  # the rotation to shard 1
+            raise DiskFullError("no space left on device (test)")
+        return real_create(*args, **kwargs)
+
+    monkeypatch.setattr(store_module.Shard, "create", create)
+    meta = fetch(sink)
+    sink.on_page(*page(range(6), vectors, page_id=3, req=meta["req"]), 0.0)
+    _, store = stores.get("docs")
+    assert store.rows == 4  # the first shard was sealed (flushed) by the rotation
+    assert sink.jobs["j"].ack == 0  # nothing acknowledged
+    meta = fetch(sink, 100.0)  # asked again later, without an ack
+    assert meta["ack"] == 0
+    sink.on_page(*page(range(6), vectors, page_id=4, req=meta["req"]), 100.0)
+    stores.flush()
+    ids = np.concatenate([np.asarray(i) for i in store.ids()]) & np.uint64(0xFFFFFFFF)
+    assert sorted(ids.tolist()) == [0, 1, 2, 3, 4, 5]
+    stores.close()

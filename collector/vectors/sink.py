@@ -263,7 +263,14 @@ class VectorSink:
             if not finite.all():
                 rows, vectors = rows[finite], vectors[finite]
             ids = (np.uint64(job.job_no) << np.uint64(32)) | index[rows].astype(np.uint64)
-            store.append(ids, vectors, copy=False)  # `vectors` is this page's own gathered copy
+            try:
+                store.append(ids, vectors, copy=False)  # `vectors`: this page's gathered copy
+            except FabricError as exc:  # a failed rotation: the rows queued before it stay
+                queued = getattr(exc, "rows_queued", 0)
+                job.mark(index[rows[:queued]])
+                job.stored += queued
+                self.rows_stored += queued
+                raise
             job.mark(index[rows])
             job.stored += len(rows)
             self.rows_stored += len(rows)

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from collector.vectors.shard import DTYPES, Shard, VectorInputError, VectorShardError
+from pipeline.errors import FabricError
 
 
 class VectorStore:
@@ -85,8 +86,11 @@ class VectorStore:
         return [s.read(0, s.rows)[0] for s in self.shards]
 
     def append(self, ids: np.ndarray, rows: np.ndarray, copy: bool = True) -> np.ndarray:
-        """Queue a batch (validated whole first: all or nothing); returns its placements.
+        """Queue a batch (validated whole first); returns its placements.
 
+        A batch that crosses a rotation is queued shard by shard: if the
+        rotation fails (a full disk), the error's `rows_queued` says how many
+        leading rows were queued (or made durable by the seal) before it.
         `copy=False`: see `Shard.append` (the rows must not change until the flush).
         """
         if self.readonly:
@@ -96,7 +100,11 @@ class VectorStore:
         placements = []
         start = 0
         while start < len(rows):
-            shard = self._writable()
+            try:
+                shard = self._writable()
+            except FabricError as exc:
+                exc.rows_queued = start
+                raise
             room = self.shard_rows - shard.rows - shard.pending_rows
             end = min(len(rows), start + room)
             _, first = shard.append(ids[start:end], rows[start:end], checked=True)
