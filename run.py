@@ -344,6 +344,7 @@ def _worker(args: argparse.Namespace) -> int:
             prefetch=args.prefetch,
             drain_s=args.drain_s,
             target_batch_s=args.target_batch_s,
+            batch_timeout_s=args.batch_timeout_s,
             curve=_curve(args),
         ),
         engine,
@@ -494,6 +495,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=defaults["target_batch_s"],
         help="size batches to take the engine about this long (0: always the maximum)",
+    )
+    worker.add_argument(
+        "--batch-timeout-s",
+        type=float,
+        default=defaults["batch_timeout_s"],
+        help="a batch running longer means a hung engine: hand back and exit 7 (0: never)",
     )
     worker.set_defaults(handler=_worker)
     return parser

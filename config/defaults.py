@@ -146,6 +146,9 @@ DEFAULTS: Final[dict[str, Any]] = {
         "target_batch_s": 0.2,
         # On SIGTERM a worker finishes what it can within this long, then hands the rest back.
         "drain_s": 30.0,
+        # A batch still running after this long means a hung engine: the worker hands back
+        # what it holds (the hung batch counts an attempt) and exits; 0 = no watchdog.
+        "batch_timeout_s": 600.0,
     },
     "supervisor": {
         # Wait before restarting a stage that died.

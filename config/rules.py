@@ -199,6 +199,7 @@ RULES: Final[dict[str, Rule]] = {
     "workers.prefetch": count(1),
     "workers.target_batch_s": interval("seconds", zero_ok=True),
     "workers.drain_s": interval("seconds", zero_ok=True),
+    "workers.batch_timeout_s": interval("seconds", zero_ok=True),
     "supervisor.restart_backoff_s": interval("seconds", zero_ok=True),
     "supervisor.max_restarts": count(0),
     "supervisor.restart_window_s": interval("seconds", zero_ok=False),

@@ -128,6 +128,7 @@ class WorkerSettings:
     prefetch: int
     target_batch_s: float
     drain_s: float
+    batch_timeout_s: float
 
 
 @dataclass(frozen=True, slots=True)

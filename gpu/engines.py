@@ -79,6 +79,7 @@ class Engine:
 
 
 POISON_ENV = "FABRIC_ECHO_POISON"
+HANG_ENV = "FABRIC_ECHO_HANG"  # tests: a batch with an item starting with this token never ends
 
 
 class EchoEngine(Engine):
@@ -100,6 +101,10 @@ class EchoEngine(Engine):
         n = len(batch.lengths)
         if self.poison_token is not None and n and (batch.tokens[:, 0] == self.poison_token).any():
             os.kill(os.getpid(), signal.SIGKILL)
+        hang = os.environ.get(HANG_ENV)
+        if hang and n and (batch.tokens[:, 0] == int(hang)).any():
+            while True:  # a hung kernel: only the worker's batch_timeout_s ends it
+                time.sleep(3600)
         if batch.task == EMBED:
             return EngineResult([None] * n, embeddings=batch.tokens.astype(np.float32))
         lengths = np.minimum(batch.lengths.astype(np.int64), batch.max_tokens)

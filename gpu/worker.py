@@ -18,6 +18,7 @@ leases), and hands back what it cannot do.
 | an item's own error               | that item's error result, at once (invariant 14)           |
 | TransientEngineError              | hands the batch back without an attempt; backs off        |
 | any other engine failure          | hands back what it holds (the failing batch counting an attempt) and exits 7 |
+| a batch running past `batch_timeout_s` | the engine is hung: the same as a failure (the hung batch counts an attempt), exits 7 |
 | SIGTERM                           | stops asking; hands back queued batches; finishes the running one within `drain_s`; sends results; waits for their acks; says BYE (invariant 15) |
 
 Every message carries the session id, a fresh random id per process, which
@@ -73,6 +74,7 @@ class WorkerOptions:
     prefetch: int = DEFAULTS["workers"]["prefetch"]
     drain_s: float = DEFAULTS["workers"]["drain_s"]
     target_batch_s: float = DEFAULTS["workers"]["target_batch_s"]
+    batch_timeout_s: float = DEFAULTS["workers"]["batch_timeout_s"]  # 0: no watchdog
     curve: ClientCurve | None = None  # CURVE keys for dispatch and heartbeat (pipeline/security.py)
 
 
@@ -182,6 +184,7 @@ class Worker:
         self.idle_s = 0.0
         self._idle_since: float | None = None
         self.prompt_tokens = 0  # of the batches the engine finished (engine thread; reported)
+        self.running: tuple[int, float] | None = None  # (batch id, monotonic start): engine thread
         self._fault = _fault_plan()
         self._fault_seen: dict[str, int] = {}
 
@@ -241,7 +244,9 @@ class Worker:
                 if self._fault is not None and self._fault[0] == "mid_batch":  # while it runs
                     threading.Timer(0.002, self._maybe_fault, ("mid_batch",)).start()
                 began = time.monotonic()
+                self.running = (held.batch_id, began)
                 result = self.engine.run(batch)
+                self.running = None
                 self._measured(held.tokens.size, time.monotonic() - began)
                 if len(result.errors) != len(held.items):
                     raise FabricError(
@@ -251,6 +256,7 @@ class Worker:
                 self.prompt_tokens += int(held.lengths.sum())
                 self.done.put(_Done(held.batch_id, "ok", result))
             except TransientEngineError as exc:
+                self.running = None
                 self.done.put(_Done(held.batch_id, "transient", reason=str(exc)))
             except Exception as exc:  # the engine is broken: never retry against it
                 log.exception("engine %s failed", self.engine.name)
@@ -291,6 +297,7 @@ class Worker:
         if not self.registered and now >= self.next_try:
             self._hello(now)
         self._take_done(now)
+        self._watch()
         if self.registered:
             self._ask(now)
             if now - self.last_report >= self.report_s:
@@ -514,6 +521,27 @@ class Worker:
                 self._send(MT.BYE, {})  # nothing waits for this session to time out
                 self.exit_code = exitcodes.FAILED
 
+    def _watch(self) -> None:
+        """The engine watchdog: a batch running past `batch_timeout_s` means a hung engine."""
+        running, limit = self.running, self.options.batch_timeout_s
+        if not limit or running is None or self.exit_code is not None:
+            return
+        batch_id, began = running
+        seconds = time.monotonic() - began
+        if seconds < limit:
+            return
+        self.broken = (
+            f"engine {self.engine.name} hung: batch {batch_id} ran {seconds:.0f} s, past "
+            f"batch_timeout_s = {limit:g}"
+        )
+        log.error("%s; handing back what this worker holds and exiting", self.broken)
+        held = self.held.get(batch_id)
+        self._hand_back([held] if held else [], self.broken, True)
+        queued = [h for h in self.held.values() if h.state == "queued"]
+        self._hand_back(queued, "engine hung; never started", False)
+        self._send(MT.BYE, {})
+        self.exit_code = exitcodes.FAILED
+
     def _send_results(self, held: _Held, now: float) -> None:
         resent = held.state == "sent"
         held.state = "sent"
@@ -602,6 +630,7 @@ class WorkerStage:
                 target_batch_s=workers.target_batch_s,
                 prefetch=workers.prefetch,
                 drain_s=workers.drain_s,
+                batch_timeout_s=workers.batch_timeout_s,
                 curve=internal_curve(settings),  # a local worker uses the broker's own key
             ),
             make_engine(engine_name, **options),

@@ -31,8 +31,15 @@ def test_the_demo_embeds_real_text_end_to_end_and_runs_again_cleanly(tmp_path):
     assert sorted(line["custom_id"] for line in lines) == sorted(f"para-{i}" for i in range(300))
     vector = lines[0]["response"]["body"]["data"][0]["embedding"]
     assert len(vector) == 384 and abs(sum(v * v for v in vector) - 1.0) < 1e-3
+    # The embeddings landed in the vector store, and the searches found real neighbours.
+    assert "nearest paragraphs in the vector store (300 vectors)" in first.stderr
+    store = root / "data" / "vectors" / "minilm"
+    assert json.loads((store / "store.json").read_text())["dim"] == 384
+    scores = [float(line.split()[0]) for line in first.stderr.splitlines() if " para-" in line]
+    assert len(scores) == 9 and all(0.3 < s <= 1.0001 for s in scores)
     again = demo(root)
     assert again.returncode == 0, again.stderr
     assert "found" in again.stderr and "1 earlier job" in again.stderr
     assert len((root / "results.jsonl").read_text().splitlines()) == 300  # rewritten, not added
+    assert "(600 vectors)" in again.stderr  # the store keeps both runs' vectors
     assert_check_clean(DataDir(root / "data"))

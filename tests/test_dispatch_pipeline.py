@@ -35,8 +35,10 @@ max_attempts = 3"""
 def broker(tmp_path):
     started = []
 
-    def start(workers: int = 1, dispatch: str = FAST, env: dict | None = None) -> Broker:
-        config = write_config(tmp_path, workers=workers, dispatch=dispatch)
+    def start(
+        workers: int = 1, dispatch: str = FAST, env: dict | None = None, worker_keys: str = ""
+    ) -> Broker:
+        config = write_config(tmp_path, workers=workers, dispatch=dispatch, worker_keys=worker_keys)
         b = Broker(config)
         if env:
             os.environ.update(env)
@@ -249,6 +251,30 @@ def test_a_poison_item_is_dead_lettered_and_the_rest_of_the_job_completes(tmp_pa
     assert_each_once(out, 300)
     errors = [json.loads(e) for e in Path(f"{out}.errors.jsonl").read_text().splitlines()]
     assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [("c37", "dead_lettered")]
+    stop_and_check(b)
+
+
+def test_a_hung_engine_is_caught_by_the_watchdog_and_its_item_dead_lettered(tmp_path, broker):
+    data = tmp_path / "h.jsonl"
+    lines = [
+        {
+            "custom_id": f"c{i}",
+            "method": "POST",
+            "url": "/v1/embeddings",
+            "body": {"model": "echo", "prompt_token_ids": [555 if i == 11 else 5, 7, 8]},
+        }
+        for i in range(200)
+    ]
+    data.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    b = broker(workers=1, env={"FABRIC_ECHO_HANG": "555"}, worker_keys="batch_timeout_s = 1.0")
+    assert submit(b.config, data, "--job-id", "h").returncode == 0
+    wait_for(lambda: finished(b, "h"), "the job to finish despite the hung engine", timeout_s=120)
+    out = tmp_path / "out.jsonl"
+    assert fetch(b, "h", out).returncode == 0
+    assert_each_once(out, 200)
+    errors = [json.loads(e) for e in Path(f"{out}.errors.jsonl").read_text().splitlines()]
+    assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [("c11", "dead_lettered")]
+    assert "hung: batch" in log_of(b, "worker-0")
     stop_and_check(b)
 
 
