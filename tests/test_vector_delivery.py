@@ -150,6 +150,8 @@ def test_a_job_lands_in_the_store_and_a_text_search_finds_it(broker, tmp_path):
     assert fetched.returncode == 0, fetched.stderr
     assert len((tmp_path / "all.jsonl").read_text().splitlines()) == valid
 
+    running = cli(b.config, "check")  # never against a running broker (its stores are open)
+    assert running.returncode != 0 and "in use by pid" in running.stderr
     assert b.stop() == exitcodes.OK
     assert_check_clean(b.data_dir)
 

@@ -9,6 +9,7 @@ re-checksummed.
 | `vector-torn-journal`        | a torn last journal record (a crash mid-flush): recovery cuts it | yes |
 | `vector-unacknowledged-rows` | payload or ids bytes past the journal (a crash mid-flush): recovery cuts them | yes |
 | `vector-stray-file`          | a file in a store that is not a shard file                | no |
+| `vector-store-in-use`        | a running broker has the store open: stop it to check the store | no |
 
 `fix` opens the store for writing, which runs recovery (cutting only bytes
 that were never acknowledged), then checks again.
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from collector.vectors.shard import VectorError
+from collector.vectors.shard import VectorError, VectorShardBusy
 from collector.vectors.stores import (
     META_FILE,
     SINK_DIRS,
@@ -66,6 +67,8 @@ def _check_store(directory: Path) -> list[Finding]:
     ]
     try:
         _, store = open_store(directory.parent, directory.name, readonly=True)
+    except VectorShardBusy as exc:
+        return [*findings, Finding(directory, "vector-store-in-use", str(exc))]
     except (VectorError, OSError) as exc:
         reason = str(exc)
         shard_file = any(suffix in reason for suffix in SHARD_SUFFIXES)

@@ -54,6 +54,10 @@ class VectorShardError(VectorError):
     """A shard's files fail recovery or a check; the shard must not be served."""
 
 
+class VectorShardBusy(VectorShardError):
+    """Another process has the shard open for appending (the broker's vector manager)."""
+
+
 class VectorSealedError(VectorError):
     """An append was attempted on a sealed (immutable) shard."""
 
@@ -211,7 +215,7 @@ class Shard:
         try:
             fcntl.flock(self._fds["journal"], lock | fcntl.LOCK_NB)
         except BlockingIOError as exc:
-            raise VectorShardError(
+            raise VectorShardBusy(
                 f"{self.journal_path}: another process has this shard open for appending"
             ) from exc
 
