@@ -534,6 +534,11 @@ def main(argv: list[str] | None = None) -> int:
     except FabricError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exitcodes.FAILED
+    except BrokenPipeError:  # `... | head`: the reader left; say nothing more
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return exitcodes.OK
 
 
 if __name__ == "__main__":

@@ -76,6 +76,8 @@ def render_job(info: dict[str, Any]) -> str:
         f"  undelivered results  {info['undelivered']}",
         f"  rate       {info['rate']:.0f} items/s",
     ]
+    if info.get("deliver", "file") != "file":
+        lines.append(f"  delivered to  {info['deliver']} (python run.py vectors stats)")
     if info.get("eta_s"):
         lines.append(f"  time left  about {info['eta_s']:.0f} s")
     return "\n".join(lines)
