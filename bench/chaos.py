@@ -399,7 +399,12 @@ def summary(report: Report, command: str, facts: dict) -> str:
         "",
         "| what | count |",
         "|---|---|",
-        *[f"| killed: {kind} | {n:,} |" for kind, n in kinds],
+        *[
+            f"| SIGSTOPped past the lease, then resumed: worker | {n:,} |"
+            if kind == "SIGSTOP worker"
+            else f"| killed: {kind} | {n:,} |"
+            for kind, n in kinds
+        ],
         f"| kills in all (SIGSTOPs not counted) | {report.total_kills:,} |",
         f"| remote workers killed by the poison item and restarted | {report.poison_deaths:,} |",
         f"| jobs | {report.jobs:,} |",
