@@ -71,7 +71,12 @@ def write_config(
     an ingest benchmark measures a log that nothing consumes. `sections` is
     merged over the base, key by key.
     """
-    ports = [free_port() for _ in range(4)]
+    sockets = [socket.socket() for _ in range(4)]  # all bound at once: four distinct ports
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
     base: dict[str, dict[str, object]] = {
         "broker": {"data_dir": str(root / "data"), "segment_bytes": SEGMENT_BYTES},
         "ingest": {

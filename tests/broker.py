@@ -24,9 +24,20 @@ STARTED = re.compile(r"started stage (\S+) \(pid (\d+)\)")
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free loopback ports: every socket stays bound until all are picked, so the
+    kernel cannot hand the same port out twice."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 WORDS = [f"w{i}" for i in range(1000)]
@@ -64,7 +75,7 @@ def write_config(
     and `sim` (the simulated engine's 384-dim embeddings of the same text). `broker_keys`
     are more lines for the [broker] section."""
     tokenizer = build_tokenizer(tmp_path / "tokenizer.json")
-    ports = [free_port() for _ in range(6)]
+    ports = free_ports(6)
     text = f"""
 [broker]
 data_dir = "{data_dir or tmp_path / "data"}"
