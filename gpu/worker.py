@@ -14,6 +14,7 @@ leases), and hands back what it cannot do.
 | situation                         | what the worker does                                     |
 |-----------------------------------|----------------------------------------------------------|
 | broker away                       | keeps working through its queue; keeps results; retries with exponential backoff and jitter |
+| results not acknowledged (completion away, a full disk) | keeps them and resends every `RESEND_S`; asks for no more work while it holds 32 such batches, so its memory stays bounded |
 | broker back (any restart)         | re-registers with the (segment, slot, seq) of all it holds (invariant 8); drops items the broker says are retired |
 | an item's own error               | that item's error result, at once (invariant 14)           |
 | TransientEngineError              | hands the batch back without an attempt; backs off        |
@@ -56,6 +57,7 @@ MT = wire.MessageType
 log = logging.getLogger("fabric.worker")
 MAX_BACKOFF_S = 5.0
 RESEND_S = 10.0  # results unacknowledged this long are sent again
+MAX_UNACKNOWLEDGED_BATCHES = 32  # results held for completion past this: the worker stops asking
 FAULT_ENV = "FABRIC_WORKER_FAULT"  # tests: "phase[:n]" SIGKILLs this process at that point
 PHASES = ("before_compute", "mid_batch", "before_send", "before_ack")
 RESULT_KIND_TOKENS, RESULT_KIND_VECTOR, RESULT_KIND_TEXT = 0, 1, 2
@@ -357,6 +359,9 @@ class Worker:
         waiting = sum(1 for h in self.held.values() if h.state in ("queued", "running"))
         if waiting >= self.options.prefetch:
             return
+        unacknowledged = sum(1 for h in self.held.values() if h.state == "sent")
+        if unacknowledged >= MAX_UNACKNOWLEDGED_BATCHES:  # completion is not taking results
+            return  # (a full disk, say): no more work until it does, so memory stays bounded
         if self._send(
             MT.WORK_REQUEST,
             {

@@ -36,3 +36,27 @@ def test_an_items_own_error_becomes_its_error_result_beside_the_others_outputs()
     payload, offsets = arrays["payload"], arrays["offsets"]
     assert bytes(payload[offsets[1] : offsets[2]]) == b"invalid_input: empty"
     assert payload[offsets[2] : offsets[3]].view("<u4").tolist() == [4, 5]
+
+
+def test_a_worker_holding_many_unacknowledged_results_asks_for_no_more_work():
+    """Completion not taking results (a full disk): the worker's memory stays bounded."""
+    from gpu.worker import MAX_UNACKNOWLEDGED_BATCHES, _Held
+
+    worker = Worker(WorkerOptions("tcp://127.0.0.1:1", "m", prefetch=4), EchoEngine())
+    asked = []
+    worker._send = lambda kind, meta, arrays=None: asked.append(kind) or True
+
+    def hold(n: int) -> None:
+        for batch_id in range(len(worker.held), len(worker.held) + n):
+            worker.held[batch_id] = _Held(
+                batch_id, np.zeros(1, ITEM_DTYPE), np.ones(1, np.uint32), np.zeros((1, 1)), "e", 1
+            )
+            worker.held[batch_id].state = "sent"
+
+    hold(MAX_UNACKNOWLEDGED_BATCHES - 1)
+    worker._ask(100.0)
+    assert len(asked) == 1  # still below the bound: it asks
+    worker.asking = False
+    hold(1)
+    worker._ask(200.0)
+    assert len(asked) == 1  # at the bound: it waits for acknowledgements
