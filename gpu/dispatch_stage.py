@@ -37,12 +37,12 @@ import zmq
 
 from gpu.arrivals import Arrivals
 from gpu.dispatch_files import DispatchFile
+from gpu.dispatch_report import CORRUPT_INPUT, DEAD_LETTER, broker_status, dispatch_metrics
 from gpu.dispatch_state import ITEM_DTYPE, Batch, DispatchState
 from pipeline import wire
 from pipeline.counter import DurableCounter
 from pipeline.datadir import DataDir
 from pipeline.errors import FabricError, WireError
-from pipeline.metrics import RECLAIM_CAUSES
 from pipeline.scan import SegmentSummary, scan_segment
 from pipeline.security import ServerGate
 from pipeline.segment import Segment
@@ -59,8 +59,6 @@ MAX_MESSAGES_PER_STEP = 512
 BATCH_IDS_FILE = "next-batch-id"  # DurableCounter in the data dir: batch ids never reused
 BATCH_ID_BLOCK = 1 << 20  # batch ids reserved at a time
 MAX_WAITING_FOR_COMPLETION = 2048  # forwarded result batches held while completion is away
-DEAD_LETTER = "dead_lettered"
-CORRUPT_INPUT = "corrupt_input"
 CANCELLED = "cancelled"
 
 
@@ -351,7 +349,7 @@ class DispatchStage(Stage):
         meta, route = message.meta, message.route[0]
         kind = message.type
         if kind == MT.BROKER_STATUS:
-            self._send(route, MT.BROKER_INFO, self._status(now))
+            self._send(route, MT.BROKER_INFO, broker_status(self, now))
             return
         if kind == MT.PING:
             self._send(route, MT.PONG, {"epoch": self.epoch})
@@ -609,58 +607,10 @@ class DispatchStage(Stage):
 
         return [Lease(b.batch_id, b.session, b.items) for b in self.state.leases()]
 
-    # ---- metrics -------------------------------------------------------------------------
+    # ---- what it reports (gpu/dispatch_report.py) ------------------------------------------
     def stats(self, now: float) -> dict:
         """Queues, queue age, workers, dispatches, reclaims and dead letters (docs/metrics.md)."""
-        wall_s = time.time()
-        models = [m.name for m in self.settings.models]
-        queued: collections.Counter = collections.Counter()
-        tokens: collections.Counter = collections.Counter()
-        oldest = dict.fromkeys(models, 0.0)
-        for segment_id, model, lane, waiting, cursor, floor in self.state.backlog():
-            self.arrivals.forget_below(segment_id, floor)
-            queued[(model, str(lane))] += waiting
-            tokens[(model, str(lane))] += waiting * lane
-            arrived = self.arrivals.arrived(segment_id, cursor) if waiting else None
-            if arrived is not None:
-                oldest[model] = max(oldest.get(model, 0.0), wall_s - arrived)
-        sessions = collections.Counter(dict.fromkeys(models, 0))
-        in_flight: collections.Counter = collections.Counter()
-        leases: collections.Counter = collections.Counter()
-        figures: dict[str, dict] = {
-            "fabric_worker_prompt_tokens_total": {},
-            "fabric_worker_engine_tokens_per_second": {},
-            "fabric_worker_idle_seconds_total": {},
-        }
-        for session_id, session in self.sessions.items():
-            if not session.model:
-                continue  # reloaded from the dispatch file; not registered again yet
-            key = (session.model, session_id)
-            sessions[session.model] += 1
-            in_flight[key] += 0
-            leases[key] += 0
-            for name, field_name in zip(
-                figures, ("prompt_tokens", "tokens_per_s", "idle_s"), strict=True
-            ):
-                if field_name in session.reported:
-                    figures[name][key] = session.reported[field_name]
-        for batch in self.state.leases():  # a session serves one model: its batches'
-            key = (batch.model, batch.session)
-            in_flight[key] += len(batch.items)
-            leases[key] += 1
-        return {
-            "fabric_queued_items": dict(queued),
-            "fabric_queued_tokens": dict(tokens),
-            "fabric_oldest_queued_item_age_seconds": {(m,): age for m, age in oldest.items()},
-            "fabric_items_dispatched_total": {(m,): n for m, n in self.dispatched.items()},
-            "fabric_items_reclaimed_total": {(c,): self.reclaimed[c] for c in RECLAIM_CAUSES},
-            "fabric_dead_letters_total": self.counts[DEAD_LETTER],
-            "fabric_quarantined_items_total": self.counts[CORRUPT_INPUT],
-            "fabric_worker_sessions": {(m,): n for m, n in sessions.items()},
-            "fabric_worker_in_flight_items": dict(in_flight),
-            "fabric_worker_leases": dict(leases),
-            **figures,
-        }
+        return dispatch_metrics(self, now)
 
     # ---- status --------------------------------------------------------------------------
     def _sample_idle(self, now: float) -> None:
@@ -670,49 +620,6 @@ class DispatchStage(Stage):
         for session_id, session in self.sessions.items():
             if self.state.session_batches(session_id) == 0:
                 session.idle_s += elapsed
-
-    @staticmethod
-    def _idle_fraction(session: _Session, now: float) -> float:
-        """Share of the last ~10 s (or of the session's life, if shorter) it held no batch."""
-        if len(session.idle_marks) >= 2:
-            (t0, idle0), (t1, idle1) = session.idle_marks[0], session.idle_marks[-1]
-        else:
-            (t0, idle0), (t1, idle1) = (session.started, 0.0), (now, session.idle_s)
-        if t1 <= t0:
-            return 0.0
-        return round(min(1.0, max(0.0, (idle1 - idle0) / (t1 - t0))), 3)
-
-    def _status(self, now: float) -> dict:
-        rate_in = rate_out = 0.0
-        if len(self.samples) >= 2:
-            (t0, out0, done0), (t1, out1, done1) = self.samples[0], self.samples[-1]
-            if t1 > t0:
-                rate_in, rate_out = (out1 - out0) / (t1 - t0), (done1 - done0) / (t1 - t0)
-        return {
-            "rate_in": rate_in,
-            "rate_out": rate_out,
-            "epoch": self.epoch,
-            "queues": self.state.queue_depth(),
-            "in_flight": self.state.in_flight,
-            "handed_out": self.counts["handed_out"],
-            "retired": self.counts["retired"],
-            "dead_lettered": self.counts[DEAD_LETTER],
-            "corrupt": self.counts[CORRUPT_INPUT],
-            "dead_letters": list(self.dead_letters),
-            "workers": [
-                {
-                    "session": sid,
-                    "model": s.model,
-                    "batches": self.state.session_batches(sid),
-                    "handed_out": s.handed_out,
-                    "retired": s.retired,
-                    "age_s": round(now - s.started, 1),
-                    "silent_s": round(now - s.last_seen, 1),
-                    "idle_fraction": self._idle_fraction(s, now),
-                }
-                for sid, s in self.sessions.items()
-            ],
-        }
 
     def _send(self, route: bytes, kind: MT, meta: dict, arrays: dict | None = None) -> None:
         try:

@@ -32,6 +32,7 @@ from conftest import assert_check_clean, wait_for
 
 from collector.status_sources import JobDirectory, Restart, Snapshot, recent_restarts
 from collector.status_watch import plain_lines, rich_view
+from gpu.dispatch_report import idle_fraction
 from gpu.dispatch_stage import DEAD_LETTER, DispatchStage, _Session
 from gpu.dispatch_state import ITEM_DTYPE
 from pipeline import exitcodes
@@ -316,9 +317,9 @@ def test_restarts_come_from_the_supervisor_log_and_jobs_from_the_data_dir(tmp_pa
 def test_dispatch_reports_idle_share_and_dead_letters_per_job():
     session = _Session(b"s", "m", last_seen=0.0, started=0.0)
     session.idle_marks.extend([(10.0, 2.0), (20.0, 4.5)])
-    assert DispatchStage._idle_fraction(session, 20.0) == 0.25
+    assert idle_fraction(session, 20.0) == 0.25
     fresh = _Session(b"t", "m", last_seen=0.0, started=0.0, idle_s=1.0)
-    assert DispatchStage._idle_fraction(fresh, 4.0) == 0.25  # no marks yet: over its life
+    assert idle_fraction(fresh, 4.0) == 0.25  # no marks yet: over its life
 
     stage = DispatchStage.__new__(DispatchStage)  # only what _note_dead_letters touches
     stage.counts = collections.Counter()

@@ -1,0 +1,110 @@
+"""What dispatch reports about itself: the metrics it pushes (docs/metrics.md) and the
+BROKER_INFO answer of `status` (docs/wire.md). Read-only views of the stage's state."""
+
+from __future__ import annotations
+
+import collections
+import time
+
+from pipeline.metrics import RECLAIM_CAUSES
+
+DEAD_LETTER = "dead_lettered"
+CORRUPT_INPUT = "corrupt_input"
+
+
+def dispatch_metrics(stage, now: float) -> dict:
+    """Queues, queue age, workers, dispatches, reclaims and dead letters (docs/metrics.md)."""
+    wall_s = time.time()
+    models = [m.name for m in stage.settings.models]
+    queued: collections.Counter = collections.Counter()
+    tokens: collections.Counter = collections.Counter()
+    oldest = dict.fromkeys(models, 0.0)
+    for segment_id, model, lane, waiting, cursor, floor in stage.state.backlog():
+        stage.arrivals.forget_below(segment_id, floor)
+        queued[(model, str(lane))] += waiting
+        tokens[(model, str(lane))] += waiting * lane
+        arrived = stage.arrivals.arrived(segment_id, cursor) if waiting else None
+        if arrived is not None:
+            oldest[model] = max(oldest.get(model, 0.0), wall_s - arrived)
+    sessions = collections.Counter(dict.fromkeys(models, 0))
+    in_flight: collections.Counter = collections.Counter()
+    leases: collections.Counter = collections.Counter()
+    figures: dict[str, dict] = {
+        "fabric_worker_prompt_tokens_total": {},
+        "fabric_worker_engine_tokens_per_second": {},
+        "fabric_worker_idle_seconds_total": {},
+    }
+    for session_id, session in stage.sessions.items():
+        if not session.model:
+            continue  # reloaded from the dispatch file; not registered again yet
+        key = (session.model, session_id)
+        sessions[session.model] += 1
+        in_flight[key] += 0
+        leases[key] += 0
+        for name, field_name in zip(
+            figures, ("prompt_tokens", "tokens_per_s", "idle_s"), strict=True
+        ):
+            if field_name in session.reported:
+                figures[name][key] = session.reported[field_name]
+    for batch in stage.state.leases():  # a session serves one model: its batches'
+        key = (batch.model, batch.session)
+        in_flight[key] += len(batch.items)
+        leases[key] += 1
+    return {
+        "fabric_queued_items": dict(queued),
+        "fabric_queued_tokens": dict(tokens),
+        "fabric_oldest_queued_item_age_seconds": {(m,): age for m, age in oldest.items()},
+        "fabric_items_dispatched_total": {(m,): n for m, n in stage.dispatched.items()},
+        "fabric_items_reclaimed_total": {(c,): stage.reclaimed[c] for c in RECLAIM_CAUSES},
+        "fabric_dead_letters_total": stage.counts[DEAD_LETTER],
+        "fabric_quarantined_items_total": stage.counts[CORRUPT_INPUT],
+        "fabric_worker_sessions": {(m,): n for m, n in sessions.items()},
+        "fabric_worker_in_flight_items": dict(in_flight),
+        "fabric_worker_leases": dict(leases),
+        **figures,
+    }
+
+
+def idle_fraction(session, now: float) -> float:
+    """Share of the last ~10 s (or of the session's life, if shorter) it held no batch."""
+    if len(session.idle_marks) >= 2:
+        (t0, idle0), (t1, idle1) = session.idle_marks[0], session.idle_marks[-1]
+    else:
+        (t0, idle0), (t1, idle1) = (session.started, 0.0), (now, session.idle_s)
+    if t1 <= t0:
+        return 0.0
+    return round(min(1.0, max(0.0, (idle1 - idle0) / (t1 - t0))), 3)
+
+
+def broker_status(stage, now: float) -> dict:
+    """The BROKER_INFO answer: rates, queues, in flight, dead letters, workers (docs/wire.md)."""
+    rate_in = rate_out = 0.0
+    if len(stage.samples) >= 2:
+        (t0, out0, done0), (t1, out1, done1) = stage.samples[0], stage.samples[-1]
+        if t1 > t0:
+            rate_in, rate_out = (out1 - out0) / (t1 - t0), (done1 - done0) / (t1 - t0)
+    return {
+        "rate_in": rate_in,
+        "rate_out": rate_out,
+        "epoch": stage.epoch,
+        "queues": stage.state.queue_depth(),
+        "in_flight": stage.state.in_flight,
+        "handed_out": stage.counts["handed_out"],
+        "retired": stage.counts["retired"],
+        "dead_lettered": stage.counts[DEAD_LETTER],
+        "corrupt": stage.counts[CORRUPT_INPUT],
+        "dead_letters": list(stage.dead_letters),
+        "workers": [
+            {
+                "session": sid,
+                "model": s.model,
+                "batches": stage.state.session_batches(sid),
+                "handed_out": s.handed_out,
+                "retired": s.retired,
+                "age_s": round(now - s.started, 1),
+                "silent_s": round(now - s.last_seen, 1),
+                "idle_fraction": idle_fraction(s, now),
+            }
+            for sid, s in stage.sessions.items()
+        ],
+    }
