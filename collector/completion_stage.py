@@ -325,16 +325,8 @@ class CompletionStage(Stage):
 
     # ---- clients -------------------------------------------------------------------------
     def _read_clients(self, now: float) -> None:
-        for _ in range(64):
-            try:
-                message = wire.recv(self.clients, 0, limits=self.limits)
-            except WireError as exc:
-                self.log.warning("dropped a malformed message from a client: %s", exc)
-                if exc.route:
-                    self._reply(exc.route, MT.ERROR, {"reason": f"malformed message: {exc}"})
-                continue
-            if message is None:
-                return
+        refuse = lambda route, reason: self._reply(route, MT.ERROR, {"reason": reason})  # noqa: E731
+        for message in wire.requests(self.clients, 64, self.limits, self.log, "client", refuse):
             try:
                 self._client(message, now)
             except (KeyError, ValueError, TypeError) as exc:

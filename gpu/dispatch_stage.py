@@ -329,16 +329,10 @@ class DispatchStage(Stage):
             self._send(route, MT.RESULTS_ACK, {"result_ids": [result_id]})
 
     def _read_workers(self, now: float) -> None:
-        for _ in range(MAX_MESSAGES_PER_STEP):
-            try:
-                message = wire.recv(self.workers, 0, limits=self.limits)
-            except WireError as exc:
-                self.log.warning("dropped a malformed message from a worker: %s", exc)
-                if exc.route:
-                    self._send(exc.route[0], MT.ERROR, {"reason": f"malformed message: {exc}"})
-                continue
-            if message is None:
-                return
+        refuse = lambda route, reason: self._send(route[0], MT.ERROR, {"reason": reason})  # noqa: E731
+        for message in wire.requests(
+            self.workers, MAX_MESSAGES_PER_STEP, self.limits, self.log, "worker", refuse
+        ):
             try:
                 self._handle(message, now)
             except (KeyError, ValueError, TypeError) as exc:

@@ -138,16 +138,10 @@ class FrontStage(Stage):
         )
         fresh: list[Inflight] = []
         if accepting and self.producers in events:
-            for _ in range(16):
-                try:
-                    message = wire.recv(self.producers, 0, limits=self.limits)
-                except WireError as exc:
-                    self.log.warning("dropped a malformed message from a producer: %s", exc)
-                    if exc.route:
-                        self._reply(exc.route, MT.ERROR, {"reason": f"malformed message: {exc}"})
-                    continue
-                if message is None:
-                    break
+            refuse = lambda route, reason: self._reply(route, MT.ERROR, {"reason": reason})  # noqa: E731
+            for message in wire.requests(
+                self.producers, 16, self.limits, self.log, "producer", refuse
+            ):
                 started = self._handle(message, now)
                 if started is not None:
                     fresh.append(started)

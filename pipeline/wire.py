@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import re
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum, IntFlag
 from typing import Any
@@ -560,3 +560,27 @@ def recv(
         route = tuple(frame.bytes for frame in frames[:cut])
         frames = frames[cut:]
     return decode(frames, limits, route)
+
+
+def requests(
+    socket: zmq.Socket,
+    most: int,
+    limits: WireLimits,
+    log,
+    peer: str,
+    refuse: Callable[[tuple[bytes, ...], str], None],
+) -> Iterator[Message]:
+    """Up to `most` waiting messages of a ROUTER port, without blocking. A malformed one is
+    logged (naming the `peer` kind), answered through `refuse(route, reason)` when it can be
+    addressed, and skipped: a bad message never stops the stage reading the next one."""
+    for _ in range(most):
+        try:
+            message = recv(socket, 0, limits=limits)
+        except WireError as exc:
+            log.warning("dropped a malformed message from a %s: %s", peer, exc)
+            if exc.route:
+                refuse(exc.route, f"malformed message: {exc}")
+            continue
+        if message is None:
+            return
+        yield message

@@ -149,16 +149,8 @@ class VectorStage(Stage):
 
     # ---- users -----------------------------------------------------------------------
     def _read_users(self) -> None:
-        for _ in range(16):
-            try:
-                message = wire.recv(self.users, 0, limits=self.limits)
-            except WireError as exc:
-                self.log.warning("dropped a malformed message from a client: %s", exc)
-                if exc.route:
-                    self._reply(exc.route, MT.ERROR, {"reason": f"malformed message: {exc}"})
-                continue
-            if message is None:
-                return
+        refuse = lambda route, reason: self._reply(route, MT.ERROR, {"reason": reason})  # noqa: E731
+        for message in wire.requests(self.users, 16, self.limits, self.log, "client", refuse):
             try:
                 self._user(message)
             except (VectorError, KeyError, ValueError, TypeError) as exc:
