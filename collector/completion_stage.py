@@ -51,6 +51,7 @@ from ingest.jobs import JOB_ID
 from pipeline import wire
 from pipeline.datadir import DataDir
 from pipeline.disk_full import FullDisk
+from pipeline.durable import write_whole
 from pipeline.errors import DiskFullError, FabricError, SegmentError, WireError
 from pipeline.security import ServerGate
 from pipeline.segment import Segment, disk_error
@@ -557,14 +558,11 @@ class CompletionStage(Stage):
         """Seal the job's completion segments and note when it finished (for retention);
         on a full disk, again at the next tidy."""
         path = view.directory / FINISHED_FILE
-        tmp = view.directory / f".{FINISHED_FILE}.tmp"
         try:
             self.log_.finish_job(view.job_id)
             try:  # whole or absent: an empty mark would read as finished at time 0
-                tmp.write_text(f"{time.time_ns()}\n")
-                tmp.rename(path)
+                write_whole(path, f"{time.time_ns()}\n".encode())
             except OSError as exc:
-                tmp.unlink(missing_ok=True)
                 raise disk_error(exc, path, "noting that the job finished") from exc
         except DiskFullError as exc:
             self.disk.failed(exc, now)

@@ -61,6 +61,7 @@ import orjson
 
 from ingest.catalog import CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS
 from ingest.line_errors import LineError
+from pipeline.durable import fsync_dir
 from pipeline.errors import FabricError
 
 RESULT: Final = 0
@@ -455,7 +456,7 @@ class ResultFile:
                 os.ftruncate(fd, good_bytes)
                 os.fsync(fd)
             if created:
-                _sync_directory(path.parent)
+                fsync_dir(path.parent)
         except OSError as exc:
             os.close(fd)
             raise ResultFileError(f"cannot read output file {path}: {exc.strerror}") from exc
@@ -567,11 +568,3 @@ def _not_ours(path: Path, number: int, what: str) -> ResultFileError:
         f"{path}: line {number} is {what}; it is not an OpenAI Batch result file this client "
         "wrote, so it is left as it is: move it away or choose another output path"
     )
-
-
-def _sync_directory(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -16,7 +16,6 @@ chunks at a time (results are delivered roughly in order).
 from __future__ import annotations
 
 import collections
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from pipeline.durable import write_whole
 from pipeline.records import _iter as iter_records
 
 CHUNKS_CACHED = 16
@@ -189,16 +189,4 @@ class JobIndex:
 
 def write_cancel(view: JobView) -> None:
     """Record durably that the job is cancelled (job number and wall time)."""
-    tmp = view.directory / ".cancel.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        os.write(fd, f"{view.job_no} {time.time_ns()}\n".encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, view.cancel_path)
-    dir_fd = os.open(view.directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    write_whole(view.cancel_path, f"{view.job_no} {time.time_ns()}\n".encode())

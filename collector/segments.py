@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline.durable import fsync_dir
 from pipeline.scan import SegmentSummary, scan_segment
 from pipeline.segment_format import (
     DELETED_OFFSET,
@@ -121,11 +122,7 @@ class SegmentCollector:
                 log.warning("not removing %s: it is not a finished segment", path)
                 return "not_finished"
             path.unlink()
-            dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
+            fsync_dir(path.parent)
             log.info("removed finished segment %s (%d slots retired)", path.name, summary.dead)
             return "removed"
         finally:

@@ -55,6 +55,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline.durable import fsync_dir
 from pipeline.errors import FabricError
 
 log = logging.getLogger("fabric.dispatch")
@@ -301,14 +302,6 @@ def _write_all(fd: int, data: bytes, offset: int) -> None:
     while view:
         done = os.pwrite(fd, view, offset)
         view, offset = view[done:], offset + done
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class DispatchFile:
@@ -639,7 +632,7 @@ class DispatchFile:
         except OSError:
             tmp.unlink(missing_ok=True)
             raise
-        _fsync_dir(self.path.parent)
+        fsync_dir(self.path.parent)
         fd = os.open(self.path, os.O_RDWR)
         if self._fd >= 0:
             os.close(self._fd)

@@ -22,7 +22,6 @@ durable with `flush()`, before the producer hears anything.
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ import orjson
 
 from ingest.custom_ids import CustomIdSet
 from pipeline.counter import DurableCounter
+from pipeline.durable import write_whole
 from pipeline.errors import IngestError
 from pipeline.records import RecordLog
 from pipeline.segment import disk_error
@@ -235,34 +235,17 @@ class JobRegistry:
         directory = self.root / job_id
         job_no = self._counter.next()  # DiskFullError when the disk is full
         created_ns = time.time_ns()
-        tmp = directory / ".job.json.tmp"
+        meta = {
+            "job_id": job_id,
+            "job_no": job_no,
+            "created_ns": created_ns,
+            "chunk_lines": chunk_lines,
+            "deliver": deliver,
+        }
         try:
             directory.mkdir(exist_ok=True)
-            tmp.write_bytes(
-                orjson.dumps(
-                    {
-                        "job_id": job_id,
-                        "job_no": job_no,
-                        "created_ns": created_ns,
-                        "chunk_lines": chunk_lines,
-                        "deliver": deliver,
-                    }
-                )
-            )
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            tmp.rename(directory / "job.json")
-            for path in (directory, self.root):
-                fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+            write_whole(directory / "job.json", orjson.dumps(meta), also_sync=(self.root,))
         except OSError as exc:  # a full disk: nothing of the job exists; the producer retries
-            tmp.unlink(missing_ok=True)
             raise disk_error(exc, directory / "job.json", "creating the job") from exc
         job = Job(
             job_id, job_no, created_ns, chunk_lines, directory, RecordLog(directory / "chunks.log")

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline.durable import fsync_dir
 from pipeline.errors import (
     DiskFullError,
     SegmentError,
@@ -53,14 +54,6 @@ from pipeline.segment_format import (
     slot_checksums,
     slot_dtype,
 )
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def disk_error(exc: OSError, path: Path, what: str) -> Exception:
@@ -143,7 +136,7 @@ class Segment:
             os.fdatasync(fd)
             fcntl.flock(fd, fcntl.LOCK_SH)
             os.rename(tmp, path)
-            _fsync_dir(directory)
+            fsync_dir(directory)
         except OSError as exc:
             os.close(fd)
             tmp.unlink(missing_ok=True)

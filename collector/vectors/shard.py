@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.durable import fsync_dir
 from pipeline.errors import FabricError
 from pipeline.records import MAX_RECORD_BYTES, encode_record, read_records
 from pipeline.segment import disk_error
@@ -70,14 +71,6 @@ def shard_paths(directory: Path, shard_id: int) -> tuple[Path, Path, Path]:
     """(payload, ids, journal) paths of shard `shard_id` under `directory`."""
     stem = Path(directory) / f"{shard_id:06d}"
     return stem.with_suffix(".payload"), stem.with_suffix(".ids"), stem.with_suffix(".journal")
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_all(fd: int, data: bytes | memoryview, offset: int) -> None:
@@ -161,7 +154,7 @@ class Shard:
             _write_all(shard._fds["journal"], encode_record(header), 0)
             for fd in shard._fds.values():
                 os.fdatasync(fd)
-            _fsync_dir(shard.directory)
+            fsync_dir(shard.directory)
             shard._journal_bytes = os.fstat(shard._fds["journal"]).st_size
         except OSError as exc:
             shard.close()

@@ -16,7 +16,6 @@ leads back to its job and `custom_id`.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ import orjson
 from collector.vectors.shard import DTYPES, VectorInputError, VectorShardError
 from collector.vectors.store import VectorStore
 from ingest.jobs import JOB_ID
+from pipeline.durable import write_whole
 
 META_FILE = "store.json"
 SINK_DIRS = ("errors", "delivered")
@@ -96,20 +96,7 @@ def create_store(
     directory.mkdir(parents=True, exist_ok=True)
     row_bytes = dim * DTYPES[dtype].itemsize
     meta = StoreMeta(name, model, dim, dtype, max(1, shard_bytes // row_bytes), time.time_ns())
-    tmp = directory / f".{META_FILE}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, orjson.dumps(asdict(meta)))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    tmp.rename(directory / META_FILE)
-    for path in (directory, root):
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    write_whole(directory / META_FILE, orjson.dumps(asdict(meta)), also_sync=(root,))
     return meta, VectorStore(directory, dim, dtype, meta.shard_rows)
 
 
