@@ -8,7 +8,7 @@ adding one, so a segment gains at most one mark per `resolution_s` and an
 age is overstated by at most that much. Slots found on disk at start count
 from their segment's creation (an upper bound: nothing older is known).
 
-`age_s(segment, slot, now)` answers "how long has this slot been waiting";
+`arrived(segment, slot)` answers "since when has this slot been waiting";
 `forget_below` drops marks no slot can need any more (everything below the
 segment's cursor and its earliest leased slot is out or retired).
 """

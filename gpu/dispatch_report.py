@@ -19,8 +19,7 @@ def dispatch_metrics(stage, now: float) -> dict:
     queued: collections.Counter = collections.Counter()
     tokens: collections.Counter = collections.Counter()
     oldest = dict.fromkeys(models, 0.0)
-    for segment_id, model, lane, waiting, cursor, floor in stage.state.backlog():
-        stage.arrivals.forget_below(segment_id, floor)
+    for segment_id, model, lane, waiting, cursor, _floor in stage.state.backlog():
         queued[(model, str(lane))] += waiting
         tokens[(model, str(lane))] += waiting * lane
         arrived = stage.arrivals.arrived(segment_id, cursor) if waiting else None

@@ -42,7 +42,8 @@ from gpu.dispatch_state import ITEM_DTYPE, Batch, DispatchState
 from pipeline import wire
 from pipeline.counter import DurableCounter
 from pipeline.datadir import DataDir
-from pipeline.errors import FabricError, WireError
+from pipeline.disk_full import FullDisk
+from pipeline.errors import DiskFullError, FabricError, WireError
 from pipeline.scan import SegmentSummary, scan_segment
 from pipeline.security import ServerGate
 from pipeline.segment import Segment
@@ -53,7 +54,6 @@ from router.shapes import ShapeTable
 MT = wire.MessageType
 PARK_S = 0.5  # a work request with nothing to give waits this long before NO_WORK
 RESCAN_S = 1.0
-IDLE_SAMPLE_S = 0.1  # how often each session is sampled for idleness (no batch awaiting results)
 RECENT_DEAD_LETTERS = 20  # dead-letter events kept for BROKER_STATUS
 MAX_MESSAGES_PER_STEP = 512
 BATCH_IDS_FILE = "next-batch-id"  # DurableCounter in the data dir: batch ids never reused
@@ -107,7 +107,7 @@ class _Session:
     handed_out: int = 0
     retired: int = 0
     started: float = field(default_factory=time.monotonic)
-    idle_s: float = 0.0  # time sampled holding no batch awaiting results
+    idle_s: float = 0.0  # the worker's own time waiting for work, from its last REPORT
     idle_marks: collections.deque = field(
         default_factory=lambda: collections.deque(maxlen=11)
     )  # (t, idle_s), one per rescan tick
@@ -139,6 +139,7 @@ class DispatchStage(Stage):
         # earlier life never covers a batch of this one: blocks of ids are reserved durably
         # (at least microseconds since the epoch), so a wall clock stepped back cannot reuse one.
         self.batch_ids = DurableCounter(self.data_dir.root / BATCH_IDS_FILE)
+        self.disk = FullDisk(self.log, "no new batches until batch ids can be reserved")
         self.batch_ids_end = 0
         self._reserve_batch_ids()
         self.shapes = ShapeTable(settings.data_path)
@@ -158,7 +159,6 @@ class DispatchStage(Stage):
         self._notified: dict[int, float] = {}  # segment -> last APPENDED notice (monotonic)
         self._rescan(not_before=grace_until)
         self.next_rescan = now + RESCAN_S
-        self.last_idle_sample = now
         (self.data_dir.root / "dispatch").mkdir(exist_ok=True)
         self.file, leases = DispatchFile.open(
             self.data_dir.root / "dispatch" / "inflight.log", self.epoch
@@ -278,8 +278,6 @@ class DispatchStage(Stage):
         self._flush_to_completion()
         self._record_ended()
         self.file.maybe_sync(now)
-        if now - self.last_idle_sample >= IDLE_SAMPLE_S:
-            self._sample_idle(now)
         if now >= self.next_rescan:
             self.next_rescan = now + RESCAN_S
             self.samples.append((now, self.counts["handed_out"], self.counts["retired"]))
@@ -287,6 +285,8 @@ class DispatchStage(Stage):
                 session.idle_marks.append((now, session.idle_s))
             self._rescan()
             self.state.sweep_cancelled()
+            for segment_id, _, _, _, _, floor in self.state.backlog():
+                self.arrivals.forget_below(segment_id, floor)  # marks no slot can need again
             for segment in self.state.forget_finished():
                 self.arrivals.forget(segment.segment_id)
                 self.log.info("segment %d finished; released", segment.segment_id)
@@ -388,6 +388,7 @@ class DispatchStage(Stage):
                 session_id, held, int(meta["seen_batch"]), now, meta.get("queued", ())
             )
             session.reported = worker_figures(meta)
+            session.idle_s = session.reported.get("idle_s", session.idle_s)
         elif kind == MT.HAND_BACK:
             self._hand_back(
                 session_id,
@@ -438,11 +439,14 @@ class DispatchStage(Stage):
         if self.state.session_batches(request.session) >= self.config.session_max_batches:
             return False
         if self.state.peek_batch_id() >= self.batch_ids_end:
+            if not self.disk.ready(now):  # a full disk: tried once a second, logged once
+                return False
             try:
                 self._reserve_batch_ids()
-            except FabricError as exc:  # a full disk: no batch until ids can be reserved
-                self.log.warning("cannot reserve batch ids yet: %s", exc)
+            except DiskFullError as exc:
+                self.disk.failed(exc, now)
                 return False
+            self.disk.succeeded(now)
         batch = self.state.next_batch(
             request.session, request.model, request.max_items, request.max_tokens, now
         )
@@ -605,15 +609,6 @@ class DispatchStage(Stage):
     def stats(self, now: float) -> dict:
         """Queues, queue age, workers, dispatches, reclaims and dead letters (docs/metrics.md)."""
         return dispatch_metrics(self, now)
-
-    # ---- status --------------------------------------------------------------------------
-    def _sample_idle(self, now: float) -> None:
-        """Add the time since the last sample to each session that holds no unanswered batch."""
-        elapsed = now - self.last_idle_sample
-        self.last_idle_sample = now
-        for session_id, session in self.sessions.items():
-            if self.state.session_batches(session_id) == 0:
-                session.idle_s += elapsed
 
     def _send(self, route: bytes, kind: MT, meta: dict, arrays: dict | None = None) -> None:
         try:

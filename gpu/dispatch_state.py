@@ -39,8 +39,9 @@ import numpy as np
 from pipeline.segment import Segment
 from pipeline.segment_format import (
     CHECKSUM_WORD,
+    COUNT_WORD,
     LIVE,
-    SLOT_HEADER_BYTES,
+    SLOT_HEADER_WORDS,
     STATE_MASK,
     slot_checksums,
 )
@@ -49,8 +50,6 @@ log = logging.getLogger("fabric.dispatch")
 
 ITEM_DTYPE = np.dtype([("segment", "<u8"), ("slot", "<u4"), ("seq", "<u8")])
 SCAN_MARKERS = 1 << 16  # markers examined per step when looking for free slots
-SLOT_HEADER_WORDS = SLOT_HEADER_BYTES // 4
-COUNT_WORD = 5  # the slot header's token count, as a u32 word (seq 0-1, job 2-3, index 4)
 
 
 @dataclass(eq=False)

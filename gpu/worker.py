@@ -45,11 +45,12 @@ import numpy as np
 import zmq
 
 from config.defaults import DEFAULTS
-from gpu.dispatch_state import ITEM_DTYPE, SLOT_HEADER_WORDS
+from gpu.dispatch_state import ITEM_DTYPE
 from gpu.engines import Engine, EngineBatch, EngineResult, TransientEngineError
 from pipeline import exitcodes, wire
 from pipeline.errors import FabricError, WireError
 from pipeline.security import ClientCurve, internal_curve, secure_client
+from pipeline.segment_format import SLOT_HEADER_WORDS
 from pipeline.stage import StopFlags
 from pipeline.topology import client_address
 
@@ -519,12 +520,7 @@ class Worker:
                 self.pause_until = now + self.backoff * (0.5 + random.random())
                 self.backoff = min(MAX_BACKOFF_S, self.backoff * 2)
             else:
-                self.broken = done.reason
-                self._hand_back([held], f"engine failed: {done.reason}", True)
-                queued = [h for h in self.held.values() if h.state == "queued"]
-                self._hand_back(queued, "engine failed; never started", False)
-                self._send(MT.BYE, {})  # nothing waits for this session to time out
-                self.exit_code = exitcodes.FAILED
+                self._fail(held, f"engine failed: {done.reason}", done.reason)
 
     def _watch(self) -> None:
         """The engine watchdog: a batch running past `batch_timeout_s` means a hung engine."""
@@ -535,15 +531,20 @@ class Worker:
         seconds = time.monotonic() - began
         if seconds < limit:
             return
-        self.broken = (
+        hung = (
             f"engine {self.engine.name} hung: batch {batch_id} ran {seconds:.0f} s, past "
             f"batch_timeout_s = {limit:g}"
         )
-        log.error("%s; handing back what this worker holds and exiting", self.broken)
-        held = self.held.get(batch_id)
-        self._hand_back([held] if held else [], self.broken, True)
+        log.error("%s; handing back what this worker holds and exiting", hung)
+        self._fail(self.held.get(batch_id), hung, hung)
+
+    def _fail(self, held: _Held | None, reason: str, broken: str) -> None:
+        """The engine is broken or hung: hand back its batch with an attempt and the queued
+        ones without, say BYE (nothing waits for this session to time out), exit 7."""
+        self.broken = broken
+        self._hand_back([held] if held is not None else [], reason, True)
         queued = [h for h in self.held.values() if h.state == "queued"]
-        self._hand_back(queued, "engine hung; never started", False)
+        self._hand_back(queued, "engine failed; never started", False)
         self._send(MT.BYE, {})
         self.exit_code = exitcodes.FAILED
 

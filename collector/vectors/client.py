@@ -22,6 +22,7 @@ import orjson
 from collector.client import Client
 from collector.vectors.shard import VectorInputError
 from pipeline import wire
+from pipeline.batches import pad_tokens
 
 MT = wire.MessageType
 READ_ROWS = 65536
@@ -183,9 +184,7 @@ def embed_texts(settings, model_name: str, texts: list[str]) -> np.ndarray:
         raise VectorInputError(
             f"the query has {int(lengths.max())} tokens; model {model_name} takes {model.max_tokens}"
         )
-    padded = np.zeros((len(texts), int(lengths.max())), np.uint32)
-    for i in range(len(texts)):
-        padded[i, : lengths[i]] = tokens[offsets[i] : offsets[i + 1]]
+    padded = pad_tokens(tokens, offsets[:-1], lengths)
     options = {"tokens_per_s": 1e9} if model.engine == "simulated" else {}
     engine = make_engine(model.engine, **options)
     engine.load()

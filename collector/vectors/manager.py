@@ -22,7 +22,7 @@ import numpy as np
 import zmq
 
 from collector.job_view import JobIndex
-from collector.vectors.search import METRICS, search
+from collector.vectors.search import search
 from collector.vectors.shard import VectorError, VectorInputError
 from collector.vectors.sink import VectorSink
 from collector.vectors.stores import StoreSet, stores_root
@@ -211,14 +211,9 @@ class VectorStage(Stage):
         k, metric = int(meta["k"]), str(meta["metric"])
         if not 1 <= k <= MAX_K:
             raise VectorInputError(f"k {k} must be from 1 to {MAX_K}")
-        if metric not in METRICS:
-            raise VectorInputError(f"metric {metric!r} is not one of {', '.join(METRICS)}")
         query = np.asarray(arrays.get("query"))
-        if query.ndim != 2 or query.dtype.kind != "f" or not 1 <= len(query) <= MAX_QUERIES:
-            raise VectorInputError(
-                f"query must be float [q, {store_meta.dim}] with 1 <= q <= {MAX_QUERIES}, "
-                f"got {query.dtype} {query.shape}"
-            )
+        if len(query) > MAX_QUERIES:  # the rest of the query is checked by search (check_query)
+            raise VectorInputError(f"{len(query)} queries; at most {MAX_QUERIES} per search")
         if not store.rows:
             raise VectorInputError(f"store {store_meta.name} holds no durable rows yet")
         started = time.perf_counter()
@@ -289,6 +284,7 @@ class VectorStage(Stage):
             if view is None:
                 continue
             view.refresh()
+            view.take_rejected()  # only custom_ids are wanted here: keep no rejected lines
             names = view.custom_ids(index[pick].tolist())
             for i, name in zip(pick.tolist(), names, strict=True):
                 custom_ids[i], jobs[i] = name, job_id
@@ -324,6 +320,7 @@ class VectorStage(Stage):
                     break
 
     def close(self) -> None:
+        self.sink.close()
         self.stores.close()
         self.completion.close(0)
         self.users.close(0)

@@ -62,6 +62,7 @@ class SinkJob:
     stored: int = 0
     skipped: int = 0
     errors: int = 0
+    error_file: ResultFile | None = None  # opened at the first error line, kept until the end
 
     def mark(self, index: np.ndarray) -> None:
         if len(index) and int(index.max()) >= len(self.have):
@@ -209,8 +210,15 @@ class VectorSink:
             job.errors,
             job.skipped,
         )
+        if job.error_file is not None:
+            job.error_file.close()
         del self.jobs[job.job_id]
         self.delivered_jobs += 1
+
+    def close(self) -> None:
+        for job in self.jobs.values():
+            if job.error_file is not None:
+                job.error_file.close()
 
     # ---- one page --------------------------------------------------------------------
     def _deliver(self, job: SinkJob, meta: dict, a: dict, index: np.ndarray) -> int:
@@ -295,6 +303,12 @@ class VectorSink:
             keys.append(key)
         if not lines:
             return
-        with ResultFile.open(self.errors_dir / f"{job.job_id}.jsonl") as errors:
-            job.errors += errors.write(lines, keys)
-            errors.sync()
+        if job.error_file is None:  # opening reads the file's keys: once per job, not per page
+            job.error_file = ResultFile.open(self.errors_dir / f"{job.job_id}.jsonl")
+        try:
+            job.errors += job.error_file.write(lines, keys)
+            job.error_file.sync()
+        except (FabricError, OSError):
+            job.error_file.close()  # a failed write leaves it unusable: opened again next time
+            job.error_file = None
+            raise
