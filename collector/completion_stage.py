@@ -291,9 +291,13 @@ class CompletionStage(Stage):
         job_nos = items["seq"] >> np.uint64(32)
         for job_no in np.unique(job_nos).tolist():
             pick = np.flatnonzero(job_nos == job_no)
-            job_id = self.jobs.job_id(int(job_no), force=True)  # a job created a moment ago
+            job_id = self.jobs.job_id(int(job_no))
             if job_id is None:
-                self.log.error("%d result(s) for unknown job number %d dropped", len(pick), job_no)
+                self.log.error(
+                    "%d result(s) for unknown job number %d not stored or acknowledged",
+                    len(pick),
+                    job_no,
+                )
                 known = False
                 continue
             if len(pick) == len(items):

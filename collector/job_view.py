@@ -16,6 +16,7 @@ chunks at a time (results are delivered roughly in order).
 from __future__ import annotations
 
 import collections
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -152,8 +153,8 @@ class JobIndex:
     def __init__(self, data_root: Path) -> None:
         self.root = Path(data_root) / "jobs"
         self._by_no: dict[int, str] = {}
+        self._named: set[str] = set()  # job directories whose number is in _by_no
         self.views: dict[str, JobView] = {}
-        self._rescanned = 0.0
 
     def view(self, job_id: str) -> JobView | None:
         view = self.views.get(job_id)
@@ -164,22 +165,30 @@ class JobIndex:
             view = JobView(directory)
             self.views[job_id] = view
             self._by_no[view.job_no] = job_id
+            self._named.add(job_id)
         return view
 
-    def job_id(self, job_no: int, force: bool = False) -> str | None:
-        """The id of job number `job_no`; the jobs directory is listed again at most every
-        0.2 s for a number not seen yet, or at once with `force`."""
+    def job_id(self, job_no: int) -> str | None:
+        """The id of job number `job_no`. A number not known yet (a job created a moment ago)
+        lists the jobs directory and reads only the job.json files of directories never read
+        before, so a miss costs a listing, not a read of every job ever run."""
         found = self._by_no.get(job_no)
-        if found is None and (force or time.monotonic() - self._rescanned > 0.2):
-            self._rescanned = time.monotonic()
-            for meta in self.root.glob("*/job.json"):
-                if meta.parent.name in self.views:
+        if found is None:
+            try:
+                names = os.listdir(self.root)
+            except OSError:
+                return None
+            for name in names:
+                if name in self._named:
                     continue
                 try:
-                    number = int(orjson.loads(meta.read_bytes())["job_no"])
-                except (OSError, ValueError, KeyError):
-                    continue
-                self._by_no[number] = meta.parent.name
+                    number = int(
+                        orjson.loads((self.root / name / "job.json").read_bytes())["job_no"]
+                    )
+                except (OSError, ValueError, KeyError, TypeError):
+                    continue  # not a job, or one still being created: read again next time
+                self._by_no[number] = name
+                self._named.add(name)
             found = self._by_no.get(job_no)
         return found
 
