@@ -56,6 +56,7 @@ PARK_S = 0.5  # a work request with nothing to give waits this long before NO_WO
 RESCAN_S = 1.0
 RECENT_DEAD_LETTERS = 20  # dead-letter events kept for BROKER_STATUS
 MAX_MESSAGES_PER_STEP = 512
+ITEM_ERRORS_RESEND_S = 5.0  # item errors not seen retired this long after sending go again
 BATCH_IDS_FILE = "next-batch-id"  # DurableCounter in the data dir: batch ids never reused
 BATCH_ID_BLOCK = 1 << 20  # batch ids reserved at a time
 MAX_WAITING_FOR_COMPLETION = 2048  # forwarded result batches held while completion is away
@@ -146,6 +147,11 @@ class DispatchStage(Stage):
         self.sessions: dict[str, _Session] = {}
         self.parked: collections.deque[_Parked] = collections.deque()
         self.to_completion: collections.deque[tuple[MT, dict, dict]] = collections.deque()
+        # Item errors (dead letters, quarantined, cancelled) are sent once and nothing else
+        # holds them: kept here, [resend at, reason, items not yet seen retired], until
+        # completion's RETIRED names them, and sent again if it does not (completion lost
+        # them to a kill before they were durable; it drops what it already has).
+        self.unretired_errors: list[list] = []
         self.counts = collections.Counter()
         self.dispatched = collections.Counter()  # model -> items handed out (metrics)
         self.reclaimed = collections.Counter()  # cause -> items put back in the queue (metrics)
@@ -284,6 +290,7 @@ class DispatchStage(Stage):
             for session in self.sessions.values():
                 session.idle_marks.append((now, session.idle_s))
             self._rescan()
+            self._resend_item_errors(now)
             self.state.sweep_cancelled()
             for segment_id, _, _, _, _, floor in self.state.backlog():
                 self.arrivals.forget_below(segment_id, floor)  # marks no slot can need again
@@ -321,6 +328,8 @@ class DispatchStage(Stage):
                 slots = items["slot"][items["segment"] == segment_id].astype(np.int64)
                 self.state.retired(int(segment_id), slots)
             self.counts["retired"] += len(items)
+            for entry in self.unretired_errors:  # a seq names one item (one slot) for good
+                entry[2] = entry[2][~np.isin(entry[2]["seq"], items["seq"])]
         for route_hex, result_id, count in message.meta["acks"]:
             route = bytes.fromhex(route_hex)
             session = self.sessions.get(route.decode("ascii", "replace"))
@@ -539,6 +548,8 @@ class DispatchStage(Stage):
         ):
             if len(items):
                 self.to_completion.append((MT.ITEM_ERRORS, {"reason": reason}, {"items": items}))
+                due = time.monotonic() + ITEM_ERRORS_RESEND_S
+                self.unretired_errors.append([due, reason, items])
         for items, code in (
             (outcome.dead_letters, DEAD_LETTER),
             (outcome.quarantined, CORRUPT_INPUT),
@@ -570,6 +581,20 @@ class DispatchStage(Stage):
             except FabricError:
                 return  # completion restarting or busy: keep them, try on the next step
             self.to_completion.popleft()
+
+    def _resend_item_errors(self, now: float) -> None:
+        """Item errors completion has not retired within ITEM_ERRORS_RESEND_S go again."""
+        self.unretired_errors = [e for e in self.unretired_errors if len(e[2])]
+        for entry in self.unretired_errors:
+            due, reason, items = entry
+            if now >= due:
+                self.log.warning(
+                    "%d item error(s) not retired %g s after sending; sent again",
+                    len(items),
+                    ITEM_ERRORS_RESEND_S,
+                )
+                self.to_completion.append((MT.ITEM_ERRORS, {"reason": reason}, {"items": items}))
+                entry[0] = now + ITEM_ERRORS_RESEND_S
 
     # ---- time ----------------------------------------------------------------------------
     def _timeouts(self, now: float) -> None:

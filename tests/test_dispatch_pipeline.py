@@ -254,6 +254,43 @@ def test_a_poison_item_is_dead_lettered_and_the_rest_of_the_job_completes(tmp_pa
     stop_and_check(b)
 
 
+def test_a_dead_letter_completion_never_stored_is_sent_again_after_completion_is_killed(
+    tmp_path, broker
+):
+    """Invariants 3 and 14: dispatch sends a dead letter once; completion, stopped, never reads
+    it and is SIGKILLed. Dispatch sends it again until completion retires it."""
+    data = tmp_path / "d.jsonl"
+    lines = [
+        {
+            "custom_id": f"c{i}",
+            "method": "POST",
+            "url": "/v1/embeddings",
+            "body": {"model": "echo", "prompt_token_ids": [666, 7, 8]},
+        }
+        for i in range(1)  # alone: with completion stopped, no other result could be taken
+    ]
+    data.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    b = broker(workers=1, env={"FABRIC_ECHO_POISON": "666"})
+    completion = b.pids()["completion-0"]
+    os.kill(completion, signal.SIGSTOP)  # it takes nothing in from here on
+    assert submit(b.config, data, "--job-id", "d").returncode == 0
+    wait_for(
+        lambda: "dead-lettered after" in log_of(b, "dispatch-0"),
+        "the poison item to be dead-lettered (its ITEM_ERRORS sent to the stopped completion)",
+        timeout_s=60,
+    )
+    os.kill(completion, signal.SIGKILL)  # what it had not read dies with it
+    # Whether the kill took the sent message (then dispatch sends it again after 5 s) or it was
+    # still in dispatch's queue (then the new completion gets it), the job must finish.
+    wait_for(lambda: finished(b, "d"), "the job to finish after the dead letter is resent", 90)
+    out = tmp_path / "out.jsonl"
+    assert fetch(b, "d", out).returncode == 0
+    assert not out.read_text()
+    errors = [json.loads(e) for e in Path(f"{out}.errors.jsonl").read_text().splitlines()]
+    assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [("c0", "dead_lettered")]
+    stop_and_check(b)
+
+
 def test_a_hung_engine_is_caught_by_the_watchdog_and_its_item_dead_lettered(tmp_path, broker):
     data = tmp_path / "h.jsonl"
     lines = [
