@@ -7,7 +7,7 @@ ROUTER socket (`ingest.bind`):
 |--------------|------------|------------------------------------------------------------|
 | HELLO        | CATALOG    | served models, lanes, chunk size, message size limit       |
 | JOB_STATUS   | JOB_INFO   | a job's state, counts, chunk size and committed chunks     |
-| SUBMIT_CHUNK | CHUNK_ACK  | every accepted item of the chunk is durable; its bad lines |
+| SUBMIT_CHUNK | CHUNK_ACK  | every accepted item of the chunk is durable; its bad lines as arrays (ingest/error_wire.py) |
 |              | CHUNK_ERROR| refused (not retryable) or failed (RETRYABLE: send it again) |
 
 A chunk's life: the front checks it again (models, endpoints, lengths,
@@ -38,6 +38,7 @@ import zmq
 from ingest.catalog import ModelCatalog
 from ingest.chunk_check import Checked, recheck
 from ingest.chunk_wire import chunk_from_wire, chunk_to_wire
+from ingest.error_wire import errors_from_wire, errors_to_wire
 from ingest.input_chunk import InputChunk
 from ingest.jobs import DELIVER_FILE, Job, JobRegistry, check_job_id, parse_deliver
 from ingest.line_errors import (
@@ -123,7 +124,7 @@ class FrontStage(Stage):
         self.poller.register(self.inbox, zmq.POLLIN)
         self.inflight: dict[tuple[int, int], Inflight] = {}
         self.unsent: deque[Inflight] = deque()
-        self.replies: list[tuple[tuple[bytes, ...], MT, dict[str, Any], int]] = []
+        self.replies: list[tuple[tuple[bytes, ...], MT, dict[str, Any], int, Any]] = []
         self.jobs_by_no: dict[int, Job] = {}
         self.stopping = False
         self.disk = FullDisk(self.log, "chunks are refused, retryably")
@@ -262,7 +263,7 @@ class FrontStage(Stage):
                     wire.Flag.RETRYABLE,
                 )
             else:
-                self._reply(route, MT.CHUNK_ACK, self._ack_meta(job, number, duplicate=True))
+                self._reply(route, MT.CHUNK_ACK, *self._ack(job, number, duplicate=True))
             return None
         flight = self.inflight.get((job.job_no, number))
         if flight is not None:
@@ -394,9 +395,13 @@ class FrontStage(Stage):
                     self._fail(flight, f"tokenizing failed: {meta['failed']}", retryable=True)
                     continue
                 flight.expected = int(meta["forwarded"])
-                flight.errors.extend(
-                    LineError(int(a), b, str(c), str(d)) for a, b, c, d in meta["errors"]
-                )
+                try:
+                    flight.errors.extend(
+                        LineError(int(a), b, str(c), str(d)) for a, b, c, d in meta["errors"]
+                    )
+                    flight.errors.extend(errors_from_wire(message.arrays))
+                except WireError as exc:
+                    self._fail(flight, f"a tokenizer's report is malformed: {exc}", True)
             elif message.type == MT.ERROR:
                 self._fail(flight, str(meta.get("reason")), retryable=message.retryable)
 
@@ -426,21 +431,24 @@ class FrontStage(Stage):
             )
             self.registry.touch(flight.job)
             del self.inflight[flight.key]
-            self._reply(flight.route, MT.CHUNK_ACK, self._ack_meta(flight.job, chunk.index))
+            self._reply(flight.route, MT.CHUNK_ACK, *self._ack(flight.job, chunk.index))
 
-    def _ack_meta(self, job: Job, number: int, duplicate: bool = False) -> dict[str, Any]:
+    def _ack(
+        self, job: Job, number: int, duplicate: bool = False
+    ) -> tuple[dict[str, Any], int, dict[str, np.ndarray]]:
+        """CHUNK_ACK's meta, flags and arrays: the rejected lines go as compact arrays, so the
+        answer fits its limits however many lines the chunk had rejected."""
         record = job.chunks[number].committed
-        return {
+        meta = {
             "job": job.job_id,
             "chunk": number,
             "stored": record["stored"],
-            "errors": [
-                LineError(int(a), b, str(c), str(d)).to_batch_error(job.job_id)
-                for a, b, c, d in record["errors"]
-            ],
+            "rejected": len(record["errors"]),
             "duplicate": duplicate,
             "state": job.state,
         }
+        errors = (LineError(int(a), b, str(c), str(d)) for a, b, c, d in record["errors"])
+        return meta, 0, errors_to_wire(errors)
 
     def _expire(self, now: float) -> None:
         for flight in [f for f in self.inflight.values() if now > f.deadline_s]:
@@ -483,10 +491,11 @@ class FrontStage(Stage):
                 MT.CHUNK_ERROR,
                 {"job": m["job"], "chunk": m["chunk"], "reason": str(exc)},
                 wire.Flag.RETRYABLE,
+                None,
             )
             if t == MT.CHUNK_ACK and not m.get("duplicate")
-            else (route, t, m, f)
-            for route, t, m, f in self.replies
+            else (route, t, m, f, a)
+            for route, t, m, f, a in self.replies
         ]
 
     def _unload_finished(self) -> None:
@@ -507,13 +516,20 @@ class FrontStage(Stage):
             {"job": str(meta.get("job", "")), "chunk": _int(meta.get("chunk")), "reason": reason},
         )
 
-    def _reply(self, route, msg_type: MT, meta: dict[str, Any], flags: int = 0) -> None:
-        self.replies.append((route, msg_type, meta, flags))
+    def _reply(
+        self,
+        route,
+        msg_type: MT,
+        meta: dict[str, Any],
+        flags: int = 0,
+        arrays: dict[str, np.ndarray] | None = None,
+    ) -> None:
+        self.replies.append((route, msg_type, meta, flags, arrays))
 
     def _send_replies(self) -> None:
-        for route, msg_type, meta, flags in self.replies:
+        for route, msg_type, meta, flags, arrays in self.replies:
             try:
-                wire.send(self.producers, msg_type, meta, route=route, flags=flags)
+                wire.send(self.producers, msg_type, meta, arrays, route=route, flags=flags)
             except WireError as exc:
                 self.log.info("could not answer a producer (gone?): %s", exc)
         self.replies = []

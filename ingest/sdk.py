@@ -35,6 +35,7 @@ import zmq
 from config import load_settings
 from ingest.batch_input import iter_batch_input
 from ingest.chunk_wire import chunk_to_wire
+from ingest.error_wire import errors_from_wire
 from ingest.input_chunk import InputChunk
 from ingest.request_shape import Shape
 from pipeline import wire
@@ -316,10 +317,12 @@ class Producer:
             del pending[number]
             self._backing_off.pop(number, None)
             report.chunks += 1
+            errors = [e.to_batch_error(job_id) for e in errors_from_wire(message.arrays)]
+            errors += meta.get("errors", [])  # a broker from before the arrays
             if not meta.get("duplicate"):
                 report.stored += int(meta["stored"])
-                report.rejected += len(meta["errors"])
-            report.errors.extend(meta["errors"])
+                report.rejected += len(errors)
+            report.errors.extend(errors)
             report.state = str(meta.get("state", ""))
         elif message.type == MT.CHUNK_ERROR and message.retryable:
             if number in self._backing_off:

@@ -17,6 +17,7 @@ import zmq
 
 from config.settings import Settings
 from ingest.chunk_wire import chunk_from_wire
+from ingest.error_wire import errors_to_wire
 from ingest.input_chunk import InputChunk
 from ingest.tokenize import load_tokenizers, tokenize_chunk
 from pipeline import wire
@@ -104,19 +105,20 @@ class TokenizerStage(Stage):
             job_no,
             chunk.index,
             forwarded=forwarded,
-            errors=[[e.line, e.custom_id, e.code, e.message] for e in new_errors],
+            errors=new_errors,
         )
         self.done += 1
 
     def _report(
         self, job_no: int, chunk: int, *, forwarded: int = 0, errors=(), error: str | None = None
     ) -> None:
-        meta = {"job_no": job_no, "chunk": chunk, "forwarded": forwarded, "errors": list(errors)}
+        meta = {"job_no": job_no, "chunk": chunk, "forwarded": forwarded, "errors": []}
         if error is not None:
             meta["failed"] = error
             self.log.error("job %d chunk %d: %s", job_no, chunk, error)
         try:
-            wire.send(self.report, wire.MessageType.TOKENIZED, meta)
+            # the rejected lines as arrays: a list in the meta would outgrow its 1 MiB limit
+            wire.send(self.report, wire.MessageType.TOKENIZED, meta, errors_to_wire(errors))
         except FabricError as exc:
             self.log.warning(
                 "could not report job %d chunk %d to the front: %s", job_no, chunk, exc
