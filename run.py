@@ -37,11 +37,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     settings = load_settings(args.config)
     supervisor = Supervisor(settings, stage_specs(settings), ring_specs(settings))
-    print(
-        f"fabric: serving {settings.data_path} (logs in {settings.data_path / 'log'})",
-        file=sys.stderr,
-    )
-    return supervisor.run()
+    return supervisor.run()  # says "serving" once its pre-start checks passed
 
 
 def _check(args: argparse.Namespace) -> int:

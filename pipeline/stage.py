@@ -100,8 +100,9 @@ def load_stage_class(target: str) -> type[Stage]:
     return getattr(importlib.import_module(module_name), class_name)
 
 
-def run_stage(spec: StageSpec, settings, drain_s: float = 30.0) -> int:
-    """Entry point of a stage process: set up, loop until asked to stop, drain, exit 0."""
+def run_stage(spec: StageSpec, settings, drain_s: float = 30.0, ready=None) -> int:
+    """Entry point of a stage process: set up, loop until asked to stop, drain, exit 0.
+    `ready` (a multiprocessing Event) is set once the stage is open: it is up."""
     try:
         import setproctitle
 
@@ -113,6 +114,8 @@ def run_stage(spec: StageSpec, settings, drain_s: float = 30.0) -> int:
     stage = load_stage_class(spec.target)(settings, spec.index)
     stage.open()
     log.info("stage %s up", spec.label)
+    if ready is not None:
+        ready.set()
     pusher = StatsPusher(settings, spec.label)
     try:
         while not flags.stop:
@@ -141,11 +144,13 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def stage_main(spec: StageSpec, settings, parent_pid: int) -> None:  # pragma: no cover - child
+def stage_main(
+    spec: StageSpec, settings, parent_pid: int, ready=None
+) -> None:  # pragma: no cover - child
     """multiprocessing target: exit with the stage's code; a crash logs and exits 1."""
     die_with_parent(parent_pid)
     try:
-        code = run_stage(spec, settings)
+        code = run_stage(spec, settings, ready=ready)
     except DiskFullError:
         log.exception("stage %s stopped on a full disk", spec.label)
         code = DISK_FULL_EXIT

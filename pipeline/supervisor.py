@@ -34,13 +34,16 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from collector.segments import SegmentCollector
-from pipeline import exitcodes
+from pipeline import announce, exitcodes
 from pipeline.datadir import DataDir
+from pipeline.errors import ConfigError
 from pipeline.logs import setup_stage_logging
 from pipeline.metrics_hub import MetricsHub
 from pipeline.metrics_server import MetricsServer
+from pipeline.preflight import preflight
 from pipeline.recovery import recover
 from pipeline.ring import Ring
 from pipeline.security import ServerGate, ServerKeys, check_exposure, loose_permissions
@@ -76,6 +79,7 @@ class _Child:
     process: multiprocessing.process.BaseProcess | None = None
     deaths: deque[float] = field(default_factory=deque)
     restart_at: float | None = None
+    ready: Any = None  # a multiprocessing Event the stage sets once it is up (opened)
 
 
 class Supervisor:
@@ -97,6 +101,8 @@ class Supervisor:
         self.heartbeat: Heartbeat | None = None
         self.metrics_hub = MetricsHub()  # what the stages report, restarts; served by `metrics`
         self.metrics: MetricsServer | None = None
+        self.said_ready = False
+        self.said_failures: set[str] = set()  # start failures already printed
 
     # ---- lifecycle -------------------------------------------------------
     def start(self) -> None:
@@ -110,6 +116,11 @@ class Supervisor:
         ServerKeys.load(security)  # a bad key file stops the start here, not in every stage
         os.umask(0o077)  # inherited by every stage: data dir files are the owner's alone
         self.data_dir.lock()
+        try:  # what would stop a stage at start: files named in the config, ports in use
+            preflight(self.settings)
+        except ConfigError:
+            self.data_dir.unlock()
+            raise
         with contextlib.suppress(OSError):  # a data dir made before (or by someone else)
             os.chmod(self.data_dir.root, 0o700)
         setup_stage_logging(self.data_dir.log, "supervisor-0")
@@ -147,6 +158,8 @@ class Supervisor:
         now = time.monotonic()
         for child in self._children:
             self._spawn(child, now)
+        for line in announce.start_lines(self.settings):
+            announce.say(line)
 
     def request_stop(self, *_: object) -> None:
         """Signal handler: only sets the flag."""
@@ -168,6 +181,9 @@ class Supervisor:
             print(f"fabric: stopping: {self.failure}", file=sys.stderr, flush=True)
             return exitcodes.STAGE_FAILED
         log.info("broker stopped cleanly")
+        announce.say(
+            f"drained, {announce.left_queued(self.data_dir.segments):,} items left queued, stopped"
+        )
         return exitcodes.OK
 
     def _wait(self, timeout_s: float) -> None:
@@ -185,13 +201,35 @@ class Supervisor:
             if child.process is None and child.restart_at is not None and now >= child.restart_at:
                 self._spawn(child, now)
                 log.info("restarted stage %s (pid %d)", child.spec.label, child.process.pid)
+        self._say_ready()
         self.collector.step(now)
         if now >= self.next_sweep:
             self.next_sweep = now + self.settings.collector.interval_s
             self.collector.sweep(self.data_dir, self.settings.completion.results_retention_s)
 
+    def _say_ready(self) -> None:
+        """Print "ready" once every stage that is running or restarting has come up."""
+        if self.said_ready:
+            return
+        waiting = [c for c in self._children if c.process is not None or c.restart_at is not None]
+        if all(c.ready is not None and c.ready.is_set() for c in waiting):
+            self.said_ready = True
+            log.info("every stage is up")
+            announce.say("ready")
+
+    def _say_start_failure(self, child: _Child, how: str) -> None:
+        """A stage that died before it was up: its last error line, on the terminal, once."""
+        if child.ready is None or child.ready.is_set():
+            return
+        path = self.data_dir.log / f"{child.spec.label}.log"
+        line = announce.last_error_line(path) or f"no error in {path}"
+        if line not in self.said_failures:
+            self.said_failures.add(line)
+            announce.say(f"stage {child.spec.label} died at start ({how}): {line}")
+
     def _on_death(self, child: _Child, now: float) -> None:
         how = describe_exit(child.process.exitcode)
+        self._say_start_failure(child, how)
         disk_full = child.process.exitcode == DISK_FULL_EXIT
         child.process.close()
         child.process = None
@@ -235,8 +273,11 @@ class Supervisor:
         log.warning("stage %s died (%s); restarting it in %.1f s", child.spec.label, how, backoff)
 
     def _spawn(self, child: _Child, now: float) -> None:
+        child.ready = self._context.Event()
         process = self._context.Process(
-            target=stage_main, args=(child.spec, self.settings, os.getpid()), name=child.spec.label
+            target=stage_main,
+            args=(child.spec, self.settings, os.getpid(), child.ready),
+            name=child.spec.label,
         )
         process.start()
         child.process = process

@@ -1,0 +1,81 @@
+"""What the broker says on its terminal (stderr): for people, not for programs.
+
+| when                          | lines                                                     |
+|-------------------------------|-----------------------------------------------------------|
+| the pre-start checks passed   | `serving DATA_DIR (logs in DIR)`, then one line per port: its setting, what it is for and its address; the models with their engine and endpoints, and the lanes |
+| every stage reported up       | `ready`                                                   |
+| a stage died before it was up | `stage LABEL died at start (HOW): LAST ERROR LINE OF ITS LOG` |
+| SIGTERM or Ctrl-C, stopped    | `drained, N items left queued, stopped`                   |
+
+Programs read the broker's state from `status`, metrics and files; these
+lines may change wording.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from pipeline.preflight import bound_ports
+
+PURPOSE = {
+    "ingest.bind": "producers (submit)",
+    "dispatch.bind": "workers (run.py worker)",
+    "dispatch.heartbeat_bind": "worker heartbeats",
+    "completion.bind": "results, status JOB, cancel",
+    "vectors.bind": "vector search and export",
+    "metrics.bind": "Prometheus metrics (HTTP)",
+}
+TAIL_BYTES = 16384  # how much of a stage's log is read for its last error
+
+
+def say(line: str) -> None:
+    print(f"fabric: {line}", file=sys.stderr, flush=True)
+
+
+def start_lines(settings) -> list[str]:
+    lines = [f"serving {settings.data_path} (logs in {settings.data_path / 'log'})"]
+    for name, address in bound_ports(settings):
+        lines.append(f"  {PURPOSE.get(name, name):30} {address}  ({name})")
+    for model in settings.models:
+        tokens = "text and token ids" if model.tokenizer else "token ids only"
+        lines.append(
+            f"  model {model.name}: engine {model.engine}, {', '.join(model.endpoints)}, "
+            f"{tokens}, up to {model.max_tokens} tokens"
+        )
+    lines.append(f"  lanes (tokens): {', '.join(str(n) for n in settings.broker.lanes)}")
+    return lines
+
+
+def last_error_line(log_path: Path) -> str | None:
+    """The last line of a stage log that says what went wrong: the final line of the last
+    traceback (`TokenizerError: ...`), else the last ERROR line's message; None if neither."""
+    try:
+        with open(log_path, "rb") as log:
+            size = log.seek(0, os.SEEK_END)
+            log.seek(max(0, size - TAIL_BYTES))
+            tail = log.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(tail):
+        if not line.strip():
+            continue
+        if line[:1].isspace() or line.startswith("Traceback"):
+            continue
+        parts = line.split(" ", 4)  # time LEVEL stage pid message
+        if len(parts) == 5 and parts[1] in ("INFO", "DEBUG", "WARNING"):
+            continue
+        return parts[4] if len(parts) == 5 and parts[1] in ("ERROR", "CRITICAL") else line
+    return None
+
+
+def left_queued(segments_dir: Path) -> int:
+    """Items still LIVE in the input log: queued or leased, not yet finished."""
+    from pipeline.scan import scan_segment
+
+    live = 0
+    for path in sorted(segments_dir.glob("in-*.seg")):
+        summary = scan_segment(path)
+        live += getattr(summary, "live", 0)  # a damaged file: `check` reports it
+    return live

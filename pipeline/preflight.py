@@ -1,0 +1,116 @@
+"""What the broker checks before it says "serving": files named in the config, and ports.
+
+A stage that cannot start (a tokenizer file that is not there, a port
+another program holds) would otherwise die at start again and again until
+the supervisor gives up, with the cause only in a stage's log. These checks
+run in the supervisor, after it took the data dir's lock and before anything
+binds or starts; each failure is a ConfigError (exit code 3) that names the
+setting, the value and what to do.
+
+| check                 | what                                                          |
+|-----------------------|---------------------------------------------------------------|
+| tokenizers            | every model's `tokenizer` file exists and loads (and its chat template compiles), as the tokenizer stages will load it |
+| ports                 | every TCP port the broker binds (`ingest.bind`, `dispatch.bind`, `dispatch.heartbeat_bind`, `completion.bind`, `vectors.bind`, `metrics.bind`) can be bound now: bound and closed at once |
+
+A port is free at the check and taken a moment later by someone else is
+still possible; the stage that fails then dies at start and the supervisor
+prints its last error line (pipeline/supervisor.py).
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+
+from pipeline.errors import ConfigError, FabricError
+
+# (setting, how the broker binds it): zmq "tcp://HOST:PORT", or HTTP "HOST:PORT"
+PORTS = (
+    ("ingest.bind", "zmq"),
+    ("dispatch.bind", "zmq"),
+    ("dispatch.heartbeat_bind", "zmq"),
+    ("completion.bind", "zmq"),
+    ("vectors.bind", "zmq"),
+    ("metrics.bind", "http"),
+)
+
+
+def preflight(settings) -> None:
+    """Raise ConfigError naming the first thing that would stop a stage at start."""
+    check_tokenizers(settings)
+    check_ports(settings)
+
+
+def check_tokenizers(settings) -> None:
+    from ingest.tokenize import load_tokenizers
+
+    try:
+        load_tokenizers(settings)
+    except FabricError as exc:
+        raise ConfigError(f"[[models]] tokenizer: {exc}") from None
+
+
+def bound_ports(settings) -> list[tuple[str, str]]:
+    """(setting, address) of every port the broker binds, as configured."""
+    found = []
+    for name, _ in PORTS:
+        section, key = name.split(".")
+        value = getattr(getattr(settings, section), key)
+        if value:
+            found.append((name, value))
+    return found
+
+
+def check_ports(settings) -> None:
+    seen: dict[tuple[str, int], str] = {}
+    for name, kind in PORTS:
+        section, key = name.split(".")
+        address = getattr(getattr(settings, section), key)
+        target = _tcp_target(address, kind)
+        if target is None:
+            continue
+        if target in seen:
+            raise ConfigError(
+                f"{name} = {address!r} is the same port as {seen[target]}; give each its own port"
+            )
+        seen[target] = name
+        problem = _bind_problem(*target)
+        if problem is not None:
+            raise ConfigError(
+                f"{name} = {address!r}: cannot bind it ({problem}); stop the program that "
+                f"holds it (`ss -ltnp | grep :{target[1]}`) or set {name} to a free port"
+            )
+
+
+def _tcp_target(address: str, kind: str) -> tuple[str, int] | None:
+    """(host, port) to test, or None for what is not a fixed TCP port (ipc, port 0 or *)."""
+    if kind == "zmq":
+        if not address.startswith("tcp://"):
+            return None
+        address = address[len("tcp://") :]
+    host, _, port = address.rpartition(":")
+    if not port.isdigit() or int(port) == 0:
+        return None
+    host = host.strip("[]")
+    if host in ("*", ""):
+        host = "0.0.0.0"
+    return host, int(port)
+
+
+def _bind_problem(host: str, port: int) -> str | None:
+    """Why (host, port) cannot be bound now, or None. Closed at once: the stage binds it."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        return f"host {host!r} does not resolve: {exc.strerror}"
+    family, kind, proto, _, where = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ binds
+        try:
+            probe.bind(where)
+            probe.listen(1)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return "the port is already in use"
+            return exc.strerror or str(exc)
+    return None

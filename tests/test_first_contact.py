@@ -1,0 +1,159 @@
+"""First contact (issue 15): what a new user meets in the first hour, with real processes.
+
+A chunk full of rejected lines is answered; the broker checks what it can before it says
+"serving" and says what it does; clients say where they wait and fail fast when nothing
+listens; `status` and `results` say what is true.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+from broker import REPO, Broker, submit, write_config, write_jsonl
+from conftest import wait_for
+
+from pipeline import exitcodes
+
+
+@pytest.fixture(scope="module")
+def broker(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("first-contact")
+    b = Broker(write_config(tmp_path), stderr_path=tmp_path / "broker.err").start()
+    yield b
+    b.close()
+
+
+def _endpoint_not_served(path: Path, n: int) -> None:
+    """n lines that name an endpoint their model does not serve."""
+    with open(path, "wb") as out:
+        for i in range(n):
+            line = {
+                "custom_id": f"bad-{i}",
+                "method": "POST",
+                "url": "/v1/completions",
+                "body": {"model": "echo", "prompt_token_ids": [1, 2, 3]},
+            }
+            out.write(orjson.dumps(line) + b"\n")
+
+
+def test_a_file_of_50000_rejected_lines_gets_its_50000_error_lines_in_seconds(broker, tmp_path):
+    path = tmp_path / "bad.jsonl"
+    _endpoint_not_served(path, 50_000)
+    started = time.monotonic()
+    # chunks of 25,000 lines: their answers used to outgrow the 1 MiB metadata limit
+    done = submit(broker.config, path, "--chunk-lines", "25000", "--attempts", "2", timeout_s=90)
+    elapsed = time.monotonic() - started
+    assert done.returncode == 0, done.stderr
+    assert elapsed < 30, f"submit took {elapsed:.1f} s"
+    errors = [orjson.loads(line) for line in Path(f"{path}.errors.jsonl").read_bytes().splitlines()]
+    assert len(errors) == 50_000
+    assert {e["custom_id"] for e in errors} == {f"bad-{i}" for i in range(50_000)}
+    assert {e["error"]["code"] for e in errors} == {"endpoint_not_served"}
+    first = errors[0]["error"]["message"]
+    assert first.startswith('line 1 (custom_id "bad-0"): model "echo" does not serve'), first
+
+
+def test_rejected_lines_survive_their_compact_arrays():
+    from ingest.error_wire import errors_from_wire, errors_to_wire
+    from ingest.line_errors import LineError
+
+    errors = [
+        LineError.at(3, "a", "invalid_json", "the line is not JSON"),
+        LineError.at(4, None, "invalid_json", "the line is not JSON"),
+        LineError.at(9, "é", "unknown_model", 'model "x" is not served'),
+        LineError(12, "", "odd_code", "a message without the usual prefix"),
+    ]
+    assert errors_from_wire(errors_to_wire(errors)) == errors
+    assert errors_from_wire(errors_to_wire([])) == []
+
+
+def _serve(config: Path, timeout_s: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(REPO / "run.py"), "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        cwd=REPO,
+    )
+
+
+def test_a_missing_tokenizer_stops_the_start_with_its_cause_before_serving(tmp_path):
+    config = write_config(tmp_path)
+    missing = tmp_path / "nowhere" / "tokenizer.json"
+    config.write_text(config.read_text().replace(str(tmp_path / "tokenizer.json"), str(missing)))
+    started = time.monotonic()
+    done = _serve(config)
+    assert done.returncode == exitcodes.CONFIG, done.stderr
+    assert time.monotonic() - started < 20
+    assert str(missing) in done.stderr and "does not exist" in done.stderr, done.stderr
+    assert "serving" not in done.stderr
+    assert not Broker(config).data_dir.log.joinpath("front-0.log").exists()  # nothing started
+
+
+def test_a_port_in_use_stops_the_start_with_its_cause_before_serving(tmp_path):
+    config = write_config(tmp_path)
+    settings = Broker(config).settings
+    port = int(settings.completion.bind.rpartition(":")[2])
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", port))
+        holder.listen(1)
+        done = _serve(config)
+    assert done.returncode == exitcodes.CONFIG, done.stderr
+    assert "completion.bind" in done.stderr and "already in use" in done.stderr, done.stderr
+    assert "serving" not in done.stderr
+
+
+def test_a_stage_that_dies_at_start_prints_its_last_error_line(tmp_path):
+    config = write_config(tmp_path, workers=1, worker_keys='model = "gen"')
+    config.write_text(config.read_text() + '[[models]]\nname = "gen"\nengine = "vllm"\n')
+    err = tmp_path / "broker.err"
+    b = Broker(config, stderr_path=err)
+    try:
+        with open(err, "w") as out:  # not Broker.start: the worker never comes up
+            b.proc = subprocess.Popen(
+                [sys.executable, str(REPO / "run.py"), "--config", str(config)],
+                stdout=subprocess.DEVNULL,
+                stderr=out,
+                cwd=REPO,
+            )
+        # the terminal line is what this test is about: nothing else tells a person
+        wait_for(lambda: "died at start" in err.read_text(), "the worker's start failure")
+        said = err.read_text()
+        assert "stage worker-0 died at start (exit code 1): " in said, said
+        assert "vllm" in said.split("died at start", 1)[1].splitlines()[0], said
+        assert b.stop() == exitcodes.OK
+    finally:
+        b.close()
+
+
+def test_the_broker_says_where_it_listens_when_it_is_ready_and_what_it_left(tmp_path):
+    err = tmp_path / "broker.err"
+    b = Broker(write_config(tmp_path), stderr_path=err).start()
+    try:
+        data = tmp_path / "in.jsonl"
+        good = write_jsonl(data, 300)
+        assert submit(b.config, data).returncode == 0
+        # the terminal line is what this test is about: nothing else tells a person
+        wait_for(lambda: "fabric: ready" in err.read_text(), "the broker to say ready")
+        assert b.stop() == exitcodes.OK
+        said = err.read_text()
+        settings = b.settings
+        for address in (
+            settings.ingest.bind,
+            settings.dispatch.bind,
+            settings.dispatch.heartbeat_bind,
+            settings.completion.bind,
+            settings.vectors.bind,
+            settings.metrics.bind,
+        ):
+            assert address in said, (address, said)
+        assert "model texty: engine echo" in said and "lanes (tokens): 64, 128" in said
+        assert f"fabric: drained, {len(good)} items left queued, stopped" in said, said
+    finally:
+        b.close()
