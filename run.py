@@ -243,6 +243,7 @@ def _status(args: argparse.Namespace) -> int:
     import orjson
 
     from collector.client import DispatchClient, ResultsClient
+    from collector.job_state import with_in_flight
 
     if args.watch:
         return _watch(args)
@@ -250,6 +251,7 @@ def _status(args: argparse.Namespace) -> int:
     if args.job:
         with ResultsClient(_address(args, "completion"), args.timeout, curve=curve) as client:
             info = client.job_status(args.job)
+        info = with_in_flight(info, _dispatch_status(args, curve))
     else:
         with DispatchClient(_address(args, "dispatch"), args.timeout, curve=curve) as client:
             info = client.broker_status()
@@ -260,6 +262,20 @@ def _status(args: argparse.Namespace) -> int:
 
     print(render_job(info) if args.job else render_broker(info))
     return exitcodes.OK
+
+
+def _dispatch_status(args: argparse.Namespace, curve) -> dict | None:
+    """Dispatch's BROKER_INFO (which items are with workers), or None: it is only a detail of
+    `status JOB`, and a --broker address there is completion's, not dispatch's."""
+    from collector.client import DispatchClient
+
+    if args.broker:
+        return None
+    try:
+        with DispatchClient(_address(args, "dispatch"), args.timeout, 1, curve) as client:
+            return client.broker_status()
+    except FabricError:
+        return None
 
 
 def _watch(args: argparse.Namespace) -> int:

@@ -439,14 +439,16 @@ class CompletionStage(Stage):
             state = "expired"  # finished once; its delivered results are past retention, removed
         else:
             state = self._state(view, done, total)
-        first = self.rates.setdefault(job_id, (now, done))
+        # results of work done: not error results (a cancel's, rejected lines') that come at once
+        first = self.rates.setdefault(job_id, (now, done - failed))
         elapsed = now - first[0]
-        rate = (done - first[1]) / elapsed if elapsed > 1 else 0.0
+        rate = max(0, done - failed - first[1]) / elapsed if elapsed > 1 else 0.0
         pending = None if total is None else max(0, total - done)
         if state in ("completed", "cancelled") and not (view.directory / FINISHED_FILE).exists():
             self._finish(view, now)
         return {
             "job": job_id,
+            "job_no": view.job_no,
             "exists": True,
             "state": state,
             "total": total,

@@ -25,6 +25,7 @@ from typing import Any
 import orjson
 
 from collector.client import DispatchClient, ResultsClient
+from collector.job_state import with_in_flight
 from pipeline.errors import BrokerUnreachableError, FabricError
 from pipeline.security import ClientCurve
 
@@ -198,7 +199,8 @@ class Sources:
             snap.jobs_hidden = 0
         for entry in shown:
             try:
-                snap.jobs.append(self._completion_client().job_status(entry.job_id))
+                info = self._completion_client().job_status(entry.job_id)
+                snap.jobs.append(with_in_flight(info, snap.broker))
             except BrokerUnreachableError:
                 self._drop_completion()
                 snap.jobs_note = f"completion not reachable at {self.completion_address}"

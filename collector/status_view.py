@@ -72,9 +72,10 @@ def render_job(info: dict[str, Any]) -> str:
         f"  total      {total if total is not None else '(still being submitted)'}",
         f"  completed  {info['completed']}",
         f"  failed     {info['failed']}",
-        f"  pending    {info['pending'] if info['pending'] is not None else '-'}",
+        f"  pending    {info['pending'] if info['pending'] is not None else '-'}"
+        + (f" ({info['in_flight']} with workers)" if info.get("in_flight") else ""),
         f"  undelivered results  {info['undelivered']}",
-        f"  rate       {info['rate']:.0f} items/s",
+        f"  rate       {info['rate']:.0f} items/s completed",
     ]
     if info.get("deliver", "file") != "file":
         lines.append(f"  delivered to  {info['deliver']} (python run.py vectors stats)")

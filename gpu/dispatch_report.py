@@ -6,6 +6,8 @@ from __future__ import annotations
 import collections
 import time
 
+import numpy as np
+
 from pipeline.metrics import RECLAIM_CAUSES
 
 DEAD_LETTER = "dead_lettered"
@@ -75,6 +77,15 @@ def idle_fraction(session, now: float) -> float:
     return round(min(1.0, max(0.0, (idle1 - idle0) / (t1 - t0))), 3)
 
 
+def in_flight_jobs(stage) -> dict[str, int]:
+    """Items handed to workers and not yet retired, per job number (as a str: JSON keys)."""
+    jobs: collections.Counter = collections.Counter()
+    for batch in stage.state.leases():
+        numbers, counts = np.unique(batch.items["seq"] >> np.uint64(32), return_counts=True)
+        jobs.update(dict(zip(numbers.tolist(), counts.tolist(), strict=True)))
+    return {str(job_no): n for job_no, n in jobs.items()}
+
+
 def broker_status(stage, now: float) -> dict:
     """The BROKER_INFO answer: rates, queues, in flight, dead letters, workers (docs/wire.md)."""
     rate_in = rate_out = 0.0
@@ -88,6 +99,7 @@ def broker_status(stage, now: float) -> dict:
         "epoch": stage.epoch,
         "queues": stage.state.queue_depth(),
         "in_flight": stage.state.in_flight,
+        "in_flight_jobs": in_flight_jobs(stage),
         "handed_out": stage.counts["handed_out"],
         "retired": stage.counts["retired"],
         "dead_lettered": stage.counts[DEAD_LETTER],

@@ -157,3 +157,85 @@ def test_the_broker_says_where_it_listens_when_it_is_ready_and_what_it_left(tmp_
         assert f"fabric: drained, {len(good)} items left queued, stopped" in said, said
     finally:
         b.close()
+
+
+def _run(config: Path, *args: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(REPO / "run.py"), *args, "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        cwd=REPO,
+    )
+
+
+def _job_status(config: Path, job_id: str) -> dict:
+    done = _run(config, "status", job_id, "--json")
+    assert done.returncode == 0, done.stderr
+    return orjson.loads(done.stdout)
+
+
+def _sim_lines(path: Path, n: int) -> None:
+    with open(path, "wb") as out:
+        for i in range(n):
+            body = {"model": "sim", "prompt_token_ids": [1, 2, 3]}
+            line = {"custom_id": f"s{i}", "method": "POST", "url": "/v1/embeddings", "body": body}
+            out.write(orjson.dumps(line) + b"\n")
+
+
+def test_a_job_whose_items_are_all_with_workers_is_in_progress(broker, tmp_path):
+    data = tmp_path / "sim.jsonl"
+    _sim_lines(data, 20)
+    assert submit(broker.config, data, "--job-id", "held").returncode == 0
+    assert _job_status(broker.config, "held")["state"] == "queued"  # no worker yet
+    settings = broker.settings
+    worker = subprocess.Popen(  # 1 token/s: its one batch of 60 tokens stays with it a minute
+        [
+            sys.executable,
+            str(REPO / "run.py"),
+            "worker",
+            "--broker",
+            settings.dispatch.bind,
+            "--heartbeat",
+            settings.dispatch.heartbeat_bind,
+            "--model",
+            "sim",
+            "--engine",
+            "simulated",
+            "--option",
+            "tokens_per_s=1.0",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=REPO,
+    )
+    try:
+        wait_for(
+            lambda: _job_status(broker.config, "held").get("in_flight") == 20,
+            "every item of the job to be with the worker",
+        )
+        info = _job_status(broker.config, "held")
+        assert info["completed"] == 0 and info["state"] == "in_progress", info
+    finally:
+        worker.kill()
+        worker.wait(timeout=30)
+
+
+def test_a_cancel_is_not_throughput(broker, tmp_path):
+    data = tmp_path / "sim.jsonl"
+    _sim_lines(data, 500)
+    assert submit(broker.config, data, "--job-id", "dropped").returncode == 0
+    first = time.monotonic()
+    assert _job_status(broker.config, "dropped")["state"] == "queued"  # the rate's first sample
+    assert _run(broker.config, "cancel", "dropped").returncode == 0
+    wait_for(
+        lambda: _job_status(broker.config, "dropped")["state"] == "cancelled",
+        "the cancel to retire every item",
+    )
+    # the rate is measured over more than 1 s: poll until then (or a rate shows up)
+    wait_for(
+        lambda: _job_status(broker.config, "dropped")["rate"] > 0 or time.monotonic() > first + 2,
+        "the rate's first second to pass",
+    )
+    info = _job_status(broker.config, "dropped")
+    assert info["failed"] == 500 and info["rate"] == 0, info

@@ -1,0 +1,31 @@
+"""A job's state as `status` shows it: completion's counts, with dispatch's items in flight.
+
+The completion stage knows how many of a job's items have a result; only
+dispatch knows which are with workers right now. A job with no result yet
+is `queued` at completion, but it is `in_progress` as soon as one of its
+items is handed to a worker. `status JOB` and `status --watch` ask both and
+merge them here (docs/completion.md, "Job states"):
+
+| completion says | dispatch says              | shown         |
+|-----------------|----------------------------|---------------|
+| `queued`        | some of its items in flight | `in_progress` |
+| `queued`        | none in flight, or no answer | `queued`     |
+| anything else   | -                           | unchanged     |
+
+`in_flight` is added to the job's info when dispatch answered.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def with_in_flight(info: dict[str, Any], broker: dict[str, Any] | None) -> dict[str, Any]:
+    """`info` (a JOB_INFO) with dispatch's items in flight for its job, from BROKER_INFO."""
+    if broker is None or "job_no" not in info or "in_flight_jobs" not in broker:
+        return info
+    in_flight = int(broker["in_flight_jobs"].get(str(info["job_no"]), 0))
+    merged = {**info, "in_flight": in_flight}
+    if info.get("state") == "queued" and in_flight:
+        merged["state"] = "in_progress"
+    return merged
