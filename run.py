@@ -194,17 +194,23 @@ def _results(args: argparse.Namespace) -> int:
 
     err_path = args.errors or f"{args.output}.errors.jsonl"
     tty = sys.stderr.isatty()
+    last = [time.monotonic()]
 
     def progress(report) -> None:
-        if tty and report.info:
-            info = report.info
-            print(
-                f"\r{args.job}: {report.written} results, {report.errors} errors written; "
-                f"state {info['state']}, pending {info['pending']}",
-                end="",
-                file=sys.stderr,
-                flush=True,
-            )
+        """Redrawn in place on a terminal; elsewhere (logs, CI) a line every 5 s."""
+        now = time.monotonic()
+        if not report.info or (not tty and now - last[0] < 5.0):
+            return
+        last[0] = now
+        info = report.info
+        start = "\r" if tty else ""
+        print(
+            f"{start}{args.job}: {report.written} results, {report.errors} errors "
+            f"written; state {info['state']}, pending {info['pending']}",
+            end="" if tty else "\n",
+            file=sys.stderr,
+            flush=True,
+        )
 
     with ResultsClient(
         _address(args, "completion"), timeout_s=args.timeout, curve=_curve(args)
@@ -228,6 +234,14 @@ def _results(args: argparse.Namespace) -> int:
         + (f"{pending} item(s) still pending" if pending else "nothing pending"),
         file=sys.stderr,
     )
+    delivered = int(info.get("completed") or 0) + int(info.get("failed") or 0)
+    delivered -= int(info.get("undelivered") or 0)
+    if not args.all and report.written + report.errors == 0 and delivered > 0:
+        print(
+            f"job {args.job}: {delivered} result(s) were already delivered by an earlier "
+            f"`results`; add --all to fetch them again",
+            file=sys.stderr,
+        )
     return exitcodes.OK
 
 
@@ -532,6 +546,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
+    from pipeline import first_contact
+
+    first_contact.on_waiting = lambda line: print(f"{line} ...", file=sys.stderr, flush=True)
     try:
         return args.handler(args)
     except ConfigError as exc:

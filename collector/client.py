@@ -23,6 +23,7 @@ from collector.completion_log import subset
 from collector.export import ExportContext, ResultFile, ResultPage, format_page, page_keys
 from pipeline import wire
 from pipeline.errors import BrokerUnreachableError, FabricError, WireError
+from pipeline.first_contact import FirstContact
 from pipeline.security import ClientCurve, secure_client
 
 MT = wire.MessageType
@@ -54,6 +55,7 @@ class Client:
         self.curve = curve
         self.context = zmq.Context()
         self.socket = None
+        self.contact = FirstContact(address)  # fail fast when nothing listens; say we wait
         self._connect()
 
     def _connect(self) -> None:
@@ -77,12 +79,15 @@ class Client:
         backoff = 0.2
         for attempt in range(attempts):
             try:
+                self.contact.before_send()
                 wire.send(self.socket, kind, meta, arrays)
                 deadline = time.monotonic() + self.timeout_s
                 while (left := deadline - time.monotonic()) > 0:
-                    message = wire.recv(self.socket, int(left * 1000) + 1)
+                    message = wire.recv(self.socket, self.contact.wait_ms(left))
                     if message is None:
-                        break
+                        self.contact.silent()
+                        continue
+                    self.contact.heard()
                     if message.type == answer:
                         return message
                     if message.type == MT.ERROR:
@@ -141,16 +146,20 @@ class ResultsClient(Client):
         decoders = decoders or {}
         ack = 0
         cursors: list = []
+
+        def ask() -> wire.Message:
+            meta = {"job": job_id, "ack": ack, "all": everything}
+            if page_items:
+                meta["limit"] = page_items
+            if everything:
+                meta["cursors"] = cursors
+            return self.request(
+                MT.FETCH, meta, MT.RESULT_PAGE, attempts=1_000_000 if follow else None
+            )
+
+        message = ask()  # files are made only once the broker answered
         with ResultFile.open(out_path) as out, ResultFile.open(err_path) as err:
             while True:
-                meta = {"job": job_id, "ack": ack, "all": everything}
-                if page_items:
-                    meta["limit"] = page_items
-                if everything:
-                    meta["cursors"] = cursors
-                message = self.request(
-                    MT.FETCH, meta, MT.RESULT_PAGE, attempts=1_000_000 if follow else None
-                )
                 info = message.meta
                 report.info = info
                 ack = 0
@@ -165,11 +174,15 @@ class ResultsClient(Client):
                     report.pages += 1
                     if progress is not None:
                         progress(report)
+                    message = ask()
                     continue
                 finished = info["state"] in TERMINAL and (everything or not info.get("undelivered"))
                 if not follow or finished or (everything and n == 0 and not follow):
                     return report
+                if progress is not None:
+                    progress(report)  # nothing new: a periodic line still says where it stands
                 time.sleep(poll_s)  # nothing new yet: the job is still running
+                message = ask()
 
     def _write(self, job_id, info, a, decoders, out, err, report) -> None:
         models = {int(k): v for k, v in info["models"].items()}

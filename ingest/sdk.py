@@ -39,7 +39,8 @@ from ingest.error_wire import errors_from_wire
 from ingest.input_chunk import InputChunk
 from ingest.request_shape import Shape
 from pipeline import wire
-from pipeline.errors import IngestError, WireError
+from pipeline.errors import BrokerUnreachableError, IngestError, WireError
+from pipeline.first_contact import FirstContact
 from pipeline.security import ClientCurve, secure_client
 
 MT = wire.MessageType
@@ -97,6 +98,7 @@ class Producer:
         self._socket.setsockopt(zmq.SNDHWM, window * 2)
         secure_client(self._socket, curve)
         self._socket.connect(address)
+        self._contact = FirstContact(address)  # fail fast when nothing listens; say we wait
         self._catalog: dict[str, Any] | None = None
         self._backing_off: dict[int, tuple[float, str]] = {}  # chunk -> (resend at, why)
         self.on_retry: RetryHook | None = None  # told of each retryable failure (a full disk)
@@ -126,11 +128,19 @@ class Producer:
         """A small request: a few quick tries, so a broker that is down is reported fast."""
         wait_s = min(self.timeout_s, QUICK_WAIT_S)
         for _ in range(QUICK_TRIES):
+            try:
+                self._contact.before_send()
+            except BrokerUnreachableError as exc:
+                raise BrokerUnavailableError(str(exc)) from None
             self._send(msg_type, meta)
             deadline = time.monotonic() + wait_s
             while (left := deadline - time.monotonic()) > 0:
-                message = wire.recv(self._socket, int(left * 1000) + 1)
-                if message is not None and message.type == answer:
+                message = wire.recv(self._socket, self._contact.wait_ms(left))
+                if message is None:
+                    self._contact.silent()
+                    continue
+                self._contact.heard()
+                if message.type == answer:
                     return message.meta
                 if message is not None and message.type == MT.ERROR:
                     raise IngestError(

@@ -239,3 +239,88 @@ def test_a_cancel_is_not_throughput(broker, tmp_path):
     )
     info = _job_status(broker.config, "dropped")
     assert info["failed"] == 500 and info["rate"] == 0, info
+
+
+def test_clients_fail_fast_naming_the_address_when_nothing_listens(tmp_path):
+    config = write_config(tmp_path)  # free ports; no broker started
+    settings = Broker(config).settings
+    data = tmp_path / "in.jsonl"
+    write_jsonl(data, 10)
+    out = tmp_path / "out.jsonl"
+    for args, address in (
+        (("status",), settings.dispatch.bind),
+        (("status", "some-job"), settings.completion.bind),
+        (("results", "some-job", "-o", str(out)), settings.completion.bind),
+        (("cancel", "some-job"), settings.completion.bind),
+        (("submit", str(data)), settings.ingest.bind),
+    ):
+        started = time.monotonic()
+        done = _run(config, *args)
+        elapsed = time.monotonic() - started
+        assert done.returncode == exitcodes.UNAVAILABLE, (args, done.stderr)
+        assert elapsed < 10, (args, elapsed)
+        assert f"no broker answers at {address}" in done.stderr, (args, done.stderr)
+        assert "connection refused" in done.stderr, (args, done.stderr)
+    assert not out.exists() and not Path(f"{out}.errors.jsonl").exists()
+    missing = tmp_path / "none.ipc"
+    done = _run(config, "status", "--broker", f"ipc://{missing}")
+    assert done.returncode == exitcodes.UNAVAILABLE and str(missing) in done.stderr, done.stderr
+
+
+def test_a_client_says_where_it_waits_after_the_first_second(tmp_path):
+    config = write_config(tmp_path)
+    with socket.socket() as silent:  # listens, never answers: the client can only wait
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        address = f"tcp://127.0.0.1:{silent.getsockname()[1]}"
+        done = _run(config, "status", "--broker", address, "--timeout", "1")
+    assert done.returncode == exitcodes.UNAVAILABLE, done.stderr
+    assert f"waiting for the broker at {address}" in done.stderr, done.stderr
+    assert done.stderr.count("waiting for the broker") == 1
+
+
+def test_a_second_results_says_what_was_already_delivered(broker, tmp_path):
+    data = tmp_path / "bad.jsonl"
+    _endpoint_not_served(data, 30)
+    assert submit(broker.config, data, "--job-id", "twice").returncode == 0
+    first = _run(broker.config, "results", "twice", "-o", str(tmp_path / "a.jsonl"), "--follow")
+    assert first.returncode == 0, first.stderr
+    assert len(Path(tmp_path / "a.jsonl.errors.jsonl").read_bytes().splitlines()) == 30
+    again = _run(broker.config, "results", "twice", "-o", str(tmp_path / "b.jsonl"))
+    assert again.returncode == 0, again.stderr
+    assert "30 result(s) were already delivered" in again.stderr, again.stderr
+    assert "--all" in again.stderr
+    everything = _run(broker.config, "results", "twice", "-o", str(tmp_path / "c.jsonl"), "--all")
+    assert everything.returncode == 0, everything.stderr
+    assert len(Path(tmp_path / "c.jsonl.errors.jsonl").read_bytes().splitlines()) == 30
+    assert "already delivered" not in everything.stderr
+
+
+def test_results_follow_prints_progress_lines_when_stderr_is_not_a_terminal(broker, tmp_path):
+    data = tmp_path / "sim.jsonl"
+    _sim_lines(data, 5)
+    assert submit(broker.config, data, "--job-id", "waits").returncode == 0  # no worker for it
+    err = tmp_path / "results.err"
+    with open(err, "w") as out:
+        follow = subprocess.Popen(
+            [
+                sys.executable,
+                str(REPO / "run.py"),
+                "results",
+                "waits",
+                "-o",
+                str(tmp_path / "o"),
+                "--follow",
+                "--config",
+                str(broker.config),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=out,
+            cwd=REPO,
+        )
+    try:
+        # the progress line is what this test is about: nothing else tells a person
+        wait_for(lambda: "waits: 0 results" in err.read_text(), "a progress line", timeout_s=20)
+    finally:
+        follow.kill()
+        follow.wait(timeout=30)
