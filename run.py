@@ -404,8 +404,15 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(args.dir, args.workers, args.limit)
 
 
+def _prog() -> str:
+    """`fabric` when run as the console script, else `run.py` (argparse's usage lines)."""
+    import os
+
+    return "fabric" if os.path.basename(sys.argv[0] or "") == "fabric" else "run.py"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="run.py", description="Inference Fabric broker")
+    parser = argparse.ArgumentParser(prog=_prog(), description="Inference Fabric broker")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="embed the Python docs with MiniLM, end to end")
     demo.add_argument("--dir", default="var/demo", help="where the demo keeps its broker and files")
@@ -533,7 +540,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def serve_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="run.py", description="serve: recovery, then every stage")
+    parser = argparse.ArgumentParser(prog=_prog(), description="serve: recovery, then every stage")
     parser.add_argument("--config", required=True, help="TOML settings file")
     parser.set_defaults(handler=_serve)
     return parser

@@ -74,12 +74,15 @@ class Client:
         answer: MT,
         attempts: int | None = None,
         arrays: dict | None = None,
+        patient: bool = False,
     ) -> wire.Message:
+        """The answer to one request, tried `attempts` times; `patient`: wait for a broker
+        that is not up yet rather than fail fast (pipeline/first_contact.py)."""
         attempts = self.attempts if attempts is None else attempts
         backoff = 0.2
         for attempt in range(attempts):
             try:
-                self.contact.before_send()
+                self.contact.before_send(patient)
                 wire.send(self.socket, kind, meta, arrays)
                 deadline = time.monotonic() + self.timeout_s
                 while (left := deadline - time.monotonic()) > 0:
@@ -154,7 +157,11 @@ class ResultsClient(Client):
             if everything:
                 meta["cursors"] = cursors
             return self.request(
-                MT.FETCH, meta, MT.RESULT_PAGE, attempts=1_000_000 if follow else None
+                MT.FETCH,
+                meta,
+                MT.RESULT_PAGE,
+                attempts=1_000_000 if follow else None,
+                patient=follow,
             )
 
         message = ask()  # files are made only once the broker answered

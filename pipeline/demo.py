@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from pipeline import exitcodes
+from pipeline.invocation import how_to_run
 
 REPO = Path(__file__).resolve().parents[1]
 MIN_WORDS = 6
@@ -219,6 +220,7 @@ def run_demo(root: Path | str = "var/demo", workers: int = 1, limit: int | None 
         for line in results:
             tokens += json.loads(line)["response"]["body"]["usage"]["prompt_tokens"]
     elapsed = finished - started
+    run = how_to_run()  # the interpreter the user ran: `python` may not be on their PATH
     print(
         f"\ndemo: {fetched.written} embeddings, {fetched.errors} errors, {tokens} tokens in "
         f"{elapsed:.1f} s ({fetched.written / max(finished - submitted, 1e-9):.0f} items/s "
@@ -226,13 +228,13 @@ def run_demo(root: Path | str = "var/demo", workers: int = 1, limit: int | None 
         f"  vectors: store minilm in {root / 'data/vectors/minilm'}\n"
         f"  results: {root / 'results.jsonl'}  (errors: {root / 'errors.jsonl'})\n"
         f"  broker stopped (exit {code}); start it yourself and look around:\n"
-        f"    python run.py --config {config}\n"
-        f"    python run.py status --config {config}\n"
-        f"    python run.py status {job_id} --config {config}\n"
-        f"    python run.py vectors stats --config {config}\n"
-        f'    python run.py vectors search --store minilm --text "how do I read a file" '
+        f"    {run} --config {config}\n"
+        f"    {run} status --config {config}\n"
+        f"    {run} status {job_id} --config {config}\n"
+        f"    {run} vectors stats --config {config}\n"
+        f'    {run} vectors search --store minilm --text "how do I read a file" '
         f"--config {config}\n"
-        f"    python run.py results {job_id} -o out.jsonl --all --config {config}",
+        f"    {run} results {job_id} -o out.jsonl --all --config {config}",
         file=sys.stderr,
     )
     return exitcodes.OK if code == 0 and fetched.written else exitcodes.FAILED

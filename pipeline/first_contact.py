@@ -9,6 +9,7 @@ collector/client.py Client) do two things here:
   an ipc path that does not exist, means no broker runs there. The probe is
   repeated for `GRACE_S` (a broker that is just starting binds in that time),
   then BrokerUnreachableError names the address (exit code 6).
+  A patient client (`results --follow`) keeps waiting instead.
 * After `SAY_AFTER_S` without an answer, `on_waiting` (set by run.py to a
   line on stderr) hears once "waiting for the broker at ADDR".
 
@@ -25,6 +26,7 @@ import time
 from collections.abc import Callable
 
 from pipeline.errors import BrokerUnreachableError
+from pipeline.invocation import how_to_run
 
 SAY_AFTER_S = 1.0
 GRACE_S = 2.0
@@ -69,19 +71,23 @@ class FirstContact:
         self.started: float | None = None
         self.said = False
 
-    def before_send(self) -> None:
-        """BrokerUnreachableError if nothing listens at the address for GRACE_S."""
+    def before_send(self, patient: bool = False) -> None:
+        """BrokerUnreachableError if nothing listens at the address for GRACE_S; a `patient`
+        client (`results --follow`, which waits out broker restarts) only says it waits."""
         if self.answered:
             return
         now = time.monotonic()
         if self.started is None:
             self.started = now
+        if patient:
+            self.silent()
+            return
         deadline = now + GRACE_S
         while (why := refused(self.address)) is not None:
             if time.monotonic() >= deadline:
                 raise BrokerUnreachableError(
                     f"no broker answers at {self.address}: {why}; is it running? Start one "
-                    f"with `run.py --config FILE`, or check --broker / --config"
+                    f"with `{how_to_run()} --config FILE`, or check --broker / --config"
                 )
             self.silent()
             time.sleep(PROBE_EVERY_S)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shlex
 import subprocess
 import sys
 
@@ -37,6 +39,22 @@ def test_the_demo_embeds_real_text_end_to_end_and_runs_again_cleanly(tmp_path):
     assert json.loads((store / "store.json").read_text())["dim"] == 384
     scores = [float(line.split()[0]) for line in first.stderr.splitlines() if " para-" in line]
     assert len(scores) == 9 and all(0.3 < s <= 1.0001 for s in scores)
+    # Its hints name the interpreter that ran it: they work without the venv on PATH.
+    hint = next(
+        line
+        for line in first.stderr.splitlines()
+        if line.endswith(f" vectors stats --config {root / 'demo.toml'}")
+    )
+    command = hint.strip().removesuffix(f" vectors stats --config {root / 'demo.toml'}")
+    assert command.split()[0] != "python", hint
+    helped = subprocess.run(
+        [*shlex.split(command), "status", "--help"],
+        capture_output=True,
+        cwd=REPO,
+        env={**os.environ, "PATH": "/usr/bin:/bin"},
+        timeout=60,
+    )
+    assert helped.returncode == 0, (hint, helped.stderr)
     again = demo(root)
     assert again.returncode == 0, again.stderr
     assert "found" in again.stderr and "1 earlier job" in again.stderr

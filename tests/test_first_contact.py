@@ -7,6 +7,9 @@ listens; `status` and `results` say what is true.
 
 from __future__ import annotations
 
+import os
+import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -324,3 +327,35 @@ def test_results_follow_prints_progress_lines_when_stderr_is_not_a_terminal(brok
     finally:
         follow.kill()
         follow.wait(timeout=30)
+
+
+def _works_without_the_venv_on_path(command: str) -> subprocess.CompletedProcess:
+    """`command ... status --help` from the repository, with a PATH that has no venv on it."""
+    return subprocess.run(
+        [*shlex.split(command), "status", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+        env={**os.environ, "PATH": "/usr/bin:/bin"},
+    )
+
+
+def test_printed_commands_work_where_they_are_printed(tmp_path):
+    config = write_config(tmp_path)
+    done = _run(config, "status")  # no broker: the error says how to start one
+    found = re.search(r"Start one with `(.+) --config FILE`", done.stderr)
+    assert found, done.stderr
+    helped = _works_without_the_venv_on_path(found.group(1))
+    assert helped.returncode == 0, (found.group(1), helped.stderr)
+    assert "usage:" in helped.stdout
+
+
+def test_the_readme_and_docs_point_only_inside_the_repository():
+    for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        text = path.read_text()
+        assert "../shared" not in text, path
+        for target in re.findall(r"\]\(([^)#\s]+)", text):
+            if target.startswith(("http://", "https://", "mailto:")):
+                continue
+            assert (path.parent / target).exists(), (path, target)
