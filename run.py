@@ -307,6 +307,9 @@ def _watch(args: argparse.Namespace) -> int:
         print(f"error: --interval {args.interval:g} must be > 0 seconds", file=sys.stderr)
         return exitcodes.USAGE
     curve = _curve(args)
+    from pipeline import first_contact
+
+    first_contact.on_waiting = None  # the dashboard says "not reachable" itself, in place
     if args.broker:  # maybe another host: only what dispatch says
         sources = Sources(args.broker, None, None, args.timeout, only_job=args.job, curve=curve)
     else:
