@@ -111,12 +111,12 @@ def pipeline(root: Path, texts: list[str]) -> float:
         cwd=REPO,
     )
     try:
-        with Producer(settings.ingest.bind, timeout_s=30.0, attempts=20) as producer:
+        with Producer(settings.ingest.bind, timeout_s=30.0, attempts=20, patient=True) as producer:
             producer.catalog()  # the broker is up (its workers load the model meanwhile)
             began = time.perf_counter()
             job = f"bench-{time.time_ns()}"
             producer.submit_file(corpus, job)
-        with ResultsClient(settings.completion.bind, timeout_s=10.0) as client:
+        with ResultsClient(settings.completion.bind, timeout_s=10.0, patient=True) as client:
             report = client.fetch(
                 job, str(root / "out.jsonl"), str(root / "err.jsonl"), follow=True
             )

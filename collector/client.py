@@ -47,9 +47,12 @@ class Client:
         timeout_s: float = 5.0,
         attempts: int = 5,
         curve: ClientCurve | None = None,
+        patient: bool = False,
     ) -> None:
-        """`curve`: this client's CURVE keys, for a broker that requires them."""
+        """`curve`: this client's CURVE keys, for a broker that requires them. `patient`: wait
+        for a broker that is not listening yet (one just started) instead of failing fast."""
         self.address = address
+        self.patient = patient
         self.timeout_s = timeout_s
         self.attempts = attempts
         self.curve = curve
@@ -82,7 +85,7 @@ class Client:
         backoff = 0.2
         for attempt in range(attempts):
             try:
-                self.contact.before_send(patient)
+                self.contact.before_send(patient or self.patient)
                 wire.send(self.socket, kind, meta, arrays)
                 deadline = time.monotonic() + self.timeout_s
                 while (left := deadline - time.monotonic()) > 0:

@@ -85,8 +85,12 @@ class Producer:
         window: int = 4,
         attempts: int = 10,
         curve: ClientCurve | None = None,
+        patient: bool = False,
     ) -> None:
-        """`curve`: this producer's CURVE keys, for a broker that requires them."""
+        """`curve`: this producer's CURVE keys, for a broker that requires them. `patient`:
+        wait for a broker that is not listening yet (one just started) instead of failing
+        fast (pipeline/first_contact.py)."""
+        self._patient = patient
         self.address = address
         self.timeout_s = timeout_s
         self.window = window
@@ -129,7 +133,7 @@ class Producer:
         wait_s = min(self.timeout_s, QUICK_WAIT_S)
         for _ in range(QUICK_TRIES):
             try:
-                self._contact.before_send()
+                self._contact.before_send(self._patient)
             except BrokerUnreachableError as exc:
                 raise BrokerUnavailableError(str(exc)) from None
             self._send(msg_type, meta)

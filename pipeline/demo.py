@@ -180,7 +180,8 @@ def run_demo(root: Path | str = "var/demo", workers: int = 1, limit: int | None 
     started = time.monotonic()
     job_id = f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
     try:
-        with Producer(settings.ingest.bind, timeout_s=30.0, attempts=20) as producer:
+        # patient: the broker started a moment ago and is not listening yet
+        with Producer(settings.ingest.bind, timeout_s=30.0, attempts=20, patient=True) as producer:
             bar = _Bar("submit", len(texts))
             report = producer.submit_file(
                 root / "corpus.jsonl",
@@ -192,8 +193,8 @@ def run_demo(root: Path | str = "var/demo", workers: int = 1, limit: int | None 
         submitted = time.monotonic()
         bar = _Bar("embed", len(texts))
         with (
-            ResultsClient(settings.completion.bind, timeout_s=10.0) as client,
-            VectorsClient(settings.vectors.bind, timeout_s=10.0) as vectors,
+            ResultsClient(settings.completion.bind, timeout_s=10.0, patient=True) as client,
+            VectorsClient(settings.vectors.bind, timeout_s=10.0, patient=True) as vectors,
         ):
             while not vectors.job_delivered(job_id):
                 info = client.job_status(job_id)
