@@ -113,7 +113,9 @@ def _submit(args: argparse.Namespace) -> int:
     address = args.broker or load_settings(args.config).ingest.bind
     progress = _ProgressLine()
     curve = _curve(args)
-    with Producer(address, timeout_s=args.timeout, attempts=args.attempts, curve=curve) as producer:
+    with Producer(
+        address, timeout_s=args.timeout, attempts=args.attempts, curve=curve, on_waiting=_say
+    ) as producer:
         producer.on_retry = _retry_line(args.attempts)
         try:
             report = producer.submit_file(
@@ -143,6 +145,11 @@ def _submit(args: argparse.Namespace) -> int:
     )
     print(report.job_id)
     return exitcodes.OK
+
+
+def _say(line: str) -> None:
+    """A client's news for the person waiting on it ("waiting for the broker at ADDR")."""
+    print(f"{line} ...", file=sys.stderr, flush=True)
 
 
 def _address(args: argparse.Namespace, section: str) -> str:
@@ -213,7 +220,7 @@ def _results(args: argparse.Namespace) -> int:
         )
 
     with ResultsClient(
-        _address(args, "completion"), timeout_s=args.timeout, curve=_curve(args)
+        _address(args, "completion"), timeout_s=args.timeout, curve=_curve(args), on_waiting=_say
     ) as client:
         report = client.fetch(
             args.job,
@@ -263,11 +270,13 @@ def _status(args: argparse.Namespace) -> int:
         return _watch(args)
     curve = _curve(args)
     if args.job:
-        with ResultsClient(_address(args, "completion"), args.timeout, curve=curve) as client:
+        address = _address(args, "completion")
+        with ResultsClient(address, args.timeout, curve=curve, on_waiting=_say) as client:
             info = client.job_status(args.job)
         info = with_in_flight(info, _dispatch_status(args, curve))
     else:
-        with DispatchClient(_address(args, "dispatch"), args.timeout, curve=curve) as client:
+        address = _address(args, "dispatch")
+        with DispatchClient(address, args.timeout, curve=curve, on_waiting=_say) as client:
             info = client.broker_status()
     if args.json:
         print(orjson.dumps(info, option=orjson.OPT_INDENT_2).decode())
@@ -307,9 +316,6 @@ def _watch(args: argparse.Namespace) -> int:
         print(f"error: --interval {args.interval:g} must be > 0 seconds", file=sys.stderr)
         return exitcodes.USAGE
     curve = _curve(args)
-    from pipeline import first_contact
-
-    first_contact.on_waiting = None  # the dashboard says "not reachable" itself, in place
     if args.broker:  # maybe another host: only what dispatch says
         sources = Sources(args.broker, None, None, args.timeout, only_job=args.job, curve=curve)
     else:
@@ -330,7 +336,7 @@ def _cancel(args: argparse.Namespace) -> int:
     from collector.client import ResultsClient
 
     with ResultsClient(
-        _address(args, "completion"), timeout_s=args.timeout, curve=_curve(args)
+        _address(args, "completion"), timeout_s=args.timeout, curve=_curve(args), on_waiting=_say
     ) as client:
         info = client.cancel(args.job)
     print(
@@ -556,9 +562,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
-    from pipeline import first_contact
 
-    first_contact.on_waiting = lambda line: print(f"{line} ...", file=sys.stderr, flush=True)
     try:
         return args.handler(args)
     except ConfigError as exc:

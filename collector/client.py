@@ -48,9 +48,11 @@ class Client:
         attempts: int = 5,
         curve: ClientCurve | None = None,
         patient: bool = False,
+        on_waiting: Callable[[str], None] | None = None,
     ) -> None:
         """`curve`: this client's CURVE keys, for a broker that requires them. `patient`: wait
-        for a broker that is not listening yet (one just started) instead of failing fast."""
+        for a broker that is not listening yet (one just started) instead of failing fast.
+        `on_waiting` hears once "waiting for the broker at ADDR" (pipeline/first_contact.py)."""
         self.address = address
         self.patient = patient
         self.timeout_s = timeout_s
@@ -58,7 +60,7 @@ class Client:
         self.curve = curve
         self.context = zmq.Context()
         self.socket = None
-        self.contact = FirstContact(address)  # fail fast when nothing listens; say we wait
+        self.contact = FirstContact(address, on_waiting)  # fail fast if nothing listens
         self._connect()
 
     def _connect(self) -> None:

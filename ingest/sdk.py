@@ -86,10 +86,11 @@ class Producer:
         attempts: int = 10,
         curve: ClientCurve | None = None,
         patient: bool = False,
+        on_waiting: Callable[[str], None] | None = None,
     ) -> None:
         """`curve`: this producer's CURVE keys, for a broker that requires them. `patient`:
         wait for a broker that is not listening yet (one just started) instead of failing
-        fast (pipeline/first_contact.py)."""
+        fast; `on_waiting` hears once "waiting for the broker at ADDR" (pipeline/first_contact.py)."""
         self._patient = patient
         self.address = address
         self.timeout_s = timeout_s
@@ -102,7 +103,7 @@ class Producer:
         self._socket.setsockopt(zmq.SNDHWM, window * 2)
         secure_client(self._socket, curve)
         self._socket.connect(address)
-        self._contact = FirstContact(address)  # fail fast when nothing listens; say we wait
+        self._contact = FirstContact(address, on_waiting)  # fail fast if nothing listens
         self._catalog: dict[str, Any] | None = None
         self._backing_off: dict[int, tuple[float, str]] = {}  # chunk -> (resend at, why)
         self.on_retry: RetryHook | None = None  # told of each retryable failure (a full disk)
@@ -131,6 +132,8 @@ class Producer:
     def _request(self, msg_type: MT, meta: dict[str, Any], answer: MT) -> dict[str, Any]:
         """A small request: a few quick tries, so a broker that is down is reported fast."""
         wait_s = min(self.timeout_s, QUICK_WAIT_S)
+        if self._patient and not self._contact.answered:  # a broker still starting: timeout_s
+            wait_s = self.timeout_s
         for _ in range(QUICK_TRIES):
             try:
                 self._contact.before_send(self._patient)

@@ -10,8 +10,9 @@ collector/client.py Client) do two things here:
   repeated for `GRACE_S` (a broker that is just starting binds in that time),
   then BrokerUnreachableError names the address (exit code 6).
   A patient client (`results --follow`) keeps waiting instead.
-* After `SAY_AFTER_S` without an answer, `on_waiting` (set by run.py to a
-  line on stderr) hears once "waiting for the broker at ADDR".
+* After `SAY_AFTER_S` without an answer, the client's `on_waiting` (run.py
+  passes one that prints a line on stderr) hears once "waiting for the broker
+  at ADDR".
 
 Addresses on other hosts are not probed: a firewall may drop the probe and a
 CURVE broker sees a plain connect as noise; the client's own timeout applies.
@@ -32,9 +33,6 @@ SAY_AFTER_S = 1.0
 GRACE_S = 2.0
 PROBE_EVERY_S = 0.25
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
-
-# Told once per client when its first request has waited SAY_AFTER_S (run.py: a stderr line).
-on_waiting: Callable[[str], None] | None = None
 
 
 def refused(address: str) -> str | None:
@@ -64,9 +62,10 @@ def refused(address: str) -> str | None:
 class FirstContact:
     """One client's state until its broker first answers."""
 
-    def __init__(self, address: str, what: str = "the broker") -> None:
+    def __init__(self, address: str, on_waiting: Callable[[str], None] | None = None) -> None:
+        """`on_waiting` hears once "waiting for the broker at ADDR" when a second passed."""
         self.address = address
-        self.what = what
+        self.on_waiting = on_waiting
         self.answered = False
         self.started: float | None = None
         self.said = False
@@ -104,8 +103,8 @@ class FirstContact:
             return
         if time.monotonic() - self.started >= SAY_AFTER_S:
             self.said = True
-            if on_waiting is not None:
-                on_waiting(f"waiting for {self.what} at {self.address}")
+            if self.on_waiting is not None:
+                self.on_waiting(f"waiting for the broker at {self.address}")
 
     def heard(self) -> None:
         self.answered = True
