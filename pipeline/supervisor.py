@@ -5,11 +5,15 @@
 1. Refuse a bind beyond loopback that nothing authenticates, and unreadable
    keys (pipeline/security.py; exit 3); set the umask to 0o077, so every file
    the broker and its stages create is the owner's alone. Take the data dir's
-   exclusive lock (a second broker on it exits 4); start the heartbeat port
-   and the metrics thread (pipeline/metrics_server.py).
+   exclusive lock (a second broker on it exits 4); check what would stop a
+   stage at start (pipeline/preflight.py: tokenizers load, ports are free;
+   exit 3 with the cause); start the heartbeat port and the metrics thread
+   (pipeline/metrics_server.py).
 2. Run recovery (invariant 4) and hand finished segments to the collector.
 3. Create the shared-memory rings between stages, then start every stage
-   as its own process (spawn), in pipeline order. A stage that dies has its
+   as its own process (spawn), in pipeline order, and say on stderr what it
+   serves (pipeline/announce.py); "ready" once every stage set its ready
+   event, and the last error line of one that dies before it was up. A stage that dies has its
    rings replaced before it restarts (what they held is dropped: the front
    times those chunks out and producers send them again).
 4. Loop on `step(now)`: a stage that died is logged (which, exit code or
@@ -18,7 +22,7 @@
    `restart_window_s` stop the broker with exit code 5 and one clear line.
 5. On SIGTERM or SIGINT (handlers only set a flag): stop the stages front
    first, so work already accepted drains downstream; each gets
-   `stop_timeout_s` before SIGKILL. Exit 0.
+   `stop_timeout_s` before SIGKILL. Say how many items are left queued; exit 0.
 """
 
 from __future__ import annotations
