@@ -4,7 +4,8 @@
      "body": {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 64}}
 
 `parse_line` runs the checks in a fixed order and raises `Rejected` (code,
-reason, and the line's custom_id once it is known) at the first that fails. The prompt is either text to tokenise
+reason, and the line's custom_id once it is known) at the first that fails;
+nothing in a line, however deeply nested, escapes as another exception. The prompt is either text to tokenise
 (`input` for embeddings, `prompt` for completions, `messages` for chat) or
 token ids (`prompt_token_ids`, any endpoint). Duplicate custom_ids and the
 length of text prompts are checked later, per chunk (`ingest.batch_input`,
@@ -28,6 +29,7 @@ from ingest.line_errors import (
     INVALID_JSON,
     INVALID_VALUE,
     MISSING_FIELD,
+    NESTING_TOO_DEEP,
     NOT_AN_OBJECT,
     PROMPT_TOO_LONG,
     TEXT_NOT_ACCEPTED,
@@ -84,22 +86,22 @@ def parse_line(raw: bytes, catalog: ModelCatalog) -> ParsedLine:
     try:
         obj = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise Rejected(
-            INVALID_JSON,
-            f"not valid JSON at character {exc.pos}: {exc.msg}; write one JSON object per line",
-        ) from None
+        raise _not_json(raw, exc) from None
     if not isinstance(obj, dict):
         raise Rejected(
             NOT_AN_OBJECT,
             f"the line is {_json_type(obj)}, not an object; write one object per line "
             "with custom_id, method, url and body",
         )
-    custom_id = _custom_id(obj)
+    custom_id = None
     try:
+        custom_id = _custom_id(obj)
         return _request(obj, custom_id, catalog)
     except Rejected as exc:
         exc.custom_id = custom_id
         raise
+    except RecursionError:  # a deeply nested value reached a recursive check or message
+        raise too_deep(custom_id) from None
 
 
 def _request(obj: dict[str, Any], custom_id: str, catalog: ModelCatalog) -> ParsedLine:
@@ -164,6 +166,39 @@ def _request(obj: dict[str, Any], custom_id: str, catalog: ModelCatalog) -> Pars
     return ParsedLine(custom_id, model_name, parse_shape(body, url), text, token_ids)
 
 
+def _not_json(raw: bytes, exc: orjson.JSONDecodeError) -> Rejected:
+    """The rejection for a line orjson cannot read: bad UTF-8, too deep, or not JSON."""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as bad:
+        found = " ".join(f"0x{b:02x}" for b in raw[bad.start : bad.end])
+        return Rejected(
+            INVALID_JSON,
+            f"the line is not valid UTF-8: byte {bad.start + 1} ({found}): {bad.reason}; "
+            "save the file as UTF-8 (JSON text is UTF-8)",
+        )
+    if "depth limit" in exc.msg or "recursion" in exc.msg:
+        return Rejected(NESTING_TOO_DEEP, _too_deep(f"at character {exc.pos}"))
+    return Rejected(
+        INVALID_JSON,
+        f"not valid JSON at character {exc.pos}: {exc.msg}; write one JSON object per line",
+    )
+
+
+def _too_deep(where: str) -> str:
+    return (
+        f"the line nests lists or objects too deeply ({where}); a request needs only a few "
+        "levels: flatten it"
+    )
+
+
+def too_deep(custom_id: str | None) -> Rejected:
+    """The rejection for a line whose checking ran out of stack (RecursionError)."""
+    rejected = Rejected(NESTING_TOO_DEEP, _too_deep("checking it ran out of stack"))
+    rejected.custom_id = custom_id
+    return rejected
+
+
 def _custom_id(obj: dict[str, Any]) -> str:
     custom_id = _field(obj, "custom_id", str, "", "a string unique within the file")
     if not 1 <= len(custom_id) <= MAX_CUSTOM_ID_CHARS:
@@ -205,7 +240,14 @@ def _token_ids(value: Any, limit: int, model: str) -> np.ndarray:
     if not value:
         raise Rejected(EMPTY_PROMPT, f"{where} is empty; send at least one token id")
     if countOf(map(type, value), int) != len(value):  # exact: a JSON true is a bool, not 1
-        bad = next(v for v in value if type(v) is not int)
+        at, bad = next((i, v) for i, v in enumerate(value) if type(v) is not int)
+        if type(bad) is float and not -TOKEN_ID_LIMIT < bad < TOKEN_ID_LIMIT:
+            # orjson reads an integer beyond 64 bits as a float: it is a number, just too big
+            raise Rejected(
+                TOKEN_OUT_OF_RANGE,
+                f"{where}[{at}] = {show(bad)} is out of range; token ids are "
+                f"0..{TOKEN_ID_LIMIT - 1}",
+            )
         raise Rejected(
             WRONG_TYPE,
             f"{where} holds {show(bad)}, {_json_type(bad)}; send integers 0..{TOKEN_ID_LIMIT - 1}",

@@ -114,7 +114,13 @@ UNKNOWN_MODEL_MESSAGE = "known models: chat, embedder, ids-only"
 BAD_LINES = [
     # (line, code, a piece of the message)
     (b'{"custom_id": "x",', "invalid_json", "not valid JSON"),
-    (b"\xff\xfe{}", "invalid_json", "UTF-8"),
+    (b"\xff\xfe{}", "invalid_json", "not valid UTF-8: byte 1 (0xff): invalid start byte"),
+    (
+        b'{"custom_id": "a\xed\xa0\x80"}',
+        "invalid_json",
+        "not valid UTF-8: byte 17 (0xed): invalid continuation byte",
+    ),
+    (b"[" * 1100 + b"]" * 1100, "nesting_too_deep", "at character 1025"),
     (b'{"a": 1} {"b": 2}', "invalid_json", "after document"),
     (b"[1, 2]", "not_an_object", "the line is a list, not an object"),
     (b"42", "not_an_object", "the line is a number"),
@@ -250,7 +256,13 @@ BAD_LINES = [
         "token_out_of_range",
         f"[1] = {2**64 - 1}",
     ),
-    (request(prompt=None, prompt_token_ids=[3, 2**70]), "wrong_type", "a number; send integers"),
+    (
+        request(prompt=None, prompt_token_ids=[3, 2**64]),
+        "token_out_of_range",
+        "prompt_token_ids[1] = 1.8446744073709552e+19 is out of range",
+    ),
+    (request(prompt=None, prompt_token_ids=[3, -(2**70)]), "token_out_of_range", "[1] = -1.1"),
+    (request(prompt=None, prompt_token_ids=[3, 5e9]), "token_out_of_range", "[1] = 5000000000.0"),
     (
         request(prompt=None, prompt_token_ids=list(range(9))),
         "prompt_too_long",
@@ -277,6 +289,44 @@ def test_each_bad_line_gives_one_record_and_the_others_parse(line, code, says):
         assert error.message.startswith(f"line 2 (custom_id {json.dumps(custom_id)}): ")
     else:
         assert error.custom_id is None and error.message.startswith("line 2: ")
+
+
+def _deep(line: dict) -> bytes:
+    """`line` as JSON with "DEEP" replaced by 1,000 nested lists (past orjson's writer and
+    Python's recursion limit)."""
+    return json.dumps(line).encode().replace(b'"DEEP"', b"[" * 1000 + b"]" * 1000)
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        request(custom_id="DEEP"),
+        request(model="DEEP"),
+        request(prompt_token_ids=["DEEP"], prompt=None),
+        request(temperature="DEEP"),
+        request(stop=["DEEP"]),
+        {"custom_id": "x", "method": "DEEP"},
+    ],
+    ids=["custom_id", "model", "token", "temperature", "stop", "method"],
+)
+def test_deeply_nested_values_are_per_line_errors(line):
+    [chunk] = parse(jsonl(request("before"), _deep(line), request("after")))
+    [error] = chunk.errors
+    assert (error.line, error.code) == (2, "wrong_type")
+    assert "[[[[" in error.message and len(error.message) < 400, error.message
+    assert chunk.custom_ids == ("before", "after")
+
+
+def test_a_recursion_error_while_checking_a_line_is_that_lines_error(monkeypatch):
+    from ingest import line_parser
+
+    def too_deep(*args):
+        raise RecursionError("maximum recursion depth exceeded")
+
+    monkeypatch.setattr(line_parser, "parse_shape", too_deep)
+    [chunk] = parse(jsonl(request("deep")))
+    [error] = chunk.errors
+    assert (error.line, error.custom_id, error.code) == (1, "deep", "nesting_too_deep")
 
 
 def _clean(line):
