@@ -7,6 +7,7 @@ import collections
 import time
 
 from pipeline.metrics import RECLAIM_CAUSES
+from pipeline.stage_restarts import read_restarts
 
 DEAD_LETTER = "dead_lettered"
 CORRUPT_INPUT = "corrupt_input"
@@ -106,4 +107,6 @@ def broker_status(stage, now: float) -> dict:
             }
             for sid, s in stage.sessions.items()
         ],
+        # local workers that died, and those waiting out a restart backoff (the supervisor's)
+        "local_workers": read_restarts(stage.data_dir.root),
     }

@@ -4,12 +4,18 @@ not stop a file, ids a model cannot run, and a front that must not buffer withou
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
+from pathlib import Path
+from urllib.request import urlopen
 
 import pytest
 from broker import REPO, Broker, submit, write_config
-from conftest import assert_check_clean
+from conftest import assert_check_clean, wait_for
+
+from collector.client import DispatchClient, ResultsClient
 
 
 @pytest.fixture
@@ -56,3 +62,91 @@ def test_a_file_without_requests_becomes_an_empty_completed_job(broker, tmp_path
     assert out.read_bytes() == b""
     assert b.stop() == 0
     assert_check_clean(b.data_dir)
+
+
+def embed_lines(path: Path, n: int, prefix: str, poison_at: int | None = None) -> None:
+    """n embedding lines for `echo`; the one at `poison_at` starts with the poison token."""
+    lines = [
+        {
+            "custom_id": f"{prefix}{i}",
+            "method": "POST",
+            "url": "/v1/embeddings",
+            "body": {"model": "echo", "prompt_token_ids": [POISON if i == poison_at else 5, 7, 8]},
+        }
+        for i in range(n)
+    ]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+POISON = 666
+
+
+def test_a_local_worker_killed_by_a_poison_item_is_restarted_until_the_item_is_dead_lettered(
+    tmp_path,
+):
+    """Point 6: the echo engine SIGKILLs its worker on the poison item, again and again. The
+    supervisor used to give up after max_restarts deaths, leaving every later job queued behind
+    "(no workers)". Now it keeps restarting the worker with backoff, dispatch dead-letters the
+    item (max_attempts = 3 deaths > max_restarts = 1), later jobs complete, and status and the
+    metrics say what happened."""
+    config = write_config(tmp_path, workers=1, dispatch=FAST, extra="max_restarts = 1")
+    text = config.read_text().replace("restart_backoff_s = 0.2", "restart_backoff_s = 1.0")
+    config.write_text(text)
+    b = Broker(config)
+    os.environ["FABRIC_ECHO_POISON"] = str(POISON)
+    try:
+        b.start()
+    finally:
+        os.environ.pop("FABRIC_ECHO_POISON")
+    seen: list[dict] = []
+    try:
+        embed_lines(tmp_path / "p.jsonl", 40, "p", poison_at=7)
+        assert submit(b.config, tmp_path / "p.jsonl", "--job-id", "p").returncode == 0
+        with DispatchClient(b.settings.dispatch.bind, timeout_s=10) as dispatch:
+
+            def finished(job: str) -> bool:
+                seen.extend(dispatch.broker_status()["local_workers"])
+                return job_state(b, job) == "completed"
+
+            wait_for(lambda: finished("p"), "the poisoned job to finish", timeout_s=80)
+            embed_lines(tmp_path / "later.jsonl", 40, "l")
+            assert submit(b.config, tmp_path / "later.jsonl", "--job-id", "later").returncode == 0
+            wait_for(lambda: finished("later"), "a later job to finish", timeout_s=30)
+        restarting = [s for s in seen if s["state"] == "restarting"]
+        assert restarting, "status never showed the worker waiting to be restarted"
+        assert all(s["stage"] == "worker-0" and s["last_exit"] == "signal SIGKILL" for s in seen)
+        assert max(s["restart_in_s"] for s in restarting) > 0
+        assert max(s["deaths_in_a_row"] for s in restarting) >= 2  # more than max_restarts
+        status = cli(b, "status", "--json")
+        assert status.returncode == 0, status.stderr
+        [worker] = json.loads(status.stdout)["local_workers"]
+        assert worker["stage"] == "worker-0" and worker["state"] == "running"
+        assert worker["deaths"] >= 3 and worker["last_exit"] == "signal SIGKILL"
+        plain = cli(b, "status")
+        assert "local worker-0: running; died" in plain.stdout, plain.stdout
+        scraped = urlopen(f"http://{b.settings.metrics.bind}/metrics", timeout=10).read().decode()
+        assert re.search(r'fabric_stage_deaths_in_a_row\{stage="worker-0"\} [2-9]', scraped)
+        assert 'fabric_stage_restart_wait_seconds{stage="worker-0"} 0.0' in scraped
+        out = tmp_path / "p.out.jsonl"
+        assert cli(b, "results", "p", "-o", str(out)).returncode == 0
+        errors = [json.loads(e) for e in Path(f"{out}.errors.jsonl").read_text().splitlines()]
+        assert ("p7", "dead_lettered") in [(e["custom_id"], e["error"]["code"]) for e in errors]
+        later = tmp_path / "later.out.jsonl"
+        assert cli(b, "results", "later", "-o", str(later)).returncode == 0
+        assert len(later.read_text().splitlines()) == 40
+        assert b.stop() == 0, b.stderr
+        assert_check_clean(b.data_dir)
+    finally:
+        b.close()
+
+
+FAST = """lease_s = 6.0
+session_timeout_s = 2.0
+reregister_grace_s = 1.0
+report_s = 0.3
+max_attempts = 3"""
+
+
+def job_state(b: Broker, job: str) -> str:
+    with ResultsClient(b.settings.completion.bind, timeout_s=10) as client:
+        return client.job_status(job)["state"]
