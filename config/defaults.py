@@ -199,6 +199,10 @@ MODEL_DEFAULTS: Final[dict[str, Any]] = {
     "tokenizer": "",
     # Longest prompt accepted, in tokens; must fit the largest lane.
     "max_tokens": 32768,
+    # Token ids accepted: 0 .. vocab_size - 1 (a larger id is refused per line at ingest:
+    # token_out_of_range). 0 = the tokenizer's vocabulary size when `tokenizer` is set, else
+    # the engine's own (ENGINE_VOCAB_SIZE), else no limit at ingest.
+    "vocab_size": 0,
     # OpenAI Batch `url` values this model accepts; default: its engine's list below.
     "endpoints": BY_ENGINE,
 }
@@ -214,6 +218,11 @@ ENGINE_ENDPOINTS: Final[dict[str, list[str]]] = {
     "transformers": _COMPLETIONS,
     "vllm": _COMPLETIONS,
 }
+
+# Engines that fix their model, and its vocabulary size: a model on one of them with neither
+# `tokenizer` nor `vocab_size` still has its token ids checked at ingest. echo and simulated
+# take any id; transformers and vllm load a model named at the worker, unknown here.
+ENGINE_VOCAB_SIZE: Final[dict[str, int]] = {"minilm": 30522}
 
 # Every endpoint a model may list.
 ENDPOINTS: Final[tuple[str, ...]] = (*_EMBEDDINGS, *_COMPLETIONS)

@@ -236,6 +236,7 @@ MODEL_RULES: Final[dict[str, Rule]] = {
         "string", 'a path to tokenizer.json, or "" for token ids only', lambda v: None
     ),
     "max_tokens": count(1, " that fits the largest lane"),
+    "vocab_size": count(0, " (0 = from the tokenizer or the engine)"),
     "endpoints": Rule(
         "list of strings",
         f"a non-empty list drawn from {', '.join(ENDPOINTS)}",

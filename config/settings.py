@@ -173,6 +173,7 @@ class ModelSettings:
     engine: str
     tokenizer: str
     max_tokens: int
+    vocab_size: int  # 0 = from the tokenizer or the engine (ingest.catalog.vocab_size)
     endpoints: tuple[str, ...]
 
 

@@ -204,6 +204,8 @@ class FrontStage(Stage):
                     "tokenizer": m.tokenizer,
                     "max_tokens": m.max_tokens,
                     "endpoints": list(m.endpoints),
+                    # as resolved here (ingest.catalog), so the producer refuses the same ids
+                    "vocab_size": self.catalog.models[m.name].vocab_size or 0,
                 }
                 for m in settings.models
             ],

@@ -21,7 +21,7 @@ from typing import Any, Final
 import numpy as np
 import orjson
 
-from ingest.catalog import CHAT_COMPLETIONS, EMBEDDINGS, ModelCatalog
+from ingest.catalog import CHAT_COMPLETIONS, EMBEDDINGS, ModelCatalog, ModelEntry
 from ingest.line_errors import (
     CONFLICTING_FIELDS,
     EMPTY_PROMPT,
@@ -151,7 +151,7 @@ def _request(obj: dict[str, Any], custom_id: str, catalog: ModelCatalog) -> Pars
         )
     text = token_ids = None
     if has_ids:
-        token_ids = _token_ids(body["prompt_token_ids"], model.prompt_limit_tokens, model_name)
+        token_ids = _token_ids(body["prompt_token_ids"], model, model_name)
     elif not model.takes_text:
         raise Rejected(
             TEXT_NOT_ACCEPTED,
@@ -231,8 +231,9 @@ def _refuse_unknown(obj: dict[str, Any], allowed: frozenset[str], what: str, pre
         )
 
 
-def _token_ids(value: Any, limit: int, model: str) -> np.ndarray:
+def _token_ids(value: Any, entry: ModelEntry, model: str) -> np.ndarray:
     where = "body.prompt_token_ids"
+    limit = entry.prompt_limit_tokens
     if not isinstance(value, list):
         raise Rejected(
             WRONG_TYPE, f"{where} = {show(value)} is {_json_type(value)}; set a list of integers"
@@ -269,7 +270,20 @@ def _token_ids(value: Any, limit: int, model: str) -> np.ndarray:
             f"{where}[{at}] = {show(value[at])} is out of range; token ids are "
             f"0..{TOKEN_ID_LIMIT - 1}",
         )
+    vocab = entry.vocab_size
+    if vocab is not None and int(ids.max()) >= vocab:
+        at = int(np.argmax(ids >= vocab))
+        raise Rejected(TOKEN_OUT_OF_RANGE, beyond_vocabulary(model, at, int(ids[at]), vocab))
     return ids.astype(np.uint32)
+
+
+def beyond_vocabulary(model: str, at: int, token: int, vocab: int) -> str:
+    """The reason for a token id the model cannot run (also the front's, ingest.chunk_check)."""
+    return (
+        f"body.prompt_token_ids[{at}] = {token} is beyond the vocabulary of model "
+        f"{show(model)}: it has {vocab} tokens (ids 0..{vocab - 1}); tokenise with the "
+        "model's own tokenizer"
+    )
 
 
 def _text(value: Any, field: str) -> str:

@@ -264,6 +264,12 @@ BAD_LINES = [
     (request(prompt=None, prompt_token_ids=[3, -(2**70)]), "token_out_of_range", "[1] = -1.1"),
     (request(prompt=None, prompt_token_ids=[3, 5e9]), "token_out_of_range", "[1] = 5000000000.0"),
     (
+        request(url="/v1/embeddings", model="embedder", input=None, prompt_token_ids=[101, 30522]),
+        "token_out_of_range",
+        'prompt_token_ids[1] = 30522 is beyond the vocabulary of model "embedder": it has '
+        "30522 tokens (ids 0..30521)",
+    ),
+    (
         request(prompt=None, prompt_token_ids=list(range(9))),
         "prompt_too_long",
         'has 9 tokens; model "chat" takes at most 8',
@@ -704,3 +710,33 @@ def test_random_lines_never_raise_and_every_line_is_accounted_for(lines, chunk_l
     }
     assert sorted(seen_lines) == sorted(set(seen_lines))
     assert set(seen_lines) | blank >= set(range(1, (chunks[-1].last_line if chunks else 0) + 1))
+
+
+def test_the_vocabulary_comes_from_the_config_else_the_tokenizer_else_the_engine(tmp_path):
+    """Point 6 of issue 14: an id at or beyond the model's vocabulary is refused per line."""
+    from broker import WORDS, build_tokenizer
+
+    tokenizer = build_tokenizer(tmp_path / "words.json")  # [UNK] and WORDS
+    models = [
+        {"name": "set", "engine": "transformers", "vocab_size": 50},
+        {"name": "words", "engine": "echo", "tokenizer": str(tokenizer)},
+        {"name": "mini", "engine": "minilm"},
+        {"name": "any", "engine": "echo"},
+    ]
+    settings = load_settings(None, {"models": models})
+    ids = {"set": 50, "words": len(WORDS) + 1, "mini": 30522, "any": 2**32 - 1}
+    lines = []
+    for model, first_bad in ids.items():
+        url = "/v1/embeddings" if model == "mini" else "/v1/completions"
+        body = {"model": model}
+        lines.append(request(f"{model}-ok", url, prompt_token_ids=[first_bad - 1], **body))
+        lines.append(request(f"{model}-bad", url, prompt_token_ids=[0, first_bad], **body))
+    [chunk] = list(iter_batch_input(io.BytesIO(jsonl(*lines)), settings))
+    assert chunk.custom_ids == ("set-ok", "words-ok", "mini-ok", "any-ok", "any-bad")
+    errors = {e.custom_id: e for e in chunk.errors}
+    assert set(errors) == {"set-bad", "words-bad", "mini-bad"}
+    for model in ("set", "words", "mini"):
+        error = errors[f"{model}-bad"]
+        assert error.code == "token_out_of_range"
+        assert f"[1] = {ids[model]} is beyond the vocabulary" in error.message
+        assert f"it has {ids[model]} tokens" in error.message
