@@ -11,11 +11,13 @@ import sys
 from pathlib import Path
 from urllib.request import urlopen
 
+import numpy as np
 import pytest
 from broker import REPO, Broker, submit, write_config
 from conftest import assert_check_clean, wait_for
 
 from collector.client import DispatchClient, ResultsClient
+from ingest.sdk import Producer
 
 
 @pytest.fixture
@@ -150,3 +152,55 @@ max_attempts = 3"""
 def job_state(b: Broker, job: str) -> str:
     with ResultsClient(b.settings.completion.bind, timeout_s=10) as client:
         return client.job_status(job)["state"]
+
+
+SMALL_MODEL = """
+[[models]]
+name = "small"
+engine = "echo"
+endpoints = ["/v1/embeddings"]
+vocab_size = 100
+"""
+
+
+def test_ids_beyond_the_vocabulary_and_deep_nesting_are_per_line_errors_of_a_real_submit(
+    tmp_path,
+):
+    """Points 6 and 7: `run.py submit` refuses an id the model cannot run, and a line nested
+    1,000 deep, each as its own error line, and sends the rest; the front refuses such ids
+    again from a producer that skips the checks (submit_tokens sends arrays unchecked)."""
+    config = write_config(tmp_path)
+    config.write_text(config.read_text() + SMALL_MODEL)
+    b = Broker(config).start()
+    try:
+        good = {"model": "small", "prompt_token_ids": [1, 2, 99]}
+        bad = {"model": "small", "prompt_token_ids": [1, 100, 2]}
+        lines = [
+            json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/embeddings", "body": body})
+            for cid, body in (("g1", good), ("bad", bad), ("deep", {"model": "DEEP"}), ("g2", good))
+        ]
+        lines[2] = lines[2].replace('"DEEP"', "[" * 1000 + "]" * 1000)
+        path = tmp_path / "mixed.jsonl"
+        path.write_text("\n".join(lines) + "\n")
+        errors_path = tmp_path / "mixed.errors.jsonl"
+        done = submit(b.config, path, "--job-id", "mixed", "--errors", str(errors_path))
+        assert done.returncode == 0, done.stderr
+        assert "2 items queued, 2 lines rejected" in done.stderr
+        errors = {
+            e["custom_id"]: e["error"]
+            for e in map(json.loads, errors_path.read_text().split("\n")[:-1])
+        }
+        assert errors["bad"]["code"] == "token_out_of_range"
+        assert "[1] = 100 is beyond the vocabulary" in errors["bad"]["message"]
+        assert errors["deep"]["code"] == "wrong_type"
+        with Producer(b.address, timeout_s=10) as producer:
+            rows = [np.array([1, 2], np.uint32), np.array([5, 100], np.uint32)]
+            report = producer.submit_tokens("raw", "small", rows)
+        assert report.stored == 1 and report.rejected == 1
+        [error] = report.errors
+        assert error["custom_id"] == "item-1" and error["error"]["code"] == "token_out_of_range"
+        assert "= 100 is beyond the vocabulary" in error["error"]["message"]
+        assert b.stop() == 0, b.stderr
+        assert_check_clean(b.data_dir)
+    finally:
+        b.close()
