@@ -56,6 +56,16 @@ DEFAULTS: Final[dict[str, Any]] = {
         # Chunks one producer connection may have in flight; more are refused with a
         # retryable CHUNK_ERROR, so one producer cannot take the whole front.
         "producer_chunks_in_flight": 16,
+        # Bytes of chunks the front holds in flight, all producers together, and for one
+        # producer connection; a chunk past either is refused with a retryable CHUNK_ERROR
+        # (a connection holding nothing may always send one chunk).
+        "max_inflight_bytes": 1024 * 1024 * 1024,
+        "producer_inflight_bytes": 256 * 1024 * 1024,
+        # Connections to ingest.bind, all peers together, and from one address; one more is
+        # cut at once. With max_message_bytes they bound what libzmq buffers before the
+        # front sees a message: docs/wire.md, "Limits on each port".
+        "max_connections": 64,
+        "max_peer_connections": 8,
     },
     "router": {
         # Router processes (assign model, shape and lane to each item).

@@ -156,3 +156,24 @@ def test_item_max_skips_empty_items():
     tokens = np.array([5, 9, 1, 7], np.uint32)
     offsets = np.array([0, 0, 2, 2, 3, 4, 4])
     assert item_max(tokens, offsets).tolist() == [-1, 9, -1, 1, 7, -1]
+
+
+def test_the_front_refuses_chunks_past_its_byte_caps_but_never_a_first_one():
+    """Point 10 of issue 14: bytes of chunks in flight are capped per producer and in all."""
+    from types import SimpleNamespace
+
+    from ingest.front import FrontStage
+
+    front = FrontStage.__new__(FrontStage)
+    front.producer_inflight_bytes, front.max_inflight_bytes = 100, 250
+    a, b, c = (b"a",), (b"b",), (b"c",)
+    front.inflight = {}
+    assert front._too_many_bytes(a, 500) is None  # holding nothing: one chunk may always come
+    front.inflight = {
+        1: SimpleNamespace(route=a, nbytes=60),
+        2: SimpleNamespace(route=b, nbytes=90),
+    }
+    assert "ingest.producer_inflight_bytes = 100" in front._too_many_bytes(a, 41)
+    assert front._too_many_bytes(a, 40) is None
+    assert front._too_many_bytes(c, 100) is None
+    assert "ingest.max_inflight_bytes = 250" in front._too_many_bytes(c, 101)

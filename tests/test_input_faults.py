@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -200,6 +202,71 @@ def test_ids_beyond_the_vocabulary_and_deep_nesting_are_per_line_errors_of_a_rea
         [error] = report.errors
         assert error["custom_id"] == "item-1" and error["error"]["code"] == "token_out_of_range"
         assert "= 100 is beyond the vocabulary" in error["error"]["message"]
+        assert b.stop() == 0, b.stderr
+        assert_check_clean(b.data_dir)
+    finally:
+        b.close()
+
+
+FRAME_BYTES = 40 << 20  # announced; above glibc's mmap threshold, so a freed frame leaves RSS
+SENT_BYTES = 30 << 20  # sent of it: libzmq holds that much for the connection until it ends
+
+
+def hold_unfinished_frame(port: int) -> socket.socket | None:
+    """A raw ZMTP 3.0 peer (NULL mechanism, as a DEALER) that announces one FRAME_BYTES frame
+    and sends SENT_BYTES of it; None if the front cut the connection."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    try:
+        greeting = b"\xff" + bytes(8) + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\0") + bytes(32)
+        ready = b"\x05READY\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
+        s.sendall(greeting + b"\x04" + bytes([len(ready)]) + ready)
+        s.sendall(b"\x02" + struct.pack(">Q", FRAME_BYTES))
+        block = bytes(1 << 20)
+        for _ in range(SENT_BYTES // len(block)):
+            s.sendall(block)
+        return s
+    except OSError:  # cut: reset, broken pipe, or a receive side that stopped reading
+        s.close()
+        return None
+
+
+def rss_mib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) // 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+def test_a_peer_holding_unfinished_frames_on_many_connections_is_capped(tmp_path):
+    """Point 10: libzmq buffers each connection's unfinished frame (up to max_message_bytes)
+    where the front cannot see it; 8 connections x 30 MiB took the front from ~46 to ~286 MiB.
+    With max_peer_connections = 2 the others are cut as soon as they are accepted."""
+    config = write_config(tmp_path)
+    config.write_text(
+        config.read_text().replace("[ingest]\n", "[ingest]\nmax_peer_connections = 2\n")
+    )
+    b = Broker(config).start()
+    try:
+        front = b.pids()["front-0"]
+        port = int(b.address.rsplit(":", 1)[1])
+        before = rss_mib(front)
+        held = [hold_unfinished_frame(port) for _ in range(8)]
+        kept = [s for s in held if s is not None]
+        grown = rss_mib(front) - before
+        assert len(kept) <= 2
+        assert grown < 3 * (SENT_BYTES >> 20), f"the front grew by {grown} MiB"
+        for s in kept:
+            s.close()
+        path = tmp_path / "after.jsonl"
+        embed_lines(path, 10, "a")
+        done = None
+
+        def submitted() -> bool:  # once the front has seen the hoarders go, submit gets in
+            nonlocal done
+            done = submit(b.config, path, "--job-id", "after", "--timeout", "2", "--attempts", "2")
+            return done.returncode == 0
+
+        wait_for(submitted, "a producer to get in once the hoarders left", timeout_s=60)
         assert b.stop() == 0, b.stderr
         assert_check_clean(b.data_dir)
     finally:
