@@ -15,7 +15,7 @@ broker's life.
 | `deaths_in_a_row`  | deaths since it last ran `restart_window_s` without dying         |
 | `deaths`           | deaths in this broker's life                                      |
 | `last_exit`        | how it last ended: `signal SIGKILL`, `exit code 1`                |
-| `last_error`       | the last ERROR line (or exception) of its log before it died, or null |
+| `last_error`       | the last ERROR line (or exception) it logged in its last life, or null |
 | `restart_at_ns`    | wall clock (ns) of the next start while `restarting`, else 0      |
 """
 
@@ -67,12 +67,23 @@ def describe(stage: dict[str, Any]) -> str:
     return f"running; died {stage['deaths']} times in this broker's life (last: {why})"
 
 
-def last_error_line(log_path: Path) -> str | None:
-    """The last ERROR line (or the last line of a traceback) in the tail of a stage's log."""
+def log_size(log_path: Path) -> int:
+    """Where a stage's log ends now (0 if it has none): pass it to `last_error_line` later."""
+    try:
+        return os.path.getsize(log_path)
+    except OSError:
+        return 0
+
+
+def last_error_line(log_path: Path, since: int = 0) -> str | None:
+    """The last ERROR line (or the last line of a traceback) a stage logged after byte `since`
+    of its log (where it ended when the stage started), within the last LOG_TAIL_BYTES."""
     try:
         with open(log_path, "rb") as f:
             size = f.seek(0, os.SEEK_END)
-            f.seek(max(0, size - LOG_TAIL_BYTES))
+            if size < since:  # rotated meanwhile: all of the new file is this life's
+                since = 0
+            f.seek(max(since, size - LOG_TAIL_BYTES))
             tail = f.read().decode("utf-8", "replace").splitlines()
     except OSError:
         return None

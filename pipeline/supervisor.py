@@ -50,7 +50,7 @@ from pipeline.recovery import recover
 from pipeline.ring import Ring
 from pipeline.security import ServerGate, ServerKeys, check_exposure, loose_permissions
 from pipeline.stage import DISK_FULL_EXIT, EPOCH_ENV, StageSpec, stage_main
-from pipeline.stage_restarts import RESTARTS_FILE, last_error_line, write_restarts
+from pipeline.stage_restarts import RESTARTS_FILE, last_error_line, log_size, write_restarts
 from pipeline.topology import RING_BYTES, RingSpec
 
 log = logging.getLogger("fabric.supervisor")
@@ -88,6 +88,7 @@ class _Child:
     total_deaths: int = 0
     last_exit: str = ""
     last_error: str | None = None
+    log_offset: int = 0  # where its log ended when it last started
 
 
 class Supervisor:
@@ -213,7 +214,9 @@ class Supervisor:
         window = self.config.restart_window_s
         child.total_deaths += 1
         child.last_exit = how
-        child.last_error = last_error_line(self.data_dir.log / f"{child.spec.label}.log")
+        child.last_error = last_error_line(
+            self.data_dir.log / f"{child.spec.label}.log", child.log_offset
+        )
         if disk_full:  # a restart frees nothing: never a crash loop, and no hurry
             child.restart_at = now + DISK_FULL_BACKOFF_S
             log.error(
@@ -294,6 +297,7 @@ class Supervisor:
             log.warning("cannot write %s: %s", RESTARTS_FILE, exc)
 
     def _spawn(self, child: _Child, now: float) -> None:
+        child.log_offset = log_size(self.data_dir.log / f"{child.spec.label}.log")
         process = self._context.Process(
             target=stage_main, args=(child.spec, self.settings, os.getpid()), name=child.spec.label
         )
