@@ -6,6 +6,8 @@ import time
 from collections import defaultdict
 from typing import Any
 
+from pipeline.stage_restarts import describe
+
 
 def _table(header: list[str], rows: list[list[Any]]) -> str:
     cells = [header] + [[str(c) for c in row] for row in rows]
@@ -61,6 +63,8 @@ def render_broker(info: dict[str, Any]) -> str:
             or [["(no workers)", "", "", "", "", ""]],
         ),
     ]
+    for stage in info.get("local_workers", ()):
+        parts.append(f"local {stage['stage']}: {describe(stage)}")
     return "\n".join(parts)
 
 

@@ -32,6 +32,7 @@ from typing import Any, TextIO
 from collector.status_sources import Snapshot, Sources
 from pipeline import exitcodes
 from pipeline.stage import StopFlags
+from pipeline.stage_restarts import describe
 
 PAUSE_SLICE_S = 0.05  # how often the wait between refreshes looks at the stop flag
 
@@ -132,6 +133,8 @@ def plain_lines(snap: Snapshot, address: str) -> list[str]:
             )
         if not workers:
             lines.append("worker (no workers)")
+        for stage in info.get("local_workers", ()):
+            lines.append(f"worker {stage['stage']} (local) {describe(stage)}")
     for job in snap.jobs:
         if "note" in job:  # completion could not say (an unknown job)
             lines.append(f"job {job['job']} {job['state']}: {job['note']}")
@@ -199,6 +202,11 @@ def rich_view(snap: Snapshot, address: str):
                 Text(f"{100 * idle:.0f}%", style="yellow" if idle > 0.5 else ""),
                 f"{silent:.1f}s",
             )
+        for stage in info.get("local_workers", ()):
+            if stage["state"] == "restarting":
+                workers.add_row(
+                    f"{stage['stage']} (local)", Text(describe(stage), style="red"), *[""] * 5
+                )
         if not workers.row_count:
             workers.add_row("(no workers)", "", "", "", "", "", "")
         parts += [lanes, workers]

@@ -56,6 +56,16 @@ DEFAULTS: Final[dict[str, Any]] = {
         # Chunks one producer connection may have in flight; more are refused with a
         # retryable CHUNK_ERROR, so one producer cannot take the whole front.
         "producer_chunks_in_flight": 16,
+        # Bytes of chunks the front holds in flight, all producers together, and for one
+        # producer connection; a chunk past either is refused with a retryable CHUNK_ERROR
+        # (a connection holding nothing may always send one chunk).
+        "max_inflight_bytes": 1024 * 1024 * 1024,
+        "producer_inflight_bytes": 256 * 1024 * 1024,
+        # Connections to ingest.bind, all peers together, and from one address; one more is
+        # cut at once. With max_message_bytes they bound what libzmq buffers before the
+        # front sees a message: docs/wire.md, "Limits on each port".
+        "max_connections": 128,
+        "max_peer_connections": 32,  # ten or twenty local `submit` runs at once are usual
     },
     "router": {
         # Router processes (assign model, shape and lane to each item).
@@ -199,6 +209,10 @@ MODEL_DEFAULTS: Final[dict[str, Any]] = {
     "tokenizer": "",
     # Longest prompt accepted, in tokens; must fit the largest lane.
     "max_tokens": 32768,
+    # Token ids accepted: 0 .. vocab_size - 1 (a larger id is refused per line at ingest:
+    # token_out_of_range). 0 = the tokenizer's vocabulary size when `tokenizer` is set, else
+    # the engine's own (ENGINE_VOCAB_SIZE), else no limit at ingest.
+    "vocab_size": 0,
     # OpenAI Batch `url` values this model accepts; default: its engine's list below.
     "endpoints": BY_ENGINE,
 }
@@ -214,6 +228,11 @@ ENGINE_ENDPOINTS: Final[dict[str, list[str]]] = {
     "transformers": _COMPLETIONS,
     "vllm": _COMPLETIONS,
 }
+
+# Engines that fix their model, and its vocabulary size: a model on one of them with neither
+# `tokenizer` nor `vocab_size` still has its token ids checked at ingest. echo and simulated
+# take any id; transformers and vllm load a model named at the worker, unknown here.
+ENGINE_VOCAB_SIZE: Final[dict[str, int]] = {"minilm": 30522}
 
 # Every endpoint a model may list.
 ENDPOINTS: Final[tuple[str, ...]] = (*_EMBEDDINGS, *_COMPLETIONS)

@@ -144,6 +144,10 @@ RULES: Final[dict[str, Rule]] = {
     "ingest.chunk_timeout_s": interval("seconds", zero_ok=False),
     "ingest.max_chunks_in_flight": count(1),
     "ingest.producer_chunks_in_flight": count(1),
+    "ingest.max_inflight_bytes": count(1),
+    "ingest.producer_inflight_bytes": count(1),
+    "ingest.max_connections": count(1),
+    "ingest.max_peer_connections": count(1),
     "router.processes": count(1),
     "writers.processes": count(1),
     "writers.flush_ms": interval("milliseconds", zero_ok=True),
@@ -236,6 +240,7 @@ MODEL_RULES: Final[dict[str, Rule]] = {
         "string", 'a path to tokenizer.json, or "" for token ids only', lambda v: None
     ),
     "max_tokens": count(1, " that fits the largest lane"),
+    "vocab_size": count(0, " (0 = from the tokenizer or the engine)"),
     "endpoints": Rule(
         "list of strings",
         f"a non-empty list drawn from {', '.join(ENDPOINTS)}",

@@ -51,6 +51,10 @@ class IngestSettings:
     chunk_timeout_s: float
     max_chunks_in_flight: int
     producer_chunks_in_flight: int
+    max_inflight_bytes: int
+    producer_inflight_bytes: int
+    max_connections: int
+    max_peer_connections: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +177,7 @@ class ModelSettings:
     engine: str
     tokenizer: str
     max_tokens: int
+    vocab_size: int  # 0 = from the tokenizer or the engine (ingest.catalog.vocab_size)
     endpoints: tuple[str, ...]
 
 

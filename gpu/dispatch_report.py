@@ -9,6 +9,7 @@ import time
 import numpy as np
 
 from pipeline.metrics import RECLAIM_CAUSES
+from pipeline.stage_restarts import read_restarts
 
 DEAD_LETTER = "dead_lettered"
 CORRUPT_INPUT = "corrupt_input"
@@ -118,4 +119,6 @@ def broker_status(stage, now: float) -> dict:
             }
             for sid, s in stage.sessions.items()
         ],
+        # local workers that died, and those waiting out a restart backoff (the supervisor's)
+        "local_workers": read_restarts(stage.data_dir.root),
     }

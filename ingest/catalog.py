@@ -1,16 +1,31 @@
 """What input checking needs to know about the served models, built once from Settings.
 
 For each `[[models]]` table: the endpoints it serves, whether it takes text
-(it has a tokenizer) and its prompt limit in tokens, the smaller of the
+(it has a tokenizer), its prompt limit in tokens, the smaller of the
 model's `max_tokens` and the largest lane, since an item that fits no lane
-can never be stored.
+can never be stored, and its vocabulary size (`vocab_size`), so that a token
+id the model cannot run is refused per line at ingest (`token_out_of_range`)
+instead of reaching an engine:
+
+| source of `vocab_size`                       | when                                  |
+|----------------------------------------------|---------------------------------------|
+| the model's `vocab_size`                     | set (> 0) in the configuration        |
+| its tokenizer's size, added tokens included  | `tokenizer` is set and readable       |
+| the engine's own (`ENGINE_VOCAB_SIZE`)       | an engine that fixes its model (minilm) |
+| none: any id below 2**32                     | otherwise (echo, simulated; transformers and vllm without a tokenizer, whose engines turn an id beyond the model's vocabulary into that item's error) |
+
+The broker sends the figure it resolved in its catalog (HELLO), and the
+producer's SDK checks lines with it, so both refuse the same ids.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
-from config.defaults import ENDPOINTS
+from config.defaults import ENDPOINTS, ENGINE_VOCAB_SIZE
 from config.settings import ModelSettings, Settings
 
 EMBEDDINGS = "/v1/embeddings"
@@ -26,6 +41,7 @@ class ModelEntry:
     endpoints: frozenset[str]
     takes_text: bool
     prompt_limit_tokens: int
+    vocab_size: int | None  # token ids are 0 .. vocab_size - 1; None: any uint32
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,10 +68,34 @@ def prompt_limit_tokens(model: ModelSettings, largest_lane: int) -> int:
     return min(model.max_tokens, largest_lane)
 
 
+def vocab_size(model: ModelSettings) -> int | None:
+    """The model's vocabulary size (see the module docstring), or None for no limit."""
+    if model.vocab_size > 0:
+        return model.vocab_size
+    if model.tokenizer:
+        size = _tokenizer_vocab_size(os.fspath(Path(model.tokenizer).expanduser().absolute()))
+        if size is not None:
+            return size
+    return ENGINE_VOCAB_SIZE.get(model.engine)
+
+
+@functools.lru_cache(maxsize=64)
+def _tokenizer_vocab_size(path: str) -> int | None:
+    """The size of a tokenizer.json's vocabulary with its added tokens; None if it cannot be
+    read (the tokeniser stage, which needs the file, says why)."""
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(path).get_vocab_size(with_added_tokens=True)
+    except Exception:  # the tokenizers library raises bare Exception for a bad file
+        return None
+
+
 def _entry(model: ModelSettings, largest_lane: int) -> ModelEntry:
     return ModelEntry(
         name=model.name,
         endpoints=frozenset(model.endpoints),
         takes_text=bool(model.tokenizer),
         prompt_limit_tokens=prompt_limit_tokens(model, largest_lane),
+        vocab_size=vocab_size(model),
     )

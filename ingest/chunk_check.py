@@ -2,8 +2,9 @@
 
 Nothing from the network is trusted. For each item: its model is served,
 its endpoint is one the model serves, text goes only to a model with a
-tokenizer, a pre-tokenised prompt is not empty and fits the model's limit
-(and the largest lane), and its custom_id is not used elsewhere in the job:
+tokenizer, a pre-tokenised prompt is not empty, fits the model's limit
+(and the largest lane) and holds no id beyond the model's vocabulary
+(`token_out_of_range`, ingest/catalog.py), and its custom_id is not used elsewhere in the job:
 by a committed chunk, by another chunk in flight, or earlier in this one.
 Bad items become error records (`LineError`, naming line, custom_id and
 reason); items an earlier attempt already stored are set aside. Vectorised
@@ -25,9 +26,11 @@ from ingest.line_errors import (
     ENDPOINT_NOT_SERVED,
     PROMPT_TOO_LONG,
     TEXT_NOT_ACCEPTED,
+    TOKEN_OUT_OF_RANGE,
     UNKNOWN_MODEL,
     LineError,
 )
+from ingest.line_parser import beyond_vocabulary
 
 
 @dataclass(frozen=True, eq=False)
@@ -58,6 +61,7 @@ def recheck(
     lengths = chunk.lengths.astype(np.int64)
     is_text = np.zeros(n, dtype=bool)
     is_text[chunk.text_items] = True
+    largest = item_max(chunk.tokens, chunk.offsets)
     for m, name in enumerate(chunk.models):
         of_model = chunk.model_index == m
         entry = catalog.models.get(name)
@@ -87,6 +91,13 @@ def recheck(
                 f"prompt of {lengths[i]} tokens is longer than the limit of {limit}"
             ),
         )
+        vocab = entry.vocab_size
+        if vocab is not None:
+            reject(
+                of_model & ~is_text & (largest >= vocab),
+                TOKEN_OUT_OF_RANGE,
+                lambda i, name=name, vocab=vocab: _beyond(chunk, i, name, vocab),
+            )
     reject(~is_text & (lengths == 0), EMPTY_PROMPT, lambda i: "prompt has no tokens")
     hashed = digests(chunk.custom_ids)
     repeated = committed.contains((), digests=hashed) | repeats_within(hashed[0])
@@ -103,6 +114,24 @@ def recheck(
         ]
         drop |= in_log
     return Checked(chunk.without(drop, errors), already, (hashed[0][~drop], hashed[1][~drop]))
+
+
+def item_max(tokens: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """The largest token id of each item (int64), -1 for an item with none."""
+    starts, ends = offsets[:-1], offsets[1:]
+    out = np.full(len(starts), -1, dtype=np.int64)
+    filled = ends > starts
+    if filled.any():
+        # reduceat runs from each start given to the next: with the empty items left out,
+        # that is where each filled item ends (the last runs to the end of `tokens`)
+        out[filled] = np.maximum.reduceat(tokens[: int(offsets[-1])], starts[filled])
+    return out
+
+
+def _beyond(chunk: InputChunk, i: int, model: str, vocab: int) -> str:
+    ids = chunk.tokens[chunk.offsets[i] : chunk.offsets[i + 1]]
+    at = int(np.argmax(ids >= vocab))
+    return beyond_vocabulary(model, at, int(ids[at]), vocab)
 
 
 def repeats_within(keys: np.ndarray) -> np.ndarray:

@@ -19,6 +19,12 @@ accounted for, the front writes `commit` (with the custom_ids and the bad
 lines), syncs it, and only then answers CHUNK_ACK. The journal syncs of one
 step are one group commit.
 
+What producers can make the front hold is capped (docs/wire.md, "Limits on
+each port"): chunks in flight by count and by bytes, per producer connection
+and in all (a chunk past a cap is refused, retryably), and connections per
+address and in all (ingest/peer_guard.py: libzmq buffers a frame whole
+before the front sees it, so only the number of connections bounds that).
+
 A chunk that does not complete by its deadline (a stage died and its rings
 were replaced, a disk stalled) is answered with a retryable error; writers
 drop records past that deadline. A retried chunk that was accepted before is
@@ -44,6 +50,7 @@ from ingest.jobs import DELIVER_FILE, Job, JobRegistry, check_job_id, parse_deli
 from ingest.line_errors import (
     LineError,
 )
+from ingest.peer_guard import PeerGuard
 from ingest.reconcile import stored_indexes
 from ingest.tokenizer_stage import items_of
 from pipeline import wire
@@ -75,6 +82,7 @@ class Inflight:
     sent: bool = False
     pieces: deque | None = None  # records still to put into the router's ring
     digests: tuple[np.ndarray, np.ndarray] = (np.zeros(0, np.uint64), np.zeros(0, np.uint64))
+    nbytes: int = 0  # the chunk's arrays as received, for ingest.*inflight_bytes
 
     @property
     def key(self) -> tuple[int, int]:
@@ -108,8 +116,17 @@ class FrontStage(Stage):
         self.producers.setsockopt(zmq.LINGER, 0)
         self.producers.setsockopt(zmq.SNDTIMEO, 0)  # a gone producer never blocks the front
         self.producers.setsockopt(zmq.MAXMSGSIZE, settings.ingest.max_message_bytes)
+        self.producers.setsockopt(zmq.RCVHWM, 1)  # one whole message waits per connection
         self.gate.secure(self.producers)
         self.producers.bind(settings.ingest.bind)
+        self.guard = PeerGuard(
+            self.producers,
+            settings.ingest.max_connections,
+            settings.ingest.max_peer_connections,
+            self.log,
+        )
+        self.max_inflight_bytes = settings.ingest.max_inflight_bytes
+        self.producer_inflight_bytes = settings.ingest.producer_inflight_bytes
         self.inbox = self.context.socket(zmq.PULL)
         self.inbox.setsockopt(zmq.LINGER, 0)
         self.inbox.bind(internal_address(settings, "front"))
@@ -122,6 +139,7 @@ class FrontStage(Stage):
         self.poller = zmq.Poller()
         self.poller.register(self.producers, zmq.POLLIN)
         self.poller.register(self.inbox, zmq.POLLIN)
+        self.poller.register(self.guard.monitor, zmq.POLLIN)
         self.inflight: dict[tuple[int, int], Inflight] = {}
         self.unsent: deque[Inflight] = deque()
         self.replies: list[tuple[tuple[bytes, ...], MT, dict[str, Any], int, Any]] = []
@@ -132,6 +150,7 @@ class FrontStage(Stage):
     # ---- the loop ------------------------------------------------------------------------
     def step(self, now: float) -> None:
         events = dict(self.poller.poll(self.poll_ms))
+        self.guard.step(now)  # cut connections over the caps before they are read
         if self.inbox in events:
             self._read_inbox()
         accepting = (
@@ -205,6 +224,8 @@ class FrontStage(Stage):
                     "tokenizer": m.tokenizer,
                     "max_tokens": m.max_tokens,
                     "endpoints": list(m.endpoints),
+                    # as resolved here (ingest.catalog), so the producer refuses the same ids
+                    "vocab_size": self.catalog.models[m.name].vocab_size or 0,
                 }
                 for m in settings.models
             ],
@@ -281,6 +302,16 @@ class FrontStage(Stage):
                 wire.Flag.RETRYABLE,
             )
             return None
+        nbytes = sum(a.nbytes for a in message.arrays.values())
+        busy = self._too_many_bytes(route, nbytes)
+        if busy is not None:
+            self._reply(
+                route,
+                MT.CHUNK_ERROR,
+                {"job": job_id, "chunk": number, "reason": busy},
+                wire.Flag.RETRYABLE,
+            )
+            return None
         chunk = chunk_from_wire(meta, message.arrays)
         first = number * job.chunk_lines + 1
         if (
@@ -305,12 +336,31 @@ class FrontStage(Stage):
             expected=None if chunk.needs_tokenizing else chunk.n_items,
             already=checked.already,
             digests=checked.digests,
+            nbytes=nbytes,
         )
         if state is None:
             job.accept(number, chunk.first_line, chunk.last_line)
             self.registry.touch(job)
         self.inflight[flight.key] = flight
         return flight
+
+    def _too_many_bytes(self, route: tuple[bytes, ...], nbytes: int) -> str | None:
+        """Why a chunk of `nbytes` must wait (retryably), or None. A connection holding nothing
+        may always send one chunk, so a chunk larger than a cap is never refused for ever."""
+        mine = sum(f.nbytes for f in self.inflight.values() if f.route == route)
+        total = sum(f.nbytes for f in self.inflight.values())
+        if mine and mine + nbytes > self.producer_inflight_bytes:
+            return (
+                f"this producer already has {mine} bytes of chunks in flight "
+                f"(ingest.producer_inflight_bytes = {self.producer_inflight_bytes}); "
+                "send it again when one is answered"
+            )
+        if total and total + nbytes > self.max_inflight_bytes:
+            return (
+                f"the front holds {total} bytes of chunks in flight "
+                f"(ingest.max_inflight_bytes = {self.max_inflight_bytes}); send it again later"
+            )
+        return None
 
     def _check(self, job: Job, chunk: InputChunk, earlier) -> Checked:
         """Check the chunk again, and find what an earlier attempt already stored."""
@@ -544,6 +594,7 @@ class FrontStage(Stage):
     def close(self) -> None:
         self.registry.close()
         self.outlet.close()
+        self.guard.close()
         for sock in (self.producers, self.inbox, self.tokenize):
             sock.close(0)
         self.gate.close()

@@ -18,6 +18,7 @@ from pipeline.errors import InputLineError
 
 LINE_TOO_LONG: Final = "line_too_long"
 INVALID_JSON: Final = "invalid_json"
+NESTING_TOO_DEEP: Final = "nesting_too_deep"
 NOT_AN_OBJECT: Final = "not_an_object"
 MISSING_FIELD: Final = "missing_field"
 WRONG_TYPE: Final = "wrong_type"
@@ -38,6 +39,7 @@ PROMPT_TOO_LONG: Final = "prompt_too_long"
 CODES: Final[tuple[str, ...]] = (
     LINE_TOO_LONG,
     INVALID_JSON,
+    NESTING_TOO_DEEP,
     NOT_AN_OBJECT,
     MISSING_FIELD,
     WRONG_TYPE,
@@ -104,12 +106,26 @@ class LineError:
 
 
 def show(value: Any, limit: int = 60) -> str:
-    """A value taken from input, spelt as JSON and cut to `limit` characters, for messages."""
+    """A value taken from input, spelt as JSON and cut to `limit` characters, for messages.
+
+    Never recurses: a value nested deeper than orjson writes is shown by the
+    opening brackets of its first branch ("[[[[..."), and an integer beyond
+    64 bits by its digits.
+    """
     try:
         text = orjson.dumps(value).decode()
-    except (TypeError, orjson.JSONEncodeError):  # an integer beyond 64 bits
-        text = repr(value)
+    except (TypeError, orjson.JSONEncodeError):  # an integer beyond 64 bits, or deep nesting
+        text = str(value) if isinstance(value, int) else _opening(value, limit)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _opening(value: Any, limit: int) -> str:
+    """The first `limit` opening brackets of a deeply nested list or object, without recursion."""
+    brackets = []
+    while isinstance(value, list | dict) and value and len(brackets) < limit:
+        brackets.append("[" if isinstance(value, list) else "{")
+        value = value[0] if isinstance(value, list) else next(iter(value.values()))
+    return "".join(brackets) + "..."
 
 
 class Rejected(Exception):

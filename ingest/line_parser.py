@@ -4,7 +4,8 @@
      "body": {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 64}}
 
 `parse_line` runs the checks in a fixed order and raises `Rejected` (code,
-reason, and the line's custom_id once it is known) at the first that fails. The prompt is either text to tokenise
+reason, and the line's custom_id once it is known) at the first that fails;
+nothing in a line, however deeply nested, escapes as another exception. The prompt is either text to tokenise
 (`input` for embeddings, `prompt` for completions, `messages` for chat) or
 token ids (`prompt_token_ids`, any endpoint). Duplicate custom_ids and the
 length of text prompts are checked later, per chunk (`ingest.batch_input`,
@@ -20,7 +21,7 @@ from typing import Any, Final
 import numpy as np
 import orjson
 
-from ingest.catalog import CHAT_COMPLETIONS, EMBEDDINGS, ModelCatalog
+from ingest.catalog import CHAT_COMPLETIONS, EMBEDDINGS, ModelCatalog, ModelEntry
 from ingest.line_errors import (
     CONFLICTING_FIELDS,
     EMPTY_PROMPT,
@@ -28,6 +29,7 @@ from ingest.line_errors import (
     INVALID_JSON,
     INVALID_VALUE,
     MISSING_FIELD,
+    NESTING_TOO_DEEP,
     NOT_AN_OBJECT,
     PROMPT_TOO_LONG,
     TEXT_NOT_ACCEPTED,
@@ -84,22 +86,22 @@ def parse_line(raw: bytes, catalog: ModelCatalog) -> ParsedLine:
     try:
         obj = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise Rejected(
-            INVALID_JSON,
-            f"not valid JSON at character {exc.pos}: {exc.msg}; write one JSON object per line",
-        ) from None
+        raise _not_json(raw, exc) from None
     if not isinstance(obj, dict):
         raise Rejected(
             NOT_AN_OBJECT,
             f"the line is {_json_type(obj)}, not an object; write one object per line "
             "with custom_id, method, url and body",
         )
-    custom_id = _custom_id(obj)
+    custom_id = None
     try:
+        custom_id = _custom_id(obj)
         return _request(obj, custom_id, catalog)
     except Rejected as exc:
         exc.custom_id = custom_id
         raise
+    except RecursionError:  # a deeply nested value reached a recursive check or message
+        raise too_deep(custom_id) from None
 
 
 def _request(obj: dict[str, Any], custom_id: str, catalog: ModelCatalog) -> ParsedLine:
@@ -149,7 +151,7 @@ def _request(obj: dict[str, Any], custom_id: str, catalog: ModelCatalog) -> Pars
         )
     text = token_ids = None
     if has_ids:
-        token_ids = _token_ids(body["prompt_token_ids"], model.prompt_limit_tokens, model_name)
+        token_ids = _token_ids(body["prompt_token_ids"], model, model_name)
     elif not model.takes_text:
         raise Rejected(
             TEXT_NOT_ACCEPTED,
@@ -162,6 +164,39 @@ def _request(obj: dict[str, Any], custom_id: str, catalog: ModelCatalog) -> Pars
     else:
         text = _text(body[text_field], text_field)
     return ParsedLine(custom_id, model_name, parse_shape(body, url), text, token_ids)
+
+
+def _not_json(raw: bytes, exc: orjson.JSONDecodeError) -> Rejected:
+    """The rejection for a line orjson cannot read: bad UTF-8, too deep, or not JSON."""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as bad:
+        found = " ".join(f"0x{b:02x}" for b in raw[bad.start : bad.end])
+        return Rejected(
+            INVALID_JSON,
+            f"the line is not valid UTF-8: byte {bad.start + 1} ({found}): {bad.reason}; "
+            "save the file as UTF-8 (JSON text is UTF-8)",
+        )
+    if "depth limit" in exc.msg or "recursion" in exc.msg:
+        return Rejected(NESTING_TOO_DEEP, _too_deep(f"at character {exc.pos}"))
+    return Rejected(
+        INVALID_JSON,
+        f"not valid JSON at character {exc.pos}: {exc.msg}; write one JSON object per line",
+    )
+
+
+def _too_deep(where: str) -> str:
+    return (
+        f"the line nests lists or objects too deeply ({where}); a request needs only a few "
+        "levels: flatten it"
+    )
+
+
+def too_deep(custom_id: str | None) -> Rejected:
+    """The rejection for a line whose checking ran out of stack (RecursionError)."""
+    rejected = Rejected(NESTING_TOO_DEEP, _too_deep("checking it ran out of stack"))
+    rejected.custom_id = custom_id
+    return rejected
 
 
 def _custom_id(obj: dict[str, Any]) -> str:
@@ -196,8 +231,9 @@ def _refuse_unknown(obj: dict[str, Any], allowed: frozenset[str], what: str, pre
         )
 
 
-def _token_ids(value: Any, limit: int, model: str) -> np.ndarray:
+def _token_ids(value: Any, entry: ModelEntry, model: str) -> np.ndarray:
     where = "body.prompt_token_ids"
+    limit = entry.prompt_limit_tokens
     if not isinstance(value, list):
         raise Rejected(
             WRONG_TYPE, f"{where} = {show(value)} is {_json_type(value)}; set a list of integers"
@@ -205,7 +241,14 @@ def _token_ids(value: Any, limit: int, model: str) -> np.ndarray:
     if not value:
         raise Rejected(EMPTY_PROMPT, f"{where} is empty; send at least one token id")
     if countOf(map(type, value), int) != len(value):  # exact: a JSON true is a bool, not 1
-        bad = next(v for v in value if type(v) is not int)
+        at, bad = next((i, v) for i, v in enumerate(value) if type(v) is not int)
+        if type(bad) is float and not -TOKEN_ID_LIMIT < bad < TOKEN_ID_LIMIT:
+            # orjson reads an integer beyond 64 bits as a float: it is a number, just too big
+            raise Rejected(
+                TOKEN_OUT_OF_RANGE,
+                f"{where}[{at}] = {show(bad)} is out of range; token ids are "
+                f"0..{TOKEN_ID_LIMIT - 1}",
+            )
         raise Rejected(
             WRONG_TYPE,
             f"{where} holds {show(bad)}, {_json_type(bad)}; send integers 0..{TOKEN_ID_LIMIT - 1}",
@@ -227,7 +270,20 @@ def _token_ids(value: Any, limit: int, model: str) -> np.ndarray:
             f"{where}[{at}] = {show(value[at])} is out of range; token ids are "
             f"0..{TOKEN_ID_LIMIT - 1}",
         )
+    vocab = entry.vocab_size
+    if vocab is not None and int(ids.max()) >= vocab:
+        at = int(np.argmax(ids >= vocab))
+        raise Rejected(TOKEN_OUT_OF_RANGE, beyond_vocabulary(model, at, int(ids[at]), vocab))
     return ids.astype(np.uint32)
+
+
+def beyond_vocabulary(model: str, at: int, token: int, vocab: int) -> str:
+    """The reason for a token id the model cannot run (also the front's, ingest.chunk_check)."""
+    return (
+        f"body.prompt_token_ids[{at}] = {token} is beyond the vocabulary of model "
+        f"{show(model)}: it has {vocab} tokens (ids 0..{vocab - 1}); tokenise with the "
+        "model's own tokenizer"
+    )
 
 
 def _text(value: Any, field: str) -> str:

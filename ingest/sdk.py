@@ -181,6 +181,7 @@ class Producer:
                 },
                 "models": [
                     {k: m[k] for k in ("name", "engine", "tokenizer", "max_tokens", "endpoints")}
+                    | {"vocab_size": int(m.get("vocab_size", 0))}  # 0 from a broker before it
                     for m in catalog["models"]
                 ],
             },

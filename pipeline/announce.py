@@ -13,7 +13,6 @@ lines may change wording.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -27,7 +26,6 @@ PURPOSE = {
     "vectors.bind": "vector search and export",
     "metrics.bind": "Prometheus metrics (HTTP)",
 }
-TAIL_BYTES = 16384  # how much of a stage's log is read for its last error
 
 
 def say(line: str) -> None:
@@ -46,28 +44,6 @@ def start_lines(settings) -> list[str]:
         )
     lines.append(f"  lanes (tokens): {', '.join(str(n) for n in settings.broker.lanes)}")
     return lines
-
-
-def last_error_line(log_path: Path) -> str | None:
-    """The last line of a stage log that says what went wrong: the final line of the last
-    traceback (`TokenizerError: ...`), else the last ERROR line's message; None if neither."""
-    try:
-        with open(log_path, "rb") as log:
-            size = log.seek(0, os.SEEK_END)
-            log.seek(max(0, size - TAIL_BYTES))
-            tail = log.read().decode(errors="replace").splitlines()
-    except OSError:
-        return None
-    for line in reversed(tail):
-        if not line.strip():
-            continue
-        if line[:1].isspace() or line.startswith("Traceback"):
-            continue
-        parts = line.split(" ", 4)  # time LEVEL stage pid message
-        if len(parts) == 5 and parts[1] in ("INFO", "DEBUG", "WARNING"):
-            continue
-        return parts[4] if len(parts) == 5 and parts[1] in ("ERROR", "CRITICAL") else line
-    return None
 
 
 def left_queued(segments_dir: Path) -> int:

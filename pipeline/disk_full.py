@@ -15,12 +15,20 @@ exit for it (a restart frees nothing) and must not log once per message.
 
 A disk that flaps (one write fits, the next does not) stays one episode:
 one ERROR line when it fills, one INFO line once it has stayed writable.
-Nothing here sleeps or touches the disk; tests drive it with an injected `now`.
+Nothing in `FullDisk` sleeps or touches the disk; tests drive it with an
+injected `now`. A stage whose last failed write may never be tried again
+(the writer: a retried chunk whose items an earlier try already placed is
+not appended again) tries `probe(directory)` when a retry is due, so the
+episode ends once space is freed even with nothing more to write.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+from pathlib import Path
+
+from pipeline.segment import disk_error
 
 RETRY_S = 1.0
 REMIND_S = 60.0
@@ -116,3 +124,19 @@ class FullDisk:
         self.episode = False
         self.writable_since = None
         self.tries = self.turned_away = 0
+
+
+def probe(directory: Path, name: str) -> None:
+    """Write, sync and remove one page in `directory`; DiskFullError if there is no room."""
+    path = directory / f".{name}.probe"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, bytes(4096))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise disk_error(exc, path, "writing a probe page") from exc
+    finally:
+        path.unlink(missing_ok=True)

@@ -238,6 +238,20 @@ METRICS: dict[str, Metric] = _catalogue(
         "supervisor",
     ),
     Metric(
+        "fabric_stage_deaths_in_a_row",
+        GAUGE,
+        ("stage",),
+        "Deaths of a local worker since it last ran restart_window_s without dying",
+        "supervisor",
+    ),
+    Metric(
+        "fabric_stage_restart_wait_seconds",
+        GAUGE,
+        ("stage",),
+        "Seconds until the supervisor starts a dead local worker again (0 while it runs)",
+        "supervisor",
+    ),
+    Metric(
         "fabric_segment_files",
         GAUGE,
         ("log",),

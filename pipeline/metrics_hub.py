@@ -13,7 +13,9 @@ STATS report (`update`). `snapshot()` merges them for a scrape:
   life's figures add to: a counter only ever grows within a broker's life,
   whatever restarts (at most `metrics.interval_s` of counts are lost with a
   killed process);
-* the supervisor's own figures: restarts and whether each stage is up.
+* the supervisor's own figures: restarts, whether each stage is up, and for
+  a stage restarted after deaths in a row (a local worker never given up
+  on) how many and how long until its next start.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ class MetricsHub:
         self._carried_histograms: dict[Key, list] = {}
         self._starts: dict[str, int] = defaultdict(int)
         self._up: dict[str, bool] = {}
+        self._restart_at: dict[str, float] = {}  # stage label -> monotonic time of next start
+        self._in_a_row: dict[str, int] = {}  # stage label -> deaths in a row
 
     def started(self, label: str, pid: int) -> None:
         """The supervisor started (or restarted) stage `label` as process `pid`."""
@@ -70,6 +74,24 @@ class MetricsHub:
                 return False
             self._latest[label] = samples
             return True
+
+    def waiting(self, label: str, restart_at: float | None, in_a_row: int) -> None:
+        """Stage `label` died `in_a_row` times in a row; it starts again at `restart_at`
+        (monotonic), or None once it runs."""
+        with self._lock:
+            self._in_a_row[label] = in_a_row
+            if restart_at is None:
+                self._restart_at.pop(label, None)
+            else:
+                self._restart_at[label] = restart_at
+
+    def crash_loops(self, now: float) -> dict[str, tuple[int, float]]:
+        """Stage label -> (deaths in a row, seconds until its next start, 0 while it runs)."""
+        with self._lock:
+            return {
+                label: (n, max(0.0, self._restart_at.get(label, now) - now))
+                for label, n in self._in_a_row.items()
+            }
 
     def restarts(self) -> dict[str, int]:
         with self._lock:

@@ -19,6 +19,7 @@ import math
 import os
 import shutil
 import threading
+import time
 from collections.abc import Iterator
 
 from pipeline.datadir import DataDir
@@ -110,6 +111,9 @@ class FabricCollector:
             values[("fabric_stage_restarts_total", (stage,))] = n
         for stage, up in self.hub.up().items():
             values[("fabric_stage_up", (stage,))] = 1.0 if up else 0.0
+        for stage, (in_a_row, wait_s) in self.hub.crash_loops(time.monotonic()).items():
+            values[("fabric_stage_deaths_in_a_row", (stage,))] = in_a_row
+            values[("fabric_stage_restart_wait_seconds", (stage,))] = wait_s
         values.update(disk_figures(self.data_dir))
         by_name: dict[str, list] = {}
         for (name, labels), value in sorted(values.items()):

@@ -38,7 +38,8 @@ class StageSpec:
     name: str
     index: int
     target: str  # "package.module:ClassName", importable in a fresh interpreter
-    critical: bool = True  # a crash loop of a critical stage stops the broker; others back off
+    critical: bool = True  # a crash loop of a critical stage stops the broker; others (local
+    # workers) are restarted forever, with backoff (pipeline/supervisor.py)
 
     @property
     def label(self) -> str:

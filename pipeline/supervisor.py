@@ -20,6 +20,11 @@
    signal) and restarted after a backoff that doubles with each recent
    death; more than `supervisor.max_restarts` deaths of one stage within
    `restart_window_s` stop the broker with exit code 5 and one clear line.
+   A local worker is never given up on (its engine may die on one poison
+   item, which dispatch dead-letters after `max_attempts` deaths): it is
+   restarted after a backoff that doubles with each death in a row, up to
+   `WORKER_MAX_BACKOFF_S`, and `<data_dir>/restarts.json`
+   (pipeline/stage_restarts.py) and the metrics say so, for `status`.
 5. On SIGTERM or SIGINT (handlers only set a flag): stop the stages front
    first, so work already accepted drains downstream; each gets
    `stop_timeout_s` before SIGKILL. Say how many items are left queued; exit 0.
@@ -52,10 +57,12 @@ from pipeline.recovery import recover
 from pipeline.ring import Ring
 from pipeline.security import ServerGate, ServerKeys, check_exposure, loose_permissions
 from pipeline.stage import DISK_FULL_EXIT, EPOCH_ENV, StageSpec, stage_main
+from pipeline.stage_restarts import RESTARTS_FILE, last_error_line, log_size, write_restarts
 from pipeline.topology import RING_BYTES, RingSpec
 
 log = logging.getLogger("fabric.supervisor")
 MAX_BACKOFF_S = 30.0
+WORKER_MAX_BACKOFF_S = 60.0  # a crash-looping local worker is restarted at least this often
 DISK_FULL_BACKOFF_S = 5.0  # a stage that stopped on a full disk (DISK_FULL_EXIT) waits this much
 HEARTBEAT_MAX_MESSAGE_BYTES = 4096  # a PING is about 40 bytes; a bigger frame disconnects the peer
 
@@ -84,6 +91,12 @@ class _Child:
     deaths: deque[float] = field(default_factory=deque)
     restart_at: float | None = None
     ready: Any = None  # a multiprocessing Event the stage sets once it is up (opened)
+    started_at: float = 0.0
+    in_a_row: int = 0  # deaths since it last ran restart_window_s without dying
+    total_deaths: int = 0
+    last_exit: str = ""
+    last_error: str | None = None
+    log_offset: int = 0  # where its log ended when it last started
 
 
 class Supervisor:
@@ -157,6 +170,8 @@ class Supervisor:
             [s for s in report.finished if s.path.parent == self.data_dir.segments]
         )
         self.heartbeat.recovered = True
+        with contextlib.suppress(OSError):  # what an earlier broker life said is stale
+            (self.data_dir.root / RESTARTS_FILE).unlink()
         for ring in self.rings:
             _fresh_ring(ring)
         now = time.monotonic()
@@ -226,19 +241,24 @@ class Supervisor:
         if child.ready is None or child.ready.is_set():
             return
         path = self.data_dir.log / f"{child.spec.label}.log"
-        line = announce.last_error_line(path) or f"no error in {path}"
+        line = child.last_error or f"no error in {path}"
         if line not in self.said_failures:
             self.said_failures.add(line)
             announce.say(f"stage {child.spec.label} died at start ({how}): {line}")
 
     def _on_death(self, child: _Child, now: float) -> None:
         how = describe_exit(child.process.exitcode)
+        child.last_error = last_error_line(
+            self.data_dir.log / f"{child.spec.label}.log", child.log_offset
+        )
         self._say_start_failure(child, how)
         disk_full = child.process.exitcode == DISK_FULL_EXIT
         child.process.close()
         child.process = None
         self.metrics_hub.ended(child.spec.label)
         window = self.config.restart_window_s
+        child.total_deaths += 1
+        child.last_exit = how
         if disk_full:  # a restart frees nothing: never a crash loop, and no hurry
             child.restart_at = now + DISK_FULL_BACKOFF_S
             log.error(
@@ -247,26 +267,18 @@ class Supervisor:
                 DISK_FULL_BACKOFF_S,
             )
             return
+        if not child.spec.critical:
+            self._restart_later(child, now, how)
+            return
         child.deaths.append(now)
         while child.deaths and child.deaths[0] < now - window:
             child.deaths.popleft()
-        if len(child.deaths) > self.config.max_restarts and child.spec.critical:
+        if len(child.deaths) > self.config.max_restarts:
             self.failure = (
                 f"stage {child.spec.label} died {len(child.deaths)} times within {window:g} s "
                 f"(last: {how}); see {self.data_dir.log / (child.spec.label + '.log')}"
             )
             log.error("%s", self.failure)
-            return
-        if len(child.deaths) > self.config.max_restarts:  # not critical: leave it down
-            log.error(
-                "stage %s died %d times within %g s (last: %s); not restarting it: see %s",
-                child.spec.label,
-                len(child.deaths),
-                window,
-                how,
-                self.data_dir.log / (child.spec.label + ".log"),
-            )
-            child.restart_at = None
             return
         label = child.spec.label
         for ring in self.rings:
@@ -276,8 +288,59 @@ class Supervisor:
         child.restart_at = now + backoff
         log.warning("stage %s died (%s); restarting it in %.1f s", child.spec.label, how, backoff)
 
+    def _restart_later(self, child: _Child, now: float, how: str) -> None:
+        """A local worker died: restart it after a backoff that doubles with each death in a
+        row (capped at WORKER_MAX_BACKOFF_S), never give up, and say so in restarts.json and
+        the metrics. Giving up would stop all work silently while dispatch has not yet
+        dead-lettered the poison item that kills it (invariant 14)."""
+        if now - child.started_at >= self.config.restart_window_s:
+            child.in_a_row = 0  # it ran a good while: this death starts a new streak
+        child.in_a_row += 1
+        backoff = min(
+            WORKER_MAX_BACKOFF_S, self.config.restart_backoff_s * 2 ** min(child.in_a_row - 1, 30)
+        )
+        child.restart_at = now + backoff
+        level = logging.ERROR if child.in_a_row > self.config.max_restarts else logging.WARNING
+        log.log(
+            level,
+            "stage %s died (%s; %d deaths in a row); restarting it in %.1f s%s",
+            child.spec.label,
+            how,
+            child.in_a_row,
+            backoff,
+            f"; its log said: {child.last_error}" if child.last_error else "",
+        )
+        self.metrics_hub.waiting(child.spec.label, child.restart_at, child.in_a_row)
+        self._write_restarts(now)
+
+    def _write_restarts(self, now: float) -> None:
+        """Tell `status` (through dispatch) which stages died and which wait to restart."""
+        now_ns = time.time_ns()
+        stages = [
+            {
+                "stage": c.spec.label,
+                "state": "restarting" if c.process is None else "running",
+                "deaths_in_a_row": c.in_a_row,
+                "deaths": c.total_deaths,
+                "last_exit": c.last_exit,
+                "last_error": c.last_error,
+                "restart_at_ns": (
+                    now_ns + int((c.restart_at - now) * 1e9)
+                    if c.process is None and c.restart_at is not None
+                    else 0
+                ),
+            }
+            for c in self._children
+            if c.total_deaths and not c.spec.critical
+        ]
+        try:
+            write_restarts(self.data_dir.root, stages)
+        except OSError as exc:  # a full disk: the log line above still says it
+            log.warning("cannot write %s: %s", RESTARTS_FILE, exc)
+
     def _spawn(self, child: _Child, now: float) -> None:
         child.ready = self._context.Event()
+        child.log_offset = log_size(self.data_dir.log / f"{child.spec.label}.log")
         process = self._context.Process(
             target=stage_main,
             args=(child.spec, self.settings, os.getpid(), child.ready),
@@ -287,7 +350,11 @@ class Supervisor:
         child.process = process
         self.metrics_hub.started(child.spec.label, process.pid)
         child.restart_at = None
+        child.started_at = now
         log.info("started stage %s (pid %d)", child.spec.label, process.pid)
+        if child.total_deaths and not child.spec.critical:
+            self.metrics_hub.waiting(child.spec.label, None, child.in_a_row)
+            self._write_restarts(now)
 
     # ---- stopping ------------------------------------------------------------
     def stop(self) -> None:

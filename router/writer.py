@@ -9,7 +9,9 @@ passed is dropped unappended: the front has given up on that chunk and its
 producer will retry it. A full disk answers the chunk with a retryable error
 (nothing of a failed append is stored, and a failed group commit fails every
 chunk of the step), logged once, not once per chunk (pipeline/disk_full.py);
-the writer goes on and the next append tries the disk again.
+the writer goes on and the next append tries the disk again; with nothing to
+append it probes the disk once a second, so "disk writable again" is said
+once space is freed whether or not more work comes.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import zmq
 from pipeline import wire
 from pipeline.batches import KEYED, Keyed, read_keyed
 from pipeline.datadir import DataDir
-from pipeline.disk_full import FullDisk
+from pipeline.disk_full import FullDisk, probe
 from pipeline.errors import DiskFullError, FabricError
 from pipeline.metrics import FSYNC_BUCKETS_S, Histogram
 from pipeline.ring_port import RingPort
@@ -122,7 +124,10 @@ class WriterStage(Stage):
                 self.placed.clear()  # dispatch finds what did reach the disk by its rescan
             else:
                 self.fsync_s.observe(time.perf_counter() - began)
+                self.disk.succeeded(time.monotonic())
                 self._announce()
+        elif self.disk.full and self.disk.ready(now):
+            self._probe_disk(now)
         for (job_no, chunk), count in durable.items():
             if (job_no, chunk) not in failed:
                 self._tell(
@@ -142,6 +147,19 @@ class WriterStage(Stage):
                     appender.sync()
                 except DiskFullError as exc:  # the seal is written again at the next sync
                     self.disk.failed(exc, time.monotonic())
+
+    def _probe_disk(self, now: float) -> None:
+        """With nothing to append while the disk is full, try it: sync what a failed sync left
+        (a seal, pages), then write a probe page. A retried chunk whose items were placed by
+        an earlier try is not appended again, so without this the episode might never end."""
+        try:
+            for appender in self.appenders.values():
+                appender.sync()
+            probe(self.data_dir.segments, f"writer-{self.index}")
+        except DiskFullError as exc:
+            self.disk.failed(exc, now)
+        else:
+            self.disk.succeeded(now)
 
     def _take(self, now: float, durable: dict, failed: dict) -> int:
         """Append every waiting record (up to the step's limit); returns how many were taken.

@@ -6,13 +6,14 @@ import numpy as np
 
 from config import load_settings
 from ingest.catalog import ModelCatalog
-from ingest.chunk_check import members_of, recheck, repeats_within
+from ingest.chunk_check import item_max, members_of, recheck, repeats_within
 from ingest.custom_ids import CustomIdSet
 from ingest.input_chunk import InputChunk
 from ingest.request_shape import Shape
 
 EMBED = Shape("/v1/embeddings", None, None, None, None, (), 0)
 CHAT = Shape("/v1/chat/completions", 16, 1.0, 1.0, None, (), 0)
+EMBEDS = ["/v1/embeddings"]
 
 
 def catalog() -> ModelCatalog:
@@ -114,3 +115,65 @@ def test_vector_helpers():
         False,
         True,
     ]
+
+
+def test_ids_beyond_the_vocabulary_are_refused_naming_the_id_its_position_and_the_size():
+    """Point 6 of issue 14: the front refuses what the model cannot run, whatever the SDK did."""
+    settings = load_settings(
+        None,
+        {
+            "broker": {"lanes": [64, 32768]},
+            "models": [
+                {"name": "small", "engine": "echo", "vocab_size": 100, "endpoints": EMBEDS},
+                {"name": "mini", "engine": "minilm", "max_tokens": 64},  # the engine: 30522
+                {"name": "any", "engine": "echo", "endpoints": EMBEDS},  # no limit
+            ],
+        },
+    )
+    rows = [
+        ("a", "small", EMBED, 3),
+        ("b", "small", EMBED, 4),
+        ("c", "any", EMBED, 2),
+        ("d", "mini", EMBED, 3),
+        ("e", "mini", EMBED, 0),
+        ("f", "mini", EMBED, 2),
+    ]
+    built = chunk(rows)
+    built.tokens[:] = [1, 2, 99, 1, 2, 100, 3, 2**32 - 1, 7, 101, 30522, 102, 30521, 0]
+    checked = recheck(built, ModelCatalog.from_settings(settings), CustomIdSet(), [], None)
+    got = {(e.line, e.code): e.message for e in checked.chunk.errors}
+    assert set(got) == {(2, "token_out_of_range"), (4, "token_out_of_range"), (5, "empty_prompt")}
+    assert "prompt_token_ids[2] = 100 is beyond the vocabulary" in got[(2, "token_out_of_range")]
+    assert "it has 100 tokens (ids 0..99)" in got[(2, "token_out_of_range")]
+    assert (
+        'prompt_token_ids[1] = 30522 is beyond the vocabulary of model "mini"'
+        in got[(4, "token_out_of_range")]
+    )
+    assert checked.chunk.custom_ids == ("a", "c", "f")
+
+
+def test_item_max_skips_empty_items():
+    tokens = np.array([5, 9, 1, 7], np.uint32)
+    offsets = np.array([0, 0, 2, 2, 3, 4, 4])
+    assert item_max(tokens, offsets).tolist() == [-1, 9, -1, 1, 7, -1]
+
+
+def test_the_front_refuses_chunks_past_its_byte_caps_but_never_a_first_one():
+    """Point 10 of issue 14: bytes of chunks in flight are capped per producer and in all."""
+    from types import SimpleNamespace
+
+    from ingest.front import FrontStage
+
+    front = FrontStage.__new__(FrontStage)
+    front.producer_inflight_bytes, front.max_inflight_bytes = 100, 250
+    a, b, c = (b"a",), (b"b",), (b"c",)
+    front.inflight = {}
+    assert front._too_many_bytes(a, 500) is None  # holding nothing: one chunk may always come
+    front.inflight = {
+        1: SimpleNamespace(route=a, nbytes=60),
+        2: SimpleNamespace(route=b, nbytes=90),
+    }
+    assert "ingest.producer_inflight_bytes = 100" in front._too_many_bytes(a, 41)
+    assert front._too_many_bytes(a, 40) is None
+    assert front._too_many_bytes(c, 100) is None
+    assert "ingest.max_inflight_bytes = 250" in front._too_many_bytes(c, 101)

@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -282,3 +283,29 @@ def test_a_full_disk_during_ingest_and_completion_stops_nothing_loses_nothing_an
     assert lines.count("disk writable again") >= 1, lines
     assert b.stop() == 0, b.stderr[-2000:]
     assert_check_clean(b.data_dir)
+
+
+def test_the_writer_ends_a_full_disk_episode_once_space_is_freed_with_nothing_more_to_write(
+    tmp_path,
+):
+    """The last failed write is never tried again (a retried chunk whose items an earlier try
+    placed is not appended anew): the writer must find out by itself that the disk has room."""
+    from config import load_settings
+    from pipeline.disk_full import CALM_S, RETRY_S
+    from router.writer import WriterStage
+
+    settings = load_settings(None, {"broker": {"data_dir": str(tmp_path / "fabric")}})
+    stage = WriterStage(settings, 0)
+    stage.open()
+    try:
+        start = time.monotonic()
+        stage.disk.failed(DiskFullError("disk full while syncing (test)"), start)
+        now = start
+        while now < start + RETRY_S + CALM_S + 2 and stage.disk.episode:
+            stage.step(now)
+            now += 0.5
+        assert not stage.disk.episode, "the writer never saw that the disk has room again"
+        assert not stage.disk.full
+        assert list(stage.data_dir.segments.glob(".*probe")) == []
+    finally:
+        stage.close()

@@ -114,7 +114,13 @@ UNKNOWN_MODEL_MESSAGE = "known models: chat, embedder, ids-only"
 BAD_LINES = [
     # (line, code, a piece of the message)
     (b'{"custom_id": "x",', "invalid_json", "not valid JSON"),
-    (b"\xff\xfe{}", "invalid_json", "UTF-8"),
+    (b"\xff\xfe{}", "invalid_json", "not valid UTF-8: byte 1 (0xff): invalid start byte"),
+    (
+        b'{"custom_id": "a\xed\xa0\x80"}',
+        "invalid_json",
+        "not valid UTF-8: byte 17 (0xed): invalid continuation byte",
+    ),
+    (b"[" * 1100 + b"]" * 1100, "nesting_too_deep", "at character 1025"),
     (b'{"a": 1} {"b": 2}', "invalid_json", "after document"),
     (b"[1, 2]", "not_an_object", "the line is a list, not an object"),
     (b"42", "not_an_object", "the line is a number"),
@@ -250,7 +256,19 @@ BAD_LINES = [
         "token_out_of_range",
         f"[1] = {2**64 - 1}",
     ),
-    (request(prompt=None, prompt_token_ids=[3, 2**70]), "wrong_type", "a number; send integers"),
+    (
+        request(prompt=None, prompt_token_ids=[3, 2**64]),
+        "token_out_of_range",
+        "prompt_token_ids[1] = 1.8446744073709552e+19 is out of range",
+    ),
+    (request(prompt=None, prompt_token_ids=[3, -(2**70)]), "token_out_of_range", "[1] = -1.1"),
+    (request(prompt=None, prompt_token_ids=[3, 5e9]), "token_out_of_range", "[1] = 5000000000.0"),
+    (
+        request(url="/v1/embeddings", model="embedder", input=None, prompt_token_ids=[101, 30522]),
+        "token_out_of_range",
+        'prompt_token_ids[1] = 30522 is beyond the vocabulary of model "embedder": it has '
+        "30522 tokens (ids 0..30521)",
+    ),
     (
         request(prompt=None, prompt_token_ids=list(range(9))),
         "prompt_too_long",
@@ -277,6 +295,44 @@ def test_each_bad_line_gives_one_record_and_the_others_parse(line, code, says):
         assert error.message.startswith(f"line 2 (custom_id {json.dumps(custom_id)}): ")
     else:
         assert error.custom_id is None and error.message.startswith("line 2: ")
+
+
+def _deep(line: dict) -> bytes:
+    """`line` as JSON with "DEEP" replaced by 1,000 nested lists (past orjson's writer and
+    Python's recursion limit)."""
+    return json.dumps(line).encode().replace(b'"DEEP"', b"[" * 1000 + b"]" * 1000)
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        request(custom_id="DEEP"),
+        request(model="DEEP"),
+        request(prompt_token_ids=["DEEP"], prompt=None),
+        request(temperature="DEEP"),
+        request(stop=["DEEP"]),
+        {"custom_id": "x", "method": "DEEP"},
+    ],
+    ids=["custom_id", "model", "token", "temperature", "stop", "method"],
+)
+def test_deeply_nested_values_are_per_line_errors(line):
+    [chunk] = parse(jsonl(request("before"), _deep(line), request("after")))
+    [error] = chunk.errors
+    assert (error.line, error.code) == (2, "wrong_type")
+    assert "[[[[" in error.message and len(error.message) < 400, error.message
+    assert chunk.custom_ids == ("before", "after")
+
+
+def test_a_recursion_error_while_checking_a_line_is_that_lines_error(monkeypatch):
+    from ingest import line_parser
+
+    def too_deep(*args):
+        raise RecursionError("maximum recursion depth exceeded")
+
+    monkeypatch.setattr(line_parser, "parse_shape", too_deep)
+    [chunk] = parse(jsonl(request("deep")))
+    [error] = chunk.errors
+    assert (error.line, error.custom_id, error.code) == (1, "deep", "nesting_too_deep")
 
 
 def _clean(line):
@@ -654,3 +710,33 @@ def test_random_lines_never_raise_and_every_line_is_accounted_for(lines, chunk_l
     }
     assert sorted(seen_lines) == sorted(set(seen_lines))
     assert set(seen_lines) | blank >= set(range(1, (chunks[-1].last_line if chunks else 0) + 1))
+
+
+def test_the_vocabulary_comes_from_the_config_else_the_tokenizer_else_the_engine(tmp_path):
+    """Point 6 of issue 14: an id at or beyond the model's vocabulary is refused per line."""
+    from broker import WORDS, build_tokenizer
+
+    tokenizer = build_tokenizer(tmp_path / "words.json")  # [UNK] and WORDS
+    models = [
+        {"name": "set", "engine": "transformers", "vocab_size": 50},
+        {"name": "words", "engine": "echo", "tokenizer": str(tokenizer)},
+        {"name": "mini", "engine": "minilm"},
+        {"name": "any", "engine": "echo"},
+    ]
+    settings = load_settings(None, {"models": models})
+    ids = {"set": 50, "words": len(WORDS) + 1, "mini": 30522, "any": 2**32 - 1}
+    lines = []
+    for model, first_bad in ids.items():
+        url = "/v1/embeddings" if model == "mini" else "/v1/completions"
+        body = {"model": model}
+        lines.append(request(f"{model}-ok", url, prompt_token_ids=[first_bad - 1], **body))
+        lines.append(request(f"{model}-bad", url, prompt_token_ids=[0, first_bad], **body))
+    [chunk] = list(iter_batch_input(io.BytesIO(jsonl(*lines)), settings))
+    assert chunk.custom_ids == ("set-ok", "words-ok", "mini-ok", "any-ok", "any-bad")
+    errors = {e.custom_id: e for e in chunk.errors}
+    assert set(errors) == {"set-bad", "words-bad", "mini-bad"}
+    for model in ("set", "words", "mini"):
+        error = errors[f"{model}-bad"]
+        assert error.code == "token_out_of_range"
+        assert f"[1] = {ids[model]} is beyond the vocabulary" in error.message
+        assert f"it has {ids[model]} tokens" in error.message

@@ -166,3 +166,16 @@ def test_onnxruntime_is_imported_only_when_minilm_is_selected():
     subprocess.run(
         [sys.executable, "-c", code], check=True, timeout=60, cwd=Path(__file__).parents[1]
     )
+
+
+def test_an_id_beyond_the_vocabulary_is_that_items_error_not_a_crash(engine, reference):
+    """Point 6 of issue 14: onnxruntime fails the whole batch on such an id, which killed the
+    worker on every try."""
+    ids = encode(reference["sentences"][:1])[0]
+    batch = batch_of([ids, [101, 30522, 102], [*ids[:3], 2**32 - 1], [101, 30521, 102]], lane=64)
+    result = engine.run(batch)
+    assert result.errors[0] is None and result.errors[3] is None
+    assert "token id 30522 is beyond minilm's vocabulary of 30522" in result.errors[1]
+    assert f"token id {2**32 - 1} is beyond" in result.errors[2]
+    expected = np.array(reference["vectors"][0], np.float32)
+    assert result.embeddings[0] @ expected >= 0.995

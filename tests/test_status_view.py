@@ -40,6 +40,18 @@ def test_broker_table_sums_segments_per_model_and_lane_and_lists_workers():
     assert any(line.split()[:5] == ["abc", "m", "2", "50", "5"] for line in text.splitlines())
     empty = render_broker({**info, "queues": [], "workers": []})
     assert "(no workers)" in empty
+    restarting = {
+        "stage": "worker-0",
+        "state": "restarting",
+        "deaths_in_a_row": 4,
+        "deaths": 4,
+        "last_exit": "signal SIGKILL",
+        "last_error": None,
+        "restart_in_s": 7.6,
+    }
+    crashing = render_broker({**info, "workers": [], "local_workers": [restarting]})
+    assert "(no workers)" in crashing  # and why:
+    assert "local worker-0: restarting in 8s after 4 deaths in a row: signal SIGKILL" in crashing
 
 
 def test_job_view_says_state_counts_and_time_left():

@@ -118,3 +118,16 @@ def test_stages_never_outlive_a_killed_supervisor(data_dir, broker):
     _, err = again.communicate(timeout=60)
     assert again.returncode == exitcodes.OK, err
     assert_check_clean(data_dir)
+
+
+def test_the_last_error_said_is_from_the_stages_last_life_only(tmp_path):
+    from pipeline.stage_restarts import last_error_line, log_size
+
+    log = tmp_path / "worker-0.log"
+    log.write_text("t ERROR worker-0 1 a problem of an earlier life\n")
+    started = log_size(log)
+    assert last_error_line(log, started) is None  # killed without a word (SIGKILL)
+    with log.open("a") as f:
+        f.write("t INFO worker-0 2 up\nt ERROR worker-0 2 engine failed\n")
+        f.write('Traceback (most recent call last):\n  File "x", line 1\nValueError: id 30522\n')
+    assert last_error_line(log, started) == "ValueError: id 30522"
