@@ -96,6 +96,7 @@ def broker_status(stage, now: float) -> dict:
         "retired": stage.counts["retired"],
         "dead_lettered": stage.counts[DEAD_LETTER],
         "corrupt": stage.counts[CORRUPT_INPUT],
+        "refused": {kind: stage.refused[kind] for kind in REFUSED_KINDS},
         "dead_letters": list(stage.dead_letters),
         "workers": [
             {
