@@ -15,7 +15,9 @@ With a server key every port the broker binds over TCP (ingest, dispatch,
 heartbeat, completion, vectors) is a CURVE server: traffic is encrypted, and
 each process that binds one runs a ZAP authenticator (`ServerGate`) that lets
 a client finish its handshake only if its public key is allowed. A refused
-client gets no answer at all, and the stage never sees its messages. The
+client gets no answer at all, and the stage never sees its messages; the
+refusal is logged with the peer's address and the key's first 8 z85
+characters (at most once a minute per key). The
 authorized directory is listed again whenever its files change, so adding or
 removing a key takes effect for new connections without a restart. Stages
 that are clients of their own broker (local workers, the vector sink) use
@@ -25,6 +27,8 @@ metrics endpoint (plain HTTP) have no CURVE.
 `check_exposure` refuses, at start-up, a bind that listens beyond loopback
 with nothing authenticating it (every ZeroMQ bind without a server key, and
 the metrics endpoint always), unless `security.allow_insecure` is set.
+`loose_authorized_keys` gives the start-up warnings for an authorized_keys
+directory (or key in it) that group or others may write.
 """
 
 from __future__ import annotations
