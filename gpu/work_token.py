@@ -124,14 +124,26 @@ class WorkTokens:
                 failed += 1
         if not good or not len(items):
             return np.zeros(len(items), bool), failed
-        valid = np.concatenate(good)
-        return np.isin(_records(items), _records(valid)), failed
+        return _inside(items, good[0] if len(good) == 1 else np.concatenate(good)), failed
 
 
-def _records(items: np.ndarray) -> np.ndarray:
-    """Each (segment, slot, seq) as one 20-byte value, so whole descriptors compare at once."""
-    items = np.ascontiguousarray(items, ITEM_DTYPE)
-    return items.view(f"V{ITEM_DTYPE.itemsize}")
+def _inside(items: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """Per item: is its exact (segment, slot, seq) in `valid`? Vectorised: equal arrays (the
+    usual RESULTS) compare as bytes; otherwise a sorted search by seq, then slot and segment.
+    `valid` was handed out by dispatch, so its seqs are distinct (a seq names one item)."""
+    if len(items) == len(valid) and items.tobytes() == valid.tobytes():
+        return np.ones(len(items), bool)
+    order = np.argsort(valid["seq"], kind="stable")
+    seqs = valid["seq"][order]
+    at = np.searchsorted(seqs, items["seq"])
+    found = at < len(valid)
+    match = valid[order[np.minimum(at, len(valid) - 1)]]
+    return (
+        found
+        & (match["seq"] == items["seq"])
+        & (match["slot"] == items["slot"])
+        & (match["segment"] == items["segment"])
+    )
 
 
 def _create(path: Path) -> None:

@@ -334,7 +334,7 @@ def test_the_secret_is_made_once_owner_only_and_never_replaced(tmp_path):
     path = root / SECRET_FILE
     assert oct(path.stat().st_mode & 0o777) == oct(0o600)
     items = np.zeros(3, ITEM_DTYPE)
-    items["slot"] = [4, 5, 6]
+    items["segment"], items["slot"], items["seq"] = 2, [4, 5, 6], [(1 << 32) + i for i in range(3)]
     token = tokens.token(9, "s1", items)
     again = WorkTokens.of_data_dir(root)  # read back, not made anew
     assert again.verify(9, "s1", token, items)
@@ -342,6 +342,10 @@ def test_the_secret_is_made_once_owner_only_and_never_replaced(tmp_path):
         assert not again.verify(batch_id, session, token, changed)
     inside, failed = again.covered("s1", [[9, token, 3]], items, items[[2, 0]])
     assert inside.tolist() == [True, True] and failed == 0
+    moved = items.copy()
+    moved["slot"][1] = 9  # the right seq in another slot is not an item of the batch
+    assert again.covered("s1", [[9, token, 3]], items, moved)[0].tolist() == [True, False, True]
+    assert again.covered("s1", [[9, token, 2]], items, items)[1] == 1  # a token over fewer
     path.write_text("not hex\n")
     with pytest.raises(FabricError, match="remove it and restart"):
         WorkTokens.of_data_dir(root)
