@@ -39,7 +39,7 @@ from gpu.arrivals import Arrivals
 from gpu.dispatch_files import DispatchFile
 from gpu.dispatch_report import CORRUPT_INPUT, DEAD_LETTER, broker_status, dispatch_metrics
 from gpu.dispatch_state import ITEM_DTYPE, Batch, DispatchState
-from gpu.work_token import WorkTokens
+from gpu.work_token import Refusals, WorkTokens
 from pipeline import wire
 from pipeline.counter import DurableCounter
 from pipeline.datadir import DataDir
@@ -58,7 +58,6 @@ RESCAN_S = 1.0
 RECENT_DEAD_LETTERS = 20  # dead-letter events kept for BROKER_STATUS
 MAX_MESSAGES_PER_STEP = 512
 ITEM_ERRORS_RESEND_S = 5.0  # item errors not seen retired this long after sending go again
-REFUSED_LOG_EVERY_S = 10.0  # refused results or claims: one log line per kind this often at most
 BATCH_IDS_FILE = "next-batch-id"  # DurableCounter in the data dir: batch ids never reused
 BATCH_ID_BLOCK = 1 << 20  # batch ids reserved at a time
 MAX_WAITING_FOR_COMPLETION = 2048  # forwarded result batches held while completion is away
@@ -139,8 +138,7 @@ class DispatchStage(Stage):
         self.epoch = broker_epoch()
         self.state = DispatchState(config.lease_s, config.max_attempts)
         self.tokens = WorkTokens.of_data_dir(self.data_dir.root)  # gpu/work_token.py
-        self.refused = collections.Counter()  # results, claims: refused for want of a token
-        self._refused_logged: dict[str, tuple[float, int]] = {}  # kind -> (when, count then)
+        self.refused = Refusals(self.log)  # results, claims: refused for want of a token
         # Batch ids grow across restarts and broker lives, so a worker's `seen_batch` from an
         # earlier life never covers a batch of this one: blocks of ids are reserved durably
         # (at least microseconds since the epoch), so a wall clock stepped back cannot reuse one.
@@ -373,7 +371,7 @@ class DispatchStage(Stage):
             return
         session = self.sessions.get(session_id)
         if kind == MT.RESULTS and session is None:  # it re-registers, then sends them again
-            self._refuse("results", session_id, "the session is not registered")
+            self.refused.add("results", session_id, "the session is not registered")
         if session is None:
             self._send(route, MT.UNKNOWN_SESSION, {"session": session_id})
             return
@@ -423,7 +421,7 @@ class DispatchStage(Stage):
             session_id, message.meta.get("tokens"), item_array(message, "issued"), held
         )
         if failed or not proven.all():  # never handed to it by this data dir: answered 0
-            self._refuse(
+            self.refused.add(
                 "claims",
                 session_id,
                 f"{int((~proven).sum())} of {len(held)} claimed item(s) are in no batch whose "
@@ -543,46 +541,21 @@ class DispatchStage(Stage):
     def _results(self, message: wire.Message, session_id: str) -> None:
         """Forward a registered session's results if their work token verifies (gpu/work_token.py);
         else refuse them (RESULTS_REFUSED: the worker drops them) and count and log it."""
-        problem = self._unproven_results(message, session_id)
+        meta = message.meta
+        problem = self.tokens.results_problem(
+            session_id,
+            meta.get("batch_id"),
+            meta.get("token"),
+            item_array(message, "issued"),
+            item_array(message, "items"),
+        )
         if problem is not None:
-            self._refuse("results", session_id, problem)
-            meta = {"result_ids": [message.meta["result_id"]], "reason": problem}
-            self._send(message.route[0], MT.RESULTS_REFUSED, meta)
+            self.refused.add("results", session_id, problem)
+            answer = {"result_ids": [meta["result_id"]], "reason": problem}
+            self._send(message.route[0], MT.RESULTS_REFUSED, answer)
             return
         self._forward_results(message)
-        self.state.answered(session_id, message.meta["batch_id"])
-
-    def _unproven_results(self, message: wire.Message, session_id: str) -> str | None:
-        """Why RESULTS are not for work this data dir handed to `session_id`, or None."""
-        meta, issued = message.meta, item_array(message, "issued")
-        proof = [[meta.get("batch_id"), meta.get("token"), len(issued)]]
-        inside, failed = self.tokens.covered(
-            session_id, proof, issued, item_array(message, "items")
-        )
-        if failed:
-            return (
-                f"the work token of batch {meta.get('batch_id')!r} does not verify: this data "
-                f"dir never handed that batch to session {session_id}"
-            )
-        if not inside.all():
-            return f"{int((~inside).sum())} result item(s) are not in batch {meta['batch_id']}"
-        return None
-
-    def _refuse(self, kind: str, session_id: str, reason: str) -> None:
-        """Count a refused RESULTS or WORKER_HELLO claim; log it (at most one line per kind
-        every REFUSED_LOG_EVERY_S, with the count since the last line)."""
-        self.refused[kind] += 1
-        now = time.monotonic()
-        when, count = self._refused_logged.get(kind, (-math.inf, 0))
-        if now - when >= REFUSED_LOG_EVERY_S:
-            self._refused_logged[kind] = (now, self.refused[kind])
-            self.log.warning(
-                "refused %s of session %s: %s (%d refused since the last such line)",
-                kind,
-                session_id,
-                reason,
-                self.refused[kind] - count,
-            )
+        self.state.answered(session_id, meta["batch_id"])
 
     def _forward_results(self, message: wire.Message) -> None:
         if len(self.to_completion) >= MAX_WAITING_FOR_COMPLETION:

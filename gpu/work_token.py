@@ -29,11 +29,14 @@ every worker's work in flight.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import hmac
+import logging
 import os
 import secrets
 import struct
+import time
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +50,7 @@ SECRET_BYTES = 32
 TOKEN_BYTES = 16
 PERSON = b"fabric-work-1"
 MAX_PROOFS = 4096  # tokens one WORKER_HELLO may carry (a worker holds tens of batches)
+REFUSED_LOG_EVERY_S = 10.0  # refused results or claims: one log line per kind this often at most
 
 
 class WorkTokens:
@@ -125,6 +129,50 @@ class WorkTokens:
         if not good or not len(items):
             return np.zeros(len(items), bool), failed
         return _inside(items, good[0] if len(good) == 1 else np.concatenate(good)), failed
+
+    def results_problem(
+        self,
+        session: str,
+        batch_id: object,
+        token: object,
+        issued: np.ndarray,
+        items: np.ndarray,
+    ) -> str | None:
+        """Why RESULTS for `items` are not for work this data dir handed to `session` in batch
+        `batch_id` (whose token and descriptors, `issued`, they carry), or None."""
+        inside, failed = self.covered(session, [[batch_id, token, len(issued)]], issued, items)
+        if failed:
+            return (
+                f"the work token of batch {batch_id!r} does not verify: this data dir never "
+                f"handed that batch to session {session}"
+            )
+        if not inside.all():
+            return f"{int((~inside).sum())} result item(s) are not in batch {batch_id}"
+        return None
+
+
+class Refusals:
+    """Refused results and claims: counted per kind, and logged at most once per kind every
+    REFUSED_LOG_EVERY_S (with the count since the last line), so a flood cannot fill the log."""
+
+    def __init__(self, log: logging.Logger) -> None:
+        self.log = log
+        self.counts: collections.Counter = collections.Counter()
+        self._logged: dict[str, tuple[float, int]] = {}  # kind -> (when, count then)
+
+    def add(self, kind: str, session: str, reason: str) -> None:
+        self.counts[kind] += 1
+        now = time.monotonic()
+        when, count = self._logged.get(kind, (float("-inf"), 0))
+        if now - when >= REFUSED_LOG_EVERY_S:
+            self._logged[kind] = (now, self.counts[kind])
+            self.log.warning(
+                "refused %s of session %s: %s (%d refused since the last such line)",
+                kind,
+                session,
+                reason,
+                self.counts[kind] - count,
+            )
 
 
 def _inside(items: np.ndarray, valid: np.ndarray) -> np.ndarray:
