@@ -6,7 +6,7 @@ Sockets (docs/dispatch.md has the message table):
 |------------------|--------|-------------------------------------------------------------|
 | `dispatch.bind`  | ROUTER | workers (WORKER_HELLO, WORK_REQUEST, REPORT, RESULTS, HAND_BACK, BYE) and `status` clients (BROKER_STATUS) |
 | `dispatch` ipc   | PULL   | writers (APPENDED) and the completion stage (RETIRED, CANCEL_JOB) |
-| `completion` ipc | PUSH   | the completion stage: RESULTS forwarded as they came, ITEM_ERRORS |
+| `completion` ipc | PUSH   | the completion stage: RESULTS forwarded as they came (less the work token), ITEM_ERRORS |
 
 The owner thread runs `step()`: it reads what arrived, answers workers,
 expires leases and silent sessions (only after loading: invariant 9), sends
@@ -22,6 +22,10 @@ while this stage restarted is found there). Segments queued before this
 start are held back for `reregister_grace_s`, so that workers that still
 hold some of their items re-register first (invariant 8); a restarted
 stage also reloads its dispatch file (same epoch, invariant 11).
+
+Each batch goes out with a work token (gpu/work_token.py); RESULTS and the
+claims of a WORKER_HELLO are taken only from a registered session, for
+items a token of this data dir covers.
 """
 
 from __future__ import annotations
