@@ -15,6 +15,9 @@ DEAD_LETTER = "dead_lettered"
 CORRUPT_INPUT = "corrupt_input"
 
 
+REFUSED_KINDS = ("results", "claims")  # refused for want of a valid work token
+
+
 def dispatch_metrics(stage, now: float) -> dict:
     """Queues, queue age, workers, dispatches, reclaims and dead letters (docs/metrics.md)."""
     wall_s = time.time()
@@ -60,6 +63,9 @@ def dispatch_metrics(stage, now: float) -> dict:
         "fabric_items_reclaimed_total": {(c,): stage.reclaimed[c] for c in RECLAIM_CAUSES},
         "fabric_dead_letters_total": stage.counts[DEAD_LETTER],
         "fabric_quarantined_items_total": stage.counts[CORRUPT_INPUT],
+        "fabric_worker_messages_refused_total": {
+            (k,): stage.refused.counts[k] for k in REFUSED_KINDS
+        },
         "fabric_worker_sessions": {(m,): n for m, n in sessions.items()},
         "fabric_worker_in_flight_items": dict(in_flight),
         "fabric_worker_leases": dict(leases),
@@ -105,6 +111,7 @@ def broker_status(stage, now: float) -> dict:
         "retired": stage.counts["retired"],
         "dead_lettered": stage.counts[DEAD_LETTER],
         "corrupt": stage.counts[CORRUPT_INPUT],
+        "refused": {kind: stage.refused.counts[kind] for kind in REFUSED_KINDS},
         "dead_letters": list(stage.dead_letters),
         "workers": [
             {

@@ -6,7 +6,7 @@ Sockets (docs/dispatch.md has the message table):
 |------------------|--------|-------------------------------------------------------------|
 | `dispatch.bind`  | ROUTER | workers (WORKER_HELLO, WORK_REQUEST, REPORT, RESULTS, HAND_BACK, BYE) and `status` clients (BROKER_STATUS) |
 | `dispatch` ipc   | PULL   | writers (APPENDED) and the completion stage (RETIRED, CANCEL_JOB) |
-| `completion` ipc | PUSH   | the completion stage: RESULTS forwarded as they came, ITEM_ERRORS |
+| `completion` ipc | PUSH   | the completion stage: RESULTS forwarded as they came (less the work token), ITEM_ERRORS |
 
 The owner thread runs `step()`: it reads what arrived, answers workers,
 expires leases and silent sessions (only after loading: invariant 9), sends
@@ -22,6 +22,10 @@ while this stage restarted is found there). Segments queued before this
 start are held back for `reregister_grace_s`, so that workers that still
 hold some of their items re-register first (invariant 8); a restarted
 stage also reloads its dispatch file (same epoch, invariant 11).
+
+Each batch goes out with a work token (gpu/work_token.py); RESULTS and the
+claims of a WORKER_HELLO are taken only from a registered session, for
+items a token of this data dir covers.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from gpu.arrivals import Arrivals
 from gpu.dispatch_files import DispatchFile
 from gpu.dispatch_report import CORRUPT_INPUT, DEAD_LETTER, broker_status, dispatch_metrics
 from gpu.dispatch_state import ITEM_DTYPE, Batch, DispatchState
+from gpu.work_token import Refusals, WorkTokens
 from pipeline import wire
 from pipeline.counter import DurableCounter
 from pipeline.datadir import DataDir
@@ -136,6 +141,8 @@ class DispatchStage(Stage):
         self.data_dir = DataDir(settings.data_path).ensure()
         self.epoch = broker_epoch()
         self.state = DispatchState(config.lease_s, config.max_attempts)
+        self.tokens = WorkTokens.of_data_dir(self.data_dir.root)  # gpu/work_token.py
+        self.refused = Refusals(self.log)  # results, claims: refused for want of a token
         # Batch ids grow across restarts and broker lives, so a worker's `seen_batch` from an
         # earlier life never covers a batch of this one: blocks of ids are reserved durably
         # (at least microseconds since the epoch), so a wall clock stepped back cannot reuse one.
@@ -367,18 +374,15 @@ class DispatchStage(Stage):
             self._hello(message, session_id, now)
             return
         session = self.sessions.get(session_id)
-        if kind == MT.RESULTS:  # results are welcome from anyone: completion checks each seq
-            self._forward_results(message)
-            batch_id = meta.get("batch_id")
-            if isinstance(batch_id, int):
-                self.state.answered(session_id, batch_id)
-            if session is not None:
-                session.last_seen = now
-            return
+        if kind == MT.RESULTS and session is None:  # it re-registers, then sends them again
+            self.refused.add("results", session_id, "the session is not registered")
         if session is None:
             self._send(route, MT.UNKNOWN_SESSION, {"session": session_id})
             return
         session.last_seen = now
+        if kind == MT.RESULTS:
+            self._results(message, session_id)
+            return
         if kind == MT.WORK_REQUEST:
             request = _Parked(
                 message.route,
@@ -417,7 +421,18 @@ class DispatchStage(Stage):
         held = item_array(message, "held")
         model = str(message.meta["model"])
         self.sessions[session_id] = _Session(session_id.encode(), model, now)
-        known = self.state.adopt(session_id, held, now)
+        proven, failed = self.tokens.covered(
+            session_id, message.meta.get("tokens"), item_array(message, "issued"), held
+        )
+        if failed or not proven.all():  # never handed to it by this data dir: answered 0
+            self.refused.add(
+                "claims",
+                session_id,
+                f"{int((~proven).sum())} of {len(held)} claimed item(s) are in no batch whose "
+                f"work token verifies ({failed} token(s) failed)",
+            )
+        known = np.zeros(len(held), np.uint8)
+        known[proven] = self.state.adopt(session_id, held[proven], now)
         self.log.info(
             "session %s (model %s) registered holding %d item(s): %d still live",
             session_id,
@@ -492,6 +507,7 @@ class DispatchStage(Stage):
             "max_tokens": int(shape.get("max_tokens") or 16),
             "sampling": {k: shape.get(k) for k in ("temperature", "top_p", "seed", "stop")},
             "lease_s": self.config.lease_s,
+            "token": self.tokens.token(batch.batch_id, batch.session, batch.items),
         }
         self.file.lease(batch.batch_id, batch.session, batch.items)
         self._recorded.add(batch.batch_id)
@@ -526,13 +542,34 @@ class DispatchStage(Stage):
         self.log.info("session %s handed back %d item(s): %s", session, back, reason)
 
     # ---- results and outcomes -------------------------------------------------------------
+    def _results(self, message: wire.Message, session_id: str) -> None:
+        """Forward a registered session's results if their work token verifies (gpu/work_token.py);
+        else refuse them (RESULTS_REFUSED: the worker drops them) and count and log it."""
+        meta = message.meta
+        problem = self.tokens.results_problem(
+            session_id,
+            meta.get("batch_id"),
+            meta.get("token"),
+            item_array(message, "issued"),
+            item_array(message, "items"),
+        )
+        if problem is not None:
+            self.refused.add("results", session_id, problem)
+            answer = {"result_ids": [meta["result_id"]], "reason": problem}
+            self._send(message.route[0], MT.RESULTS_REFUSED, answer)
+            return
+        self._forward_results(message)
+        self.state.answered(session_id, meta["batch_id"])
+
     def _forward_results(self, message: wire.Message) -> None:
         if len(self.to_completion) >= MAX_WAITING_FOR_COMPLETION:
             self.log.warning("completion is not taking results; dropped one batch (resent later)")
             return  # the worker keeps it unacknowledged and sends it again
         meta = dict(message.meta)
         meta["route"] = message.route[0].hex()
-        self.to_completion.append((MT.RESULTS, meta, message.arrays))
+        meta.pop("token", None)
+        arrays = {name: a for name, a in message.arrays.items() if name != "issued"}
+        self.to_completion.append((MT.RESULTS, meta, arrays))
 
     def _outcomes(self) -> None:
         outcome = self.state.take_outcomes()

@@ -15,7 +15,9 @@ leases), and hands back what it cannot do.
 |-----------------------------------|----------------------------------------------------------|
 | broker away                       | keeps working through its queue; keeps results; retries with exponential backoff and jitter |
 | results not acknowledged (completion away, a full disk) | keeps them and resends every `RESEND_S`; asks for no more work while it holds 32 such batches, so its memory stays bounded |
-| broker back (any restart)         | re-registers with the (segment, slot, seq) of all it holds (invariant 8); drops items the broker says are retired |
+| broker back (any restart)         | re-registers with the (segment, slot, seq) of all it holds and each batch's work token (invariant 8); drops items the broker says are retired or unknown |
+| no answer at all while registering | after `NO_ANSWER_WARN_S` says so once, naming the address: keys are the usual cause |
+| RESULTS_REFUSED                   | drops those results: not work this broker's data dir handed out (gpu/work_token.py) |
 | an item's own error               | that item's error result, at once (invariant 14)           |
 | TransientEngineError              | hands the batch back without an attempt; backs off        |
 | any other engine failure          | hands back what it holds (the failing batch counting an attempt) and exits 7 |
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import queue
 import random
@@ -63,6 +66,7 @@ FAULT_ENV = "FABRIC_WORKER_FAULT"  # tests: "phase[:n]" SIGKILLs this process at
 PHASES = ("before_compute", "mid_batch", "before_send", "before_ack")
 RESULT_KIND_TOKENS, RESULT_KIND_VECTOR, RESULT_KIND_TEXT = 0, 1, 2
 FIRST_BATCH_TOKENS = 4096  # the first request's token budget, before the engine is measured
+NO_ANSWER_WARN_S = 5.0  # registering this long without any answer: say so, and why it may be
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,8 @@ class _Held:
     result_id: int = 0
     results: tuple | None = None  # (meta, arrays) while awaiting the ack
     sent_at: float = 0.0
+    token: str = ""  # the work token WORK carried; returned with results and claims
+    issued: np.ndarray | None = None  # the items as WORK carried them (the token covers them)
 
 
 @dataclass
@@ -173,6 +179,7 @@ class Worker:
         self.next_try = 0.0
         self.backoff = 0.2
         self.hello_sent = 0.0
+        self.unanswered_since: float | None = None  # first HELLO since the broker last answered
         self.last_report = 0.0
         self.last_heard = 0.0
         self.next_ping = 0.0
@@ -299,6 +306,13 @@ class Worker:
         self._ping(now)
         if not self.registered and now >= self.next_try:
             self._hello(now)
+        silent_since = self.unanswered_since
+        if (
+            not self.registered
+            and silent_since is not None
+            and now - silent_since >= NO_ANSWER_WARN_S
+        ):
+            self._no_answer(now)
         self._take_done(now)
         self._watch()
         if self.registered:
@@ -313,6 +327,7 @@ class Worker:
                     if message is None:
                         break
                     self.last_heard = self.now()
+                    self.unanswered_since = None
                     self._handle(message, self.last_heard)
         except WireError as exc:
             log.warning("malformed message from the broker dropped: %s", exc)
@@ -340,17 +355,55 @@ class Worker:
         return np.concatenate(parts) if parts else np.zeros(0, ITEM_DTYPE)
 
     def _hello(self, now: float) -> None:
+        held = list(self.held.values())  # claims: each batch's work token and issued items
+        issued = [h.items if h.issued is None else h.issued for h in held]
         sent = self._send(
             MT.WORKER_HELLO,
-            {"model": self.options.model, "epoch": self.epoch or 0},
-            {"held": self._held_items()},
+            {
+                "model": self.options.model,
+                "epoch": self.epoch or 0,
+                "tokens": [
+                    [h.batch_id, h.token, len(i)] for h, i in zip(held, issued, strict=True)
+                ],
+            },
+            {
+                "held": self._held_items(),
+                "issued": np.concatenate(issued) if issued else np.zeros(0, ITEM_DTYPE),
+            },
         )
+        if self.unanswered_since is None:
+            self.unanswered_since = now
         self.hello_sent = now
         delay = self.backoff * (0.5 + random.random())  # jitter: a fleet does not stampede
         self.next_try = now + delay
         self.backoff = min(MAX_BACKOFF_S, self.backoff * 2)
         if not sent:
             log.debug("broker not reachable; next try in %.2f s", delay)
+
+    def _no_answer(self, now: float) -> None:
+        """Registering gets no answer at all: say so once per silence, with the usual causes."""
+        seconds = now - self.unanswered_since
+        self.unanswered_since = math.inf  # said; the next answer starts a new silence
+        if self.options.curve is None:
+            keys = (
+                "this worker has no key: a broker with keys (security.server_key) answers a "
+                "client without one nothing at all; pass --key NAME.key_secret and --server-key "
+                "BROKER.key"
+            )
+        else:
+            keys = (
+                "the broker answers nothing at all to a key it does not accept: check that this "
+                "worker's public key is in the broker's authorized_keys and that --server-key is "
+                "the broker's public key"
+            )
+        log.warning(
+            "no answer from the broker at %s for %.0f s; keys are the usual cause (%s); "
+            "otherwise the broker is down or the address is wrong (docs/operations.md, Keys and "
+            "authentication)",
+            self.options.broker,
+            seconds,
+            keys,
+        )
 
     def _ask(self, now: float) -> None:
         if self.draining or self.broken or now < self.pause_until:
@@ -415,6 +468,8 @@ class Worker:
                 str(meta["task"]),
                 int(meta.get("max_tokens", 16)),
                 meta.get("sampling") if isinstance(meta.get("sampling"), dict) else {},
+                token=str(meta.get("token", "")),
+                issued=np.array(a["items"]),
             )
             self.held[batch_id] = held
             self.ready.put(held)
@@ -426,6 +481,17 @@ class Worker:
             acked = set(meta["result_ids"])
             for batch_id in [b for b, h in self.held.items() if h.result_id in acked]:
                 self.completed += len(self.held.pop(batch_id).items)
+        elif kind == MT.RESULTS_REFUSED:  # not work this broker's data dir handed out: drop it
+            refused = set(meta["result_ids"])
+            for batch_id in [b for b, h in self.held.items() if h.result_id in refused]:
+                dropped = self.held.pop(batch_id)
+                log.error(
+                    "the broker refused the results of batch %d (%d item(s)) and they are "
+                    "dropped: %s",
+                    batch_id,
+                    len(dropped.items),
+                    meta["reason"],
+                )
         elif kind == MT.UNKNOWN_SESSION:
             if self.registered:
                 log.warning("the broker does not know this session (it restarted); re-registering")
@@ -552,8 +618,14 @@ class Worker:
         resent = held.state == "sent"
         held.state = "sent"
         held.sent_at = now
-        meta = {"result_id": held.result_id, "resent": resent, "batch_id": held.batch_id}
-        if self._send(MT.RESULTS, meta, held.results[1]):
+        meta = {
+            "result_id": held.result_id,
+            "resent": resent,
+            "batch_id": held.batch_id,
+            "token": held.token,
+        }
+        issued = held.items if held.issued is None else held.issued
+        if self._send(MT.RESULTS, meta, {**held.results[1], "issued": issued}):
             return
         held.sent_at = now - RESEND_S + 1.0  # not sent: try again in about a second
 

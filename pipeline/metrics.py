@@ -109,6 +109,13 @@ METRICS: dict[str, Metric] = _catalogue(
         "Stored items that failed their checksum, retired with an error",
         "dispatch",
     ),
+    Metric(
+        "fabric_worker_messages_refused_total",
+        COUNTER,
+        ("what",),
+        "Worker results or registration claims refused: no valid work token, or not registered",
+        "dispatch",
+    ),
     # dispatch: workers (one series per worker session)
     Metric(
         "fabric_worker_sessions",

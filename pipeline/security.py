@@ -15,7 +15,9 @@ With a server key every port the broker binds over TCP (ingest, dispatch,
 heartbeat, completion, vectors) is a CURVE server: traffic is encrypted, and
 each process that binds one runs a ZAP authenticator (`ServerGate`) that lets
 a client finish its handshake only if its public key is allowed. A refused
-client gets no answer at all, and the stage never sees its messages. The
+client gets no answer at all, and the stage never sees its messages; the
+refusal is logged with the peer's address and the key's first 8 z85
+characters (at most once a minute per key). The
 authorized directory is listed again whenever its files change, so adding or
 removing a key takes effect for new connections without a restart. Stages
 that are clients of their own broker (local workers, the vector sink) use
@@ -25,6 +27,8 @@ metrics endpoint (plain HTTP) have no CURVE.
 `check_exposure` refuses, at start-up, a bind that listens beyond loopback
 with nothing authenticating it (every ZeroMQ bind without a server key, and
 the metrics endpoint always), unless `security.allow_insecure` is set.
+`loose_authorized_keys` gives the start-up warnings for an authorized_keys
+directory (or key in it) that group or others may write.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from pipeline.errors import ConfigError, FabricError
 log = logging.getLogger("fabric.security")
 KEY_NAME = re.compile(r"[A-Za-z0-9._-]+")
 DENIED_LOG_EVERY_S = 60.0  # a refused key is logged at most this often (clients retry fast)
+KEY_PREFIX_CHARS = 8  # of a refused client's z85 public key, in the log
 HOW_TO = "docs/operations.md, Keys and authentication"
 
 # The ZeroMQ binds of a broker, as dotted config keys; metrics.bind is HTTP (HOST:PORT).
@@ -233,6 +238,7 @@ class AuthorizedKeys:
         self._signature: tuple = ()
         self._keys: frozenset[bytes] = frozenset()
         self._denied_at: dict[bytes, float] = {}
+        self.peer = "?"  # the address of the handshake being judged (set by _Gate)
 
     def callback(self, domain: str, key: bytes) -> bool:
         if key == self.own or key in self.keys():
@@ -241,8 +247,10 @@ class AuthorizedKeys:
         if now - self._denied_at.get(key, -DENIED_LOG_EVERY_S) >= DENIED_LOG_EVERY_S:
             self._denied_at[key] = now
             log.warning(
-                "refused a CURVE client with key %s: not in %s",
-                key.decode(errors="replace"),
+                "refused a CURVE client at %s with key %s...: not in %s (copy its public "
+                "NAME.key there to let it in)",
+                self.peer,
+                key[:KEY_PREFIX_CHARS].decode(errors="replace"),
                 self.directory,
             )
         return False
@@ -270,6 +278,39 @@ class AuthorizedKeys:
         return self._keys
 
 
+class _Gate(ThreadAuthenticator):
+    """The ZAP authenticator thread; tells `AuthorizedKeys` which peer address it judges."""
+
+    def __init__(self, context: zmq.Context, keys: AuthorizedKeys) -> None:
+        super().__init__(context, log=log)
+        self.authorized = keys
+
+    async def handle_zap_message(self, msg: list[bytes]) -> None:
+        if len(msg) > 3:  # version, request id, domain, address, ...
+            self.authorized.peer = msg[3].decode(errors="replace") or "?"
+        await super().handle_zap_message(msg)
+
+
+def loose_authorized_keys(security) -> list[str]:
+    """Warnings for an authorized_keys directory (or a key in it) that group or others may
+    write: whoever can write there can let any client in."""
+    if not security.curve or not security.authorized_keys:
+        return []
+    directory = Path(security.authorized_keys)
+    warnings = []
+    for path in [directory, *sorted(directory.glob("*.key"))]:
+        try:
+            mode = stat.S_IMODE(path.stat().st_mode)
+        except OSError:
+            continue
+        if mode & 0o022:
+            warnings.append(
+                f"security.authorized_keys: {path} is writable by group or others (mode "
+                f"{mode:o}): anyone who can write there can authorize a key; chmod go-w it"
+            )
+    return warnings
+
+
 class ServerGate:
     """The listening side of one process: CURVE server options and its ZAP authenticator.
 
@@ -283,10 +324,9 @@ class ServerGate:
         self.authenticator: ThreadAuthenticator | None = None
         if self.keys is None:
             return
-        self.authenticator = ThreadAuthenticator(context, log=log)
-        self.authenticator.configure_curve_callback(
-            "*", AuthorizedKeys(self.keys.authorized, self.keys.public)
-        )
+        authorized = AuthorizedKeys(self.keys.authorized, self.keys.public)
+        self.authenticator = _Gate(context, authorized)
+        self.authenticator.configure_curve_callback("*", authorized)
         self.authenticator.start()  # binds the context's ZAP endpoint before any CURVE bind
 
     def secure(self, socket: zmq.Socket) -> None:

@@ -55,7 +55,13 @@ from pipeline.metrics_server import MetricsServer
 from pipeline.preflight import preflight
 from pipeline.recovery import recover
 from pipeline.ring import Ring
-from pipeline.security import ServerGate, ServerKeys, check_exposure, loose_permissions
+from pipeline.security import (
+    ServerGate,
+    ServerKeys,
+    check_exposure,
+    loose_authorized_keys,
+    loose_permissions,
+)
 from pipeline.stage import DISK_FULL_EXIT, EPOCH_ENV, StageSpec, stage_main
 from pipeline.stage_restarts import RESTARTS_FILE, last_error_line, log_size, write_restarts
 from pipeline.topology import RING_BYTES, RingSpec
@@ -141,7 +147,7 @@ class Supervisor:
         with contextlib.suppress(OSError):  # a data dir made before (or by someone else)
             os.chmod(self.data_dir.root, 0o700)
         setup_stage_logging(self.data_dir.log, "supervisor-0")
-        for line in insecure:
+        for line in insecure + loose_authorized_keys(security):
             log.warning("%s", line)
             print(f"fabric: WARNING: {line}", file=sys.stderr, flush=True)
         if security.curve and (mode := loose_permissions(security.server_key)) is not None:

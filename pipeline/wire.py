@@ -11,7 +11,7 @@ Header, struct `<4sHHII` (little-endian):
 
 | offset | size | field      | meaning                                                  |
 |--------|------|------------|----------------------------------------------------------|
-| 0      | 4    | magic      | b"IFW1" (the protocol and its version)                   |
+| 0      | 4    | magic      | b"IFW2" (the protocol and its version)                   |
 | 4      | 2    | type       | a MessageType value                                      |
 | 6      | 2    | flags      | Flag bits; an unknown bit is refused                     |
 | 8      | 4    | n_arrays   | number of array frames; must equal frames - 1            |
@@ -72,7 +72,7 @@ import zmq
 
 from pipeline.errors import ConfigError, SendTimeoutError, WireError
 
-MAGIC = b"IFW1"
+MAGIC = b"IFW2"  # 2: work tokens on WORK, RESULTS and WORKER_HELLO (gpu/work_token.py)
 HEADER = struct.Struct("<4sHHII")
 ALLOWED_DTYPES = frozenset(
     {"|u1", "<u1", "|i1", "<i1", "<u2", "<i2", "<u4", "<i4", "<u8", "<i8", "<f2", "<f4", "<f8"}
@@ -115,6 +115,7 @@ class MessageType(IntEnum):
     BROKER_STATUS = 55
     BROKER_INFO = 56
     STATS = 57
+    RESULTS_REFUSED = 58
     FETCH = 60
     RESULT_PAGE = 61
     CANCEL = 64
@@ -167,6 +168,7 @@ REQUIRED_META: dict[MessageType, dict[str, type]] = {
     MessageType.BROKER_STATUS: {},
     MessageType.BROKER_INFO: {"epoch": int},
     MessageType.STATS: {"stage": str, "pid": int, "samples": list},
+    MessageType.RESULTS_REFUSED: {"result_ids": list, "reason": str},
     MessageType.FETCH: {"job": str},
     MessageType.RESULT_PAGE: {"job": str, "page": int},
     MessageType.CANCEL: {"job": str},

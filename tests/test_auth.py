@@ -12,9 +12,11 @@ keys refuses to bind beyond loopback unless allow_insecure is set.
 from __future__ import annotations
 
 import json
+import shutil
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -306,3 +308,75 @@ def test_a_bind_beyond_loopback_without_keys_is_refused_unless_allowed(tmp_path,
         assert_check_clean(b.data_dir)
     finally:
         b.close()
+
+
+def test_a_worker_nobody_answers_says_so_and_the_broker_logs_and_warns(tmp_path, keys):
+    """A worker with no key, or a key the broker does not accept, says within seconds that it
+    gets no answer and that keys are the usual cause; the broker logs each refused handshake
+    with the peer's address and the key's prefix, and warns at start that its authorized_keys
+    directory is writable by others."""
+    loose = tmp_path / "authorized"
+    shutil.copytree(keys / "authorized", loose)
+    loose.chmod(0o777)
+    extra = curve_extra(keys).replace(f"{keys}/authorized", str(loose))
+    b = Broker(write_config(tmp_path, extra=extra, dispatch=FAST))
+    try:
+        b.start()
+        warning = f"{loose} is writable by group or others"
+        assert warning in b.supervisor_log()
+        address = b.settings.dispatch.bind
+        said = {}
+        for who, args in (("no key", []), ("wrong key", key_args(keys, "intruder"))):
+            said[who] = Stderr(
+                [
+                    *(sys.executable, str(REPO / "run.py"), "worker", "--broker", address),
+                    *("--model", "echo", "--engine", "echo", "--drain-s", "1", *args),
+                ]
+            )
+        try:
+            for who, stderr in said.items():
+                wait_for(
+                    lambda s=stderr: f"no answer from the broker at {address}" in s.text(),
+                    f"the worker with {who} to say it gets no answer",
+                    timeout_s=30,
+                )
+                assert "keys are the usual cause" in stderr.text()
+            assert "this worker has no key" in said["no key"].text()
+            assert "authorized_keys" in said["wrong key"].text()
+        finally:
+            for stderr in said.values():
+                stderr.stop()
+        intruder = read_public_key(f"{keys}/keys/intruder.key", "k").decode()
+        logs = "".join(p.read_text() for p in b.data_dir.log.glob("dispatch-*.log"))
+        assert f"refused a CURVE client at 127.0.0.1 with key {intruder[:8]}..." in logs
+        assert intruder not in logs  # a prefix names it; the whole key is not needed
+        assert b.stop() == exitcodes.OK, b.stderr
+        assert warning in b.stderr
+        assert_check_clean(b.data_dir)
+    finally:
+        b.close()
+
+
+class Stderr:
+    """A process whose stderr is collected as it comes (a pipe nobody reads would block it)."""
+
+    def __init__(self, args: list[str]) -> None:
+        self.proc = subprocess.Popen(
+            args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.append(line)
+
+    def text(self) -> str:
+        return "".join(self.lines)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+        self.reader.join(timeout=5)
+        self.proc.stderr.close()

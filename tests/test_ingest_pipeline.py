@@ -10,7 +10,7 @@ import zmq
 from broker import Broker, seq_counts, submit, write_config, write_jsonl
 from conftest import assert_check_clean, small_tmpfs, wait_for
 
-from pipeline import exitcodes
+from pipeline import exitcodes, wire
 
 
 def job_no(broker: Broker, job_id: str) -> int:
@@ -133,9 +133,9 @@ def test_garbage_frames_are_dropped_and_the_front_keeps_serving(tmp_path, broker
     try:
         sock.send_multipart([b"garbage"])
         assert b"malformed" in sock.recv_multipart()[0]
-        sock.send_multipart([b"IFW1" + bytes(12), b"x" * 100])  # lying header
+        sock.send_multipart([wire.MAGIC + bytes(12), b"x" * 100])  # lying header
         assert b"malformed" in sock.recv_multipart()[0]
-        sock.send_multipart([b"IFW1\x63\x00" + bytes(10)])  # unknown type
+        sock.send_multipart([wire.MAGIC + b"\x63\x00" + bytes(10)])  # unknown type
         sock.recv_multipart()
     finally:
         sock.close(0)
