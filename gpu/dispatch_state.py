@@ -40,9 +40,8 @@ from pipeline.segment import Segment
 from pipeline.segment_format import (
     CHECKSUM_WORD,
     COUNT_WORD,
-    LIVE,
     SLOT_HEADER_WORDS,
-    STATE_MASK,
+    live_markers,
     slot_checksums,
 )
 
@@ -164,7 +163,7 @@ class DispatchState:
                 continue
             if work.end < segment.entries:
                 continue
-            if ((segment.markers[: work.end] & STATE_MASK) == LIVE).any():
+            if live_markers(segment.markers[: work.end]).any():
                 continue
             del self._work[segment_id]
             gone.append(segment)
@@ -253,7 +252,7 @@ class DispatchState:
             if start >= work.end:
                 continue
             span = np.arange(start, work.end)
-            live = (segment.markers[start : work.end] & STATE_MASK) == LIVE
+            live = live_markers(segment.markers[start : work.end])
             if work.out is not None:
                 live &= ~work.out[start : work.end]
             self._swept[segment_id] = work.end
@@ -402,7 +401,7 @@ class DispatchState:
             slots = items["slot"][mine].astype(np.int64)
             inside = slots < work.end
             ok = np.zeros(len(mine), bool)
-            ok[inside] = ((segment.markers[slots[inside]] & STATE_MASK) == LIVE) & (
+            ok[inside] = live_markers(segment.markers[slots[inside]]) & (
                 segment.slots["seq"][slots[inside]] == items["seq"][mine][inside]
             )
             held_by_me = np.zeros(len(mine), bool)
@@ -516,7 +515,7 @@ class DispatchState:
         start = work.cursor
         while start < work.end and need > 0:
             stop = min(work.end, start + max(SCAN_MARKERS, 2 * need))
-            free = (work.segment.markers[start:stop] & STATE_MASK) == LIVE
+            free = live_markers(work.segment.markers[start:stop])
             if work.out is not None:
                 free &= ~work.out[start:stop]
             hits = np.flatnonzero(free)[:need] + start
@@ -569,9 +568,7 @@ class DispatchState:
         else:
             self._remove_lease(batch)
         segment = work.segment
-        back = back[
-            (segment.markers[back] & STATE_MASK) == LIVE
-        ]  # retired meanwhile: nothing to do
+        back = back[live_markers(segment.markers[back])]  # retired meanwhile: nothing to do
         if work.out is not None:
             work.out[back] = False
         if count_attempt and len(back):

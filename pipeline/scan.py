@@ -36,6 +36,7 @@ from pipeline.segment_format import (
     SegmentHeader,
     SegmentKey,
     known_markers,
+    live_markers,
     parse_header,
     slot_checksums,
 )
@@ -162,7 +163,7 @@ def _scan(fd: int, path: Path, header: SegmentHeader, repair: bool) -> SegmentSu
     first_live = end = -1
     for first, markers in iter_markers(fd, header):
         states = markers & STATE_MASK
-        is_live = states == LIVE
+        is_live = live_markers(markers)  # an unknown marker reading LIVE is not LIVE
         known = known_markers(markers)
         n_live = int(np.count_nonzero(is_live))
         live += n_live

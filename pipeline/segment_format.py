@@ -95,6 +95,7 @@ EMPTY = 0
 LIVE = 1
 DEAD = 2
 STATE_MASK = 0xFF
+LIVE_MASK = 0xFFFF00FF  # every bit but the attempts byte
 KNOWN_STATES = (EMPTY, LIVE, DEAD)
 
 
@@ -102,6 +103,15 @@ def known_markers(markers: np.ndarray) -> np.ndarray:
     """True for each marker in a known state: EMPTY, LIVE or DEAD, and zero high bytes."""
     states = markers & STATE_MASK
     return (markers >> 16 == 0) & ((states == EMPTY) | (states == LIVE) | (states == DEAD))
+
+
+def live_markers(markers: np.ndarray) -> np.ndarray:
+    """True for each marker that is LIVE in full: state LIVE and upper bytes zero.
+
+    The attempts byte may hold anything. A marker whose low byte reads LIVE but
+    whose upper bytes are not zero is in no known state: never dispatched.
+    """
+    return (markers & LIVE_MASK) == LIVE
 
 
 _HEADER = struct.Struct("<8sIIQIIIIQ64s")  # the fields up to HEADER_CHECKED

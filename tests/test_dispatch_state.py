@@ -217,3 +217,14 @@ def test_answered_batches_stop_counting_against_a_session_budget(data_dir):
     s.answered("w", first.batch_id)
     s.answered("other", first.batch_id + 1)  # only the holder's word counts
     assert s.session_batches("w") == 1 and len(s.leases("w")) == 2  # still leased until retired
+
+
+def test_a_marker_in_no_known_state_is_never_sent_even_if_its_low_byte_reads_live(data_dir):
+    seg = segment(data_dir, 1, 5)
+    seg.markers[1] = 0x0001_0001  # state byte LIVE, upper bytes set: no known state
+    seg.markers[3] = 0x0100_0101  # LIVE, 1 attempt, a stray top byte
+    seg.markers[4] = 0x0000_0101  # LIVE with 1 attempt: known, dispatchable
+    s = state(seg)
+    batch = s.next_batch("w", "m", 5, 10_000, 0.0)
+    assert batch.items["slot"].tolist() == [0, 2, 4]
+    assert s.next_batch("v", "m", 5, 10_000, 0.0) is None
