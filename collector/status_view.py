@@ -61,6 +61,8 @@ def render_broker(info: dict[str, Any]) -> str:
             or [["(no workers)", "", "", "", "", ""]],
         ),
     ]
+    for name, what in sorted(info.get("damaged_segments", {}).items()):
+        parts.append(f"damaged input segment {name}: {what} (run.py check names what was lost)")
     return "\n".join(parts)
 
 

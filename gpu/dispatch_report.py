@@ -57,6 +57,7 @@ def dispatch_metrics(stage, now: float) -> dict:
         "fabric_items_reclaimed_total": {(c,): stage.reclaimed[c] for c in RECLAIM_CAUSES},
         "fabric_dead_letters_total": stage.counts[DEAD_LETTER],
         "fabric_quarantined_items_total": stage.counts[CORRUPT_INPUT],
+        "fabric_damaged_segments": len(stage.damaged),
         "fabric_worker_sessions": {(m,): n for m, n in sessions.items()},
         "fabric_worker_in_flight_items": dict(in_flight),
         "fabric_worker_leases": dict(leases),
@@ -93,6 +94,7 @@ def broker_status(stage, now: float) -> dict:
         "dead_lettered": stage.counts[DEAD_LETTER],
         "corrupt": stage.counts[CORRUPT_INPUT],
         "dead_letters": list(stage.dead_letters),
+        "damaged_segments": dict(stage.damaged),
         "workers": [
             {
                 "session": sid,

@@ -2,7 +2,7 @@
 
 | field        | meaning                                                         | since |
 |--------------|-----------------------------------------------------------------|-------|
-| `job_id`     | the job's id; must equal the directory's name                   | 1     |
+| `job_id`     | the job's id; must equal the directory's name (if absent: it)   | 1     |
 | `job_no`     | the job's number: seqs of its items are `job_no << 32 | index`  | 1     |
 | `created_ns` | wall-clock creation time                                        | 1     |
 | `chunk_lines`| lines per chunk                                                 | 1     |
@@ -31,7 +31,7 @@ from pipeline.errors import IngestError
 
 RECORD_NAME = "job.json"
 RECORD_VERSION = 2
-REQUIRED = ("job_id", "job_no", "created_ns")
+REQUIRED = ("job_no", "created_ns")
 
 
 class JobRecordError(IngestError):
@@ -79,6 +79,7 @@ def read_job_record(directory: Path) -> dict[str, Any]:
             f"{path}: checksum mismatch (the record is damaged); the job is refused so that "
             f"no results are delivered under the wrong job: restore the record or remove the job"
         )
+    meta.setdefault("job_id", path.parent.name)  # a version 1 record may lack it
     if meta["job_id"] != path.parent.name:
         raise JobRecordError(
             f"{path}: names job {meta['job_id']!r} but lies in directory "

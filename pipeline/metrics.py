@@ -109,6 +109,13 @@ METRICS: dict[str, Metric] = _catalogue(
         "Stored items that failed their checksum, retired with an error",
         "dispatch",
     ),
+    Metric(
+        "fabric_damaged_segments",
+        GAUGE,
+        (),
+        "Input segment files damaged: isolated at start, or found damaged since",
+        "dispatch",
+    ),
     # dispatch: workers (one series per worker session)
     Metric(
         "fabric_worker_sessions",

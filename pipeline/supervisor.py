@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -38,6 +39,7 @@ from dataclasses import dataclass, field
 from collector.segments import SegmentCollector
 from pipeline import exitcodes
 from pipeline.datadir import DataDir
+from pipeline.errors import FabricError
 from pipeline.logs import setup_stage_logging
 from pipeline.metrics_hub import MetricsHub
 from pipeline.metrics_server import MetricsServer
@@ -45,7 +47,7 @@ from pipeline.recovery import recover
 from pipeline.ring import Ring
 from pipeline.security import ServerGate, ServerKeys, check_exposure, loose_permissions
 from pipeline.stage import DISK_FULL_EXIT, EPOCH_ENV, StageSpec, stage_main
-from pipeline.topology import RING_BYTES, RingSpec
+from pipeline.topology import AFTER_RECOVERY, RING_BYTES, RingSpec
 
 log = logging.getLogger("fabric.supervisor")
 MAX_BACKOFF_S = 30.0
@@ -99,6 +101,19 @@ class Supervisor:
         self.metrics: MetricsServer | None = None
 
     # ---- lifecycle -------------------------------------------------------
+    def _after_recovery(self, report) -> None:
+        """Isolate damaged input segments and account for lost items (pipeline/salvage.py,
+        collector/losses.py); a failure here is logged and the broker serves what it can."""
+        module, _, name = AFTER_RECOVERY.partition(":")
+        step = getattr(importlib.import_module(module), name)
+        try:
+            lost = step(self.data_dir, report.damaged, report.torn())
+        except (FabricError, OSError) as exc:
+            log.error("isolating damage after recovery failed: %s; serving what is readable", exc)
+            return
+        for job in lost:
+            log.error("%s; recorded as corrupt_input error results", job.line())
+
     def start(self) -> None:
         """Lock, recover, collect, and start every stage.
 
@@ -137,6 +152,8 @@ class Supervisor:
             len(report.damaged),
             report.elapsed_s,
         )
+        if report.damaged or report.torn():
+            self._after_recovery(report)
         # Input segments go at once; completion segments wait for their job's retention (sweep).
         self.collector.offer(
             [s for s in report.finished if s.path.parent == self.data_dir.segments]
