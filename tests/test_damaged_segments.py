@@ -17,6 +17,7 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
+import pytest
 from broker import REPO, Broker, submit, write_config, write_jsonl
 from conftest import assert_check_clean, wait_for
 
@@ -24,6 +25,9 @@ from pipeline import exitcodes
 from pipeline.segment import Segment
 from pipeline.segment_format import DEAD, EMPTY, LIVE
 
+# Three broker lives per test (queue, restart, stop): more than the suite's default 120 s
+# on a loaded machine.
+pytestmark = pytest.mark.timeout(300)
 JOB_END_S = 60  # the job ends within this after the restart (a few hundred echo items)
 
 
@@ -154,6 +158,21 @@ def test_rotten_markers_and_a_rotten_last_slot_end_as_errors_and_check_says_so(t
     counts, codes = delivered(again, tmp_path)
     assert set(counts) == {f"r{i}" for i in stored} and set(counts.values()) == {1}
     assert codes == dict.fromkeys(lost, "corrupt_input")
+    assert again.stop() == exitcodes.OK, again.stderr
+    assert_check_clean(again.data_dir)
+    again.close()
+
+
+def test_a_rotten_last_slot_cut_at_start_ends_as_an_error_not_silently(tmp_path):
+    b, stored = queued_job(tmp_path)
+    path, live, index = segments_by_size(b)[0]
+    with Segment.open(path, writable=True) as seg:
+        seg.bodies[live[-1], 8] ^= 0x01  # recovery takes it for a torn tail and cuts it
+        seg.sync()
+    again = restart_and_finish(tmp_path, b)  # no check --fix first
+    counts, codes = delivered(again, tmp_path)
+    assert set(counts) == {f"r{i}" for i in stored} and set(counts.values()) == {1}
+    assert codes == {f"r{index[-1]}": "corrupt_input"}
     assert again.stop() == exitcodes.OK, again.stderr
     assert_check_clean(again.data_dir)
     again.close()
