@@ -88,6 +88,7 @@ def _unfinished_jobs(data_dir: DataDir) -> dict[int, tuple[str, Path]]:
     jobs: dict[int, tuple[str, Path]] = {}
     if not root.is_dir():
         return jobs
+    claimed: set[int] = set()
     for directory in sorted(p for p in root.iterdir() if p.is_dir()):
         if (directory / FINISHED_MARK).exists():
             continue
@@ -95,7 +96,12 @@ def _unfinished_jobs(data_dir: DataDir) -> dict[int, tuple[str, Path]]:
             meta = read_job_record(directory)
         except (OSError, JobRecordError):
             continue  # not a job, or a refused one (ingest/job_check.py reports it)
-        jobs[int(meta["job_no"])] = (str(meta["job_id"]), directory)
+        job_no = int(meta["job_no"])
+        if job_no in claimed:  # two records, one number: both refused (ingest/job_check.py)
+            jobs.pop(job_no, None)
+            continue
+        claimed.add(job_no)
+        jobs[job_no] = (str(meta["job_id"]), directory)
     return jobs
 
 
@@ -109,12 +115,14 @@ def _input_files(data_dir: DataDir) -> list[Path]:
     )
 
 
-def _readable_seqs(data_dir: DataDir) -> np.ndarray:
-    """Seqs of every trusted LIVE slot in the input log (damaged files: what can be trusted)."""
+def _readable_seqs(data_dir: DataDir, job_nos: np.ndarray) -> np.ndarray:
+    """Seqs of the jobs `job_nos` in trusted LIVE slots of the input log (damaged files:
+    what can be trusted)."""
     found: list[np.ndarray] = []
     for _, _, markers, words, ok in _slots(data_dir, lambda states: states == LIVE):
-        live = ok & live_markers(markers)
-        found.append(np.ascontiguousarray(words[live, :2]).view("<u8").reshape(-1))
+        seq = np.ascontiguousarray(words[:, :2]).view("<u8").reshape(-1)
+        keep = ok & live_markers(markers) & np.isin(seq >> np.uint64(32), job_nos)
+        found.append(seq[keep])
     return np.concatenate(found) if found else np.empty(0, np.uint64)
 
 
@@ -170,17 +178,20 @@ def find_lost(data_dir: DataDir, notes: bool = True) -> list[LostItems]:
     jobs = _unfinished_jobs(data_dir)
     if not jobs:
         return []
-    readable = _readable_seqs(data_dir)
+    readable = _readable_seqs(data_dir, np.fromiter(jobs, np.uint64, len(jobs)))
     log = CompletionLog(data_dir, _no_input)
     lost: list[LostItems] = []
-    for job_no, (job_id, directory) in sorted(jobs.items()):
-        index = acknowledged(directory)
-        if not len(index):
-            continue
-        seqs = (np.uint64(job_no) << np.uint64(32)) | index.astype(np.uint64)
-        missing = ~np.isin(seqs, readable) & ~log.load_job(job_id).seen(index)
-        if missing.any():
-            lost.append(LostItems(job_id, job_no, index[missing]))
+    try:
+        for job_no, (job_id, directory) in sorted(jobs.items()):
+            index = acknowledged(directory)
+            if not len(index):
+                continue
+            seqs = (np.uint64(job_no) << np.uint64(32)) | index.astype(np.uint64)
+            missing = ~np.isin(seqs, readable) & ~log.load_job(job_id).seen(index)
+            if missing.any():
+                lost.append(LostItems(job_id, job_no, index[missing]))
+    finally:
+        log.close()
     if notes and lost:
         seqs = np.concatenate(
             [(np.uint64(x.job_no) << np.uint64(32)) | x.index.astype(np.uint64) for x in lost]
@@ -195,10 +206,13 @@ def record_lost(data_dir: DataDir, lost: list[LostItems]) -> int:
     """Give every lost item a `corrupt_input` error result, durably; returns how many."""
     log = CompletionLog(data_dir, _no_input)
     stored = 0
-    for x in lost:
-        stored += log.record_errors(x.job_id, x.job_no, x.index, [LOST_REASON] * len(x.index))
-    log.sync_outputs()
-    log.close()
+    try:
+        for x in lost:
+            reasons = [LOST_REASON] * len(x.index)
+            stored += log.record_errors(x.job_id, x.job_no, x.index, reasons)
+        log.sync_outputs()
+    finally:
+        log.close()
     return stored
 
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +47,6 @@ from pipeline.segment_format import (
     HEADER_BYTES,
     HEADER_CHECKED,
     KIND_INPUT,
-    KIND_PREFIX,
     LIVE,
     NAME_BYTES,
     SLOT_HEADER_BYTES,
@@ -57,6 +55,7 @@ from pipeline.segment_format import (
     SegmentKey,
     live_markers,
     parse_header,
+    parse_segment_file_name,
     segment_file_name,
     slot_checksums,
 )
@@ -64,8 +63,6 @@ from pipeline.segment_log import SegmentIds
 
 log = logging.getLogger("fabric.salvage")
 
-# in-000000000042.minilm.s3.l512.seg (pipeline.segment_format.segment_file_name)
-_NAME = re.compile(r"(in|out)-(\d{12})\.(.+)\.s(\d+)\.l(\d+)\.seg\Z")
 _FIELDS = struct.Struct("<8sIIQIIIIQ64s")
 # Codes of damage worth isolating. A file of a newer version is whole: it is left alone.
 ISOLATED_CODES = ("wrong-size", "bad-header", "bad-magic", "unreadable")
@@ -88,14 +85,11 @@ def trusted_header(path: Path, raw: bytes, size: int) -> SegmentHeader | None:
         return parse_header(raw, path)
     except SegmentFormatError:
         pass
-    named = _NAME.match(path.name)
+    named = parse_segment_file_name(path.name)
     if named is None or len(raw) < HEADER_CHECKED:
         return None
     _, _, kind, seg_id, shape, lane, slot_bytes, capacity, created, name = _FIELDS.unpack_from(raw)
-    prefix, named_id, _, named_shape, named_lane = named.groups()
-    if kind not in KIND_PREFIX or KIND_PREFIX[kind] != prefix:
-        return None
-    if (seg_id, shape, lane) != (int(named_id), int(named_shape), int(named_lane)):
+    if (kind, seg_id, shape, lane) != named:
         return None
     if slot_bytes % 8 or slot_bytes <= SLOT_HEADER_BYTES or capacity < 1:
         return None
@@ -157,7 +151,8 @@ def isolate(data_dir: DataDir, damaged: DamagedFile) -> Isolated | None:
     path = damaged.path
     if damaged.code not in ISOLATED_CODES or path.parent != data_dir.segments:
         return None
-    if not _NAME.match(path.name) or not path.name.startswith(KIND_PREFIX[KIND_INPUT] + "-"):
+    named = parse_segment_file_name(path.name)
+    if named is None or named[0] != KIND_INPUT:
         return None
     header = None
     words = np.empty((0, 1), np.uint32)

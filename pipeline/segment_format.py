@@ -184,6 +184,20 @@ def segment_file_name(segment_id: int, key: SegmentKey) -> str:
     return f"{KIND_PREFIX[key.kind]}-{segment_id:012d}.{safe}.s{key.shape}.l{key.lane}{SUFFIX}"
 
 
+_FILE_NAME = re.compile(r"(in|out)-(\d{12})\.(.+)\.s(\d+)\.l(\d+)\.seg\Z")
+
+
+def parse_segment_file_name(name: str) -> tuple[int, int, int, int] | None:
+    """(kind, segment id, shape, lane) from a name `segment_file_name` made; None if it is
+    not one. The model part is only its file-safe form: compare names, not models."""
+    found = _FILE_NAME.match(name)
+    if found is None:
+        return None
+    prefix, segment_id, _, shape, lane = found.groups()
+    kind = next(k for k, p in KIND_PREFIX.items() if p == prefix)
+    return kind, int(segment_id), int(shape), int(lane)
+
+
 def slot_dtype(slot_bytes: int) -> np.dtype:
     """The slot table as a numpy structured dtype."""
     return np.dtype(
