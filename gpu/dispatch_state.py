@@ -333,7 +333,18 @@ class DispatchState:
                 len(bad),
                 bad[:10].tolist(),
             )
-            self.quarantined.append(_items(segment.segment_id, bad, seqs[~ok]))
+            # An error result goes to the item the slot names only if its header agrees with
+            # itself (seq = job << 32 | index); else no item is blamed: the loss accounting
+            # finds it from the job's journal (collector/losses.py, `run.py check`).
+            said = _names_itself(words[~ok])
+            self.quarantined.append(_items(segment.segment_id, bad[said], seqs[~ok][said]))
+            if not said.all():
+                log.error(
+                    "segment %d: slot(s) %s do not say which item they hold; no error result "
+                    "sent (run.py check lists the lost items)",
+                    segment.segment_id,
+                    bad[~said][:10].tolist(),
+                )
             self._mark_out(work, bad)  # never offered again in this life
             slots, seqs, words = slots[ok], seqs[ok], words[ok]
         work.cursor = max(work.cursor, scanned_to)
@@ -629,6 +640,14 @@ class DispatchState:
     @property
     def in_flight(self) -> int:
         return sum(len(b.items) for b in self._leases.values())
+
+
+def _names_itself(words: np.ndarray) -> np.ndarray:
+    """True for each slot whose header agrees with itself: seq = job << 32 | index, seq != 0."""
+    seq = np.ascontiguousarray(words[:, :2]).view("<u8").reshape(-1)
+    job = np.ascontiguousarray(words[:, 2:4]).view("<u8").reshape(-1)
+    index = words[:, 4].astype(np.uint64)
+    return (seq != 0) & (seq >> np.uint64(32) == job) & (seq & np.uint64(0xFFFFFFFF) == index)
 
 
 def _items(segment_id: int, slots: np.ndarray, seqs: np.ndarray) -> np.ndarray:
