@@ -176,3 +176,24 @@ def test_a_rotten_last_slot_cut_at_start_ends_as_an_error_not_silently(tmp_path)
     assert again.stop() == exitcodes.OK, again.stderr
     assert_check_clean(again.data_dir)
     again.close()
+
+
+def test_a_segment_damaged_while_serving_is_reported_and_dispatch_keeps_running(tmp_path):
+    b = Broker(write_config(tmp_path, workers=0)).start()
+    dispatch = b.pids()["dispatch-0"]
+    junk = b.data_dir.segments / "in-000000000099.echo.s1.l128.seg"
+    junk.write_bytes(np.random.default_rng(3).bytes(1 << 16))  # found by dispatch's rescan
+
+    def reported() -> bool:
+        result = cli(b.config, "status", "--json")
+        damaged = json.loads(result.stdout).get("damaged_segments", {}) if result.stdout else {}
+        return junk.name in damaged
+
+    wait_for(reported, "status to report the damaged file", timeout_s=30)
+    assert b.proc.poll() is None and b.pids()["dispatch-0"] == dispatch  # never restarted
+    assert b.stop() == exitcodes.OK, b.stderr
+    fixed = cli(b.config, "check", "--fix")  # isolates it, as the next start would
+    assert fixed.returncode == exitcodes.OK, fixed.stdout
+    assert (b.data_dir.damaged / junk.name).exists()
+    assert_check_clean(b.data_dir)
+    b.close()
