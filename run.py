@@ -58,6 +58,14 @@ def _check(args: argparse.Namespace) -> int:
         print(finding.line())
     for line in report.fixed:
         print(f"fixed: {line}")
+    for line in report.notes:
+        print(f"note: {line}")
+    if report.lost and not report.remaining:
+        print(
+            f"not clean: {report.lost} acknowledged item(s) were lost and now have corrupt_input "
+            f"error results in {data_dir.root}; their jobs can end"
+        )
+        return exitcodes.FINDINGS
     if report.clean:
         print(f"clean: {report.segments} segment file(s) in {data_dir.root}")
         return exitcodes.OK

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import orjson
 
+from ingest.job_record import JobRecordError, read_job_record
 from pipeline.durable import write_whole
 from pipeline.records import _iter as iter_records
 
@@ -35,7 +35,7 @@ class JobView:
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        meta = orjson.loads((directory / "job.json").read_bytes())
+        meta = read_job_record(directory)  # JobRecordError: a damaged record is refused
         self.job_id: str = meta["job_id"]
         self.job_no: int = int(meta["job_no"])
         self.created_ns: int = int(meta["created_ns"])
@@ -155,18 +155,43 @@ class JobIndex:
         self._by_no: dict[int, str] = {}
         self._named: set[str] = set()  # job directories whose number is in _by_no
         self.views: dict[str, JobView] = {}
+        self.refused: dict[str, str] = {}  # job id -> why its record is not trusted
+        self._claims: dict[int, set[str]] = collections.defaultdict(set)  # number -> job ids
 
     def view(self, job_id: str) -> JobView | None:
+        """The job's view; None for no such job, or one refused (damaged record, or a number
+        another job claims too: `refused` says why)."""
         view = self.views.get(job_id)
         if view is None:
             directory = self.root / job_id
-            if not (directory / "job.json").is_file():
+            if not (directory / "job.json").is_file() or job_id in self.refused:
                 return None
-            view = JobView(directory)
+            try:
+                view = JobView(directory)
+            except JobRecordError as exc:
+                self.refused[job_id] = str(exc)
+                return None
+            if not self._claim(view.job_no, job_id):
+                return None
             self.views[job_id] = view
-            self._by_no[view.job_no] = job_id
-            self._named.add(job_id)
         return view
+
+    def _claim(self, job_no: int, job_id: str) -> bool:
+        """Note that `job_id` has number `job_no`; False (both refused) if another job has it."""
+        claims = self._claims[job_no]
+        claims.add(job_id)
+        self._named.add(job_id)
+        if len(claims) == 1:
+            self._by_no[job_no] = job_id
+            return True
+        self._by_no.pop(job_no, None)
+        for name in claims:
+            self.refused[name] = (
+                f"job number {job_no} is claimed by the records of jobs {', '.join(sorted(claims))}; "
+                "all of them are refused so that no results are delivered under the wrong job"
+            )
+            self.views.pop(name, None)
+        return False
 
     def job_id(self, job_no: int) -> str | None:
         """The id of job number `job_no`. A number not known yet (a job created a moment ago)
@@ -182,13 +207,14 @@ class JobIndex:
                 if name in self._named:
                     continue
                 try:
-                    number = int(
-                        orjson.loads((self.root / name / "job.json").read_bytes())["job_no"]
-                    )
-                except (OSError, ValueError, KeyError, TypeError):
+                    number = int(read_job_record(self.root / name)["job_no"])
+                except OSError:
                     continue  # not a job, or one still being created: read again next time
-                self._by_no[number] = name
-                self._named.add(name)
+                except JobRecordError as exc:
+                    self.refused[name] = str(exc)  # damaged: never mapped to a number
+                    self._named.add(name)
+                    continue
+                self._claim(number, name)
             found = self._by_no.get(job_no)
         return found
 

@@ -22,11 +22,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 from collector.client import DispatchClient, ResultsClient
 from collector.job_state import with_in_flight
-from pipeline.errors import BrokerUnreachableError, FabricError
+from ingest.job_record import read_job_record
+from pipeline.errors import BrokerUnreachableError, FabricError, IngestError
 from pipeline.security import ClientCurve
 
 FINISHED_SHOWN_S = 300.0  # a finished job stays on the dashboard this long
@@ -86,9 +85,9 @@ class JobDirectory:
                 continue  # finished for good: nothing changes any more
             if entry is None:
                 try:
-                    meta = orjson.loads((self.root / name / "job.json").read_bytes())
+                    meta = read_job_record(self.root / name)
                     entry = JobEntry(name, int(meta["job_no"]), int(meta["created_ns"]), None)
-                except (OSError, ValueError, KeyError, TypeError):
+                except (OSError, IngestError):
                     continue  # being created (job.json is written atomically) or not a job
             finished = _read_ns(self.root / name / "finished")
             if finished is not None:

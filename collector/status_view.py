@@ -65,6 +65,8 @@ def render_broker(info: dict[str, Any]) -> str:
     ]
     for stage in info.get("local_workers", ()):
         parts.append(f"local {stage['stage']}: {describe(stage)}")
+    for name, what in sorted(info.get("damaged_segments", {}).items()):
+        parts.append(f"damaged input segment {name}: {what} (run.py check names what was lost)")
     return "\n".join(parts)
 
 

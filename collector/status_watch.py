@@ -118,6 +118,8 @@ def plain_lines(snap: Snapshot, address: str) -> list[str]:
             f"rate_out={info.get('rate_out', 0):.0f}/s "
             f"dead_lettered={info.get('dead_lettered', 0)} corrupt={info.get('corrupt', 0)}"
         )
+        for name, what in sorted(info.get("damaged_segments", {}).items()):
+            lines.append(f"damaged {name}: {what} (run.py check names what was lost)")
         rows = lane_rows(info, snap.taken_ns)
         for model, lane, queued, tokens, oldest in rows:
             lines.append(

@@ -66,6 +66,7 @@ def dispatch_metrics(stage, now: float) -> dict:
         "fabric_worker_messages_refused_total": {
             (k,): stage.refused.counts[k] for k in REFUSED_KINDS
         },
+        "fabric_damaged_segments": len(stage.damaged),
         "fabric_worker_sessions": {(m,): n for m, n in sessions.items()},
         "fabric_worker_in_flight_items": dict(in_flight),
         "fabric_worker_leases": dict(leases),
@@ -113,6 +114,7 @@ def broker_status(stage, now: float) -> dict:
         "corrupt": stage.counts[CORRUPT_INPUT],
         "refused": {kind: stage.refused.counts[kind] for kind in REFUSED_KINDS},
         "dead_letters": list(stage.dead_letters),
+        "damaged_segments": dict(stage.damaged),
         "workers": [
             {
                 "session": sid,

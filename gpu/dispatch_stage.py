@@ -49,6 +49,7 @@ from pipeline.counter import DurableCounter
 from pipeline.datadir import DataDir
 from pipeline.disk_full import FullDisk
 from pipeline.errors import DiskFullError, FabricError, WireError
+from pipeline.salvage import isolated_files
 from pipeline.scan import SegmentSummary, scan_segment
 from pipeline.security import ServerGate
 from pipeline.segment import Segment
@@ -169,6 +170,7 @@ class DispatchStage(Stage):
         now = time.monotonic()
         grace_until = now + config.reregister_grace_s
         self._scanned: set[int] = set()
+        self.damaged: dict[str, str] = {}  # file name -> what is wrong (status, metrics)
         self._notified: dict[int, float] = {}  # segment -> last APPENDED notice (monotonic)
         self._rescan(not_before=grace_until)
         self.next_rescan = now + RESCAN_S
@@ -227,6 +229,8 @@ class DispatchStage(Stage):
     # ---- segments --------------------------------------------------------------------------
     def _rescan(self, not_before: float = 0.0) -> None:
         """Open input segments not known yet; refresh the written end of known ones."""
+        for path in isolated_files(self.data_dir):  # moved aside at start (pipeline/salvage.py)
+            self.damaged.setdefault(path.name, "isolated in damaged/")
         for path in sorted(self.data_dir.segments.glob("in-*.seg")):
             try:
                 segment_id = int(path.name[3:15])
@@ -243,8 +247,9 @@ class DispatchStage(Stage):
 
     def _load(self, path, not_before: float) -> None:
         summary = scan_segment(path)
-        if not isinstance(summary, SegmentSummary):
-            self.log.error("not dispatching from %s: %s", path, summary.message)
+        if not isinstance(summary, SegmentSummary):  # damaged: isolated at the next start
+            self.log.error("not dispatching from %s: %s", path, summary.reason)
+            self.damaged[path.name] = summary.code
             self._scanned.add(int(path.name[3:15]))
             return
         if summary.first_live < 0 and summary.sealed:

@@ -40,9 +40,8 @@ from pipeline.segment import Segment
 from pipeline.segment_format import (
     CHECKSUM_WORD,
     COUNT_WORD,
-    LIVE,
     SLOT_HEADER_WORDS,
-    STATE_MASK,
+    live_markers,
     slot_checksums,
 )
 
@@ -164,7 +163,7 @@ class DispatchState:
                 continue
             if work.end < segment.entries:
                 continue
-            if ((segment.markers[: work.end] & STATE_MASK) == LIVE).any():
+            if live_markers(segment.markers[: work.end]).any():
                 continue
             del self._work[segment_id]
             gone.append(segment)
@@ -253,7 +252,7 @@ class DispatchState:
             if start >= work.end:
                 continue
             span = np.arange(start, work.end)
-            live = (segment.markers[start : work.end] & STATE_MASK) == LIVE
+            live = live_markers(segment.markers[start : work.end])
             if work.out is not None:
                 live &= ~work.out[start : work.end]
             self._swept[segment_id] = work.end
@@ -334,7 +333,18 @@ class DispatchState:
                 len(bad),
                 bad[:10].tolist(),
             )
-            self.quarantined.append(_items(segment.segment_id, bad, seqs[~ok]))
+            # An error result goes to the item the slot names only if its header agrees with
+            # itself (seq = job << 32 | index); else no item is blamed: the loss accounting
+            # finds it from the job's journal (collector/losses.py, `run.py check`).
+            said = _names_itself(words[~ok])
+            self.quarantined.append(_items(segment.segment_id, bad[said], seqs[~ok][said]))
+            if not said.all():
+                log.error(
+                    "segment %d: slot(s) %s do not say which item they hold; no error result "
+                    "sent (run.py check lists the lost items)",
+                    segment.segment_id,
+                    bad[~said][:10].tolist(),
+                )
             self._mark_out(work, bad)  # never offered again in this life
             slots, seqs, words = slots[ok], seqs[ok], words[ok]
         work.cursor = max(work.cursor, scanned_to)
@@ -402,7 +412,7 @@ class DispatchState:
             slots = items["slot"][mine].astype(np.int64)
             inside = slots < work.end
             ok = np.zeros(len(mine), bool)
-            ok[inside] = ((segment.markers[slots[inside]] & STATE_MASK) == LIVE) & (
+            ok[inside] = live_markers(segment.markers[slots[inside]]) & (
                 segment.slots["seq"][slots[inside]] == items["seq"][mine][inside]
             )
             held_by_me = np.zeros(len(mine), bool)
@@ -516,7 +526,7 @@ class DispatchState:
         start = work.cursor
         while start < work.end and need > 0:
             stop = min(work.end, start + max(SCAN_MARKERS, 2 * need))
-            free = (work.segment.markers[start:stop] & STATE_MASK) == LIVE
+            free = live_markers(work.segment.markers[start:stop])
             if work.out is not None:
                 free &= ~work.out[start:stop]
             hits = np.flatnonzero(free)[:need] + start
@@ -569,9 +579,7 @@ class DispatchState:
         else:
             self._remove_lease(batch)
         segment = work.segment
-        back = back[
-            (segment.markers[back] & STATE_MASK) == LIVE
-        ]  # retired meanwhile: nothing to do
+        back = back[live_markers(segment.markers[back])]  # retired meanwhile: nothing to do
         if work.out is not None:
             work.out[back] = False
         if count_attempt and len(back):
@@ -632,6 +640,14 @@ class DispatchState:
     @property
     def in_flight(self) -> int:
         return sum(len(b.items) for b in self._leases.values())
+
+
+def _names_itself(words: np.ndarray) -> np.ndarray:
+    """True for each slot whose header agrees with itself: seq = job << 32 | index, seq != 0."""
+    seq = np.ascontiguousarray(words[:, :2]).view("<u8").reshape(-1)
+    job = np.ascontiguousarray(words[:, 2:4]).view("<u8").reshape(-1)
+    index = words[:, 4].astype(np.uint64)
+    return (seq != 0) & (seq >> np.uint64(32) == job) & (seq & np.uint64(0xFFFFFFFF) == index)
 
 
 def _items(segment_id: int, slots: np.ndarray, seqs: np.ndarray) -> np.ndarray:

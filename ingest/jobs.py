@@ -3,7 +3,7 @@
 | path                               | what                                              |
 |------------------------------------|---------------------------------------------------|
 | `jobs/next-job-no`                 | DurableCounter of job numbers (1, 2, ...)         |
-| `jobs/<job_id>/job.json`           | id, number, created_ns, chunk_lines, deliver; written once, atomically |
+| `jobs/<job_id>/job.json`           | id, number, created_ns, chunk_lines, deliver, checksum; written once, atomically (ingest/job_record.py) |
 | `jobs/<job_id>/chunks.log`         | RecordLog of chunk events (below)                 |
 
 Chunk events, in order of their durability:
@@ -28,9 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 from ingest.custom_ids import CustomIdSet
+from ingest.job_record import encode_job_record, read_job_record
 from pipeline.counter import DurableCounter
 from pipeline.durable import write_whole
 from pipeline.errors import IngestError
@@ -214,10 +213,10 @@ class JobRegistry:
         if job is not None:
             return job
         directory = self.root / check_job_id(job_id)
-        meta_path = directory / "job.json"
-        if not meta_path.exists():
+        try:
+            meta = read_job_record(directory)  # JobRecordError: damaged, refused
+        except FileNotFoundError:
             return None
-        meta = orjson.loads(meta_path.read_bytes())
         journal = RecordLog(directory / "chunks.log")
         job = Job(
             job_id, meta["job_no"], meta["created_ns"], meta["chunk_lines"], directory, journal
@@ -244,7 +243,7 @@ class JobRegistry:
         }
         try:
             directory.mkdir(exist_ok=True)
-            write_whole(directory / "job.json", orjson.dumps(meta), also_sync=(self.root,))
+            write_whole(directory / "job.json", encode_job_record(meta), also_sync=(self.root,))
         except OSError as exc:  # a full disk: nothing of the job exists; the producer retries
             raise disk_error(exc, directory / "job.json", "creating the job") from exc
         job = Job(

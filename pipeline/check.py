@@ -4,10 +4,17 @@ Walks both logs and reports, one line each: files that are not readable
 segments (bad magic, newer version, damaged header, wrong size), markers in
 no known state, advisory header counts that disagree with the markers,
 torn tails, LIVE slots whose checksum fails, orphan temporary files and
-stray files. With `fix`, it repairs what can be repaired without losing an
-acknowledged item (recount and rewrite headers, cut torn tails, remove
-orphan temporary files) and says what it did; everything else is reported
-and left alone. Every crash and stress test ends by running it.
+stray files; job records that fail their checksum or share a job number
+(ingest/job_check.py); and acknowledged items that have neither a result nor
+a readable LIVE slot (collector/losses.py: a DEAD marker with no result, an
+EMPTY marker over a valid slot, a rotten slot an acknowledged chunk covers).
+With `fix`, it repairs what can be repaired without losing an acknowledged
+item (recount and rewrite headers, cut torn tails, remove orphan temporary
+files, isolate damaged input segments as a broker start does:
+pipeline/salvage.py) and says what it did; a lost item gets a `corrupt_input`
+error result, so its job ends and says why, and the run is not clean.
+Everything else is reported and left alone. Every crash and stress test
+ends by running it.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.datadir import DataDir
+from pipeline.salvage import isolate, isolated_files
 from pipeline.scan import (
     DamagedFile,
     SegmentSummary,
@@ -47,11 +55,13 @@ class CheckReport:
     findings: list[Finding] = field(default_factory=list)  # as found, before any fix
     fixed: list[str] = field(default_factory=list)  # what --fix did
     remaining: list[Finding] = field(default_factory=list)  # still true at the end
+    notes: list[str] = field(default_factory=list)  # true, and accounted for (isolated files)
     segments: int = 0
+    lost: int = 0  # items --fix gave a corrupt_input error result: repaired, but not clean
 
     @property
     def clean(self) -> bool:
-        return not self.remaining
+        return not self.remaining and not self.lost
 
 
 def _listed(slots: np.ndarray) -> str:
@@ -71,8 +81,9 @@ def _unknown_markers(path: Path, summary: SegmentSummary) -> np.ndarray:
         os.close(fd)
 
 
-def check_segment(path: Path) -> list[Finding]:
-    """Every finding for one segment file (read only)."""
+def check_segment(path: Path, acknowledged: frozenset = frozenset()) -> list[Finding]:
+    """Every finding for one segment file (read only); `acknowledged`: (segment id, slot)
+    of slots known to hold an acknowledged item that has no result (collector/losses.py)."""
     summary = scan_segment(path)
     if isinstance(summary, DamagedFile):
         return [Finding(path, summary.code, summary.reason.removeprefix(f"{path}: "))]
@@ -97,13 +108,26 @@ def check_segment(path: Path) -> list[Finding]:
                 fixable=True,
             )
         )
-    if summary.torn:
+    held = [s for s in summary.torn if (summary.segment_id, s) in acknowledged]
+    torn = [s for s in summary.torn if (summary.segment_id, s) not in acknowledged]
+    if torn:
         findings.append(
             Finding(
                 path,
                 "torn-tail",
-                f"{len(summary.torn)} tail slot(s) with a LIVE marker and a bad checksum "
-                f"(never acknowledged): slot {_listed(np.array(summary.torn))}",
+                f"{len(torn)} tail slot(s) with a LIVE marker and a bad checksum "
+                f"(no acknowledged item is missing them): slot {_listed(np.array(torn))}",
+                fixable=True,
+            )
+        )
+    if held:
+        findings.append(
+            Finding(
+                path,
+                "rotten-tail",
+                f"{len(held)} tail slot(s) fail their checksum but hold acknowledged items "
+                f"with no result (rot, not a torn write): slot {_listed(np.array(held))}; "
+                "--fix cuts them and gives the items corrupt_input error results",
                 fixable=True,
             )
         )
@@ -134,7 +158,12 @@ def check_segment(path: Path) -> list[Finding]:
 
 def check_data_dir(data_dir: DataDir, fix: bool = False) -> CheckReport:
     """Check every file under the data dir's logs; with `fix`, repair what is safe to repair."""
+    from collector.losses import find_lost, record_lost  # spans the logs and the jobs
+    from ingest.job_check import check_job_records
+
     report = CheckReport()
+    lost = find_lost(data_dir)
+    acknowledged = frozenset((seg, slot) for x in lost for seg, slot, _ in x.slots)
     for directory in (data_dir.segments, data_dir.completion):
         if not directory.is_dir():
             continue
@@ -153,9 +182,16 @@ def check_data_dir(data_dir: DataDir, fix: bool = False) -> CheckReport:
                     report.fixed.append(f"{path}: removed orphan temporary file")
             elif path.name.endswith(SUFFIX):
                 report.segments += 1
-                findings = check_segment(path)
+                findings = check_segment(path, acknowledged)
                 report.findings.extend(findings)
-                if fix and any(f.fixable for f in findings):
+                damaged = scan_segment(path) if fix and findings else None
+                if isinstance(damaged, DamagedFile) and (moved := isolate(data_dir, damaged)):
+                    into = f" to {moved.into.name}" if moved.into else ""
+                    report.fixed.append(
+                        f"{path}: isolated to {moved.path}; {moved.copied} readable item(s) "
+                        f"copied{into}"
+                    )
+                elif fix and any(f.fixable for f in findings):
                     summary = scan_segment(path, repair=True)
                     if isinstance(summary, SegmentSummary):
                         cut = f", cut {len(summary.torn)} torn slot(s)" if summary.torn else ""
@@ -172,6 +208,23 @@ def check_data_dir(data_dir: DataDir, fix: bool = False) -> CheckReport:
     vector_findings, vector_fixed = check_vectors(data_dir.root, fix)
     report.findings.extend(vector_findings)
     report.fixed.extend(vector_fixed)
+    report.findings.extend(check_job_records(data_dir.root))
+    for path in isolated_files(data_dir):
+        report.notes.append(
+            f"{path}: damaged input segment, isolated; its unreadable items have (or, with --fix, get) corrupt_input error results"
+        )
+    for x in lost:
+        report.findings.append(
+            Finding(data_dir.root / "jobs" / x.job_id, "lost-items", x.line(), True)
+        )
+    if fix and report.fixed:
+        lost = find_lost(data_dir, notes=False)  # isolating a file may have saved some
+    if fix and lost:
+        report.lost = record_lost(data_dir, lost)
+        for x in lost:
+            report.fixed.append(
+                f"job {x.job_id}: {len(x.index)} lost item(s) given corrupt_input error results"
+            )
     # After repairs, what is left is whatever a fresh read-only pass still finds.
     report.remaining = check_data_dir(data_dir).findings if report.fixed else report.findings
     return report

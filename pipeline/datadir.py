@@ -4,6 +4,7 @@
 |------------------------------|------------------------------------------------|
 | `<data_dir>/broker.lock`     | flock held exclusively by the broker (or check --fix); holds its pid |
 | `<data_dir>/segments/`       | the input log: `in-<id>.<model>.s<shape>.l<lane>.seg` |
+| `<data_dir>/damaged/`        | damaged input segments moved aside at start (pipeline/salvage.py); never read by a stage |
 | `<data_dir>/completion/`     | the completion log: `out-<id>.<job>.s0.l<size class>.seg` (collector/completion_log.py) |
 | `<data_dir>/next-segment-id` | the lowest id not yet handed out (text)         |
 | `<data_dir>/next-batch-id`   | dispatch's batch ids: the lowest not yet reserved (text, blocks of 2^20) |
@@ -30,6 +31,7 @@ class DataDir:
         self.root = Path(root)
         self.segments = self.root / "segments"
         self.completion = self.root / "completion"
+        self.damaged = self.root / "damaged"
         self.log = self.root / "log"
         self._lock_fd = -1
 

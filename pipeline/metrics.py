@@ -116,6 +116,13 @@ METRICS: dict[str, Metric] = _catalogue(
         "Worker results or registration claims refused: no valid work token, or not registered",
         "dispatch",
     ),
+    Metric(
+        "fabric_damaged_segments",
+        GAUGE,
+        (),
+        "Input segment files damaged: isolated at start, or found damaged since",
+        "dispatch",
+    ),
     # dispatch: workers (one series per worker session)
     Metric(
         "fabric_worker_sessions",

@@ -5,7 +5,10 @@ chunks (so memory does not grow with the backlog), counts the states,
 finds the first LIVE slot and the end of the written region, and looks for a
 torn tail: LIVE slots past the last good one whose checksum fails. Those
 were never acknowledged (the writer acknowledges only after one fdatasync
-covering slots and markers), so repairing cuts them back to EMPTY.
+covering slots and markers), so repairing cuts them back to EMPTY. Rot can
+look the same: a cut slot that held an acknowledged item is found by the
+loss accounting after recovery (collector/losses.py) and ends as a
+`corrupt_input` error result, never silently.
 
 It never trusts the header's advisory counts; it reports them so that check
 can say when they disagree, and a repairing scan rewrites them.
@@ -36,6 +39,7 @@ from pipeline.segment_format import (
     SegmentHeader,
     SegmentKey,
     known_markers,
+    live_markers,
     parse_header,
     slot_checksums,
 )
@@ -162,7 +166,7 @@ def _scan(fd: int, path: Path, header: SegmentHeader, repair: bool) -> SegmentSu
     first_live = end = -1
     for first, markers in iter_markers(fd, header):
         states = markers & STATE_MASK
-        is_live = states == LIVE
+        is_live = live_markers(markers)  # an unknown marker reading LIVE is not LIVE
         known = known_markers(markers)
         n_live = int(np.count_nonzero(is_live))
         live += n_live

@@ -95,6 +95,7 @@ EMPTY = 0
 LIVE = 1
 DEAD = 2
 STATE_MASK = 0xFF
+LIVE_MASK = 0xFFFF00FF  # every bit but the attempts byte
 KNOWN_STATES = (EMPTY, LIVE, DEAD)
 
 
@@ -102,6 +103,15 @@ def known_markers(markers: np.ndarray) -> np.ndarray:
     """True for each marker in a known state: EMPTY, LIVE or DEAD, and zero high bytes."""
     states = markers & STATE_MASK
     return (markers >> 16 == 0) & ((states == EMPTY) | (states == LIVE) | (states == DEAD))
+
+
+def live_markers(markers: np.ndarray) -> np.ndarray:
+    """True for each marker that is LIVE in full: state LIVE and upper bytes zero.
+
+    The attempts byte may hold anything. A marker whose low byte reads LIVE but
+    whose upper bytes are not zero is in no known state: never dispatched.
+    """
+    return (markers & LIVE_MASK) == LIVE
 
 
 _HEADER = struct.Struct("<8sIIQIIIIQ64s")  # the fields up to HEADER_CHECKED
@@ -172,6 +182,20 @@ def segment_file_name(segment_id: int, key: SegmentKey) -> str:
     """`in-000000000042.minilm.s3.l512.seg`: id first, so names sort by id."""
     safe = _NAME_OK.sub("_", key.name)
     return f"{KIND_PREFIX[key.kind]}-{segment_id:012d}.{safe}.s{key.shape}.l{key.lane}{SUFFIX}"
+
+
+_FILE_NAME = re.compile(r"(in|out)-(\d{12})\.(.+)\.s(\d+)\.l(\d+)\.seg\Z")
+
+
+def parse_segment_file_name(name: str) -> tuple[int, int, int, int] | None:
+    """(kind, segment id, shape, lane) from a name `segment_file_name` made; None if it is
+    not one. The model part is only its file-safe form: compare names, not models."""
+    found = _FILE_NAME.match(name)
+    if found is None:
+        return None
+    prefix, segment_id, _, shape, lane = found.groups()
+    kind = next(k for k, p in KIND_PREFIX.items() if p == prefix)
+    return kind, int(segment_id), int(shape), int(lane)
 
 
 def slot_dtype(slot_bytes: int) -> np.dtype:

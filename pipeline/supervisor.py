@@ -33,6 +33,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -48,7 +49,7 @@ from typing import Any
 from collector.segments import SegmentCollector
 from pipeline import announce, exitcodes
 from pipeline.datadir import DataDir
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, FabricError
 from pipeline.logs import setup_stage_logging
 from pipeline.metrics_hub import MetricsHub
 from pipeline.metrics_server import MetricsServer
@@ -64,7 +65,7 @@ from pipeline.security import (
 )
 from pipeline.stage import DISK_FULL_EXIT, EPOCH_ENV, StageSpec, stage_main
 from pipeline.stage_restarts import RESTARTS_FILE, last_error_line, log_size, write_restarts
-from pipeline.topology import RING_BYTES, RingSpec
+from pipeline.topology import AFTER_RECOVERY, RING_BYTES, RingSpec
 
 log = logging.getLogger("fabric.supervisor")
 MAX_BACKOFF_S = 30.0
@@ -128,6 +129,19 @@ class Supervisor:
         self.said_failures: set[str] = set()  # start failures already printed
 
     # ---- lifecycle -------------------------------------------------------
+    def _after_recovery(self, report) -> None:
+        """Isolate damaged input segments and account for lost items (pipeline/salvage.py,
+        collector/losses.py); a failure here is logged and the broker serves what it can."""
+        module, _, name = AFTER_RECOVERY.partition(":")
+        step = getattr(importlib.import_module(module), name)
+        try:
+            lost = step(self.data_dir, report.damaged, report.torn())
+        except (FabricError, OSError) as exc:
+            log.error("isolating damage after recovery failed: %s; serving what is readable", exc)
+            return
+        for job in lost:
+            log.error("%s; recorded as corrupt_input error results", job.line())
+
     def start(self) -> None:
         """Lock, recover, collect, and start every stage.
 
@@ -171,6 +185,8 @@ class Supervisor:
             len(report.damaged),
             report.elapsed_s,
         )
+        if report.damaged or report.torn():
+            self._after_recovery(report)
         # Input segments go at once; completion segments wait for their job's retention (sweep).
         self.collector.offer(
             [s for s in report.finished if s.path.parent == self.data_dir.segments]

@@ -29,6 +29,10 @@ from pathlib import Path
 from pipeline.ring import ring_name
 from pipeline.stage import StageSpec
 
+# Run by the supervisor after recovery when it found damage, before any stage starts:
+# isolate damaged input segments and give lost items their error results (a function,
+# "package.module:name", composed here like the stages: it spans the logs and the jobs).
+AFTER_RECOVERY = "collector.losses:after_recovery"
 RING_BYTES = 64 << 20  # per ring; records are at most pipeline.batches.MAX_RECORD_BYTES
 
 

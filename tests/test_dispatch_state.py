@@ -22,6 +22,17 @@ def segment(data_dir, segment_id: int, n: int, model: str = "m", seq0: int = 1) 
     return seg
 
 
+def job_segment(data_dir, segment_id: int, n: int, job_no: int = 9) -> Segment:
+    """Like `segment`, with seqs as ingest makes them: job_no << 32 | index."""
+    key = SegmentKey(KIND_INPUT, "m", 1, LANE)
+    seg = Segment.create(data_dir.segments, segment_id, key, slot_bytes_for(LANE * 4), 1000)
+    _, _, _, counts, tokens = make_batch(np.random.default_rng(segment_id), n, 1)
+    index = np.arange(n, dtype=np.uint32)
+    seq = (np.uint64(job_no) << np.uint64(32)) | index.astype(np.uint64)
+    seg.append(seq, np.full(n, job_no, np.uint64), index, counts, tokens)
+    return seg
+
+
 def state(*segments: Segment, lease_s: float = 10.0, max_attempts: int = 3) -> DispatchState:
     s = DispatchState(lease_s, max_attempts)
     for seg in segments:
@@ -114,7 +125,7 @@ def test_an_item_reclaimed_max_attempts_times_is_dead_lettered(data_dir):
 
 
 def test_a_slot_that_fails_its_checksum_is_quarantined_never_sent(data_dir):
-    seg = segment(data_dir, 1, 5)
+    seg = job_segment(data_dir, 1, 5)
     seg.bodies[2, 3] ^= 0x40
     s = state(seg)
     batch = s.next_batch("w", "m", 5, 10_000, 0.0)
@@ -217,3 +228,26 @@ def test_answered_batches_stop_counting_against_a_session_budget(data_dir):
     s.answered("w", first.batch_id)
     s.answered("other", first.batch_id + 1)  # only the holder's word counts
     assert s.session_batches("w") == 1 and len(s.leases("w")) == 2  # still leased until retired
+
+
+def test_a_marker_in_no_known_state_is_never_sent_even_if_its_low_byte_reads_live(data_dir):
+    seg = segment(data_dir, 1, 5)
+    seg.markers[1] = 0x0001_0001  # state byte LIVE, upper bytes set: no known state
+    seg.markers[3] = 0x0100_0101  # LIVE, 1 attempt, a stray top byte
+    seg.markers[4] = 0x0000_0101  # LIVE with 1 attempt: known, dispatchable
+    s = state(seg)
+    batch = s.next_batch("w", "m", 5, 10_000, 0.0)
+    assert batch.items["slot"].tolist() == [0, 2, 4]
+    assert s.next_batch("v", "m", 5, 10_000, 0.0) is None
+
+
+def test_a_corrupt_slot_that_does_not_say_which_item_it_holds_blames_no_item(data_dir):
+    seg = job_segment(data_dir, 1, 4)
+    seq = seg.slots["seq"][:4].copy()
+    seg.bodies[1, 5] ^= 0x01  # a token rots: the header still names item 1 of job 9
+    seg.slots["seq"][2] ^= np.uint64(1 << 33)  # the seq rots: it would name job 11
+    s = state(seg)
+    batch = s.next_batch("w", "m", 4, 10_000, 0.0)
+    assert batch.items["slot"].tolist() == [0, 3]
+    quarantined = s.take_outcomes().quarantined
+    assert quarantined["slot"].tolist() == [1] and quarantined["seq"].tolist() == [int(seq[1])]

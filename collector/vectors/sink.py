@@ -31,13 +31,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import orjson
 
 from collector.completion_log import subset
 from collector.export import KIND_EMBEDDING, ResultFile, error_line
 from collector.vectors.stores import StoreSet
+from ingest.job_record import read_job_record
 from ingest.jobs import DELIVER_VECTORS
-from pipeline.errors import FabricError
+from pipeline.errors import FabricError, IngestError
 
 TERMINAL = ("completed", "cancelled", "expired")
 IDLE_POLL_S = 0.25  # a job with nothing new is asked again this often
@@ -114,8 +114,8 @@ class VectorSink:
                 continue  # being created: look again next time
             self.seen.add(job_id)
             try:
-                meta = orjson.loads(meta_path.read_bytes())
-            except (OSError, orjson.JSONDecodeError) as exc:
+                meta = read_job_record(directory)
+            except (OSError, IngestError) as exc:
                 self.log.error("job %s: unreadable job.json (%s); not delivered", job_id, exc)
                 continue
             deliver = str(meta.get("deliver", "file"))
