@@ -31,6 +31,9 @@ DEFAULTS: Final[dict[str, Any]] = {
         "data_dir": "var/fabric",
         # An input segment file rotates when it reaches this size (256 MiB).
         "segment_bytes": 256 * 1024 * 1024,
+        # A lane's first segment is this size (4 MiB); each one opened because the
+        # last filled up is twice the size, up to segment_bytes. Idle lanes restart small.
+        "segment_min_bytes": 4 * 1024 * 1024,
         # A segment with no append for this long is sealed and rotated.
         "segment_idle_s": 30.0,
         # Lane edges in tokens: an item goes to the smallest lane >= its length.

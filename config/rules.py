@@ -19,6 +19,7 @@ from typing import Any, Final
 from config.defaults import ENDPOINTS, ENGINE_ENDPOINTS
 
 MIN_SEGMENT_BYTES: Final = 1024 * 1024
+MIN_FIRST_SEGMENT_BYTES: Final = 64 * 1024
 MAX_LANE_TOKENS: Final = 1 << 20
 # Longest ipc:// path the OS accepts (sizeof(sockaddr_un.sun_path) - 1 on Linux).
 MAX_IPC_PATH_BYTES: Final = 107
@@ -129,6 +130,7 @@ HTTP_ADDRESS = Rule(
 RULES: Final[dict[str, Rule]] = {
     "broker.data_dir": Rule("string", "a non-empty path", lambda v: None if v else "is empty"),
     "broker.segment_bytes": count(MIN_SEGMENT_BYTES, " (1 MiB)"),
+    "broker.segment_min_bytes": count(MIN_FIRST_SEGMENT_BYTES, " (64 KiB)"),
     "broker.segment_idle_s": interval("seconds", zero_ok=False),
     "broker.lanes": Rule(
         "list of integers",

@@ -24,6 +24,7 @@ class BrokerSettings:
 
     data_dir: str
     segment_bytes: int
+    segment_min_bytes: int
     segment_idle_s: float
     lanes: tuple[int, ...]
     recovery_processes: int
