@@ -130,6 +130,8 @@ DEFAULTS: Final[dict[str, Any]] = {
         # The segment collector looks for fully retired files this often.
         "interval_s": 5.0,
     },
+    # One [workers] table, or one [[workers]] table per model served by local workers: each
+    # takes the keys below, with `count` (default 1) in place of `local` and `model` required.
     "workers": {
         # Worker processes the supervisor starts on this host; 0 = remote workers only.
         "local": 1,
@@ -137,6 +139,9 @@ DEFAULTS: Final[dict[str, Any]] = {
         "model": "",
         # Engine of the local workers; "" = the model's own engine.
         "engine": "",
+        # Engine options of the local workers, passed to the engine as keyword arguments,
+        # e.g. {tokens_per_s = 5000.0} for `simulated` or {threads = 2} for `minilm`.
+        "options": {},
         # Tokens per second of the simulated engine (a stand-in for a GPU).
         "simulated_tokens_per_s": 200000.0,
         # Largest batch a worker asks for, in items and in tokens (items x lane).

@@ -75,6 +75,13 @@ def _lanes_problem(lanes: list[int]) -> str | None:
     return None
 
 
+def _options_problem(options: dict[str, Any]) -> str | None:
+    for key, value in options.items():
+        if not isinstance(value, bool | int | float | str):
+            return f"has {key} = {json.dumps(value, default=str)}, not a number, string or boolean"
+    return None
+
+
 TCP_ADDRESS = re.compile(
     r"tcp://(?P<host>\*|\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(?P<port>[0-9]{1,5})"
 )
@@ -195,6 +202,11 @@ RULES: Final[dict[str, Rule]] = {
         f'"" (the model\'s engine) or one of {", ".join(sorted(ENGINE_ENDPOINTS))}',
         lambda v: None if v == "" or v in ENGINE_ENDPOINTS else "is not an engine",
     ),
+    "workers.options": Rule(
+        "table",
+        "a table of engine options, each a number, a string or a boolean, e.g. {threads = 2}",
+        _options_problem,
+    ),
     "workers.simulated_tokens_per_s": interval("tokens per second", zero_ok=False),
     "workers.batch_items": count(1),
     "workers.batch_tokens": count(1),
@@ -221,6 +233,16 @@ RULES: Final[dict[str, Rule]] = {
     "security.server_public_key": Rule(
         "string", 'a path to the broker\'s NAME.key, or "" for that of server_key', lambda v: None
     ),
+}
+
+# One [[workers]] table: the keys of [workers], with `count` in place of `local`.
+WORKER_GROUP_RULES: Final[dict[str, Rule]] = {
+    "count": count(1, " (worker processes for this model)"),
+    **{
+        key.removeprefix("workers."): rule
+        for key, rule in RULES.items()
+        if key.startswith("workers.") and key != "workers.local"
+    },
 }
 
 MODEL_RULES: Final[dict[str, Rule]] = {
@@ -259,6 +281,8 @@ def _has_kind(value: Any, kind: str) -> bool:
         return isinstance(value, str)
     if kind == "boolean":
         return isinstance(value, bool)
+    if kind == "table":
+        return isinstance(value, dict)
     if kind == "list of integers":
         return isinstance(value, list) and all(_is_int(v) for v in value)
     if kind == "list of strings":
