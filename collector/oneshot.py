@@ -271,6 +271,8 @@ def run_oneshot(run: OneShot) -> int:
     job_id = run.job_id()
     _claim_output(run, job_id)
     _wait_for_lock(settings.data_path, say)
+    if not settings.worker_groups:
+        say(f"{config} starts no local workers: the lines wait for workers of other hosts")
     say(f"job {job_id}: {run.input} -> {run.output}; broker on {settings.data_path}")
     err = open(run.state_dir / "broker.err", "ab")  # noqa: SIM115 - lives as long as the broker
     broker = subprocess.Popen(
