@@ -304,7 +304,10 @@ def run_oneshot(run: OneShot) -> int:
 def _drive(run: OneShot, settings, job_id: str, broker, progress: _Progress, say) -> int:
     from collector.client import TERMINAL, ResultsClient
     from ingest.sdk import BrokerUnavailableError, Producer
+    from pipeline.security import client_curve
     from pipeline.topology import client_address
+
+    curve = client_curve(settings.security, None, None)  # the config's keys, if it sets any
 
     def alive() -> None:
         if broker.poll() is not None:
@@ -314,7 +317,8 @@ def _drive(run: OneShot, settings, job_id: str, broker, progress: _Progress, say
                 f"command again to resume"
             )
 
-    with Producer(client_address(settings.ingest.bind), timeout_s=30.0, attempts=20) as producer:
+    address = client_address(settings.ingest.bind)
+    with Producer(address, timeout_s=30.0, attempts=20, curve=curve) as producer:
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:  # the front answers once recovery is done and the stages are up
             alive()
@@ -341,7 +345,8 @@ def _drive(run: OneShot, settings, job_id: str, broker, progress: _Progress, say
 
     def follow() -> None:
         try:
-            with ResultsClient(client_address(settings.completion.bind), timeout_s=10.0) as c:
+            address = client_address(settings.completion.bind)
+            with ResultsClient(address, timeout_s=10.0, curve=curve) as c:
                 latest[0] = c.fetch(
                     job_id,
                     str(run.output),
