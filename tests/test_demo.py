@@ -15,7 +15,7 @@ from conftest import assert_check_clean
 from pipeline.datadir import DataDir
 
 
-def test_extras_only() -> list[str]:
+def extras_only() -> list[str]:
     """Modules of the `test` extra that are not base dependencies (torch, pyarrow, ...)."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
 
@@ -31,7 +31,7 @@ def base_only_env() -> dict[str, str]:
     return {
         **os.environ,
         "PYTHONPATH": str(REPO / "tests" / "procs" / "base_only"),
-        "FABRIC_BLOCKED_IMPORTS": ",".join(test_extras_only()),
+        "FABRIC_BLOCKED_IMPORTS": ",".join(extras_only()),
     }
 
 
@@ -52,7 +52,7 @@ def test_the_readme_demo_installs_the_project_alone_and_the_tests_add_the_extras
     readme = (REPO / "README.md").read_text()
     assert "pip install -e . && .venv/bin/python run.py demo" in readme
     assert "pip install -e '.[test]'" in readme and "pytest" in readme
-    assert {"torch", "transformers", "pyarrow"} <= set(test_extras_only())
+    assert {"torch", "transformers", "pyarrow"} <= set(extras_only())
     blocked = subprocess.run(
         [sys.executable, "-c", "import pyarrow"],
         env=base_only_env(),
