@@ -79,3 +79,29 @@ def test_input_segments_double_up_to_segment_bytes_and_restart_small_when_idle(d
     assert appender.current.capacity == small  # idle: the next segment starts small again
     appender.close()
     assert_check_clean(data_dir)
+
+
+def test_growing_segments_of_mixed_sizes_are_dispatched_recovered_and_checked(tmp_path):
+    """Segments from 64 KiB doubling to 4 MiB: a broker SIGKILLed mid-job recovers them and
+    every item ends once."""
+    config = write_config(tmp_path, workers=1, broker_keys="segment_min_bytes = 65536")
+    b = Broker(config)
+    try:
+        b.start()
+        submit_job(b, tmp_path, 3000, "grow")
+        wait_for(
+            lambda: len(list(b.data_dir.segments.glob("in-*.seg"))) >= 8, "rotations", timeout_s=60
+        )
+        sizes = {p.stat().st_size for p in b.data_dir.segments.glob("in-*.seg")}
+        assert len(sizes) >= 3, sizes  # segments of several capacities
+        b.kill()
+        b.__init__(b.config)
+        b.start()
+        wait_for(lambda: finished(b, "grow"), "the job to finish after the restart", timeout_s=120)
+        out = tmp_path / "out.jsonl"
+        assert fetch(b, "grow", out).returncode == 0
+        assert_each_once(out, 3000)
+        assert b.stop() == exitcodes.OK, b.stderr
+        assert_check_clean(b.data_dir)
+    finally:
+        b.close()
