@@ -10,6 +10,7 @@ python run.py cancel JOB                           retire the job's queued items
 python run.py vectors stats|search|export          the vector store (docs/vectors.md)
 python run.py worker --broker ADDR --model M --engine E   a GPU (or CPU) worker process
 python run.py check --config prod.toml [--fix]     offline consistency check of the data dir
+python run.py batch IN.jsonl -o OUT.jsonl [--config F | --model M --engine E]   one-shot, resumable
 python run.py keys new NAME [--dir DIR]            a CURVE key pair (docs/operations.md)
 
 Client commands and `worker` take `--key NAME.key_secret` and `--server-key BROKER.key`
@@ -29,6 +30,7 @@ from pipeline import exitcodes
 from pipeline.errors import BrokerUnreachableError, ConfigError, DataDirLockedError, FabricError
 
 COMMANDS = ("check", "submit", "status", "results", "cancel", "vectors", "worker", "demo", "keys")
+COMMANDS += ("batch",)  # collector/oneshot.py
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -431,6 +433,9 @@ def _prog() -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=_prog(), description="Inference Fabric broker")
     commands = parser.add_subparsers(dest="command", required=True)
+    from collector.oneshot import add_parser as add_batch_parser
+
+    add_batch_parser(commands)
     demo = commands.add_parser("demo", help="embed the Python docs with MiniLM, end to end")
     demo.add_argument("--dir", default="var/demo", help="where the demo keeps its broker and files")
     demo.add_argument("--workers", type=int, default=1, help="local minilm worker processes")

@@ -67,6 +67,10 @@ VECTOR = 1  # an embedding, little-endian f32
 TEXT = 2  # UTF-8: an error's "code: message"
 PROMPT_HEADER = 4
 SIZE_CLASSES = (256, 1024, 4096, 16384, 65536, 262144, 1 << 20)  # stored bytes per result
+# A job's completion segment of one size class: the first holds FIRST_SEGMENT_BYTES' worth of
+# slots or the items the job still expects (if more), the next twice the last, up to
+# segment_bytes. A small job gets a small file; a large one reaches full size.
+FIRST_SEGMENT_BYTES = 256 * 1024
 
 
 STATUS_MASK = 0x0F
@@ -176,11 +180,13 @@ class CompletionLog:
         data_dir: DataDir,
         open_input: Callable[[int], Segment],
         segment_bytes: int = 64 << 20,
+        expected_items: Callable[[str], int] = lambda job_id: 0,
     ) -> None:
         self.data_dir = data_dir
         self.models = ShapeTable(data_dir.root, MODELS_FILE)
         self.open_input = open_input
         self.segment_bytes = segment_bytes
+        self.expected_items = expected_items  # job id -> items known so far (a sizing hint)
         self.ids = SegmentIds(data_dir)
         self._jobs: dict[str, _Job] = {}
         self._pending: dict[int, list[np.ndarray]] = defaultdict(
@@ -234,6 +240,7 @@ class CompletionLog:
                 slot_bytes,
                 max(self.segment_bytes, 4096 * 3 + 64 * slot_bytes),
                 self.ids,
+                min_bytes=FIRST_SEGMENT_BYTES,
             )
             job.appenders[size_class] = appender
         return appender
@@ -364,6 +371,7 @@ class CompletionLog:
             body[:, :PROMPT_HEADER] = prompt[pick].astype("<u4").view(np.uint8).reshape(-1, 4)
             _gather(body[:, PROMPT_HEADER:], payload, starts[pick], sizes[pick])
             appender = self._appender(job, SIZE_CLASSES[c])
+            appender.expect(max(len(pick), self.expected_items(job.job_id) - job.completed))
             appender.append(  # a full disk raises here, with nothing of this class stored
                 seq[pick],
                 np.full(len(pick), job_no, np.uint64),

@@ -106,7 +106,7 @@ class CompletionStage(Stage):
         self.jobs = JobIndex(settings.data_path)
         self.shapes = ShapeTable(settings.data_path)
         self.inputs: dict[int, Segment] = {}
-        self.log_ = CompletionLog(self.data_dir, self._input)
+        self.log_ = CompletionLog(self.data_dir, self._input, expected_items=self._lines_known)
         self.flush_s = self.config.tombstone_flush_ms / 1000
         self.next_flush = time.monotonic() + self.flush_s
         self.next_tidy = time.monotonic() + 1.0
@@ -284,6 +284,11 @@ class CompletionStage(Stage):
         offsets = np.arange(n + 1, dtype=np.int64) * len(reason)
         status = np.full(n, flags_of(ERROR_RESULT, TEXT), np.uint32)
         self._record(items, status, payload, offsets, np.zeros(n, np.uint32))
+
+    def _lines_known(self, job_id: str) -> int:
+        """Lines of the job committed so far, as last read (sizes its completion segments)."""
+        view = self.jobs.views.get(job_id)
+        return 0 if view is None else view.stored + view.rejected_count
 
     def _record(self, items, status, payload, offsets, prompt, why: str = "computed again") -> bool:
         """Store results; False if some name a job number this broker does not know (yet)."""

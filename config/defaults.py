@@ -31,6 +31,9 @@ DEFAULTS: Final[dict[str, Any]] = {
         "data_dir": "var/fabric",
         # An input segment file rotates when it reaches this size (256 MiB).
         "segment_bytes": 256 * 1024 * 1024,
+        # A lane's first segment is this size (4 MiB); each one opened because the
+        # last filled up is twice the size, up to segment_bytes. Idle lanes restart small.
+        "segment_min_bytes": 4 * 1024 * 1024,
         # A segment with no append for this long is sealed and rotated.
         "segment_idle_s": 30.0,
         # Lane edges in tokens: an item goes to the smallest lane >= its length.
@@ -137,6 +140,8 @@ DEFAULTS: Final[dict[str, Any]] = {
         # The segment collector looks for fully retired files this often.
         "interval_s": 5.0,
     },
+    # One [workers] table, or one [[workers]] table per model served by local workers: each
+    # takes the keys below, with `count` (default 1) in place of `local` and `model` required.
     "workers": {
         # Worker processes the supervisor starts on this host; 0 = remote workers only.
         "local": 1,
@@ -144,6 +149,9 @@ DEFAULTS: Final[dict[str, Any]] = {
         "model": "",
         # Engine of the local workers; "" = the model's own engine.
         "engine": "",
+        # Engine options of the local workers, passed to the engine as keyword arguments,
+        # e.g. {tokens_per_s = 5000.0} for `simulated` or {threads = 2} for `minilm`.
+        "options": {},
         # Tokens per second of the simulated engine (a stand-in for a GPU).
         "simulated_tokens_per_s": 200000.0,
         # Largest batch a worker asks for, in items and in tokens (items x lane).

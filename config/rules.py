@@ -19,6 +19,7 @@ from typing import Any, Final
 from config.defaults import ENDPOINTS, ENGINE_ENDPOINTS
 
 MIN_SEGMENT_BYTES: Final = 1024 * 1024
+MIN_FIRST_SEGMENT_BYTES: Final = 64 * 1024
 MAX_LANE_TOKENS: Final = 1 << 20
 # Longest ipc:// path the OS accepts (sizeof(sockaddr_un.sun_path) - 1 on Linux).
 MAX_IPC_PATH_BYTES: Final = 107
@@ -71,6 +72,13 @@ def _lanes_problem(lanes: list[int]) -> str | None:
             return f"is not strictly increasing ({low} is followed by {high})"
     if lanes[-1] > MAX_LANE_TOKENS:
         return f"ends above {MAX_LANE_TOKENS} tokens ({lanes[-1]})"
+    return None
+
+
+def _options_problem(options: dict[str, Any]) -> str | None:
+    for key, value in options.items():
+        if not isinstance(value, bool | int | float | str):
+            return f"has {key} = {json.dumps(value, default=str)}, not a number, string or boolean"
     return None
 
 
@@ -129,6 +137,7 @@ HTTP_ADDRESS = Rule(
 RULES: Final[dict[str, Rule]] = {
     "broker.data_dir": Rule("string", "a non-empty path", lambda v: None if v else "is empty"),
     "broker.segment_bytes": count(MIN_SEGMENT_BYTES, " (1 MiB)"),
+    "broker.segment_min_bytes": count(MIN_FIRST_SEGMENT_BYTES, " (64 KiB)"),
     "broker.segment_idle_s": interval("seconds", zero_ok=False),
     "broker.lanes": Rule(
         "list of integers",
@@ -197,6 +206,11 @@ RULES: Final[dict[str, Rule]] = {
         f'"" (the model\'s engine) or one of {", ".join(sorted(ENGINE_ENDPOINTS))}',
         lambda v: None if v == "" or v in ENGINE_ENDPOINTS else "is not an engine",
     ),
+    "workers.options": Rule(
+        "table",
+        "a table of engine options, each a number, a string or a boolean, e.g. {threads = 2}",
+        _options_problem,
+    ),
     "workers.simulated_tokens_per_s": interval("tokens per second", zero_ok=False),
     "workers.batch_items": count(1),
     "workers.batch_tokens": count(1),
@@ -223,6 +237,16 @@ RULES: Final[dict[str, Rule]] = {
     "security.server_public_key": Rule(
         "string", 'a path to the broker\'s NAME.key, or "" for that of server_key', lambda v: None
     ),
+}
+
+# One [[workers]] table: the keys of [workers], with `count` in place of `local`.
+WORKER_GROUP_RULES: Final[dict[str, Rule]] = {
+    "count": count(1, " (worker processes for this model)"),
+    **{
+        key.removeprefix("workers."): rule
+        for key, rule in RULES.items()
+        if key.startswith("workers.") and key != "workers.local"
+    },
 }
 
 MODEL_RULES: Final[dict[str, Rule]] = {
@@ -262,6 +286,8 @@ def _has_kind(value: Any, kind: str) -> bool:
         return isinstance(value, str)
     if kind == "boolean":
         return isinstance(value, bool)
+    if kind == "table":
+        return isinstance(value, dict)
     if kind == "list of integers":
         return isinstance(value, list) and all(_is_int(v) for v in value)
     if kind == "list of strings":

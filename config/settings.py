@@ -24,6 +24,7 @@ class BrokerSettings:
 
     data_dir: str
     segment_bytes: int
+    segment_min_bytes: int
     segment_idle_s: float
     lanes: tuple[int, ...]
     recovery_processes: int
@@ -121,11 +122,15 @@ class CollectorSettings:
 
 @dataclass(frozen=True, slots=True)
 class WorkerSettings:
-    """[workers]: worker processes started on this host."""
+    """[workers], or one [[workers]] table: worker processes started on this host for a model.
+
+    `options` are engine keyword arguments as sorted (name, value) pairs (hashable).
+    """
 
     local: int
     model: str
     engine: str
+    options: tuple[tuple[str, Any], ...]
     simulated_tokens_per_s: float
     batch_items: int
     batch_tokens: int
@@ -199,13 +204,14 @@ class Settings:
     completion: CompletionSettings
     vectors: VectorSettings
     collector: CollectorSettings
-    workers: WorkerSettings
+    workers: WorkerSettings  # [workers], or the first [[workers]] table
     supervisor: SupervisorSettings
     metrics: MetricsSettings
     security: SecuritySettings
     models: tuple[ModelSettings, ...]
     data_path: Path
     source: str
+    worker_groups: tuple[WorkerSettings, ...]  # every model's local workers; none if local = 0
 
     def model(self, name: str) -> ModelSettings:
         """Return the model called `name`; raise ConfigError naming the known ones."""
@@ -241,7 +247,17 @@ def _typed(default: Any, value: Any) -> Any:
         return float(value)
     if isinstance(value, list):
         return tuple(value)
+    if isinstance(value, dict):
+        return tuple(sorted(value.items()))
     return value
+
+
+def build_workers(table: Mapping[str, Any]) -> WorkerSettings:
+    """One [workers] table, or one [[workers]] table (`count` for `local`), over the defaults."""
+    values = {**DEFAULTS["workers"], **table}
+    if "count" in values:
+        values["local"] = values.pop("count")
+    return WorkerSettings(**{k: _typed(DEFAULTS["workers"][k], v) for k, v in values.items()})
 
 
 def build_model(table: Mapping[str, Any]) -> ModelSettings:
@@ -268,11 +284,20 @@ def build_settings(data: Mapping[str, Any], *, source: str, cwd: Path) -> Settin
             **{key: _typed(DEFAULTS[name][key], value) for key, value in data[name].items()}
         )
         for name in SECTIONS
+        if name != "workers"
     }
+    workers = data["workers"]
+    if isinstance(workers, list):  # [[workers]]: one table per model
+        groups = tuple(build_workers({"count": 1, **table}) for table in workers)
+        sections["workers"] = groups[0] if groups else build_workers({"local": 0})
+    else:
+        sections["workers"] = build_workers(workers)
+        groups = (sections["workers"],) if sections["workers"].local else ()
     data_path = (cwd / Path(data["broker"]["data_dir"]).expanduser()).resolve()
     return Settings(
         **sections,
         models=tuple(build_model(table) for table in data["models"]),
         data_path=data_path,
         source=source,
+        worker_groups=groups,
     )

@@ -15,7 +15,8 @@ for example
 Checks in order: unknown sections and keys (with the closest allowed name),
 types (an int is accepted where a float is; a bool is never a number), each
 value against its rule in `config/rules.py`, then the rules that span keys: unique model names,
-`max_tokens` within the largest lane, no two stages on one address, and the
+`max_tokens` within the largest lane, local workers (`[workers]` or one `[[workers]]` table
+per model) naming served models, no two stages on one address, and the
 broker's key (`security.server_key`) only together with `security.authorized_keys`.
 Whether a bind may listen beyond loopback is judged when the broker starts
 (`pipeline/security.py`), since client commands read the same file.
@@ -29,7 +30,7 @@ from collections.abc import Callable, Mapping, Set
 from typing import Any
 
 from config.defaults import DEFAULTS, MODEL_DEFAULTS, REQUIRED, SECTIONS
-from config.rules import ADDRESS, HTTP_ADDRESS, MODEL_RULES, RULES, Rule, clash
+from config.rules import ADDRESS, HTTP_ADDRESS, MODEL_RULES, RULES, WORKER_GROUP_RULES, Rule, clash
 from pipeline.errors import ConfigError
 
 
@@ -51,6 +52,8 @@ def validate(data: Mapping[str, Any], source: str, overridden: Set[str] = frozen
             raise ConfigError(f"{where(name)}: {_unknown_top(name, value)}")
     for section in SECTIONS:
         table = data[section]
+        if section == "workers" and isinstance(table, list):
+            continue  # [[workers]] tables: checked with the models they name
         if not isinstance(table, dict):
             raise _refuse(
                 where(section),
@@ -61,6 +64,7 @@ def validate(data: Mapping[str, Any], source: str, overridden: Set[str] = frozen
             )
         _check_table(table, f"[{section}]", f"{section}.", RULES, where)
     _check_models(data["models"], data["broker"]["lanes"], where)
+    _check_workers(data["workers"], [m["name"] for m in data["models"]], where)
     _check_addresses(data, where)
     _check_security(data["security"], where)
 
@@ -147,6 +151,51 @@ def _check_models(models: Any, lanes: list[int], where: Callable[[str], str]) ->
             )
 
 
+def _check_workers(workers: Any, models: list[str], where: Callable[[str], str]) -> None:
+    """[workers] names a served model (or ""); each [[workers]] table names one, once."""
+    if isinstance(workers, dict):
+        if workers["model"] and workers["model"] not in models:
+            raise _refuse(
+                where("workers.model"),
+                "workers.model",
+                workers["model"],
+                "names no [[models]] table",
+                f'name one of {", ".join(models)}, or "" for the first',
+            )
+        return
+    if not all(isinstance(w, dict) for w in workers):
+        raise _refuse(
+            where("workers"),
+            "workers",
+            workers,
+            f"has the wrong type ({_describe(workers)})",
+            "expected a [workers] table or [[workers]] tables, one per model",
+        )
+    seen: dict[str, int] = {}
+    for i, table in enumerate(workers):
+        prefix = f"workers[{i}]."
+        rules = {prefix + key: rule for key, rule in WORKER_GROUP_RULES.items()}
+        _check_table(table, "[[workers]]", prefix, rules, where)
+        model = table.get("model", "")
+        if model not in models:
+            raise _refuse(
+                where(prefix + "model"),
+                prefix + "model",
+                model,
+                "names no [[models]] table" if model else "is missing or empty",
+                f"every [[workers]] table names the model it serves: one of {', '.join(models)}",
+            )
+        if model in seen:
+            raise _refuse(
+                where(prefix + "model"),
+                prefix + "model",
+                model,
+                f"repeats workers[{seen[model]}].model",
+                "give each model one [[workers]] table (its count sets how many processes)",
+            )
+        seen[model] = i
+
+
 def _check_addresses(data: Mapping[str, Any], where: Callable[[str], str]) -> None:
     bound: dict[str, tuple[str, str]] = {}  # dotted key -> (address, as written), keys so far
     for key, rule in RULES.items():
@@ -203,7 +252,9 @@ def _suggest(key: str, allowed: list[str], prefix: str) -> str:
     close = difflib.get_close_matches(key, allowed, n=1)
     if close:
         return f"; did you mean {prefix}{close[0]}?"
-    homes = [s for s in SECTIONS if key in DEFAULTS[s] and not prefix.startswith("models")]
+    homes = [
+        s for s in SECTIONS if key in DEFAULTS[s] and not prefix.startswith(("models", "workers["))
+    ]
     return f"; did you mean {homes[0]}.{key}?" if homes else ""
 
 

@@ -51,11 +51,11 @@ from config.defaults import DEFAULTS
 from gpu.dispatch_state import ITEM_DTYPE
 from gpu.engines import Engine, EngineBatch, EngineResult, TransientEngineError
 from pipeline import exitcodes, wire
-from pipeline.errors import FabricError, WireError
+from pipeline.errors import ConfigError, FabricError, WireError
 from pipeline.security import ClientCurve, internal_curve, secure_client
 from pipeline.segment_format import SLOT_HEADER_WORDS
 from pipeline.stage import StopFlags
-from pipeline.topology import client_address
+from pipeline.topology import client_address, worker_group
 
 MT = wire.MessageType
 log = logging.getLogger("fabric.worker")
@@ -679,7 +679,8 @@ def run_worker(options: WorkerOptions, engine: Engine) -> int:
 
 
 class WorkerStage:
-    """A local worker started by the supervisor (`[workers] local = N`), run like a stage."""
+    """A local worker started by the supervisor (`[workers] local = N`, or one of a
+    `[[workers]]` table's `count`), run like a stage."""
 
     name = "worker"
 
@@ -688,7 +689,7 @@ class WorkerStage:
 
         self.settings = settings
         self.index = index
-        workers = settings.workers
+        self.workers = workers = worker_group(settings, index)
         model = workers.model or settings.models[0].name
         engine_name = workers.engine or next(
             (m.engine for m in settings.models if m.name == model), "echo"
@@ -697,7 +698,17 @@ class WorkerStage:
         if engine_name == "simulated":
             options["tokens_per_s"] = workers.simulated_tokens_per_s
         elif engine_name in ("minilm", "transformers"):  # the cores shared among local workers
-            options["threads"] = max(1, (os.cpu_count() or 1) // max(1, workers.local))
+            local = sum(group.local for group in settings.worker_groups)
+            options["threads"] = max(1, (os.cpu_count() or 1) // max(1, local))
+        options.update(workers.options)
+        try:
+            engine = make_engine(engine_name, **options)
+        except TypeError as exc:
+            raise ConfigError(
+                f"{settings.source}: the local workers of model {model!r} give engine "
+                f"{engine_name!r} options {options} it does not take ({exc}); fix their "
+                f"options table"
+            ) from None
         self.worker = Worker(
             WorkerOptions(
                 broker=client_address(settings.dispatch.bind),
@@ -711,7 +722,7 @@ class WorkerStage:
                 batch_timeout_s=workers.batch_timeout_s,
                 curve=internal_curve(settings),  # a local worker uses the broker's own key
             ),
-            make_engine(engine_name, **options),
+            engine,
         )
 
     def open(self) -> None:
@@ -723,7 +734,7 @@ class WorkerStage:
             raise SystemExit(self.worker.exit_code)
 
     def drain(self, deadline: float) -> None:
-        self.worker.drain(time.monotonic() + self.settings.workers.drain_s)
+        self.worker.drain(time.monotonic() + self.workers.drain_s)
 
     def close(self) -> None:
         self.worker.close()

@@ -259,7 +259,8 @@ class FrontStage(Stage):
         if job is None:
             if chunk_lines < 1:
                 raise IngestError(f"chunk_lines {chunk_lines} must be a positive number of lines")
-            job = self.registry.create(job_id, chunk_lines, deliver)
+            source = str(meta.get("source", ""))[:4096]  # the input file's path, for vectors search
+            job = self.registry.create(job_id, chunk_lines, deliver, source)
         self.jobs_by_no[job.job_no] = job
         if deliver != job.deliver:
             raise IngestError(

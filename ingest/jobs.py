@@ -227,9 +227,13 @@ class JobRegistry:
         self._jobs[job_id] = job
         return job
 
-    def create(self, job_id: str, chunk_lines: int, deliver: str = DELIVER_FILE) -> Job:
+    def create(
+        self, job_id: str, chunk_lines: int, deliver: str = DELIVER_FILE, source: str = ""
+    ) -> Job:
         """Create a job durably (directory, job.json, empty journal); its chunks have
-        `chunk_lines` lines and its results go where `deliver` says (`parse_deliver`)."""
+        `chunk_lines` lines and its results go where `deliver` says (`parse_deliver`).
+        `source`: the absolute path of the input file on the producer's host, if it sent one
+        (`vectors search` reads the text of a hit's line back from it when it can)."""
         check_job_id(job_id)
         directory = self.root / job_id
         job_no = self._counter.next()  # DiskFullError when the disk is full
@@ -241,6 +245,8 @@ class JobRegistry:
             "chunk_lines": chunk_lines,
             "deliver": deliver,
         }
+        if source:
+            meta["source"] = source
         try:
             directory.mkdir(exist_ok=True)
             write_whole(directory / "job.json", encode_job_record(meta), also_sync=(self.root,))

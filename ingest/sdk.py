@@ -215,8 +215,9 @@ class Producer:
             for _ in iter_batch_input(source, settings, chunk_lines=lines, strict=True):
                 pass
         chunks = iter_batch_input(source, settings, chunk_lines=lines)
+        source = str(Path(source).resolve())  # recorded with the job (`vectors search` text)
         with _resume_hint(job_id):
-            return self._send_chunks(job_id, lines, chunks, status, progress, deliver)
+            return self._send_chunks(job_id, lines, chunks, status, progress, deliver, source)
 
     def submit_tokens(
         self,
@@ -264,6 +265,7 @@ class Producer:
         status: dict[str, Any],
         progress: Progress | None,
         deliver: str = "file",
+        source: str = "",
     ) -> SubmitReport:
         report = SubmitReport(job_id)
         self._backing_off.clear()
@@ -294,6 +296,8 @@ class Producer:
                     final=last,
                     deliver=deliver,
                 )
+                if source:
+                    meta["source"] = source
                 self._send(MT.SUBMIT_CHUNK, meta, arrays)
                 pending[chunk.index] = (meta, arrays, time.monotonic(), 1)
             if pending:

@@ -32,6 +32,7 @@ MIN_WORDS = 6
 SENTENCE_WORDS = 60  # a paragraph is cut at the first sentence end past this many words
 MAX_WORDS = 90  # ... or here at the latest
 MAX_TOKENS = 256  # the model's limit; the few longer pieces (code) are left out
+START_TIMEOUT_S = 120.0  # for the broker to answer: stages start slowly on a busy machine
 
 
 def corpus() -> list[str]:
@@ -139,7 +140,7 @@ def run_demo(root: Path | str = "var/demo", workers: int = 1, limit: int | None 
     from collector.client import ResultsClient
     from collector.vectors.client import VectorsClient
     from config import load_settings
-    from ingest.sdk import Producer
+    from ingest.sdk import BrokerUnavailableError, Producer
 
     root = (REPO / root) if not Path(root).is_absolute() else Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -182,6 +183,14 @@ def run_demo(root: Path | str = "var/demo", workers: int = 1, limit: int | None 
     try:
         # patient: the broker started a moment ago and is not listening yet
         with Producer(settings.ingest.bind, timeout_s=30.0, attempts=20, patient=True) as producer:
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while True:  # the front answers once recovery is done and its process is up
+                try:
+                    producer.job_status(job_id)
+                    break
+                except BrokerUnavailableError:
+                    if broker.poll() is not None or time.monotonic() > deadline:
+                        raise
             bar = _Bar("submit", len(texts))
             report = producer.submit_file(
                 root / "corpus.jsonl",

@@ -56,6 +56,13 @@ class SegmentAppender:
     new ones as needed; nothing is durable until `sync()`, which issues one
     fdatasync per segment written since the last sync (group commit) and then
     closes the segments that were rotated out.
+
+    Segments grow with the key's traffic: the first holds what `min_bytes`
+    holds (or `expect()`'s count of items, if larger), each one opened because
+    the last filled up holds twice as many, up to `segment_bytes`; a rotation
+    for idleness starts small again. So a quiet key costs a small file, a busy
+    one reaches full-size segments after a few rotations. Each file's header
+    says its own capacity; nothing reading segments assumes one size.
     """
 
     def __init__(
@@ -67,6 +74,7 @@ class SegmentAppender:
         ids: SegmentIds,
         idle_s: float = 30.0,
         drop_synced_pages: bool = False,
+        min_bytes: int | None = None,
     ) -> None:
         smallest = HEADER_BYTES + marker_region_bytes(1) + slot_bytes
         if segment_bytes < smallest:
@@ -76,7 +84,10 @@ class SegmentAppender:
             )
         self.key = key
         self.slot_bytes = slot_bytes
-        self.capacity = capacity_for(segment_bytes, slot_bytes)
+        self.capacity = capacity_for(segment_bytes, slot_bytes)  # the largest segment's
+        first = segment_bytes if min_bytes is None else min(max(min_bytes, smallest), segment_bytes)
+        self.min_capacity = capacity_for(first, slot_bytes)
+        self._next_capacity = self.min_capacity
         self.idle_s = idle_s
         self.drop_synced_pages = drop_synced_pages
         self._directory: Path = data_dir.segment_dir(key.kind)
@@ -88,6 +99,12 @@ class SegmentAppender:
     @property
     def current(self) -> Segment | None:
         return self._current
+
+    def expect(self, items: int) -> None:
+        """A hint: about `items` more will come, so the next segment may be sized to hold them
+        (between the smallest and the largest size). Never shrinks a planned segment."""
+        wanted = min(max(items, self.min_capacity), self.capacity)
+        self._next_capacity = max(self._next_capacity, wanted)
 
     def append(
         self,
@@ -135,8 +152,13 @@ class SegmentAppender:
         )
         while room < n:
             segment = Segment.create(
-                self._directory, self._ids.allocate(), self.key, self.slot_bytes, self.capacity
+                self._directory,
+                self._ids.allocate(),
+                self.key,
+                self.slot_bytes,
+                self._next_capacity,
             )
+            self._next_capacity = min(2 * self._next_capacity, self.capacity)
             self._ready.append(segment)
             room += segment.capacity
 
@@ -156,6 +178,8 @@ class SegmentAppender:
         if segment is None or now_s - segment.last_append_s < self.idle_s:
             return False
         self._seal_current()
+        if not self._ready:  # quiet again: the next segment starts small
+            self._next_capacity = self.min_capacity
         return True
 
     def close(self) -> None:

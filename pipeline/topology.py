@@ -6,7 +6,7 @@
 | `tokenizer` | ingest.processes     | `tokenize` socket                       | rings tokenizer->router, `front`       |
 | `router`    | router.processes     | its rings, `router-<r>` socket           | rings router->writer                  |
 | `writer`    | writers.processes    | its rings, `writer-<w>` socket           | segments, `front` socket (acks), `dispatch` socket (APPENDED) |
-| `worker`    | workers.local        | dispatch.bind (a client, like any worker) | dispatch.bind                          |
+| `worker`    | workers.local, or each [[workers]] count | dispatch.bind (a client, like any worker) | dispatch.bind                          |
 | `dispatch`  | 1                    | segments, dispatch.bind, `dispatch` socket | dispatch.bind, `completion` socket     |
 | `completion`| 1                    | `completion` socket, completion.bind     | completion log, input markers, `dispatch` socket |
 | `vectors`   | 1                    | vector stores (recovered first), vectors.bind, completion.bind (as a sink) | vector shards |
@@ -81,12 +81,22 @@ def stage_specs(settings) -> list[StageSpec]:
     ]
     specs += [
         StageSpec("worker", i, "gpu.worker:WorkerStage", critical=False)
-        for i in range(settings.workers.local)
+        for i in range(sum(group.local for group in settings.worker_groups))
     ]
     specs.append(StageSpec("dispatch", 0, "gpu.dispatch_stage:DispatchStage"))
     specs.append(StageSpec("completion", 0, "collector.completion_stage:CompletionStage"))
     specs.append(StageSpec("vectors", 0, "collector.vectors.manager:VectorStage"))
     return specs
+
+
+def worker_group(settings, index: int):
+    """The [workers] (or [[workers]]) settings local worker `index` runs with: workers are
+    numbered through the groups in order, worker-0 .. worker-(N-1)."""
+    for group in settings.worker_groups:
+        if index < group.local:
+            return group
+        index -= group.local
+    raise IndexError(f"no local worker {index} in {settings.source}")
 
 
 def ring_specs(settings) -> list[RingSpec]:

@@ -83,6 +83,7 @@ class WriterStage(Stage):
                 self.ids,
                 self.settings.broker.segment_idle_s,
                 self.settings.writers.drop_synced_pages,
+                self.settings.broker.segment_min_bytes,
             )
             self.appenders[key] = appender
         return appender

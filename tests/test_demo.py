@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
+import tomllib
 
 from broker import REPO
 from conftest import assert_check_clean
@@ -14,14 +16,51 @@ from conftest import assert_check_clean
 from pipeline.datadir import DataDir
 
 
+def extras_only() -> list[str]:
+    """Modules of the `test` extra that are not base dependencies (torch, pyarrow, ...)."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+
+    def names(requirements: list[str]) -> set[str]:
+        return {re.split(r"[<>=!~ \[]", r, maxsplit=1)[0].lower() for r in requirements}
+
+    extra = names(project["optional-dependencies"]["test"]) - names(project["dependencies"])
+    return sorted(name.replace("-", "_") for name in extra)
+
+
+def base_only_env() -> dict[str, str]:
+    """An environment where the test extras cannot be imported (tests/procs/base_only)."""
+    return {
+        **os.environ,
+        "PYTHONPATH": str(REPO / "tests" / "procs" / "base_only"),
+        "FABRIC_BLOCKED_IMPORTS": ",".join(extras_only()),
+    }
+
+
 def demo(root, *args: str) -> subprocess.CompletedProcess:
+    """The demo with the test extras unimportable in it and every process it starts: it runs
+    on what the README's `pip install -e .` installs."""
     return subprocess.run(
         [sys.executable, "run.py", "demo", "--dir", str(root), "--limit", "300", *args],
         capture_output=True,
         text=True,
         cwd=REPO,
         timeout=180,
+        env=base_only_env(),
     )
+
+
+def test_the_readme_demo_installs_the_project_alone_and_the_tests_add_the_extras():
+    readme = (REPO / "README.md").read_text()
+    assert "pip install -e . && .venv/bin/python run.py demo" in readme
+    assert "pip install -e '.[test]'" in readme and "pytest" in readme
+    assert {"torch", "transformers", "pyarrow"} <= set(extras_only())
+    blocked = subprocess.run(
+        [sys.executable, "-c", "import pyarrow"],
+        env=base_only_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert blocked.returncode != 0 and "not a base dependency" in blocked.stderr
 
 
 def test_the_demo_embeds_real_text_end_to_end_and_runs_again_cleanly(tmp_path):

@@ -12,6 +12,7 @@ import orjson
 from collector.vectors.client import VectorsClient, embed_texts
 from collector.vectors.search import METRICS
 from collector.vectors.shard import VectorInputError
+from collector.vectors.texts import input_texts
 from pipeline import exitcodes
 
 
@@ -22,7 +23,10 @@ def add_parser(commands, client_options, handler) -> None:
     stats.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     client_options(stats, "vectors")
     search = actions.add_parser("search", help="exact top-k neighbours of a text or a vector")
-    search.add_argument("--store", required=True, help="store name (by default the model's name)")
+    search.add_argument(
+        "--store",
+        help="store name (default: the store of the first configured model that has one)",
+    )
     what = search.add_mutually_exclusive_group(required=True)
     what.add_argument("--text", action="append", help="query text (repeat for several)")
     what.add_argument("--vector-file", help=".npy file of one vector [dim] or queries [q, dim]")
@@ -75,7 +79,32 @@ def _stats(client: VectorsClient, args) -> int:
     return exitcodes.OK
 
 
+def _settings(args, settings_of):
+    """The config's settings, or None for a broker named by --broker alone."""
+    if getattr(args, "broker", None) and not Path(args.config).exists():
+        return None
+    return settings_of()
+
+
+def _default_store(client: VectorsClient, settings) -> str:
+    """The store named after a model: the first configured model with a store, or the only
+    store; else a VectorInputError listing the stores."""
+    names = [store["name"] for store in client.stats()["stores"]]
+    models = [m.name for m in settings.models] if settings is not None else []
+    for name in models:
+        if name in names:
+            return name
+    if len(names) == 1:
+        return names[0]
+    raise VectorInputError(
+        f"no store is named after a configured model ({', '.join(models) or 'none'}); "
+        f"name one with --store: {', '.join(names) or 'there are none yet'}"
+    )
+
+
 def _search(client: VectorsClient, args, settings_of) -> int:
+    settings = _settings(args, settings_of)
+    args.store = args.store or _default_store(client, settings)
     if args.text:
         store = client.store(args.store)
         query = embed_texts(settings_of(), store["model"], args.text)
@@ -94,6 +123,15 @@ def _search(client: VectorsClient, args, settings_of) -> int:
     hits = client.search(args.store, query, args.k, args.metric)
     meta, a = hits.meta, hits.arrays
     q, k = meta["shape"]
+    index = (a["id"].reshape(-1) & np.uint64(0xFFFFFFFF)).astype(np.int64).tolist()
+    texts = (
+        input_texts(
+            settings.data_path,
+            list(zip(meta["jobs"], index, meta["custom_ids"], strict=True)),
+        )
+        if settings is not None and not getattr(args, "broker", None)
+        else [None] * len(index)
+    )
     for i in range(q):
         if not args.json:
             print(f"{labels[i]!r}: top {k} of {meta['rows']:,} in {meta['seconds'] * 1000:.1f} ms")
@@ -107,6 +145,7 @@ def _search(client: VectorsClient, args, settings_of) -> int:
                 "job": meta["jobs"][at],
                 "shard": int(a["shard"][i, j]),
                 "row": int(a["row"][i, j]),
+                "text": texts[at],
             }
             if args.json:
                 print(orjson.dumps(hit).decode())
@@ -115,6 +154,9 @@ def _search(client: VectorsClient, args, settings_of) -> int:
                     f"  {j + 1:>3}. {hit['score']:.4f}  {hit['custom_id']}  "
                     f"(job {hit['job']}, shard {hit['shard']} row {hit['row']})"
                 )
+                if texts[at] is not None:
+                    shown = " ".join(texts[at].split())
+                    print(f"       {shown[:150]}{'...' if len(shown) > 150 else ''}")
     return exitcodes.OK
 
 
