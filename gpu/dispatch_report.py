@@ -57,11 +57,17 @@ def dispatch_metrics(stage, now: float) -> dict:
         "fabric_items_reclaimed_total": {(c,): stage.reclaimed[c] for c in RECLAIM_CAUSES},
         "fabric_dead_letters_total": stage.counts[DEAD_LETTER],
         "fabric_quarantined_items_total": stage.counts[CORRUPT_INPUT],
+        "fabric_unretired_item_errors": unretired_item_errors(stage),
         "fabric_worker_sessions": {(m,): n for m, n in sessions.items()},
         "fabric_worker_in_flight_items": dict(in_flight),
         "fabric_worker_leases": dict(leases),
         **figures,
     }
+
+
+def unretired_item_errors(stage) -> int:
+    """Item errors sent to completion and not yet named by its RETIRED (sent again every 5 s)."""
+    return sum(len(entry[2]) for entry in stage.unretired_errors)
 
 
 def idle_fraction(session, now: float) -> float:
@@ -92,6 +98,7 @@ def broker_status(stage, now: float) -> dict:
         "retired": stage.counts["retired"],
         "dead_lettered": stage.counts[DEAD_LETTER],
         "corrupt": stage.counts[CORRUPT_INPUT],
+        "unretired_item_errors": unretired_item_errors(stage),
         "dead_letters": list(stage.dead_letters),
         "workers": [
             {

@@ -80,6 +80,11 @@ def item_array(message: wire.Message, name: str) -> np.ndarray:
     return items
 
 
+def slot_keys(items: np.ndarray) -> np.ndarray:
+    """One u8 per item naming its (segment, slot): what a RETIRED item is matched by."""
+    return (items["segment"].astype(np.uint64) << np.uint64(32)) | items["slot"].astype(np.uint64)
+
+
 def worker_figures(meta: dict) -> dict[str, float]:
     """What a worker's REPORT says about itself (prompt_tokens, tokens_per_s, idle_s; totals
     since the worker started); a missing or malformed figure is left out."""
@@ -328,8 +333,10 @@ class DispatchStage(Stage):
                 slots = items["slot"][items["segment"] == segment_id].astype(np.int64)
                 self.state.retired(int(segment_id), slots)
             self.counts["retired"] += len(items)
-            for entry in self.unretired_errors:  # a seq names one item (one slot) for good
-                entry[2] = entry[2][~np.isin(entry[2]["seq"], items["seq"])]
+            retired = slot_keys(items)  # RETIRED names slots (its seqs are 0): match by slot
+            for entry in self.unretired_errors:  # segment ids are never reused
+                entry[2] = entry[2][~np.isin(slot_keys(entry[2]), retired)]
+            self.unretired_errors = [e for e in self.unretired_errors if len(e[2])]
         for route_hex, result_id, count in message.meta["acks"]:
             route = bytes.fromhex(route_hex)
             session = self.sessions.get(route.decode("ascii", "replace"))

@@ -109,6 +109,13 @@ METRICS: dict[str, Metric] = _catalogue(
         "Stored items that failed their checksum, retired with an error",
         "dispatch",
     ),
+    Metric(
+        "fabric_unretired_item_errors",
+        GAUGE,
+        (),
+        "Item errors dispatch sent to completion that completion has not retired yet",
+        "dispatch",
+    ),
     # dispatch: workers (one series per worker session)
     Metric(
         "fabric_worker_sessions",

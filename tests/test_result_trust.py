@@ -1,0 +1,95 @@
+"""Trust nothing (issue 14, points 2, 8 and 11), with real broker processes.
+
+A worker that lies about its results (tests/procs/lying_worker.py) never makes
+a job undeliverable: completion refuses each bad result, hands it back or
+stores the item's error, and `results` (plain and `--all`) writes every line.
+Item errors (a cancel of 20,000 queued items) are retired by completion's
+RETIRED, and dispatch's queue of item errors to send again empties.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import test_dispatch_pipeline
+from broker import REPO
+from conftest import wait_for
+from test_dispatch_pipeline import (
+    assert_each_once,
+    cli,
+    fetch,
+    finished,
+    stop_and_check,
+    submit_job,
+)
+from test_metrics import scrape_when, value
+
+from collector.client import DispatchClient
+
+broker = test_dispatch_pipeline.broker  # the fixture: a real broker, fast dispatch timeouts
+
+LIES = {1: "wrong_size", 2: "wrong_kind", 3: "bad_status", 4: "not_finite", 5: "wrong_dimension"}
+PROMPT = [5, 6, 7, 8, 9, 10, 11]  # every item in one lane, so the echo embeddings share a dim
+
+
+def dispatch_status(b) -> dict:
+    client = DispatchClient(b.settings.dispatch.bind, timeout_s=5.0)
+    try:
+        return client.broker_status()
+    finally:
+        client.close()
+
+
+def lying_worker(b, tmp_path: Path) -> subprocess.Popen:
+    args = [
+        sys.executable,
+        str(REPO / "tests" / "procs" / "lying_worker.py"),
+        "worker",
+        "--broker",
+        b.settings.dispatch.bind,
+        "--heartbeat",
+        b.settings.dispatch.heartbeat_bind,
+        "--model",
+        "echo",
+        "--engine",
+        "echo",
+        "--batch-items",
+        "16",
+        "--prefetch",
+        "1",
+        "--target-batch-s",
+        "0",
+    ]
+    with open(tmp_path / "liar.log", "w") as log:  # the child keeps its own copy
+        return subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=log)
+
+
+def test_cancelled_items_are_retired_and_dispatch_stops_sending_them_again(tmp_path, broker):
+    """Point 8: completion's RETIRED names slots (seq 0); dispatch matched item errors by seq,
+    so after a cancel it sent every item error again every 5 s for ever. Now the queue of item
+    errors not yet retired empties, as dispatch's status says."""
+    n = 20_000
+    b = broker(workers=0)
+    submit_job(b, tmp_path, n, "c")
+    cancel = cli(b, "cancel", "c")
+    assert cancel.returncode == 0, cancel.stderr
+    wait_for(lambda: finished(b, "c"), "the cancelled job to finish", timeout_s=120)
+    wait_for(
+        lambda: dispatch_status(b)["unretired_item_errors"] == 0,
+        "dispatch's item errors to be retired",
+        timeout_s=30,
+    )
+    samples = scrape_when(
+        f"http://{b.settings.metrics.bind}/metrics",
+        "the metric to show no unretired item error",
+        lambda s: value(s, "fabric_unretired_item_errors") == 0,
+    )
+    assert value(samples, "fabric_items_completed_total") == n
+    out = tmp_path / "c.out.jsonl"
+    result = fetch(b, "c", out)
+    assert result.returncode == 0, result.stderr
+    assert_each_once(out, n)
+    assert not out.read_text()
+    stop_and_check(b)
