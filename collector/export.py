@@ -10,6 +10,13 @@ client acknowledges a page to the broker only after both of its files are
 synced (invariant 12), and a re-run after a crash rewrites nothing it already
 has (invariant 5).
 
+A stored result that cannot be rendered (a status other than 0 or 1, a kind
+or payload size its shape does not allow, a shape the table lacks, NaN or
+infinite values) becomes an `invalid_result` error line for its item, and
+the rest of its page is written; only a page whose columns disagree raises
+PageError. Completion refuses such results before it stores them
+(collector/result_check.py); this covers data stored before it did.
+
 Payload, by `kind`:
 
 | kind | status | payload                               | rendered as                               |

@@ -40,7 +40,9 @@ RECLAIM_CAUSES = (
     "missing_from_report",  # the worker's report no longer lists the item
     "handed_back",  # the worker handed it back (transient failure, drain)
     "worker_left",  # the worker said BYE holding it
+    "result_refused",  # completion refused its result (collector/result_check.py)
 )
+RESULT_REFUSALS = ("bad_status", "wrong_kind", "wrong_size", "wrong_dimension", "not_finite")
 
 
 @dataclass(frozen=True)
@@ -190,6 +192,13 @@ METRICS: dict[str, Metric] = _catalogue(
         COUNTER,
         (),
         "Results dropped because their item already had one",
+        "completion",
+    ),
+    Metric(
+        "fabric_results_refused_total",
+        COUNTER,
+        ("cause",),
+        "Worker results that failed their check against their item, by cause",
         "completion",
     ),
     Metric(

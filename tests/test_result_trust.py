@@ -9,18 +9,21 @@ RETIRED, and dispatch's queue of item errors to send again empties.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
+import orjson
 import test_dispatch_pipeline
-from broker import REPO
+from broker import REPO, submit
 from conftest import wait_for
 from test_dispatch_pipeline import (
     assert_each_once,
     cli,
     fetch,
     finished,
+    job_info,
     stop_and_check,
     submit_job,
 )
@@ -64,6 +67,62 @@ def lying_worker(b, tmp_path: Path) -> subprocess.Popen:
     ]
     with open(tmp_path / "liar.log", "w") as log:  # the child keeps its own copy
         return subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=log)
+
+
+def test_a_lying_worker_cannot_make_a_job_undeliverable(tmp_path, broker):
+    """Point 2 and 11: wrong size, wrong kind, a bad status, NaN and a wrong dimension from a
+    worker. Each bad result is refused before it is stored (NaN: the item's error at once; the
+    rest handed back, an attempt each, and stored as `invalid_result` on the last attempt), so
+    the job finishes and `results` and `results --all` write every line, each once."""
+    n = 96
+    data = tmp_path / "t.jsonl"
+    lines = [
+        {
+            "custom_id": f"r{i}",
+            "method": "POST",
+            "url": "/v1/embeddings",
+            "body": {"model": "echo", "prompt_token_ids": [i + 1, *PROMPT]},
+        }
+        for i in range(n)
+    ]
+    data.write_bytes(b"".join(orjson.dumps(line) + b"\n" for line in lines))
+    b = broker(workers=0)
+    assert submit(b.config, data, "--job-id", "t").returncode == 0
+    liar = lying_worker(b, tmp_path)
+    try:
+        wait_for(lambda: finished(b, "t"), "the job to finish despite its lying worker", 120)
+        out, everything = tmp_path / "out.jsonl", tmp_path / "all.jsonl"
+        for path, args in ((out, ()), (everything, ("--all",))):
+            result = fetch(b, "t", path, *args)
+            assert result.returncode == 0, result.stderr
+            assert_each_once(path, n)
+            written = [json.loads(x) for x in path.read_text().splitlines()]
+            assert sorted(int(x["custom_id"][1:]) for x in written) == list(range(0, n, 6))
+            for x in written:
+                vector = x["response"]["body"]["data"][0]["embedding"]
+                assert vector[:8] == [int(x["custom_id"][1:]) + 1, *PROMPT]
+            errors = [json.loads(x) for x in Path(f"{path}.errors.jsonl").read_text().splitlines()]
+            assert len(errors) == n - len(written)
+            for e in errors:
+                i = int(e["custom_id"][1:])
+                assert e["error"]["code"] == "invalid_result", e
+                assert LIES[i % 6] in e["error"]["message"], e
+        info = job_info(b, "t")
+        assert (info["completed"], info["failed"]) == (len(written), n - len(written))
+        url = f"http://{b.settings.metrics.bind}/metrics"
+        samples = scrape_when(
+            url,
+            "every refusal to be counted",
+            lambda s: (
+                all(value(s, "fabric_results_refused_total", cause=c) for c in LIES.values())
+                and value(s, "fabric_items_reclaimed_total", cause="result_refused")
+            ),
+        )
+        assert value(samples, "fabric_results_refused_total", cause="not_finite") == n // 6
+    finally:
+        liar.kill()
+        liar.wait(timeout=10)
+    stop_and_check(b)
 
 
 def test_cancelled_items_are_retired_and_dispatch_stops_sending_them_again(tmp_path, broker):
