@@ -162,19 +162,19 @@ def expected_kind(shape: dict | None) -> int:
 def _not_finite(payload: np.ndarray, offsets: np.ndarray, pick: np.ndarray) -> np.ndarray:
     """Per item, True where one of the picked items' f4 values is NaN or infinite."""
     starts = offsets[:-1][pick]
-    counts = np.diff(offsets)[pick] // 4
-    first = np.repeat(starts - 4 * (np.cumsum(counts) - counts), counts) + 4 * np.arange(
-        int(counts.sum()), dtype=np.int64
-    )  # the first byte of every value, in item order
-    if not (starts % 4).any():  # the usual case: one view of the payload, one gather
-        values = payload[: len(payload) // 4 * 4].view("<f4")[first // 4]
-    else:
-        values = np.ascontiguousarray(payload[first[:, None] + np.arange(4)]).view("<f4")
-        values = values.reshape(-1)
-    bad_value = ~np.isfinite(values)
-    owner = np.repeat(np.arange(len(counts)), counts)
+    ends = offsets[1:][pick]
     bad = np.zeros(len(pick), bool)
-    bad[np.flatnonzero(pick)[np.unique(owner[bad_value])]] = True
+    for phase in np.unique(starts % 4).tolist():  # one pass over the payload per start phase
+        mine = starts % 4 == phase
+        words = payload[phase : phase + (len(payload) - phase) // 4 * 4].view("<f4")
+        at = np.flatnonzero(~np.isfinite(words)) * 4 + phase  # usually none: nothing more
+        if not len(at):
+            continue
+        first, last = starts[mine], ends[mine]  # ascending: offsets never decrease
+        owner = np.searchsorted(first, at, side="right") - 1
+        inside = owner >= 0
+        inside[inside] = at[inside] < last[owner[inside]]
+        bad[np.flatnonzero(pick)[np.flatnonzero(mine)[owner[inside]]]] = True
     return bad
 
 

@@ -123,3 +123,21 @@ def test_a_nan_embedding_first_does_not_fix_the_dimension():
     verdict = check.check(expect(VECTOR, 3), *message(parts))
     assert verdict.cause.tolist() == [WRONG_DIMENSION, OK, OK]  # the worker's fault comes first
     assert check.dims == {("m", 64): 3}
+
+
+def test_non_finite_values_are_found_in_the_right_item_at_any_alignment():
+    rng = np.random.default_rng(7)
+    parts, want = [], []
+    for i in range(300):
+        if i % 7 == 3:
+            parts.append((1, TEXT, b"x" * int(rng.integers(1, 6))))  # shifts what follows
+            want.append(OK)
+            continue
+        values = rng.random(16).astype("<f4")
+        broken = rng.random() < 0.3
+        if broken:
+            values[rng.integers(0, 16)] = rng.choice([np.nan, np.inf, -np.inf])
+        parts.append((0, VECTOR, values.tobytes()))
+        want.append(NOT_FINITE if broken else OK)
+    verdict = ResultCheck().check(expect(VECTOR, len(parts)), *message(parts))
+    assert verdict.cause.tolist() == want
