@@ -10,6 +10,7 @@ RETIRED, and dispatch's queue of item errors to send again empties.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -45,7 +46,7 @@ def dispatch_status(b) -> dict:
         client.close()
 
 
-def lying_worker(b, tmp_path: Path) -> subprocess.Popen:
+def lying_worker(b, tmp_path: Path, lies: int = -1) -> subprocess.Popen:
     args = [
         sys.executable,
         str(REPO / "tests" / "procs" / "lying_worker.py"),
@@ -65,8 +66,9 @@ def lying_worker(b, tmp_path: Path) -> subprocess.Popen:
         "--target-batch-s",
         "0",
     ]
+    env = {**os.environ, "FABRIC_LIES": str(lies)}
     with open(tmp_path / "liar.log", "w") as log:  # the child keeps its own copy
-        return subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=log)
+        return subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log)
 
 
 def test_a_lying_worker_cannot_make_a_job_undeliverable(tmp_path, broker):
@@ -119,6 +121,50 @@ def test_a_lying_worker_cannot_make_a_job_undeliverable(tmp_path, broker):
             ),
         )
         assert value(samples, "fabric_results_refused_total", cause="not_finite") == n // 6
+    finally:
+        liar.kill()
+        liar.wait(timeout=10)
+    stop_and_check(b)
+
+
+def test_results_handed_back_are_computed_again_and_stored_when_the_worker_turns_honest(
+    tmp_path, broker
+):
+    """Point 2: a refused result (but NaN) hands its item back; computed again (here by the
+    same worker, honest after its first message) it is stored. Only the NaN items fail."""
+    n = 48
+    data = tmp_path / "h.jsonl"
+    lines = [
+        {
+            "custom_id": f"r{i}",
+            "method": "POST",
+            "url": "/v1/embeddings",
+            "body": {"model": "echo", "prompt_token_ids": [i + 1, *PROMPT]},
+        }
+        for i in range(n)
+    ]
+    data.write_bytes(b"".join(orjson.dumps(line) + b"\n" for line in lines))
+    b = broker(workers=0)
+    assert submit(b.config, data, "--job-id", "h").returncode == 0
+    liar = lying_worker(b, tmp_path, lies=1)
+    try:
+        wait_for(lambda: finished(b, "h"), "the job to finish", 120)
+        out = tmp_path / "out.jsonl"
+        result = fetch(b, "h", out, "--all")
+        assert result.returncode == 0, result.stderr
+        assert_each_once(out, n)
+        errors = [json.loads(x) for x in Path(f"{out}.errors.jsonl").read_text().splitlines()]
+        assert errors and all(int(e["custom_id"][1:]) % 6 == 4 for e in errors), errors
+        assert all("not_finite" in e["error"]["message"] for e in errors)
+        for x in (json.loads(x) for x in out.read_text().splitlines()):
+            vector = x["response"]["body"]["data"][0]["embedding"]
+            assert vector[:8] == [int(x["custom_id"][1:]) + 1, *PROMPT]
+            assert len(vector) == 64  # the lane's width: the echo engine's dimension
+        scrape_when(  # what its first message lied about (but NaN) went back, not failed
+            f"http://{b.settings.metrics.bind}/metrics",
+            "the hand-backs to be counted",
+            lambda s: value(s, "fabric_items_reclaimed_total", cause="result_refused") > 0,
+        )
     finally:
         liar.kill()
         liar.wait(timeout=10)

@@ -12,10 +12,14 @@ By the item's index in its job (its seq's low 32 bits) modulo 6:
 | 5     | one value more than the others                                 | `wrong_dimension`  |
 
     python tests/procs/lying_worker.py worker --broker ADDR --model M --engine echo ...
+
+With FABRIC_LIES=N in its environment it lies in its first N RESULTS messages only, then
+turns honest (so what it handed back can be computed again and stored).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -29,8 +33,15 @@ LIES = 6
 honest_results = worker.results_message
 
 
+lies_left = int(os.environ.get("FABRIC_LIES", "-1"))  # < 0: for ever
+
+
 def lying_results(items, lengths, result) -> dict:
+    global lies_left
     arrays = honest_results(items, lengths, result)
+    if lies_left == 0:
+        return arrays
+    lies_left -= 1
     payload, offsets = arrays["payload"], arrays["offsets"]
     lie = (items["seq"] & np.uint64(0xFFFFFFFF)).astype(np.int64) % LIES
     parts = []
