@@ -74,8 +74,10 @@ class Verdict:
 
     def reason(self, cause: int) -> str:
         """The stored error text for items refused with `cause`."""
-        return f"{INVALID_RESULT}: the worker's result was refused ({CAUSES[cause]}: " + (
-            self.detail.get(cause, "") + ")"
+        example = self.detail.get(cause, "")
+        return (
+            f"{INVALID_RESULT}: the worker's result was refused ({CAUSES[cause]}; "
+            f"the first so refused in its batch had {example})"
         )
 
 
@@ -101,34 +103,51 @@ class ResultCheck:
         cause = np.zeros(n, np.uint8)
         detail: dict[int, str] = {}
 
-        def refuse(mask: np.ndarray, why: int, what: str) -> None:
+        def refuse(mask: np.ndarray, why: int, what) -> None:
+            """Mark the items of `mask` not refused yet; `what(i)` describes the first, i."""
             mask = mask & (cause == OK)
             if mask.any():
                 cause[mask] = why
-                detail.setdefault(why, what)
+                detail.setdefault(why, what(int(np.argmax(mask))))
 
         status = status.astype(np.int64)
         kind = kind.astype(np.int64)
         sizes = np.diff(offsets)
         result = status == RESULT
-        refuse(~result & (status != ERROR_RESULT), BAD_STATUS, "status is not 0 or 1")
+        refuse(
+            ~result & (status != ERROR_RESULT),
+            BAD_STATUS,
+            lambda i: f"status {status[i]}, not {RESULT} (result) or {ERROR_RESULT} (error)",
+        )
         want = expected.kind.astype(np.int64)
         known = want != 0xFF
-        refuse(result & known & (kind != want), WRONG_KIND, "kind does not match the endpoint")
-        refuse(result & (kind != TOKENS) & (kind != VECTOR), WRONG_KIND, "kind is not 0 or 1")
-        refuse(result & (sizes % 4 != 0), WRONG_SIZE, "payload is not whole 4-byte values")
+        refuse(
+            result & known & (kind != want),
+            WRONG_KIND,
+            lambda i: f"kind {kind[i]} where the item's endpoint gives kind {want[i]}",
+        )
+        refuse(
+            result & (kind != TOKENS) & (kind != VECTOR),
+            WRONG_KIND,
+            lambda i: f"kind {kind[i]}, not {TOKENS} (tokens) or {VECTOR} (vector)",
+        )
+        refuse(
+            result & (sizes % 4 != 0),
+            WRONG_SIZE,
+            lambda i: f"a {sizes[i]}-byte payload, not whole 4-byte values",
+        )
         vectors = result & (kind == VECTOR)
-        refuse(vectors & (sizes == 0), WRONG_SIZE, "the embedding is empty")
+        refuse(vectors & (sizes == 0), WRONG_SIZE, lambda i: "an empty embedding")
         budget = expected.max_tokens
         refuse(
             result & (kind == TOKENS) & (budget > 0) & (sizes // 4 > budget),
             WRONG_SIZE,
-            "more tokens than the shape's max_tokens",
+            lambda i: f"{sizes[i] // 4} tokens where the shape's max_tokens is {budget[i]}",
         )
         vectors &= cause == OK
         broken = _not_finite(payload, offsets, vectors) if vectors.any() else vectors
         self._dimensions(expected, vectors, vectors & ~broken, sizes // 4, refuse)
-        refuse(broken, NOT_FINITE, "NaN or infinite values")  # the worker's fault first
+        refuse(broken, NOT_FINITE, lambda i: "NaN or infinite values")  # worker's faults first
         return Verdict(cause, detail)
 
     def _dimensions(self, expected: Expected, vectors, finite, dims, refuse) -> None:
@@ -144,11 +163,13 @@ class ResultCheck:
                 if not (finite & mine).any():
                     continue
                 dim = self.dims[key] = int(dims[np.argmax(finite & mine)])
-            wrong = mine & (dims != dim)
-            if wrong.any():
-                found = int(dims[np.argmax(wrong)])
-                what = f"{found} values where {key[0]} in lane {key[1]} gives {dim}"
-                refuse(wrong, WRONG_DIMENSION, what)
+            refuse(
+                mine & (dims != dim),
+                WRONG_DIMENSION,
+                lambda i, key=key, dim=dim: (
+                    f"{dims[i]} values where {key[0]} in lane {key[1]} gives {dim}"
+                ),
+            )
 
 
 def expected_kind(shape: dict | None) -> int:
