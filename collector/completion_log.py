@@ -12,7 +12,10 @@ Only then are the input markers written DEAD; `flush_tombstones()` makes
 them durable about every 100 ms (one fdatasync per touched input segment)
 and returns what retired, which is when dispatch may forget the items and
 the worker may be acknowledged. Duplicates of items that already have a
-result are retired too, so a crash between output and tombstone heals.
+result are retired too, so a crash between output and tombstone heals, and
+a duplicate whose slot is DEAD already is returned by the next flush again
+(dispatch, which sends item errors again until it sees them retired, learns
+that a copy it resent after a completion restart is done).
 
 Per job, a bitmap of the item indexes that have a result is the exact
 counter: it is rebuilt from the completion log itself (`load_job`), never
@@ -284,6 +287,8 @@ class CompletionLog:
                     f"does not match the slot ({'never written' if states[i] == EMPTY else 'another item'})"
                 )
             dead = ~bad & (states == DEAD)
+            if dead.any():  # retired already: said again, so whoever sent it again can forget it
+                self._pending[int(segment_id)].append(slots[dead])
             keep[where[bad | dead]] = False
             retire[where[~bad & (states == LIVE)]] = True
             model = self.models.id_for({"model": seg.key.name})

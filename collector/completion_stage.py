@@ -5,12 +5,14 @@ Sockets:
 | socket            | kind   | peer                                                                 |
 |-------------------|--------|----------------------------------------------------------------------|
 | `completion` ipc  | PULL   | dispatch: RESULTS (as workers sent them), ITEM_ERRORS (dead letters, quarantined, cancelled) |
-| `dispatch` ipc    | PUSH   | dispatch: RETIRED (input slots now DEAD on disk, and the worker acks) and CANCEL_JOB |
+| `dispatch` ipc    | PUSH   | dispatch: RETIRED (input slots now DEAD on disk, the worker acks, refused results to hand back) and CANCEL_JOB |
 | `completion.bind` | ROUTER | results clients: FETCH / RESULT_PAGE, JOB_STATUS / JOB_INFO, CANCEL / CANCELLED |
 
-Each step takes what arrived, stores the new results (CompletionLog.record,
-no sync yet), then makes them durable in one group commit and only then
-writes the input tombstones (`sync_outputs`). About every
+Each step takes what arrived, checks each worker result against its item
+(collector/result_check.py: a bad one is handed back to dispatch with the
+next RETIRED, or stored as the item's error `invalid_result`), stores the
+new results (CompletionLog.record, no sync yet), then makes them durable in
+one group commit and only then writes the input tombstones (`sync_outputs`). About every
 `tombstone_flush_ms` the tombstones are synced and dispatch is told which
 slots retired, with the acknowledgements for the workers whose results
 those were: output, tombstone, count, retire, acknowledge (invariant 3).
@@ -46,6 +48,7 @@ from collector.completion_log import (
     subset,
 )
 from collector.job_view import JobIndex, JobView, write_cancel
+from collector.result_check import CAUSES, HAND_BACK, ResultCheck, expected_for
 from gpu.dispatch_state import ITEM_DTYPE
 from ingest.jobs import JOB_ID
 from pipeline import wire
@@ -142,6 +145,9 @@ class CompletionStage(Stage):
         self.poller.register(self.clients, zmq.POLLIN)
         self.stored = 0
         self.duplicates = 0  # results dropped: their item had one (metrics)
+        self.checker = ResultCheck()  # every worker result against its item (trust nothing)
+        self.refused = collections.Counter()  # cause -> results refused (metrics)
+        self.hand_back: list[tuple[str, int, np.ndarray]] = []  # (session, batch, items): RETIRED
         self.delivered = 0  # results marked delivered (metrics)
 
     def _input(self, segment_id: int) -> Segment:
@@ -187,7 +193,7 @@ class CompletionStage(Stage):
         except DiskFullError as exc:  # the tombstones and acks wait for the next flush
             self.disk.failed(exc, now)
             return
-        if not retired and not self.acks:
+        if not retired and not self.acks and not self.hand_back:
             return
         parts = []
         for segment_id, slots in retired.items():
@@ -196,11 +202,15 @@ class CompletionStage(Stage):
             items["slot"] = slots
             parts.append(items)
         items = np.concatenate(parts) if parts else np.zeros(0, ITEM_DTYPE)
+        back = [items for _, _, items in self.hand_back]
+        meta = {"acks": self.acks, "refused": [[s, b, len(i)] for s, b, i in self.hand_back]}
+        arrays = {"items": items, "refused": np.concatenate(back) if back else items[:0]}
         try:
-            wire.send(self.dispatch, MT.RETIRED, {"acks": self.acks}, {"items": items})
+            wire.send(self.dispatch, MT.RETIRED, meta, arrays)
         except FabricError as exc:  # dispatch restarting: it rereads markers; workers resend
             self.log.warning("could not tell dispatch of %d retired item(s): %s", len(items), exc)
         self.acks = []
+        self.hand_back = []
 
     def _read_inbox(self, now: float) -> None:
         while self.deferred and self._store(self.deferred[0], now):
@@ -260,25 +270,66 @@ class CompletionStage(Stage):
             return
         items, payload, offsets = a["items"], a["payload"], a["offsets"].astype(np.int64)
         ack[2] = len(items)
-        status = flags_of(a["status"].astype(np.uint32) & 1, a["kind"].astype(np.uint32) & 0xF)
+        expected, attempts = expected_for(items, self._input, self.shapes)
+        verdict = self.checker.check(expected, a["status"], a["kind"], payload, offsets)
+        error = a["status"] == ERROR_RESULT  # the worker's own error: stored as text
+        status = flags_of(error, np.where(error, TEXT, a["kind"].astype(np.uint32) & 0xF))
+        prompt = a["prompt_tokens"].astype(np.uint32)
+        good = np.flatnonzero(verdict.cause == 0)
         try:
+            if len(good) < len(items):
+                sub_payload, sub_offsets = subset(payload, offsets, good)
+            else:
+                sub_payload, sub_offsets = payload, offsets
+            why = "sent again" if meta.get("resent") else "computed again"
             known = self._record(
-                items,
-                status,
-                payload,
-                offsets,
-                a["prompt_tokens"].astype(np.uint32),
-                "sent again" if meta.get("resent") else "computed again",
+                items[good], status[good], sub_payload, sub_offsets, prompt[good], why
+            )
+            back = (
+                self._refuse(meta["session"], items, verdict, attempts)
+                if len(good) < len(items)
+                else None
             )
             if not known:  # not acknowledged: the worker sends them again, the rest are duplicates
                 self.acks.pop()
+            elif back is not None and len(back):
+                batch_id = meta.get("batch_id")  # a worker's word: used only to find its lease
+                batch_id = batch_id if isinstance(batch_id, int) and batch_id >= 0 else 0
+                self.hand_back.append((str(meta["session"]), batch_id, back))
         except DiskFullError:
             self.acks.pop()  # this message's ack, appended last: the worker sends them again
             raise
 
+    def _refuse(self, session, items, verdict, attempts) -> np.ndarray:
+        """Results that failed their check (collector/result_check.py): stored as the item's
+        error `invalid_result` (not finite, or refused on its last attempt), or returned to be
+        handed back to dispatch with the next RETIRED (counting an attempt)."""
+        last = attempts + 1 >= self.settings.dispatch.max_attempts
+        back = []
+        for cause in np.unique(verdict.cause[verdict.cause != 0]).tolist():
+            mine = verdict.cause == cause
+            self.refused[CAUSES[cause]] += int(mine.sum())
+            errors = mine & (last | (cause not in HAND_BACK))
+            if errors.any():
+                self._errors(items[errors], verdict.reason(cause))
+            back.append(items[mine & ~errors])
+            self.log.warning(
+                "session %s: %d result(s) refused (%s: %s): %d stored as errors, %d handed back",
+                session,
+                int(mine.sum()),
+                CAUSES[cause],
+                verdict.detail.get(cause, ""),
+                int(errors.sum()),
+                int((mine & ~errors).sum()),
+            )
+        return np.concatenate(back) if back else items[:0]
+
     def _item_errors(self, message: wire.Message) -> None:
-        items = message.arrays["items"]
-        reason = str(message.meta["reason"]).encode("utf-8")
+        self._errors(message.arrays["items"], str(message.meta["reason"]))
+
+    def _errors(self, items: np.ndarray, text: str) -> None:
+        """Store one error result, `text` ("code: message"), for each of `items`."""
+        reason = text.encode("utf-8")
         n = len(items)
         payload = np.frombuffer(reason * n, np.uint8)
         offsets = np.arange(n + 1, dtype=np.int64) * len(reason)
@@ -534,6 +585,7 @@ class CompletionStage(Stage):
             "fabric_items_completed_total": self.stored,
             "fabric_duplicate_results_total": self.duplicates,
             "fabric_results_delivered_total": self.delivered,
+            "fabric_results_refused_total": {(c,): self.refused[c] for c in CAUSES[1:]},
         }
 
     def _reply(

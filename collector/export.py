@@ -10,6 +10,13 @@ client acknowledges a page to the broker only after both of its files are
 synced (invariant 12), and a re-run after a crash rewrites nothing it already
 has (invariant 5).
 
+A stored result that cannot be rendered (a status other than 0 or 1, a kind
+or payload size its shape does not allow, a shape the table lacks, NaN or
+infinite values) becomes an `invalid_result` error line for its item, and
+the rest of its page is written; only a page whose columns disagree raises
+PageError. Completion refuses such results before it stores them
+(collector/result_check.py); this covers data stored before it did.
+
 Payload, by `kind`:
 
 | kind | status | payload                               | rendered as                               |
@@ -70,6 +77,7 @@ KIND_TOKENS: Final = 0
 KIND_EMBEDDING: Final = 1
 KIND_ERROR_TEXT: Final = 2
 ITEM_FAILED: Final = "item_failed"
+INVALID_RESULT: Final = "invalid_result"  # a stored result that cannot be rendered
 
 _BARE_CODE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _DUMPS_OPTIONS = orjson.OPT_APPEND_NEWLINE | orjson.OPT_SERIALIZE_NUMPY
@@ -115,23 +123,29 @@ class ExportContext:
 
 
 def format_page(page: ResultPage, context: ExportContext) -> tuple[list[bytes], list[bytes]]:
-    """Render `page` as (output lines, error lines), in page order; raise PageError if malformed."""
-    results, errors = _check_page(page, context.job_id)
+    """Render `page` as (output lines, error lines), in page order; raise PageError if its
+    columns disagree. A stored result that cannot be rendered becomes an error line."""
+    checked = _check_page(page, context)
     index = page.index.tolist()
-    out_lines = _format_results(page, context, results)
+    out_lines = _format_results(page, context, checked)
     err_lines = []
     offsets = page.offsets.tolist()
     payload = memoryview(np.ascontiguousarray(page.payload, dtype=np.uint8))
-    for i in errors.tolist():
+    for i in checked.errors.tolist():
         code, message = _split_error(bytes(payload[offsets[i] : offsets[i + 1]]))
         error = LineError(index[i] + 1, page.custom_ids[i], code, message)
+        err_lines.append(error.to_batch_error_line(context.job_id))
+    for i, what in checked.invalid.items():
+        message = f"the stored result {what}; it cannot be delivered (report it with the job id)"
+        error = LineError(index[i] + 1, page.custom_ids[i], INVALID_RESULT, message)
         err_lines.append(error.to_batch_error_line(context.job_id))
     return out_lines, err_lines
 
 
 def page_keys(page: ResultPage, context: ExportContext) -> tuple[list[str], list[str]]:
     """The keys of `format_page`'s (output lines, error lines), in the same order."""
-    results, errors = _check_page(page, context.job_id)
+    checked = _check_page(page, context)
+    results = checked.results
     custom_ids = page.custom_ids
     index = page.index.tolist()
     unnamed = [i for i in results.tolist() if custom_ids[i] is None]
@@ -140,9 +154,8 @@ def page_keys(page: ResultPage, context: ExportContext) -> tuple[list[str], list
         line_key(custom_ids[i], f"batch_req_{line_ids[i]}" if i in line_ids else "")
         for i in results.tolist()
     ]
-    err = [
-        line_key(custom_ids[i], f"{context.job_id}-line-{index[i] + 1}") for i in errors.tolist()
-    ]
+    failed = [*checked.errors.tolist(), *checked.invalid]
+    err = [line_key(custom_ids[i], f"{context.job_id}-line-{index[i] + 1}") for i in failed]
     return out, err
 
 
@@ -164,20 +177,16 @@ def line_key(custom_id: str | None, line_id: str) -> str:
     return "id:" + line_id if custom_id is None else "custom_id:" + custom_id
 
 
-def _format_results(page: ResultPage, context: ExportContext, results: np.ndarray) -> list[bytes]:
-    """Output lines for the items at `results`: columns converted once, then one dict per item."""
+def _format_results(page: ResultPage, context: ExportContext, checked: _Checked) -> list[bytes]:
+    """Output lines for the checked results: columns converted once, then one dict per item."""
+    results = checked.results
     if not len(results):
         return []
     kind = page.kind[results]
-    shape_ids = page.shape[results]
-    endpoints = _endpoints(context, page.index[results], shape_ids, kind)
+    endpoints = checked.endpoints
     offsets = np.asarray(page.offsets, dtype=np.int64)
     starts = offsets[results]
-    sizes = offsets[results + 1] - starts
-    if (bad := np.flatnonzero(sizes % 4)).size:
-        what = f"has a {int(sizes[bad[0]])}-byte payload, not a whole number of u4/f4 values"
-        raise PageError(_where(context.job_id, int(page.index[results[bad[0]]]), what))
-    counts = sizes // 4
+    counts = (offsets[results + 1] - starts) // 4
     words, word_starts = _result_words(page.payload, starts, counts)
     floats = words.view("<f4").astype(np.float32, copy=False)  # native order for orjson
     embeds = kind == KIND_EMBEDDING
@@ -260,8 +269,27 @@ def _generated_body(
     }
 
 
-def _check_page(page: ResultPage, job_id: str) -> tuple[np.ndarray, np.ndarray]:
-    """(positions of results, positions of errors); raise PageError if the columns disagree."""
+@dataclass(eq=False)
+class _Checked:
+    """A page sorted out: the positions of results to render (and their (endpoint, max_tokens)),
+    of stored errors, and of stored results that cannot be rendered (position -> why)."""
+
+    results: np.ndarray
+    endpoints: list[tuple[str, int]]
+    errors: np.ndarray
+    invalid: dict[int, str]
+
+
+def _check_page(page: ResultPage, context: ExportContext) -> _Checked:
+    """Sort the page's entries; raise PageError if its columns disagree (nothing is usable).
+
+    Belt and braces: completion checks every result before it stores it
+    (collector/result_check.py), but a page read from older data may still
+    hold one that cannot be rendered (a status, kind or size its shape does
+    not allow, NaN or infinite values): each such entry becomes an
+    `invalid_result` error line, so the rest of the page is still delivered.
+    """
+    job_id = context.job_id
     n = len(page.index)
     columns = {
         "custom_ids": len(page.custom_ids),
@@ -277,70 +305,76 @@ def _check_page(page: ResultPage, job_id: str) -> tuple[np.ndarray, np.ndarray]:
                 f"job {job_id}: result page column {name} has {length} entries for {n} items "
                 "(offsets needs n + 1); the broker sent a malformed page, report it with the job id"
             )
-    offsets = page.offsets
+    offsets = np.asarray(page.offsets, dtype=np.int64)
     if n and (offsets[0] < 0 or offsets[-1] > len(page.payload) or (np.diff(offsets) < 0).any()):
         raise PageError(
             f"job {job_id}: result page offsets run from {int(offsets[0])} to "
             f"{int(offsets[-1])} (or go backwards) over a {len(page.payload)}-byte payload; "
             "the broker sent a malformed page, report it with the job id"
         )
-    results = page.status == RESULT
-    errors = page.status == ERROR
-    if (bad := np.flatnonzero(~results & ~errors)).size:
-        what = f"has status {int(page.status[bad[0]])}, not {RESULT} or {ERROR}"
-        raise PageError(_where(job_id, int(page.index[bad[0]]), what))
-    if (bad := np.flatnonzero(errors & (page.kind != KIND_ERROR_TEXT))).size:
-        what = f"is an error with payload kind {int(page.kind[bad[0]])}, not {KIND_ERROR_TEXT}"
-        raise PageError(_where(job_id, int(page.index[bad[0]]), what))
-    return np.flatnonzero(results), np.flatnonzero(errors)
+    invalid: dict[int, str] = {}
+    status, kind = page.status, page.kind
+    sizes = np.diff(offsets)
+    results = status == RESULT
+    errors = status == ERROR
+    for i in np.flatnonzero(~results & ~errors).tolist():
+        invalid[i] = f"has status {int(status[i])}, not {RESULT} or {ERROR}"
+    for i in np.flatnonzero(results & (sizes % 4 != 0)).tolist():
+        invalid[i] = f"has a {int(sizes[i])}-byte payload, not a whole number of u4/f4 values"
+    endpoints = _endpoints(context, page.shape, kind, results, invalid)
+    embeds = np.flatnonzero(results & (kind == KIND_EMBEDDING))
+    embeds = embeds[[i not in invalid for i in embeds.tolist()]] if invalid else embeds
+    if len(embeds):
+        counts = sizes[embeds] // 4
+        words, word_starts = _result_words(page.payload, offsets[embeds], counts)
+        floats = words[_concat_ranges(word_starts, counts)].view("<f4")
+        owner = np.repeat(np.arange(len(embeds)), counts)
+        for i in embeds[np.unique(owner[~np.isfinite(floats)])].tolist():
+            invalid[i] = "is an embedding with NaN or infinite values"
+        for i in embeds[sizes[embeds] == 0].tolist():
+            invalid[i] = "is an empty embedding"
+    ok = np.flatnonzero(results)
+    if invalid:
+        ok = ok[[i not in invalid for i in ok.tolist()]]
+    shapes = [endpoints[s] for s in page.shape[ok].tolist()]
+    return _Checked(ok, shapes, np.flatnonzero(errors), invalid)
 
 
 def _endpoints(
-    context: ExportContext, items: np.ndarray, shape_ids: np.ndarray, kind: np.ndarray
-) -> list[tuple[str, int]]:
-    """(endpoint, max_tokens) per result, each shape checked once against the kinds it carries."""
+    context: ExportContext,
+    shape_ids: np.ndarray,
+    kind: np.ndarray,
+    results: np.ndarray,
+    invalid: dict[int, str],
+) -> dict[int, tuple[str, int]]:
+    """(endpoint, max_tokens) per shape id of the results, each shape checked once against the
+    kinds it carries; a result its shape does not allow goes to `invalid` with the reason."""
     table: dict[int, tuple[str, int]] = {}
-    for shape_id in np.unique(shape_ids).tolist():
-        mine = shape_ids == shape_id
-        item = int(items[np.argmax(mine)])
-        shape = context.shapes.get(shape_id)
-        if shape is None:
-            raise PageError(
-                _where(
-                    context.job_id,
-                    item,
-                    f"names shape {shape_id}, which the job's shape table does not hold",
-                    "fetch the job's shape table from the broker again and retry",
-                )
-            )
+    for shape_id in np.unique(shape_ids[results]).tolist():
+        mine = results & (shape_ids == shape_id)
+        shape = context.shapes.get(shape_id) or {}
         endpoint = shape.get("endpoint")
-        want = KIND_EMBEDDING if endpoint == EMBEDDINGS else KIND_TOKENS
-        if endpoint not in (EMBEDDINGS, CHAT_COMPLETIONS, COMPLETIONS):
-            raise PageError(
-                _where(context.job_id, item, f"has shape {shape_id} with endpoint {endpoint!r}")
-            )
-        if (wrong := np.flatnonzero(mine & (kind != want))).size:
-            item = int(items[wrong[0]])
-            raise PageError(
-                _where(
-                    context.job_id,
-                    item,
-                    f"is a kind {int(kind[wrong[0]])} result, but its "
-                    f"shape {shape_id} is {endpoint}, which gives kind {want}",
-                )
-            )
         max_tokens = shape.get("max_tokens")
-        if endpoint != EMBEDDINGS and (not isinstance(max_tokens, int) or max_tokens < 1):
-            raise PageError(
-                _where(
-                    context.job_id,
-                    item,
-                    f"has shape {shape_id} ({endpoint}) with max_tokens "
-                    f"{max_tokens!r}, not a positive integer",
-                )
+        want = KIND_EMBEDDING if endpoint == EMBEDDINGS else KIND_TOKENS
+        problem = ""
+        if not shape:
+            problem = f"names shape {shape_id}, which the job's shape table does not hold"
+        elif endpoint not in (EMBEDDINGS, CHAT_COMPLETIONS, COMPLETIONS):
+            problem = f"has shape {shape_id} with endpoint {endpoint!r}"
+        elif endpoint != EMBEDDINGS and (not isinstance(max_tokens, int) or max_tokens < 1):
+            problem = (
+                f"has shape {shape_id} ({endpoint}) with max_tokens {max_tokens!r}, "
+                "not a positive integer"
             )
+        if problem:
+            for i in np.flatnonzero(mine).tolist():
+                invalid.setdefault(i, problem)
+            continue
+        for i in np.flatnonzero(mine & (kind != want)).tolist():
+            what = f"is a kind {int(kind[i])} result, but its shape {shape_id} is {endpoint}"
+            invalid.setdefault(i, f"{what}, which gives kind {want}")
         table[shape_id] = (endpoint, max_tokens or 0)
-    return [table[s] for s in shape_ids.tolist()]
+    return table
 
 
 def _result_words(

@@ -67,11 +67,17 @@ def dispatch_metrics(stage, now: float) -> dict:
             (k,): stage.refused.counts[k] for k in REFUSED_KINDS
         },
         "fabric_damaged_segments": len(stage.damaged),
+        "fabric_unretired_item_errors": unretired_item_errors(stage),
         "fabric_worker_sessions": {(m,): n for m, n in sessions.items()},
         "fabric_worker_in_flight_items": dict(in_flight),
         "fabric_worker_leases": dict(leases),
         **figures,
     }
+
+
+def unretired_item_errors(stage) -> int:
+    """Item errors sent to completion and not yet named by its RETIRED (sent again every 5 s)."""
+    return sum(len(entry[2]) for entry in stage.unretired_errors)
 
 
 def idle_fraction(session, now: float) -> float:
@@ -113,6 +119,7 @@ def broker_status(stage, now: float) -> dict:
         "dead_lettered": stage.counts[DEAD_LETTER],
         "corrupt": stage.counts[CORRUPT_INPUT],
         "refused": {kind: stage.refused.counts[kind] for kind in REFUSED_KINDS},
+        "unretired_item_errors": unretired_item_errors(stage),
         "dead_letters": list(stage.dead_letters),
         "damaged_segments": dict(stage.damaged),
         "workers": [

@@ -86,6 +86,11 @@ def item_array(message: wire.Message, name: str) -> np.ndarray:
     return items
 
 
+def slot_keys(items: np.ndarray) -> np.ndarray:
+    """One u8 per item naming its (segment, slot): what a RETIRED item is matched by."""
+    return (items["segment"].astype(np.uint64) << np.uint64(32)) | items["slot"].astype(np.uint64)
+
+
 def worker_figures(meta: dict) -> dict[str, float]:
     """What a worker's REPORT says about itself (prompt_tokens, tokens_per_s, idle_s; totals
     since the worker started); a missing or malformed figure is left out."""
@@ -340,14 +345,33 @@ class DispatchStage(Stage):
                 slots = items["slot"][items["segment"] == segment_id].astype(np.int64)
                 self.state.retired(int(segment_id), slots)
             self.counts["retired"] += len(items)
-            for entry in self.unretired_errors:  # a seq names one item (one slot) for good
-                entry[2] = entry[2][~np.isin(entry[2]["seq"], items["seq"])]
+            retired = slot_keys(items)  # RETIRED names slots (its seqs are 0): match by slot
+            for entry in self.unretired_errors:  # segment ids are never reused
+                entry[2] = entry[2][~np.isin(slot_keys(entry[2]), retired)]
+            self.unretired_errors = [e for e in self.unretired_errors if len(e[2])]
+        refused, at = message.arrays.get("refused"), 0
+        for session, batch_id, count in (
+            message.meta.get("refused", ()) if refused is not None else ()
+        ):
+            self._refused(str(session), int(batch_id), refused[at : at + count])
+            at += count
         for route_hex, result_id, count in message.meta["acks"]:
             route = bytes.fromhex(route_hex)
             session = self.sessions.get(route.decode("ascii", "replace"))
             if session is not None:
                 session.retired += int(count)
             self._send(route, MT.RESULTS_ACK, {"result_ids": [result_id]})
+
+    def _refused(self, session: str, batch_id: int, items: np.ndarray) -> None:
+        """Completion refused these results of the session's batch (collector/result_check.py):
+        reclaim them counting an attempt, before the worker's ack goes out."""
+        batch = self.state.lease(batch_id)
+        if batch is None or batch.session != session:
+            return  # reclaimed meanwhile (a lease expiry, a lost session): counted then
+        slots = items["slot"][items["segment"] == batch.segment_id].astype(np.int64)
+        back = self.state.reclaim(batch_id, count_attempt=True, slots=slots)
+        self.reclaimed["result_refused"] += back
+        self.log.info("session %s: %d item(s) reclaimed, their results refused", session, back)
 
     def _read_workers(self, now: float) -> None:
         refuse = lambda route, reason: self._send(route[0], MT.ERROR, {"reason": reason})  # noqa: E731

@@ -40,7 +40,9 @@ RECLAIM_CAUSES = (
     "missing_from_report",  # the worker's report no longer lists the item
     "handed_back",  # the worker handed it back (transient failure, drain)
     "worker_left",  # the worker said BYE holding it
+    "result_refused",  # completion refused its result (collector/result_check.py)
 )
+RESULT_REFUSALS = ("bad_status", "wrong_kind", "wrong_size", "wrong_dimension", "not_finite")
 
 
 @dataclass(frozen=True)
@@ -123,6 +125,13 @@ METRICS: dict[str, Metric] = _catalogue(
         "Input segment files damaged: isolated at start, or found damaged since",
         "dispatch",
     ),
+    Metric(
+        "fabric_unretired_item_errors",
+        GAUGE,
+        (),
+        "Item errors dispatch sent to completion that completion has not retired yet",
+        "dispatch",
+    ),
     # dispatch: workers (one series per worker session)
     Metric(
         "fabric_worker_sessions",
@@ -197,6 +206,13 @@ METRICS: dict[str, Metric] = _catalogue(
         COUNTER,
         (),
         "Results dropped because their item already had one",
+        "completion",
+    ),
+    Metric(
+        "fabric_results_refused_total",
+        COUNTER,
+        ("cause",),
+        "Worker results that failed their check against their item, by cause",
         "completion",
     ),
     Metric(

@@ -77,6 +77,23 @@ def test_results_are_stored_then_inputs_retired_and_counted_once(data_dir):
     assert sorted(completion_rows(data_dir)) == [(i, RESULT) for i in range(5)]
 
 
+def test_a_duplicate_of_a_retired_item_is_named_retired_again(data_dir):
+    """Issue 14 point 8: dispatch sends an item error again until a RETIRED names it; if the
+    first RETIRED was lost (completion killed after the tombstone), the resent copy finds its
+    slot DEAD. It is a duplicate, and the next flush names the slot again, so the resend ends."""
+    segs = inputs(data_dir)
+    first = min(segs)
+    log = CompletionLog(data_dir, segs.__getitem__)
+    log.record(results(segs, [(first, 0), (first, 1)], status=ERROR_RESULT))
+    log.close()  # killed before its flush: what it retired was never told
+    restarted = CompletionLog(data_dir, segs.__getitem__)
+    assert restarted.flush_tombstones() == {}
+    again = restarted.record(results(segs, [(first, 0), (first, 1)], status=ERROR_RESULT))
+    assert (again.stored, again.duplicates) == (0, 2)
+    assert {k: v.tolist() for k, v in restarted.flush_tombstones().items()} == {first: [0, 1]}
+    restarted.close()
+
+
 def test_a_crash_between_output_and_tombstone_heals_without_a_second_result(data_dir):
     segs = inputs(data_dir)
     first = min(segs)

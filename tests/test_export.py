@@ -264,12 +264,8 @@ def test_page_keys_follow_the_lines():
 @pytest.mark.parametrize(
     ("change", "named"),
     [
-        (lambda p: setattr(p, "shape", np.array([99], dtype=np.uint16)), "shape 99"),
-        (lambda p: setattr(p, "kind", np.array([1], dtype=np.uint8)), "kind 1"),
-        (lambda p: setattr(p, "status", np.array([3], dtype=np.uint8)), "status 3"),
         (lambda p: setattr(p, "offsets", np.array([0, 99], dtype=np.int64)), "99"),
         (lambda p: setattr(p, "custom_ids", []), "custom_ids"),
-        (lambda p: setattr(p, "offsets", np.array([0, 6], dtype=np.int64)), "6-byte"),
     ],
 )
 def test_malformed_page_is_refused(change, named):
@@ -279,6 +275,56 @@ def test_malformed_page_is_refused(change, named):
         format_page(page, context())
     assert "job-7" in str(caught.value)
     assert isinstance(caught.value, FabricError)
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        (lambda p: setattr(p, "shape", np.array([99, CHAT, EMBED], dtype=np.uint16)), "shape 99"),
+        (lambda p: setattr(p, "kind", np.array([1, 0, 1], dtype=np.uint8)), "kind 1"),
+        (lambda p: setattr(p, "status", np.array([3, 0, 0], dtype=np.uint8)), "status 3"),
+        (lambda p: setattr(p, "offsets", np.array([0, 6, 10, 18], dtype=np.int64)), "6-byte"),
+        (lambda p: setattr(p, "shape", np.array([CHAT, CHAT, 0], dtype=np.uint16)), "shape 0"),
+    ],
+)
+def test_a_stored_result_that_cannot_be_rendered_becomes_an_error_line(change, named):
+    """Issue 14 point 2 (belt and braces): one bad entry no longer makes the page undeliverable
+    (the results command exited 7 on it for ever); the rest of the page is written."""
+    page = make_page(
+        [
+            (41, "a", CHAT, 1, tokens(1, 2)),
+            (42, "b", CHAT, 1, tokens(3)),
+            (43, "c", EMBED, 1, floats(1, 2)),
+        ]
+    )
+    change(page)
+    out, err = format_page(page, context())
+    out_keys, err_keys = page_keys(page, context())
+    [error] = parse(err)
+    assert error["custom_id"] != "b" and error["error"]["code"] == "invalid_result"
+    assert named in error["error"]["message"]
+    assert "b" in [line["custom_id"] for line in parse(out)]
+    assert len(out) + len(err) == 3
+    assert err_keys == [line_key(error["custom_id"], error["id"])]
+    assert out_keys == [line_key(line["custom_id"], line["id"]) for line in parse(out)]
+
+
+def test_a_stored_embedding_with_nan_or_inf_becomes_an_error_line():
+    """Issue 14 point 11: NaN or infinite values are never written as an embedding."""
+    page = make_page(
+        [
+            (0, "a", EMBED, 1, floats(1.0, float("nan"))),
+            (1, "b", EMBED, 1, floats(0.5, 0.25)),
+            (2, "c", EMBED, 1, floats(float("inf"), 1.0)),
+        ]
+    )
+    out, err = format_page(page, context())
+    assert [line["custom_id"] for line in parse(out)] == ["b"]
+    assert [(e["custom_id"], e["error"]["code"]) for e in parse(err)] == [
+        ("a", "invalid_result"),
+        ("c", "invalid_result"),
+    ]
+    assert page_keys(page, context())[1] == ["custom_id:a", "custom_id:c"]
 
 
 # Output files
