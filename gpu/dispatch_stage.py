@@ -38,6 +38,7 @@ import zmq
 from gpu.arrivals import Arrivals
 from gpu.dispatch_files import DispatchFile
 from gpu.dispatch_report import CORRUPT_INPUT, DEAD_LETTER, broker_status, dispatch_metrics
+from gpu.dispatch_stall import StallWatch
 from gpu.dispatch_state import ITEM_DTYPE, Batch, DispatchState
 from pipeline import wire
 from pipeline.counter import DurableCounter
@@ -136,6 +137,7 @@ class DispatchStage(Stage):
         self.data_dir = DataDir(settings.data_path).ensure()
         self.epoch = broker_epoch()
         self.state = DispatchState(config.lease_s, config.max_attempts)
+        self.stall = StallWatch(config.stall_batch_multiple, config.stall_min_s)  # no progress
         # Batch ids grow across restarts and broker lives, so a worker's `seen_batch` from an
         # earlier life never covers a batch of this one: blocks of ids are reserved durably
         # (at least microseconds since the epoch), so a wall clock stepped back cannot reuse one.
@@ -374,6 +376,8 @@ class DispatchStage(Stage):
                 self.state.answered(session_id, batch_id)
             if session is not None:
                 session.last_seen = now
+                if not meta.get("resent"):
+                    self.stall.answered(session_id, now)
             return
         if session is None:
             self._send(route, MT.UNKNOWN_SESSION, {"session": session_id})
@@ -409,6 +413,7 @@ class DispatchStage(Stage):
             back = self.state.drop_session_quietly(session_id)
             self.reclaimed["worker_left"] += back
             self.sessions.pop(session_id, None)
+            self.stall.forget(session_id)
             self.log.info("session %s said goodbye (%d item(s) handed back)", session_id, back)
         else:
             self._send(route, MT.ERROR, {"reason": f"dispatch does not take {kind.name}"})
@@ -417,6 +422,7 @@ class DispatchStage(Stage):
         held = item_array(message, "held")
         model = str(message.meta["model"])
         self.sessions[session_id] = _Session(session_id.encode(), model, now)
+        self.stall.registered(session_id, now)
         known = self.state.adopt(session_id, held, now)
         self.log.info(
             "session %s (model %s) registered holding %d item(s): %d still live",
@@ -445,7 +451,8 @@ class DispatchStage(Stage):
         """Answer one work request with a batch; False when there is nothing for it yet."""
         if request.session not in self.sessions:
             return True  # gone meanwhile
-        if self.state.session_batches(request.session) >= self.config.session_max_batches:
+        held = self.state.session_batches(request.session)
+        if held >= self.config.session_max_batches or self.stall.is_stalled(request.session):
             return False
         if self.state.peek_batch_id() >= self.batch_ids_end:
             if not self.disk.ready(now):  # a full disk: tried once a second, logged once
@@ -461,6 +468,7 @@ class DispatchStage(Stage):
         )
         if batch is None:
             return False
+        self.stall.handed(request.session, now, was_idle=held == 0)
         self._send_batch(request.route[0], batch)
         return True
 
@@ -604,6 +612,7 @@ class DispatchStage(Stage):
                 lost = self.state.drop_session(session_id)
                 self.reclaimed["session_lost"] += lost
                 del self.sessions[session_id]
+                self.stall.forget(session_id)
                 self.log.warning(
                     "session %s silent for %.1f s (limit %.1f s): gone; %d item(s) reclaimed",
                     session_id,
@@ -615,6 +624,23 @@ class DispatchStage(Stage):
         self.reclaimed["lease_expired"] += expired
         if expired:
             self.log.warning("%d item(s) reclaimed after their lease expired", expired)
+        self._reclaim_stalled(now)
+
+    def _reclaim_stalled(self, now: float) -> None:
+        """Sessions that report (renewing their leases) but send no results past their stall
+        limit (gpu/dispatch_stall.py): their unanswered batches go back to the queue."""
+        holding = {s: self.state.session_batches(s) for s in self.sessions}
+        for stall in self.stall.find(holding, now):
+            back = self.state.reclaim_unanswered(stall.session)
+            self.reclaimed["stalled"] += back
+            self.log.warning(
+                "session %s holds batches with no results for %.1f s (stall limit %.1f s): "
+                "stalled; %d item(s) reclaimed, no new work until its results come",
+                stall.session,
+                stall.silent_s,
+                stall.limit_s,
+                back,
+            )
 
     def _record_ended(self) -> None:
         for batch_id, slots in self.state.take_dropped():

@@ -40,6 +40,7 @@ RECLAIM_CAUSES = (
     "missing_from_report",  # the worker's report no longer lists the item
     "handed_back",  # the worker handed it back (transient failure, drain)
     "worker_left",  # the worker said BYE holding it
+    "stalled",  # its session held it with no results past the stall limit (dispatch_stall.py)
 )
 
 
@@ -115,6 +116,13 @@ METRICS: dict[str, Metric] = _catalogue(
         GAUGE,
         ("model",),
         "Worker sessions registered with dispatch",
+        "dispatch",
+    ),
+    Metric(
+        "fabric_worker_stalled_sessions",
+        GAUGE,
+        ("model",),
+        "Worker sessions holding batches with no results past the stall limit",
         "dispatch",
     ),
     Metric(
