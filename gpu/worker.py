@@ -65,6 +65,7 @@ MAX_UNACKNOWLEDGED_BATCHES = 32  # results held for completion past this: the wo
 FAULT_ENV = "FABRIC_WORKER_FAULT"  # tests: "phase[:n]" SIGKILLs this process at that point
 PHASES = ("before_compute", "mid_batch", "before_send", "before_ack")
 RESULT_KIND_TOKENS, RESULT_KIND_VECTOR, RESULT_KIND_TEXT = 0, 1, 2
+WATCH_GAP_S = 1.0  # the watchdog not run this long: the process was stopped; its clock restarts
 FIRST_BATCH_TOKENS = 4096  # the first request's token budget, before the engine is measured
 
 
@@ -222,6 +223,7 @@ class Worker:
         self._claim = threading.Lock()  # a queued batch is started or taken back, never both
         self._stalled_since: float | None = None  # batches held, none running, since then
         self.engine_active = 0.0  # monotonic: the engine thread last started or ended a batch
+        self._last_watch = 0.0  # monotonic: the watchdog's last look
         self._fault = _fault_plan()
         self._fault_seen: dict[str, int] = {}
 
@@ -607,12 +609,14 @@ class Worker:
     def _watch_waiting(self, limit: float) -> None:
         """Nothing runs: batches waiting for the engine longer than `limit` mean it takes none."""
         now = time.monotonic()
+        frozen = now - self._last_watch > min(WATCH_GAP_S, limit / 2)
+        self._last_watch = now
         waiting = [h.batch_id for h in self.held.values() if h.state in ("queued", "running")]
         if not waiting:
             self._stalled_since = None
             return
-        if self._stalled_since is None:
-            self._stalled_since = now
+        if self._stalled_since is None or frozen:  # this process itself did not run meanwhile
+            self._stalled_since = now  # (SIGSTOP, a starved host): the engine had no chance
         seconds = now - max(self._stalled_since, self.engine_active)
         if seconds < limit:
             return
