@@ -172,6 +172,7 @@ def test_a_worker_whose_engine_failed_on_a_batch_it_no_longer_holds_hands_back_a
 
 def test_a_worker_whose_engine_thread_ended_or_took_no_work_hands_back_and_exits():
     import threading
+    import time
 
     from conftest import wait_for
 
@@ -196,6 +197,9 @@ def test_a_worker_whose_engine_thread_ended_or_took_no_work_hands_back_and_exits
         work(1, [0, 1])
         stuck.step(0)
         assert stuck.exit_code is None  # held, not running: not for batch_timeout_s yet
+        stuck._stalled_since = stuck._last_watch = time.monotonic() - 5.0  # a SIGSTOP
+        stuck.step(0)
+        assert stuck.exit_code is None  # the process itself did not run: the clock restarts
         wait_for(lambda: (stuck.step(0), stuck.exit_code is not None)[1], "the watchdog")
         assert "takes no work" in stuck.broken
         assert [a["items"]["slot"].tolist() for k, _, a in sent if k.name == "HAND_BACK"] == [
