@@ -176,6 +176,7 @@ class DispatchStage(Stage):
             self._recorded.add(lease.batch_id)
             if (held == 1).any() and lease.session not in self.sessions:
                 self.sessions[lease.session] = _Session(lease.session.encode(), "", now)
+                self.stall.registered(lease.session, now)
         if leases:
             self.log.info(
                 "reloaded %d lease(s) of %d session(s) from the dispatch file (epoch %d)",
@@ -293,6 +294,7 @@ class DispatchStage(Stage):
                 session.idle_marks.append((now, session.idle_s))
             self._rescan()
             self._resend_item_errors(now)
+            self._reclaim_stalled(now)
             self.state.sweep_cancelled()
             for segment_id, _, _, _, _, floor in self.state.backlog():
                 self.arrivals.forget_below(segment_id, floor)  # marks no slot can need again
@@ -624,7 +626,6 @@ class DispatchStage(Stage):
         self.reclaimed["lease_expired"] += expired
         if expired:
             self.log.warning("%d item(s) reclaimed after their lease expired", expired)
-        self._reclaim_stalled(now)
 
     def _reclaim_stalled(self, now: float) -> None:
         """Sessions that report (renewing their leases) but send no results past their stall
