@@ -20,8 +20,11 @@ asserts for every job: each input line has exactly one outcome (an output
 line or an error line) across its output and error files, no custom_id
 twice, the poison item is an error, the job's counters equal the files; then
 the broker stops cleanly (exit 0), `python run.py check` is clean and every
-input segment is collected. It prints the kills of each kind survived and,
-unless `--quick`, writes the summary to docs/RELIABILITY.md.
+input segment is collected. A job not finished 600 s after the kills stopped
+is a failure that names what dispatch still holds (segment, slots, session,
+from its `status` answer). It prints the kills of each kind survived and the
+longest a job had work pending after the kills stopped and, unless
+`--quick`, writes the summary to docs/RELIABILITY.md.
 """
 
 from __future__ import annotations
@@ -79,6 +82,7 @@ class Report:
     submit_runs: int = 0
     fetch_runs: int = 0
     poison_deaths: int = 0
+    settle_s: float = 0.0  # the longest a job had work pending after the kills stopped
 
     @property
     def total_kills(self) -> int:
@@ -129,6 +133,7 @@ class Chaos:
         self.jobs: list[Job] = []
         self.finished: list[Job] = []
         self.stopped: dict[int, float] = {}  # pid -> when to SIGCONT it
+        self.settling_since: float | None = None  # when the kills stopped
         self.report = Report()
         self.next_job = 0
 
@@ -212,6 +217,9 @@ class Chaos:
             if job.fetch is not None:
                 job.fetch.poll()
                 if job.fetch.done:  # verified at once, while completion still holds its counters
+                    if self.settling_since is not None:
+                        waited = time.monotonic() - self.settling_since
+                        self.report.settle_s = max(self.report.settle_s, waited)
                     self.jobs.remove(job)
                     self.finished.append(job)
                     self._verify(job)
@@ -291,14 +299,63 @@ class Chaos:
         """No more kills or new jobs: let every job in flight finish and be fetched."""
         self._resume_all()
         self.jobs_in_flight = 0
-        deadline = time.monotonic() + timeout_s
+        self.settling_since = time.monotonic()
+        deadline = self.settling_since + timeout_s
         while self.jobs and time.monotonic() < deadline:
             self._tend()
             time.sleep(0.1)
+        if self.jobs:
+            self.report.settle_s = time.monotonic() - self.settling_since
+            stuck = self._stuck_work()
         for job in self.jobs:
             self.report.problems.append(
-                f"job {job.spec.job_id} did not finish within {timeout_s:.0f} s"
+                f"job {job.spec.job_id} did not finish within {timeout_s:.0f} s "
+                f"after the kills stopped ({self._job_counts(job)}); {stuck}"
             )
+
+    def _status(self, *job: str) -> dict:
+        """`run.py status [JOB] --json`: the broker's own answer ({} if it gave none)."""
+        answer = subprocess.run(
+            run_py("status", *job, "--json", "--config", str(self.config)),
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=60,
+        )
+        return json.loads(answer.stdout) if answer.returncode == 0 else {}
+
+    def _job_counts(self, job: Job) -> str:
+        info = self._status(job.spec.job_id)
+        if not info:
+            return "no status answer"
+        return (
+            f"state {info.get('state')}, {info.get('completed')} completed + "
+            f"{info.get('failed')} failed of {info.get('total')}"
+        )
+
+    def _stuck_work(self) -> str:
+        """What dispatch says is still out or queued: (segment, slots, session) per lease."""
+        info = self._status()
+        if not info:
+            return "dispatch gave no status answer"
+        leases = [
+            f"segment {b['segment']} slots {b['slots']}{'...' if b['items'] > len(b['slots']) else ''}"
+            f" with session {b['session']} for {b['held_s']} s"
+            + (" (answered, retire pending)" if b["answered"] else "")
+            + (" (session stalled)" if b["stalled"] else "")
+            for b in info.get("leases", [])
+        ]
+        queued = [f"segment {q['segment']}: {q['queued']} queued" for q in info.get("queues", [])]
+        workers = [
+            f"{w['session']} ({w['model']}, {w['batches']} batch(es), silent {w['silent_s']} s"
+            + (", stalled" if w.get("stalled") else "")
+            + ")"
+            for w in info.get("workers", [])
+        ]
+        return (
+            f"dispatch: on lease: {'; '.join(leases) or 'nothing'}; "
+            f"queued: {'; '.join(queued) or 'nothing'}; workers: {'; '.join(workers) or 'none'}"
+        )
 
     def _verify(self, job: Job) -> None:
         spec, report = job.spec, self.report
@@ -332,14 +389,7 @@ class Chaos:
             )
         if not isinstance(poison_error, dict):
             report.problems.append(f"job {spec.job_id}: the poison item ended as {poison_error!r}")
-        status = subprocess.run(
-            run_py("status", spec.job_id, "--json", "--config", str(self.config)),
-            capture_output=True,
-            text=True,
-            cwd=REPO,
-            timeout=60,
-        )
-        info = json.loads(status.stdout) if status.returncode == 0 else {}
+        info = self._status(spec.job_id)
         if info.get("state") != "completed":
             report.problems.append(f"job {spec.job_id}: state {info.get('state')!r} once fetched")
         elif info["completed"] != outputs or info["failed"] != errors:
@@ -414,6 +464,7 @@ def summary(report: Report, command: str, facts: dict) -> str:
         f"| lines lost | {report.lost:,} |",
         f"| lines with two outcomes | {report.doubled:,} |",
         f"| jobs whose counters disagree with their files | {report.counter_mismatches:,} |",
+        f"| longest a job had work pending after the kills stopped | {report.settle_s:.1f} s |",
         "",
         "Result: "
         + (

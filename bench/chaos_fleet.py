@@ -3,8 +3,10 @@
 Everything is started through `run.py`, as a user would, from one config
 written here (`write_config`): local echo workers, one `run.py worker`
 process, fast leases so a stopped or killed worker's items come back soon,
-segments sealed after 2 s idle and results kept for 20 s, so that the files
-of finished jobs are collected while the run goes on, and a supervisor that
+segments sealed after 2 s idle and results kept for 120 s, so that the files
+of finished jobs are collected while the run goes on (but not before the
+harness, which a broker start on a loaded host blocks for tens of seconds, has
+verified the job: 20 s made such runs fail jobs as 'expired'), and a supervisor that
 never gives up restarting a stage (a chaos run kills some stage every
 second or so; the default would stop the broker after 5 restarts a minute).
 """
@@ -62,7 +64,7 @@ report_s = 0.3
 max_attempts = 4
 [completion]
 bind = "tcp://127.0.0.1:{ports[3]}"
-results_retention_s = 20.0
+results_retention_s = 120.0
 [vectors]
 bind = "tcp://127.0.0.1:{ports[4]}"
 [metrics]

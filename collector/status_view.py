@@ -56,7 +56,7 @@ def render_broker(info: dict[str, Any]) -> str:
                     w["batches"],
                     w["retired"],
                     f"{w['retired'] / w['age_s']:.0f}" if w["age_s"] > 0 else "0",
-                    f"{w['silent_s']:.1f}s",
+                    f"{w['silent_s']:.1f}s" + (" (stalled)" if w.get("stalled") else ""),
                 ]
                 for w in info["workers"]
             ]

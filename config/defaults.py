@@ -102,6 +102,12 @@ DEFAULTS: Final[dict[str, Any]] = {
         "reregister_grace_s": 5.0,
         # Batches one worker session may hold at once.
         "session_max_batches": 64,
+        # A session holding batches whose results do not come for this many times its own
+        # measured batch time is stalled: those batches are reclaimed and it gets no new
+        # work until results come again; 0 = no such watch.
+        "stall_batch_multiple": 20.0,
+        # ... but never sooner than this (covers a session not measured yet, a slow batch).
+        "stall_min_s": 300.0,
         # Largest message accepted from a worker (RESULTS, REPORT, ...), in bytes (64 MiB);
         # a peer that sends more is disconnected.
         "max_message_bytes": 64 * 1024 * 1024,

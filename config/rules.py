@@ -173,6 +173,12 @@ RULES: Final[dict[str, Rule]] = {
     "dispatch.report_s": interval("seconds", zero_ok=False),
     "dispatch.reregister_grace_s": interval("seconds", zero_ok=True),
     "dispatch.session_max_batches": count(1),
+    "dispatch.stall_batch_multiple": Rule(
+        "number",
+        "0 (off) or a number >= 2",
+        lambda v: None if v == 0 or v >= 2 else "is between 0 and 2",
+    ),
+    "dispatch.stall_min_s": interval("seconds", zero_ok=False),
     "dispatch.max_message_bytes": count(4096, " (4 KiB)"),
     "completion.bind": ADDRESS,
     "completion.processes": Rule(

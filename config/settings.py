@@ -86,6 +86,8 @@ class DispatchSettings:
     report_s: float
     reregister_grace_s: float
     session_max_batches: int
+    stall_batch_multiple: float
+    stall_min_s: float
     max_message_bytes: int
 
 

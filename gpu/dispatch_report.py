@@ -12,6 +12,8 @@ from pipeline.metrics import RECLAIM_CAUSES
 from pipeline.stage_restarts import read_restarts
 
 DEAD_LETTER = "dead_lettered"
+STATUS_LEASES = 20  # the oldest leases named in the status answer
+STATUS_SLOTS = 16  # slots named per lease there
 CORRUPT_INPUT = "corrupt_input"
 
 
@@ -55,6 +57,10 @@ def dispatch_metrics(stage, now: float) -> dict:
         key = (batch.model, batch.session)
         in_flight[key] += len(batch.items)
         leases[key] += 1
+    stalled = collections.Counter(dict.fromkeys(models, 0))
+    for session_id, session in stage.sessions.items():
+        if session.model and stage.stall.is_stalled(session_id):
+            stalled[session.model] += 1
     return {
         "fabric_queued_items": dict(queued),
         "fabric_queued_tokens": dict(tokens),
@@ -69,6 +75,7 @@ def dispatch_metrics(stage, now: float) -> dict:
         "fabric_damaged_segments": len(stage.damaged),
         "fabric_unretired_item_errors": unretired_item_errors(stage),
         "fabric_worker_sessions": {(m,): n for m, n in sessions.items()},
+        "fabric_worker_stalled_sessions": {(m,): n for m, n in stalled.items()},
         "fabric_worker_in_flight_items": dict(in_flight),
         "fabric_worker_leases": dict(leases),
         **figures,
@@ -132,9 +139,30 @@ def broker_status(stage, now: float) -> dict:
                 "age_s": round(now - s.started, 1),
                 "silent_s": round(now - s.last_seen, 1),
                 "idle_fraction": idle_fraction(s, now),
+                **stage.stall.view(sid, now),
             }
             for sid, s in stage.sessions.items()
         ],
         # local workers that died, and those waiting out a restart backoff (the supervisor's)
         "local_workers": read_restarts(stage.data_dir.root),
+        "leases": oldest_leases(stage, now),
     }
+
+
+def oldest_leases(stage, now: float, limit: int = STATUS_LEASES) -> list[dict]:
+    """The `limit` oldest batches out on lease: who holds which (segment, slots), for how
+    long; what a run that does not finish names (bench/chaos.py)."""
+    leases = sorted(stage.state.leases(), key=lambda b: b.handed_s)[:limit]
+    return [
+        {
+            "batch_id": b.batch_id,
+            "session": b.session,
+            "segment": b.segment_id,
+            "slots": b.items["slot"][:STATUS_SLOTS].tolist(),
+            "items": len(b.items),
+            "held_s": round(now - b.handed_s, 1),
+            "answered": b.answered,
+            "stalled": stage.stall.is_stalled(b.session),
+        }
+        for b in leases
+    ]

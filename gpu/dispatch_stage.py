@@ -42,6 +42,7 @@ import zmq
 from gpu.arrivals import Arrivals
 from gpu.dispatch_files import DispatchFile
 from gpu.dispatch_report import CORRUPT_INPUT, DEAD_LETTER, broker_status, dispatch_metrics
+from gpu.dispatch_stall import StallWatch
 from gpu.dispatch_state import ITEM_DTYPE, Batch, DispatchState
 from gpu.work_token import Refusals, WorkTokens
 from pipeline import wire
@@ -149,6 +150,7 @@ class DispatchStage(Stage):
         self.state = DispatchState(config.lease_s, config.max_attempts)
         self.tokens = WorkTokens.of_data_dir(self.data_dir.root)  # gpu/work_token.py
         self.refused = Refusals(self.log)  # results, claims: refused for want of a token
+        self.stall = StallWatch(config.stall_batch_multiple, config.stall_min_s)  # no progress
         # Batch ids grow across restarts and broker lives, so a worker's `seen_batch` from an
         # earlier life never covers a batch of this one: blocks of ids are reserved durably
         # (at least microseconds since the epoch), so a wall clock stepped back cannot reuse one.
@@ -188,6 +190,7 @@ class DispatchStage(Stage):
             self._recorded.add(lease.batch_id)
             if (held == 1).any() and lease.session not in self.sessions:
                 self.sessions[lease.session] = _Session(lease.session.encode(), "", now)
+                self.stall.registered(lease.session, now)
         if leases:
             self.log.info(
                 "reloaded %d lease(s) of %d session(s) from the dispatch file (epoch %d)",
@@ -308,6 +311,7 @@ class DispatchStage(Stage):
                 session.idle_marks.append((now, session.idle_s))
             self._rescan()
             self._resend_item_errors(now)
+            self._reclaim_stalled(now)
             self.state.sweep_cancelled()
             for segment_id, _, _, _, _, floor in self.state.backlog():
                 self.arrivals.forget_below(segment_id, floor)  # marks no slot can need again
@@ -410,7 +414,7 @@ class DispatchStage(Stage):
             return
         session.last_seen = now
         if kind == MT.RESULTS:
-            self._results(message, session_id)
+            self._results(message, session_id, now)
             return
         if kind == MT.WORK_REQUEST:
             request = _Parked(
@@ -442,6 +446,7 @@ class DispatchStage(Stage):
             back = self.state.drop_session_quietly(session_id)
             self.reclaimed["worker_left"] += back
             self.sessions.pop(session_id, None)
+            self.stall.forget(session_id)
             self.log.info("session %s said goodbye (%d item(s) handed back)", session_id, back)
         else:
             self._send(route, MT.ERROR, {"reason": f"dispatch does not take {kind.name}"})
@@ -450,6 +455,7 @@ class DispatchStage(Stage):
         held = item_array(message, "held")
         model = str(message.meta["model"])
         self.sessions[session_id] = _Session(session_id.encode(), model, now)
+        self.stall.registered(session_id, now)
         proven, failed = self.tokens.covered(
             session_id, message.meta.get("tokens"), item_array(message, "issued"), held
         )
@@ -489,7 +495,8 @@ class DispatchStage(Stage):
         """Answer one work request with a batch; False when there is nothing for it yet."""
         if request.session not in self.sessions:
             return True  # gone meanwhile
-        if self.state.session_batches(request.session) >= self.config.session_max_batches:
+        held = self.state.session_batches(request.session)
+        if held >= self.config.session_max_batches or self.stall.is_stalled(request.session):
             return False
         if self.state.peek_batch_id() >= self.batch_ids_end:
             if not self.disk.ready(now):  # a full disk: tried once a second, logged once
@@ -505,6 +512,7 @@ class DispatchStage(Stage):
         )
         if batch is None:
             return False
+        self.stall.handed(request.session, now, was_idle=held == 0)
         self._send_batch(request.route[0], batch)
         return True
 
@@ -571,7 +579,7 @@ class DispatchStage(Stage):
         self.log.info("session %s handed back %d item(s): %s", session, back, reason)
 
     # ---- results and outcomes -------------------------------------------------------------
-    def _results(self, message: wire.Message, session_id: str) -> None:
+    def _results(self, message: wire.Message, session_id: str, now: float) -> None:
         """Forward a registered session's results if their work token verifies (gpu/work_token.py);
         else refuse them (RESULTS_REFUSED: the worker drops them) and count and log it."""
         meta = message.meta
@@ -589,6 +597,8 @@ class DispatchStage(Stage):
             return
         self._forward_results(message)
         self.state.answered(session_id, meta["batch_id"])
+        if not meta.get("resent"):
+            self.stall.answered(session_id, now)
 
     def _forward_results(self, message: wire.Message) -> None:
         if len(self.to_completion) >= MAX_WAITING_FOR_COMPLETION:
@@ -670,6 +680,7 @@ class DispatchStage(Stage):
                 lost = self.state.drop_session(session_id)
                 self.reclaimed["session_lost"] += lost
                 del self.sessions[session_id]
+                self.stall.forget(session_id)
                 self.log.warning(
                     "session %s silent for %.1f s (limit %.1f s): gone; %d item(s) reclaimed",
                     session_id,
@@ -681,6 +692,22 @@ class DispatchStage(Stage):
         self.reclaimed["lease_expired"] += expired
         if expired:
             self.log.warning("%d item(s) reclaimed after their lease expired", expired)
+
+    def _reclaim_stalled(self, now: float) -> None:
+        """Sessions that report (renewing their leases) but send no results past their stall
+        limit (gpu/dispatch_stall.py): their unanswered batches go back to the queue."""
+        holding = {s: self.state.session_batches(s) for s in self.sessions}
+        for stall in self.stall.find(holding, now):
+            back = self.state.reclaim_unanswered(stall.session)
+            self.reclaimed["stalled"] += back
+            self.log.warning(
+                "session %s holds batches with no results for %.1f s (stall limit %.1f s): "
+                "stalled; %d item(s) reclaimed, no new work until its results come",
+                stall.session,
+                stall.silent_s,
+                stall.limit_s,
+                back,
+            )
 
     def _record_ended(self) -> None:
         for batch_id, slots in self.state.take_dropped():

@@ -69,6 +69,7 @@ class Batch:
     suspect: bool = False  # one item on its last try: its session gets nothing else meanwhile
     started: bool = True  # the worker may have started it (False once a report says queued)
     answered: bool = False  # its results passed through dispatch (retire pending)
+    handed_s: float = 0.0  # monotonic: when it was handed out (or adopted)
 
 
 @dataclass(eq=False)
@@ -365,6 +366,7 @@ class DispatchState:
             slots=words,
             deadline_s=now + self.lease_s,
             suspect=suspect,
+            handed_s=now,
         )
         self._next_batch_id += 1
         self._add_lease(batch, work)
@@ -444,6 +446,7 @@ class DispatchState:
                     lengths=np.zeros(0, np.uint32),
                     tokens=np.zeros((0, 0), np.uint32),
                     deadline_s=now + self.lease_s,
+                    handed_s=now,
                 )
                 self._add_lease(batch, work)
         return answer
@@ -497,6 +500,14 @@ class DispatchState:
         """A session left cleanly: hand back whatever it still holds without counting attempts."""
         held = sorted(self._by_session.get(session, ()))
         return sum(self.reclaim(batch_id, count_attempt=False) for batch_id in held)
+
+    def reclaim_unanswered(self, session: str) -> int:
+        """A stalled session (gpu/dispatch_stall.py): reclaim its batches whose results have
+        not come, counting an attempt for each it may have started (as for a lost session)."""
+        held = [self._leases[b] for b in sorted(self._by_session.get(session, ()))]
+        return sum(
+            self.reclaim(b.batch_id, count_attempt=b.started) for b in held if not b.answered
+        )
 
     def session_batches(self, session: str) -> int:
         """Batches the session holds whose results have not come back yet."""

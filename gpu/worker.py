@@ -22,6 +22,9 @@ leases), and hands back what it cannot do.
 | TransientEngineError              | hands the batch back without an attempt; backs off        |
 | any other engine failure          | hands back what it holds (the failing batch counting an attempt) and exits 7 |
 | a batch running past `batch_timeout_s` | the engine is hung: the same as a failure (the hung batch counts an attempt), exits 7 |
+| batches held, none running, for `batch_timeout_s` | the engine is not taking work: the same as a failure, exits 7 |
+| the engine thread ended (any cause)   | hands back all it holds (what was running counts an attempt) and exits 7: it never holds work it cannot run |
+| re-registered: some held items no longer live | a queued batch with none left is skipped; a running batch is left whole, and results for the items no longer live are dropped when it finishes |
 | SIGTERM                           | stops asking; hands back queued batches; finishes the running one within `drain_s`; sends results; waits for their acks; says BYE (invariant 15) |
 
 Every message carries the session id, a fresh random id per process, which
@@ -65,6 +68,7 @@ MAX_UNACKNOWLEDGED_BATCHES = 32  # results held for completion past this: the wo
 FAULT_ENV = "FABRIC_WORKER_FAULT"  # tests: "phase[:n]" SIGKILLs this process at that point
 PHASES = ("before_compute", "mid_batch", "before_send", "before_ack")
 RESULT_KIND_TOKENS, RESULT_KIND_VECTOR, RESULT_KIND_TEXT = 0, 1, 2
+WATCH_GAP_S = 1.0  # the watchdog not run this long: the process was stopped; its clock restarts
 FIRST_BATCH_TOKENS = 4096  # the first request's token budget, before the engine is measured
 NO_ANSWER_WARN_S = 5.0  # registering this long without any answer: say so, and why it may be
 
@@ -100,6 +104,11 @@ class _Held:
     sent_at: float = 0.0
     token: str = ""  # the work token WORK carried; returned with results and claims
     issued: np.ndarray | None = None  # the items as WORK carried them (the token covers them)
+    gone: np.ndarray | None = None  # bool per item: no longer live (said at re-registration)
+
+    def live_items(self) -> np.ndarray:
+        """The items it holds that the broker has not said are gone."""
+        return self.items if self.gone is None else self.items[~self.gone]
 
 
 @dataclass
@@ -146,6 +155,29 @@ def results_message(items: np.ndarray, lengths: np.ndarray, result: EngineResult
         "payload": payload,
         "offsets": offsets,
     }
+
+
+def keep_results(arrays: dict, keep: np.ndarray) -> dict:
+    """The RESULTS arrays of `results_message` for the items where `keep` is True only."""
+    offsets = arrays["offsets"]
+    starts, ends = offsets[:-1][keep], offsets[1:][keep]
+    sizes = ends - starts
+    index = np.repeat(starts - np.concatenate(([0], np.cumsum(sizes)[:-1])), sizes) + np.arange(
+        int(sizes.sum())
+    )
+    return {
+        "items": arrays["items"][keep],
+        "status": arrays["status"][keep],
+        "kind": arrays["kind"][keep],
+        "prompt_tokens": arrays["prompt_tokens"][keep],
+        "payload": arrays["payload"][index],
+        "offsets": np.concatenate(([0], np.cumsum(sizes))).astype(np.int64),
+    }
+
+
+def _item_keys(items: np.ndarray) -> np.ndarray:
+    """One u64 per item: (segment, slot); seqs are not compared, the broker checked them."""
+    return (items["segment"].astype(np.uint64) << np.uint64(32)) | items["slot"].astype(np.uint64)
 
 
 def _fault_plan() -> tuple[str, int] | None:
@@ -195,6 +227,10 @@ class Worker:
         self._idle_since: float | None = None
         self.prompt_tokens = 0  # of the batches the engine finished (engine thread; reported)
         self.running: tuple[int, float] | None = None  # (batch id, monotonic start): engine thread
+        self._claim = threading.Lock()  # a queued batch is started or taken back, never both
+        self._stalled_since: float | None = None  # batches held, none running, since then
+        self.engine_active = 0.0  # monotonic: the engine thread last started or ended a batch
+        self._last_watch = 0.0  # monotonic: the watchdog's last look
         self._fault = _fault_plan()
         self._fault_seen: dict[str, int] = {}
 
@@ -243,9 +279,11 @@ class Worker:
             held = self.ready.get()
             if held is None:
                 return
-            if held.state != "queued":  # handed back meanwhile (draining)
-                continue
-            held.state = "running"
+            with self._claim:
+                if held.state != "queued":  # handed back or dropped meanwhile
+                    continue
+                held.state = "running"
+                self.engine_active = time.monotonic()
             self._maybe_fault("before_compute")
             batch = EngineBatch(
                 held.task, held.tokens, held.lengths, held.max_tokens, held.sampling
@@ -257,6 +295,7 @@ class Worker:
                 self.running = (held.batch_id, began)
                 result = self.engine.run(batch)
                 self.running = None
+                self.engine_active = time.monotonic()
                 self._measured(held.tokens.size, time.monotonic() - began)
                 if len(result.errors) != len(held.items):
                     raise FabricError(
@@ -350,8 +389,17 @@ class Worker:
         except FabricError:
             return False
 
+    def _unqueue(self, held: _Held, state: str) -> bool:
+        """Take a batch the engine has not started away from it (state `state`); False when
+        the engine has started it meanwhile."""
+        with self._claim:
+            if held.state != "queued":
+                return False
+            held.state = state
+            return True
+
     def _held_items(self) -> np.ndarray:
-        parts = [h.items for h in self.held.values()]
+        parts = [h.live_items() for h in self.held.values()]
         return np.concatenate(parts) if parts else np.zeros(0, ITEM_DTYPE)
 
     def _hello(self, now: float) -> None:
@@ -510,15 +558,17 @@ class Worker:
         known = message.arrays.get("known", np.zeros(0, np.uint8))
         held = self._held_items()
         if len(known) == len(held) and len(held):
-            gone = held[known == 0]
+            # Never change a batch under the engine: mark what is gone; a batch the engine
+            # has not started and that holds nothing live is skipped; results for gone items
+            # are dropped when they come back (_take_done).
+            gone = _item_keys(held[known == 0])
             for h in list(self.held.values()):
-                drop = np.isin(h.items["slot"], gone["slot"]) & np.isin(
-                    h.items["segment"], gone["segment"]
-                )
-                if drop.any() and h.state != "running":
-                    h.items = h.items[~drop]
-                    if not len(h.items):
-                        del self.held[h.batch_id]
+                drop = np.isin(_item_keys(h.items), gone)
+                if not drop.any():
+                    continue
+                h.gone = drop if h.gone is None else h.gone | drop
+                if h.gone.all() and self._unqueue(h, "dropped"):
+                    del self.held[h.batch_id]
         if self.epoch is not None and meta["epoch"] != self.epoch:
             log.info("broker restarted (epoch %d -> %d)", self.epoch, meta["epoch"])
         self.epoch = int(meta["epoch"])
@@ -568,31 +618,49 @@ class Worker:
             except queue.Empty:
                 return
             held = self.held.get(done.batch_id)
+            if done.outcome == "broken":  # whatever it ran: never hold work it cannot run
+                self._fail(held, f"engine failed: {done.reason}", done.reason)
+                continue
             if held is None:
                 continue
             if done.outcome == "ok":
-                held.results = (
-                    {},
-                    results_message(held.items, held.lengths, done.result),
-                )
+                arrays = results_message(held.items, held.lengths, done.result)
+                if held.gone is not None:  # no longer live since it started: not sent
+                    if held.gone.all():
+                        del self.held[held.batch_id]
+                        continue
+                    arrays = keep_results(arrays, ~held.gone)
+                    held.items, held.gone = held.items[~held.gone], None
+                held.results = ({}, arrays)
                 held.tokens = np.zeros((0, 0), np.uint32)
                 held.result_id = self.next_result_id
                 self.next_result_id += 1
                 self._maybe_fault("before_send")
                 self._send_results(held, now)
                 self._maybe_fault("before_ack")
-            elif done.outcome == "transient":
+            else:  # transient
                 self._hand_back([held], f"transient engine failure: {done.reason}", False)
                 self.pause_until = now + self.backoff * (0.5 + random.random())
                 self.backoff = min(MAX_BACKOFF_S, self.backoff * 2)
-            else:
-                self._fail(held, f"engine failed: {done.reason}", done.reason)
 
     def _watch(self) -> None:
-        """The engine watchdog: a batch running past `batch_timeout_s` means a hung engine."""
-        running, limit = self.running, self.options.batch_timeout_s
-        if not limit or running is None or self.exit_code is not None:
+        """The engine watchdog: an engine thread that ended, a batch running past
+        `batch_timeout_s` (a hung engine), or batches held and none running that long (an
+        engine that takes no work) each end this worker: it never holds work it cannot run."""
+        if self.exit_code is not None:
             return
+        if not self.thread.is_alive():
+            ended = f"the engine thread of {self.engine.name} ended"
+            log.error("%s; handing back what this worker holds and exiting", ended)
+            self._fail(None, ended, ended)
+            return
+        running, limit = self.running, self.options.batch_timeout_s
+        if not limit:
+            return
+        if running is None:
+            self._watch_waiting(limit)
+            return
+        self._stalled_since = None
         batch_id, began = running
         seconds = time.monotonic() - began
         if seconds < limit:
@@ -604,12 +672,37 @@ class Worker:
         log.error("%s; handing back what this worker holds and exiting", hung)
         self._fail(self.held.get(batch_id), hung, hung)
 
+    def _watch_waiting(self, limit: float) -> None:
+        """Nothing runs: batches waiting for the engine longer than `limit` mean it takes none."""
+        now = time.monotonic()
+        frozen = now - self._last_watch > min(WATCH_GAP_S, limit / 2)
+        self._last_watch = now
+        waiting = [h.batch_id for h in self.held.values() if h.state in ("queued", "running")]
+        if not waiting:
+            self._stalled_since = None
+            return
+        if self._stalled_since is None or frozen:  # this process itself did not run meanwhile
+            self._stalled_since = now  # (SIGSTOP, a starved host): the engine had no chance
+        seconds = now - max(self._stalled_since, self.engine_active)
+        if seconds < limit:
+            return
+        stalled = (
+            f"engine {self.engine.name} takes no work: batch(es) {waiting[:5]} held {seconds:.0f} s "
+            f"with none running, past batch_timeout_s = {limit:g}"
+        )
+        log.error("%s; handing back what this worker holds and exiting", stalled)
+        self._fail(None, stalled, stalled)
+
     def _fail(self, held: _Held | None, reason: str, broken: str) -> None:
-        """The engine is broken or hung: hand back its batch with an attempt and the queued
-        ones without, say BYE (nothing waits for this session to time out), exit 7."""
+        """The engine is broken, hung or gone: hand back its batch (and any batch it was
+        running) with an attempt and the rest without, say BYE (nothing waits for this
+        session to time out), exit 7."""
+        if self.exit_code is not None:
+            return
         self.broken = broken
-        self._hand_back([held] if held is not None else [], reason, True)
-        queued = [h for h in self.held.values() if h.state == "queued"]
+        ran = [h for h in self.held.values() if h is held or h.state == "running"]
+        self._hand_back(ran, reason, True)
+        queued = [h for h in self.held.values() if self._unqueue(h, "handed_back")]
         self._hand_back(queued, "engine failed; never started", False)
         self._send(MT.BYE, {})
         self.exit_code = exitcodes.FAILED
@@ -635,7 +728,7 @@ class Worker:
             held.state = "handed_back"
         if not batches:
             return
-        items = np.concatenate([h.items for h in batches])
+        items = np.concatenate([h.live_items() for h in batches])
         self._send(
             MT.HAND_BACK, {"reason": reason, "count_attempt": count_attempt}, {"items": items}
         )
@@ -645,7 +738,7 @@ class Worker:
     def drain(self, deadline: float) -> None:
         """Stop asking, hand back what has not started, finish the rest, say goodbye."""
         self.draining = True
-        queued = [h for h in self.held.values() if h.state == "queued"]
+        queued = [h for h in self.held.values() if self._unqueue(h, "handed_back")]
         self._hand_back(queued, "worker stopping (SIGTERM)", False)  # the engine skips them
         while self.now() < deadline and self.held:
             self.step(20)

@@ -41,6 +41,7 @@ RECLAIM_CAUSES = (
     "handed_back",  # the worker handed it back (transient failure, drain)
     "worker_left",  # the worker said BYE holding it
     "result_refused",  # completion refused its result (collector/result_check.py)
+    "stalled",  # its session held it with no results past the stall limit (dispatch_stall.py)
 )
 RESULT_REFUSALS = ("bad_status", "wrong_kind", "wrong_size", "wrong_dimension", "not_finite")
 
@@ -138,6 +139,13 @@ METRICS: dict[str, Metric] = _catalogue(
         GAUGE,
         ("model",),
         "Worker sessions registered with dispatch",
+        "dispatch",
+    ),
+    Metric(
+        "fabric_worker_stalled_sessions",
+        GAUGE,
+        ("model",),
+        "Worker sessions holding batches with no results past the stall limit",
         "dispatch",
     ),
     Metric(

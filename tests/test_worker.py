@@ -60,3 +60,151 @@ def test_a_worker_holding_many_unacknowledged_results_asks_for_no_more_work():
     hold(1)
     worker._ask(200.0)
     assert len(asked) == 1  # at the bound: it waits for acknowledgements
+
+
+class _Gate:
+    """An engine that blocks each batch until released, and fails when told to."""
+
+    name = "gate"
+
+    def __init__(self) -> None:
+        import threading
+
+        self.go = threading.Event()
+        self.fail = False
+
+    def load(self) -> None:
+        pass
+
+    def run(self, batch):
+        self.go.wait(30)
+        if self.fail:
+            raise RuntimeError("the device is gone")
+        return EchoEngine().run(batch)
+
+
+def _worker_with(engine, **options):
+    from pipeline import wire
+
+    worker = Worker(WorkerOptions("tcp://127.0.0.1:1", "m", **options), engine)
+    sent = []
+    worker._send = lambda kind, meta, arrays=None: sent.append((kind, meta, arrays)) or True
+    worker.open()
+    worker.registered = True
+    worker.report_s = 1e9
+
+    def work(batch_id: int, slots: list[int]) -> None:
+        items = np.zeros(len(slots), ITEM_DTYPE)
+        items["segment"], items["slot"], items["seq"] = 1, slots, slots
+        words = np.zeros((len(slots), 8 + 4), np.uint32)
+        words[:, 8] = np.array(slots) + 100
+        meta = {"batch_id": batch_id, "lane": 4, "task": "embed", "max_tokens": 4}
+        arrays = {"items": items, "lengths": np.ones(len(slots), np.uint32), "slots": words}
+        worker._handle(wire.Message(wire.MessageType.WORK, meta, arrays), 0.0)
+
+    return worker, sent, work
+
+
+def _welcome(worker, known: list[int]) -> None:
+    from pipeline import wire
+
+    meta = {"epoch": 1, "report_s": 1e9}
+    arrays = {"known": np.array(known, np.uint8)}
+    worker._welcome(wire.Message(wire.MessageType.WELCOME, meta, arrays), 0.0)
+
+
+def _kinds(sent) -> list[str]:
+    return [kind.name for kind, _, _ in sent]
+
+
+def test_re_registration_never_changes_a_batch_under_the_engine():
+    """The issue's sequence: re-registered while a batch runs and one waits; the broker says
+    none of them is live. The waiting batch is skipped, the running one finishes whole, and
+    results come only for live items; the engine goes on to the next batch."""
+    from conftest import wait_for
+
+    engine = _Gate()
+    worker, sent, work = _worker_with(engine, prefetch=8)
+    try:
+        work(1, [0, 1, 2])
+        wait_for(lambda: worker.running is not None, "batch 1 to run")
+        work(2, [3, 4])
+        _welcome(worker, [1, 0, 1, 0, 0])  # slots 1, 3 and 4 are retired elsewhere
+        assert worker._held_items()["slot"].tolist() == [0, 2]
+        assert worker.held[1].items["slot"].tolist() == [0, 1, 2]  # the running batch: whole
+        assert 2 not in worker.held  # the waiting one: nothing live, skipped
+        engine.go.set()
+        wait_for(lambda: (worker.step(0), "RESULTS" in _kinds(sent))[1], "batch 1's results")
+        results = next(a for k, _, a in sent if k.name == "RESULTS")
+        assert results["items"]["slot"].tolist() == [0, 2]
+        assert results["payload"].view("<f4").reshape(2, 4)[:, 0].tolist() == [100.0, 102.0]
+        work(3, [5])
+        wait_for(lambda: (worker.step(0), _kinds(sent).count("RESULTS") == 2)[1], "batch 3")
+        assert worker.exit_code is None and worker.thread.is_alive()
+    finally:
+        engine.go.set()
+        worker.close()
+
+
+def test_a_worker_whose_engine_failed_on_a_batch_it_no_longer_holds_hands_back_and_exits():
+    from conftest import wait_for
+
+    from pipeline import exitcodes
+
+    engine = _Gate()
+    worker, sent, work = _worker_with(engine)
+    try:
+        work(1, [0, 1])
+        wait_for(lambda: worker.running is not None, "batch 1 to run")
+        work(2, [2, 3])
+        del worker.held[1]  # acknowledged or dropped meanwhile: the engine still fails on it
+        engine.fail = True
+        engine.go.set()
+        wait_for(lambda: (worker.step(0), worker.exit_code is not None)[1], "the worker to end")
+        assert worker.exit_code == exitcodes.FAILED
+        backs = [a["items"]["slot"].tolist() for k, _, a in sent if k.name == "HAND_BACK"]
+        assert backs == [[2, 3]] and _kinds(sent)[-1] == "BYE"
+        assert not worker.held
+    finally:
+        engine.go.set()
+        worker.close()
+
+
+def test_a_worker_whose_engine_thread_ended_or_took_no_work_hands_back_and_exits():
+    import threading
+    import time
+
+    from conftest import wait_for
+
+    from pipeline import exitcodes
+
+    worker, sent, work = _worker_with(_Gate())
+    worker.ready.put(None)  # the engine thread ends, whatever the cause
+    worker.thread.join(5)
+    work(1, [0, 1])
+    worker.step(0)
+    assert worker.exit_code == exitcodes.FAILED and "engine thread" in worker.broken
+    assert [a["items"]["slot"].tolist() for k, _, a in sent if k.name == "HAND_BACK"] == [[0, 1]]
+    worker.close()
+
+    stuck, sent, work = _worker_with(_Gate(), batch_timeout_s=0.3)
+    stuck.ready.put(None)
+    stuck.thread.join(5)
+    blocked = threading.Event()
+    stuck.thread = threading.Thread(target=blocked.wait, daemon=True)  # alive, takes nothing
+    stuck.thread.start()
+    try:
+        work(1, [0, 1])
+        stuck.step(0)
+        assert stuck.exit_code is None  # held, not running: not for batch_timeout_s yet
+        stuck._stalled_since = stuck._last_watch = time.monotonic() - 5.0  # a SIGSTOP
+        stuck.step(0)
+        assert stuck.exit_code is None  # the process itself did not run: the clock restarts
+        wait_for(lambda: (stuck.step(0), stuck.exit_code is not None)[1], "the watchdog")
+        assert "takes no work" in stuck.broken
+        assert [a["items"]["slot"].tolist() for k, _, a in sent if k.name == "HAND_BACK"] == [
+            [0, 1]
+        ]
+    finally:
+        blocked.set()
+        stuck.close()
