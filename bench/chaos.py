@@ -2,14 +2,18 @@
 
     .venv/bin/python -m bench.chaos --minutes 30 [--seed 1] [--items 2000] [--jobs 2]
 
-It starts a broker (bench/chaos_fleet.py: 2 local echo workers) and two
-`run.py worker` processes (echo and texty), and keeps `--jobs` jobs going: each is submitted
+It starts a broker (bench/chaos_fleet.py: 2 local echo workers), two
+`run.py worker` processes (echo and texty) and a lying echo worker
+(tests/procs/lying_worker.py: the real worker whose results are damaged per
+item, which completion must refuse), and keeps `--jobs` jobs going: each is submitted
 with `run.py submit --job-id` (token ids and text, broken lines, text too
 long for its model, and one poison item that SIGKILLs any worker that runs
 it) and fetched with `run.py results --follow`. Until the time is up, every
 0.2-1.5 s it does one of: SIGKILL a stage of the broker (any: front,
 tokenizer, router, writer, dispatch, completion, vectors, a local worker),
-SIGKILL a remote worker, SIGKILL the whole broker and start it again,
+SIGKILL a remote worker, SIGKILL the whole broker and start it again (half
+the time damaging one input segment first: cut mid-slot, or a header byte
+flipped; lost items must end as `corrupt_input` error lines),
 SIGKILL a results client or a submit and run it again, or SIGSTOP a worker
 for longer than its lease and let it go later. A client that fails (the
 broker was down too long) is run again with the same arguments, as a user
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import signal
 import subprocess
@@ -57,6 +62,8 @@ from bench.chaos_fleet import (
 from bench.report import write_section
 
 DOC = REPO / "docs" / "RELIABILITY.md"
+LYING_WORKER = REPO / "tests" / "procs" / "lying_worker.py"
+DAMAGE_CHANCE = 0.5  # of a whole-broker kill: one input segment is damaged before the restart
 STAGES = ("front", "tokenizer", "router", "writer", "dispatch", "completion", "vectors", "worker")
 
 
@@ -83,6 +90,8 @@ class Report:
     fetch_runs: int = 0
     poison_deaths: int = 0
     settle_s: float = 0.0  # the longest a job had work pending after the kills stopped
+    damage: Counter = field(default_factory=Counter)  # input segments damaged while it was down
+    liar_runs: int = 0  # runs of the lying worker (it is restarted like the others)
 
     @property
     def total_kills(self) -> int:
@@ -95,7 +104,13 @@ class Report:
 
 class Chaos:
     def __init__(
-        self, root: Path, seed: int, items: int, jobs: int, local_workers: int = 2
+        self,
+        root: Path,
+        seed: int,
+        items: int,
+        jobs: int,
+        local_workers: int = 2,
+        damage: float = DAMAGE_CHANCE,
     ) -> None:
         self.root = root
         self.random = random.Random(seed)
@@ -130,6 +145,34 @@ class Chaos:
             )
             for model in ("echo", "texty")
         ]
+        # a lying worker: the real worker whose RESULTS are damaged per item (wrong size,
+        # wrong kind, bad status, NaN, wrong dimension); completion refuses them
+        self.liar = Client(
+            "lying echo worker",
+            [
+                sys.executable,
+                str(LYING_WORKER),
+                *run_py(
+                    "worker",
+                    "--broker",
+                    _address(self.config, "dispatch", "bind"),
+                    "--heartbeat",
+                    _address(self.config, "dispatch", "heartbeat_bind"),
+                    "--model",
+                    "echo",
+                    "--engine",
+                    "echo",
+                    "--batch-items",
+                    "16",
+                    "--target-batch-s",
+                    "0",
+                )[2:],
+            ],
+            self.env,
+            root / "worker-liar.log",
+        )
+        self.workers.append(self.liar)
+        self.damage_chance = damage
         self.jobs: list[Job] = []
         self.finished: list[Job] = []
         self.stopped: dict[int, float] = {}  # pid -> when to SIGCONT it
@@ -172,6 +215,7 @@ class Chaos:
                 if code != 0:
                     self.report.problems.append(f"the broker exited with {code} on SIGTERM")
         self._check_data_dir()
+        self.report.liar_runs = self.liar.runs
         self.report.seconds = time.monotonic() - began
         return self.report
 
@@ -270,6 +314,8 @@ class Chaos:
             self.broker.kill()
             self.stopped.clear()  # its workers died with it
             kills["whole broker"] += 1
+            if self.random.random() < self.damage_chance:
+                self._damage_a_segment()
             self.broker.start()
         elif roll < 0.85:
             fetching = [j.fetch for j in self.jobs if j.fetch is not None]
@@ -288,6 +334,29 @@ class Chaos:
                 if _signal(pid, signal.SIGSTOP):
                     self.stopped[pid] = time.monotonic() + LEASE_S + self.random.uniform(1, 4)
                     kills["SIGSTOP worker"] += 1
+
+    def _damage_a_segment(self) -> None:
+        """With the broker down, damage one input segment as a disk might: cut it mid-slot
+        (the items past the cut are lost: they must end as `corrupt_input` error lines) or
+        flip a byte of its checksummed header (nothing is lost: the file's name and size
+        vouch for the layout). The broker must isolate it and serve the rest."""
+        segments = sorted((self.root / "data" / "segments").glob("in-*.seg"))
+        if not segments:
+            return
+        path = self.random.choice(segments)
+        size = path.stat().st_size
+        if self.random.random() < 0.5 and size > 3 * 4096:
+            cut = self.random.randrange(2 * 4096, size - 1)
+            cut -= cut % 8 == 0  # never on a word boundary: mid-slot
+            os.truncate(path, cut)
+            self.report.damage["input segment cut mid-slot"] += 1
+        else:
+            with open(path, "r+b") as f:
+                f.seek(40)  # created_ns: inside the header's CRC, outside the layout fields
+                byte = f.read(1)
+                f.seek(40)
+                f.write(bytes([byte[0] ^ 0x5A]))
+            self.report.damage["input segment header byte flipped"] += 1
 
     def _resume_all(self) -> None:
         for pid in self.stopped:
@@ -430,8 +499,6 @@ def _address(config: Path, section: str, key: str) -> str:
 
 def _signal(pid: int, sig: int) -> bool:
     try:
-        import os
-
         os.kill(pid, sig)
         return True
     except ProcessLookupError:
@@ -456,6 +523,11 @@ def summary(report: Report, command: str, facts: dict) -> str:
             for kind, n in kinds
         ],
         f"| kills in all (SIGSTOPs not counted) | {report.total_kills:,} |",
+        *[
+            f"| damaged while the broker was down: {kind} | {n:,} |"
+            for kind, n in report.damage.items()
+        ],
+        f"| runs of a lying worker (damaged results, refused by completion) | {report.liar_runs:,} |",
         f"| remote workers killed by the poison item and restarted | {report.poison_deaths:,} |",
         f"| jobs | {report.jobs:,} |",
         f"| input lines | {report.lines:,} |",

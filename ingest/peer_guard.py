@@ -10,11 +10,11 @@ ZeroMQ socket monitor (ACCEPTED and DISCONNECTED events carry the
 connection's file descriptor) and shuts a connection down as soon as it is
 accepted when its address already holds `ingest.max_peer_connections`, or
 all together hold `ingest.max_connections`; libzmq then drops it and frees
-whatever it buffered. With `RCVHWM` = 1 on the socket (one complete message
-waiting per connection, one being received), what producers can make the
-front hold before it reads a message is at most
+whatever it buffered. With `RCVHWM` = 2 on the socket (two complete messages
+waiting per connection, one being received; 1 stalls CURVE connections), what
+producers can make the front hold before it reads a message is at most
 
-    max_connections x 2 x max_message_bytes     (max_peer_connections x ... for one address)
+    max_connections x 3 x max_message_bytes     (max_peer_connections x ... for one address)
 
 The address is the peer's IP for TCP (every process on one host counts
 together), "local" for IPC. A descriptor is known only between its ACCEPTED

@@ -4,7 +4,9 @@
 This runs the same code: stages, remote workers, the whole broker, submit and
 results clients are SIGKILLed (and workers SIGSTOPped past their lease) at
 random while jobs with broken lines, over-long text and a poison item go
-through; then every input line must have exactly one outcome, no custom_id
+through, a lying worker sends damaged results, and every time the whole broker
+is killed one input segment is damaged (cut mid-slot or a header byte
+flipped) before it starts again; then every input line must have exactly one outcome, no custom_id
 twice, the counters must equal the files, `run.py check` must be clean and
 every input segment collected.
 """
@@ -15,7 +17,7 @@ from bench.chaos import Chaos
 
 
 def test_chaos_loses_and_doubles_nothing(tmp_path):
-    chaos = Chaos(tmp_path, seed=11, items=400, jobs=2)
+    chaos = Chaos(tmp_path, seed=11, items=400, jobs=2, damage=1.0)
     report = chaos.run(45.0)
     assert report.ok, "\n".join(report.problems)
     assert report.jobs >= 2
@@ -23,3 +25,5 @@ def test_chaos_loses_and_doubles_nothing(tmp_path):
     assert report.total_kills >= 15, report.kills
     kinds = {kind.split()[0] for kind in report.kills}
     assert "stage" in kinds
+    assert sum(report.damage.values()) >= 1, report.kills  # a whole-broker kill damaged a file
+    assert report.liar_runs >= 1

@@ -189,7 +189,11 @@ def test_cancelled_items_are_retired_and_dispatch_stops_sending_them_again(tmp_p
     samples = scrape_when(
         f"http://{b.settings.metrics.bind}/metrics",
         "the metric to show no unretired item error",
-        lambda s: value(s, "fabric_unretired_item_errors") == 0,
+        # completion's figures come in its own periodic report: wait for them too
+        lambda s: (
+            value(s, "fabric_unretired_item_errors") == 0
+            and value(s, "fabric_items_completed_total") == n
+        ),
     )
     assert value(samples, "fabric_items_completed_total") == n
     out = tmp_path / "c.out.jsonl"

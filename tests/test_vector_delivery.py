@@ -66,7 +66,12 @@ def stats(config: Path) -> dict:
 
 
 def store_rows(config: Path, name: str) -> int:
-    for store in stats(config)["stores"]:
+    """Rows of store `name`; 0 while the vectors stage is being restarted (nothing listens)."""
+    done = cli(config, "vectors", "stats", "--json")
+    if done.returncode == exitcodes.UNAVAILABLE:
+        return 0
+    assert done.returncode == 0, done.stderr
+    for store in json.loads(done.stdout)["stores"]:
         if store["name"] == name:
             return store["rows"]
     return 0
