@@ -144,8 +144,11 @@ class Broker:
         self.data_dir = DataDir(self.settings.data_path)
         self.address = self.settings.ingest.bind
         self.proc: subprocess.Popen | None = None
+        self.log_from = 0  # where the supervisor's log of this broker life starts
 
     def start(self) -> Broker:
+        log = self.data_dir.log / "supervisor-0.log"
+        self.log_from = log.stat().st_size if log.exists() else 0  # where this life's log starts
         path = self.stderr_path
         err = subprocess.PIPE if path is None else open(path, "w")  # noqa: SIM115
         self.proc = subprocess.Popen(
@@ -160,6 +163,14 @@ class Broker:
         wait_for(self.all_up, "every stage to be up", timeout_s=60)
         return self
 
+    def _log_of_this_life(self) -> str:
+        path = self.data_dir.log / "supervisor-0.log"
+        if not path.exists():
+            return ""
+        with open(path, "rb") as log:
+            log.seek(self.log_from)
+            return log.read().decode("utf-8", errors="replace")
+
     def supervisor_log(self) -> str:
         path = self.data_dir.log / "supervisor-0.log"
         return path.read_text() if path.exists() else ""
@@ -169,6 +180,10 @@ class Broker:
         return {label: int(pid) for label, pid in STARTED.findall(self.supervisor_log())}
 
     def all_up(self) -> bool:
+        """Every stage of this life is up: the supervisor said so once each had opened its
+        sockets (so a client finds every port listening), and each restarted one is up again."""
+        if "every stage is up" not in self._log_of_this_life():
+            return False
         pids = self.pids()
         if len(pids) < 4:
             return False
