@@ -17,7 +17,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline.topology import free_loopback_ports
+
 REPO = Path(__file__).resolve().parents[1]
 STARTED = re.compile(r"started stage (\S+) \(pid (\d+)\)")
 POISON_TOKEN = 7  # an echo worker that meets an item starting with it is SIGKILLed (a bad kernel)
@@ -33,18 +34,8 @@ LEASE_S = 4.0
 TEXT_TOKENIZER = REPO / "gpu" / "minilm" / "tokenizer.json"
 
 
-def _free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
 def write_config(root: Path, local_workers: int) -> Path:
-    ports = _free_ports(7)
+    ports = free_loopback_ports(7)
     text = f"""# Written by bench/chaos_fleet.py
 [broker]
 data_dir = "{root / "data"}"

@@ -35,7 +35,6 @@ import fcntl
 import hashlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -46,6 +45,7 @@ from pathlib import Path
 from pipeline import exitcodes
 from pipeline.datadir import LOCK_NAME
 from pipeline.errors import FabricError
+from pipeline.topology import client_address, free_loopback_ports
 
 REPO = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 300.0  # for the broker to answer (recovery of a large data dir, model loads)
@@ -90,17 +90,6 @@ class OneShot:
         return "batch-" + digest.hexdigest()
 
 
-def _free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
 def write_config(run: OneShot) -> Path:
     """The config of a private broker for one model, in the state dir (rewritten each run)."""
     from config.defaults import ENGINE_ENDPOINTS
@@ -118,7 +107,7 @@ def write_config(run: OneShot) -> Path:
         tokenizer = run.tokenizer
     if tokenizer and not os.path.isabs(tokenizer):
         tokenizer = str((REPO / tokenizer) if (REPO / tokenizer).exists() else Path(tokenizer))
-    ports = _free_ports(4)
+    ports = free_loopback_ports(4)
     text = f"""# Written by `run.py batch` for {run.output}; rewritten on every run.
 [broker]
 data_dir = "{run.state_dir / "data"}"
@@ -305,7 +294,6 @@ def _drive(run: OneShot, settings, job_id: str, broker, progress: _Progress, say
     from collector.client import TERMINAL, ResultsClient
     from ingest.sdk import BrokerUnavailableError, Producer
     from pipeline.security import client_curve
-    from pipeline.topology import client_address
 
     curve = client_curve(settings.security, None, None)  # the config's keys, if it sets any
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from pathlib import Path
 
 from pipeline import exitcodes
 from pipeline.invocation import how_to_run
+from pipeline.topology import free_loopback_ports
 
 REPO = Path(__file__).resolve().parents[1]
 MIN_WORDS = 6
@@ -64,22 +64,10 @@ def corpus() -> list[str]:
     return [p for p, n in zip(paragraphs, lengths, strict=True) if n <= MAX_TOKENS]
 
 
-def _free_ports(n: int) -> list[int]:
-    sockets, ports = [], []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        sockets.append(s)
-        ports.append(s.getsockname()[1])
-    for s in sockets:
-        s.close()
-    return ports
-
-
 def write_config(root: Path, workers: int) -> Path:
     from gpu.minilm_engine import minilm_tokenizer_path
 
-    ports = _free_ports(6)
+    ports = free_loopback_ports(6)
     text = f"""# Written by `python run.py demo`; rewritten on every run.
 [broker]
 data_dir = "{root / "data"}"

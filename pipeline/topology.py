@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +51,20 @@ def run_dir(settings) -> Path:
     path = Path(tempfile.gettempdir()) / f"fabric-{digest}"
     path.mkdir(mode=0o700, exist_ok=True)
     return path
+
+
+def free_loopback_ports(n: int) -> list[int]:
+    """n distinct free loopback TCP ports for a generated config (the demo, `run.py batch`,
+    tests and benchmarks): every socket stays bound until all are picked, so the kernel
+    cannot hand the same port out twice."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def client_address(bind: str) -> str:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 from collections import Counter
@@ -17,27 +16,14 @@ from conftest import wait_for
 from pipeline.datadir import DataDir
 from pipeline.ring import Ring
 from pipeline.segment import Segment
-from pipeline.topology import ring_specs
+from pipeline.topology import free_loopback_ports, ring_specs
 
 REPO = Path(__file__).resolve().parents[1]
 STARTED = re.compile(r"started stage (\S+) \(pid (\d+)\)")
 
 
 def free_port() -> int:
-    return free_ports(1)[0]
-
-
-def free_ports(n: int) -> list[int]:
-    """n distinct free loopback ports: every socket stays bound until all are picked, so the
-    kernel cannot hand the same port out twice."""
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+    return free_loopback_ports(1)[0]
 
 
 WORDS = [f"w{i}" for i in range(1000)]
@@ -75,7 +61,7 @@ def write_config(
     and `sim` (the simulated engine's 384-dim embeddings of the same text). `broker_keys`
     are more lines for the [broker] section."""
     tokenizer = build_tokenizer(tmp_path / "tokenizer.json")
-    ports = free_ports(6)
+    ports = free_loopback_ports(6)
     text = f"""
 [broker]
 data_dir = "{data_dir or tmp_path / "data"}"
