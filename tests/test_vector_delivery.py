@@ -85,8 +85,8 @@ def delivered(b: Broker, job: str) -> bool:
 def broker(tmp_path):
     started: list[Broker] = []
 
-    def start(vectors: str = "") -> Broker:
-        config = write_config(tmp_path, workers=1, worker_keys=SIM_WORKER, vectors=vectors)
+    def start(vectors: str = "", worker_keys: str = SIM_WORKER) -> Broker:
+        config = write_config(tmp_path, workers=1, worker_keys=worker_keys, vectors=vectors)
         b = Broker(config).start()
         started.append(b)
         return b
@@ -162,7 +162,9 @@ def test_a_job_lands_in_the_store_and_a_text_search_finds_it(broker, tmp_path):
 
 
 def test_sigkill_of_the_vector_stage_and_the_broker_loses_and_doubles_nothing(broker, tmp_path):
-    b = broker("flush_ms = 50.0\npage_items = 64")
+    # a worker slow enough (about 10 s for the job) that delivery cannot outrun the kills
+    slow = SIM_WORKER.replace("simulated_tokens_per_s = 5e6", "simulated_tokens_per_s = 2e4")
+    b = broker("flush_ms = 50.0\npage_items = 64", worker_keys=slow)
     path = tmp_path / "in.jsonl"
     valid = write_texts(path, 3000, seed=1)
     done = submit(b.config, path, "--job-id", "kills", "--deliver", "vectors")
