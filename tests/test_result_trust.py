@@ -46,6 +46,20 @@ def dispatch_status(b) -> dict:
         client.close()
 
 
+def write_embeddings(path: Path, n: int) -> None:
+    """n embedding lines for `echo`, custom_ids r0..r{n-1}, each prompt unique."""
+    lines = [
+        {
+            "custom_id": f"r{i}",
+            "method": "POST",
+            "url": "/v1/embeddings",
+            "body": {"model": "echo", "prompt_token_ids": [i + 1, *PROMPT]},
+        }
+        for i in range(n)
+    ]
+    path.write_bytes(b"".join(orjson.dumps(line) + b"\n" for line in lines))
+
+
 def lying_worker(b, tmp_path: Path, lies: int = -1) -> subprocess.Popen:
     args = [
         sys.executable,
@@ -78,16 +92,7 @@ def test_a_lying_worker_cannot_make_a_job_undeliverable(tmp_path, broker):
     the job finishes and `results` and `results --all` write every line, each once."""
     n = 96
     data = tmp_path / "t.jsonl"
-    lines = [
-        {
-            "custom_id": f"r{i}",
-            "method": "POST",
-            "url": "/v1/embeddings",
-            "body": {"model": "echo", "prompt_token_ids": [i + 1, *PROMPT]},
-        }
-        for i in range(n)
-    ]
-    data.write_bytes(b"".join(orjson.dumps(line) + b"\n" for line in lines))
+    write_embeddings(data, n)
     b = broker(workers=0)
     assert submit(b.config, data, "--job-id", "t").returncode == 0
     liar = lying_worker(b, tmp_path)
@@ -134,16 +139,7 @@ def test_results_handed_back_are_computed_again_and_stored_when_the_worker_turns
     same worker, honest after its first message) it is stored. Only the NaN items fail."""
     n = 48
     data = tmp_path / "h.jsonl"
-    lines = [
-        {
-            "custom_id": f"r{i}",
-            "method": "POST",
-            "url": "/v1/embeddings",
-            "body": {"model": "echo", "prompt_token_ids": [i + 1, *PROMPT]},
-        }
-        for i in range(n)
-    ]
-    data.write_bytes(b"".join(orjson.dumps(line) + b"\n" for line in lines))
+    write_embeddings(data, n)
     b = broker(workers=0)
     assert submit(b.config, data, "--job-id", "h").returncode == 0
     liar = lying_worker(b, tmp_path, lies=1)
