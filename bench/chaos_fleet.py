@@ -162,16 +162,22 @@ class BrokerProcess:
                 raise RuntimeError("the broker's stages did not all come up")
             time.sleep(0.1)
 
-    def pids(self) -> dict[str, int]:
+    def _log_of_this_life(self) -> str:
         path = self.data_dir / "log" / "supervisor-0.log"
         if not path.exists():
-            return {}
+            return ""
         with open(path, "rb") as log:
             log.seek(self.log_from)
-            text = log.read().decode("utf-8", errors="replace")
-        return {label: int(pid) for label, pid in STARTED.findall(text)}
+            return log.read().decode("utf-8", errors="replace")
+
+    def pids(self) -> dict[str, int]:
+        return {label: int(pid) for label, pid in STARTED.findall(self._log_of_this_life())}
 
     def all_up(self) -> bool:
+        """The supervisor said every stage of this life is up (each had opened its sockets),
+        and each stage restarted since is up again."""
+        if "every stage is up" not in self._log_of_this_life():
+            return False
         pids = self.pids()
         if len(pids) < self.stages:
             return False
