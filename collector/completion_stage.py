@@ -49,7 +49,7 @@ from collector.completion_log import (
 )
 from collector.job_view import JobIndex, JobView, write_cancel
 from collector.result_check import CAUSES, HAND_BACK, ResultCheck, expected_for
-from gpu.dispatch_state import ITEM_DTYPE
+from gpu.work_protocol import ITEM_DTYPE
 from ingest.jobs import JOB_ID
 from pipeline import wire
 from pipeline.datadir import DataDir

@@ -43,7 +43,8 @@ from gpu.arrivals import Arrivals
 from gpu.dispatch_files import DispatchFile
 from gpu.dispatch_report import CORRUPT_INPUT, DEAD_LETTER, broker_status, dispatch_metrics
 from gpu.dispatch_stall import StallWatch
-from gpu.dispatch_state import ITEM_DTYPE, Batch, DispatchState
+from gpu.dispatch_state import Batch, DispatchState
+from gpu.work_protocol import ITEM_DTYPE
 from gpu.work_token import Refusals, WorkTokens
 from pipeline import wire
 from pipeline.counter import DurableCounter

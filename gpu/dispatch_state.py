@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gpu.work_protocol import ITEM_DTYPE
 from pipeline.segment import Segment
 from pipeline.segment_format import (
     CHECKSUM_WORD,
@@ -47,7 +48,6 @@ from pipeline.segment_format import (
 
 log = logging.getLogger("fabric.dispatch")
 
-ITEM_DTYPE = np.dtype([("segment", "<u8"), ("slot", "<u4"), ("seq", "<u8")])
 SCAN_MARKERS = 1 << 16  # markers examined per step when looking for free slots
 
 

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gpu.dispatch_state import ITEM_DTYPE
+from gpu.work_protocol import ITEM_DTYPE
 from pipeline.durable import fsync_dir
 from pipeline.errors import FabricError
 

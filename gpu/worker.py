@@ -51,8 +51,8 @@ import numpy as np
 import zmq
 
 from config.defaults import DEFAULTS
-from gpu.dispatch_state import ITEM_DTYPE
 from gpu.engines import Engine, EngineBatch, EngineResult, TransientEngineError
+from gpu.work_protocol import ITEM_DTYPE
 from pipeline import exitcodes, wire
 from pipeline.errors import ConfigError, FabricError, WireError
 from pipeline.security import ClientCurve, internal_curve, secure_client

@@ -28,7 +28,7 @@ from conftest import assert_check_clean, wait_for
 
 from config import load_settings
 from config.settings import SecuritySettings
-from gpu.dispatch_state import ITEM_DTYPE
+from gpu.work_protocol import ITEM_DTYPE
 from pipeline import exitcodes, wire
 from pipeline.errors import ConfigError
 from pipeline.security import ClientCurve, client_curve, read_key_pair, read_public_key

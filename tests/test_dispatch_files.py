@@ -26,7 +26,7 @@ from gpu.dispatch_files import (
     check_dispatch_file,
     parse_header,
 )
-from gpu.dispatch_state import ITEM_DTYPE
+from gpu.work_protocol import ITEM_DTYPE
 from pipeline.errors import FabricError
 
 PROCS = Path(__file__).parent / "procs"

@@ -27,7 +27,7 @@ from conftest import wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpu.dispatch_state import ITEM_DTYPE
+from gpu.work_protocol import ITEM_DTYPE
 from pipeline import exitcodes, wire
 from pipeline.wire import HEADER, MAGIC
 

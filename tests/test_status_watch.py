@@ -34,7 +34,7 @@ from collector.status_sources import JobDirectory, Restart, Snapshot, recent_res
 from collector.status_watch import plain_lines, rich_view
 from gpu.dispatch_report import idle_fraction
 from gpu.dispatch_stage import DEAD_LETTER, DispatchStage, _Session
-from gpu.dispatch_state import ITEM_DTYPE
+from gpu.work_protocol import ITEM_DTYPE
 from pipeline import exitcodes
 
 ROWS, COLS = 50, 150

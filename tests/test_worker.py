@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from gpu.dispatch_state import ITEM_DTYPE
 from gpu.engines import EchoEngine, EngineResult
+from gpu.work_protocol import ITEM_DTYPE
 from gpu.worker import FIRST_BATCH_TOKENS, Worker, WorkerOptions, results_message
 
 
