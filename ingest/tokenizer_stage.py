@@ -21,9 +21,9 @@ from ingest.error_wire import errors_to_wire
 from ingest.input_chunk import InputChunk
 from ingest.tokenize import load_tokenizers, tokenize_chunk
 from pipeline import wire
-from pipeline.batches import Items, put_items, split_items
 from pipeline.errors import FabricError
 from pipeline.outlet import Outlet
+from pipeline.ring_records import Items, put_items, split_items
 from pipeline.stage import Stage
 from pipeline.topology import internal_address
 

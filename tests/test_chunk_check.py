@@ -162,7 +162,7 @@ def test_the_front_refuses_chunks_past_its_byte_caps_but_never_a_first_one():
     """Point 10 of issue 14: bytes of chunks in flight are capped per producer and in all."""
     from types import SimpleNamespace
 
-    from ingest.front import FrontStage
+    from ingest.front_stage import FrontStage
 
     front = FrontStage.__new__(FrontStage)
     front.producer_inflight_bytes, front.max_inflight_bytes = 100, 250

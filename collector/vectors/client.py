@@ -22,7 +22,7 @@ import orjson
 from collector.client import Client
 from collector.vectors.shard import VectorInputError
 from pipeline import wire
-from pipeline.batches import pad_tokens
+from pipeline.ring_records import pad_tokens
 
 MT = wire.MessageType
 READ_ROWS = 65536

@@ -54,11 +54,11 @@ from ingest.peer_guard import PeerGuard
 from ingest.reconcile import stored_indexes
 from ingest.tokenizer_stage import items_of
 from pipeline import wire
-from pipeline.batches import put_items, split_items
 from pipeline.datadir import DataDir
 from pipeline.disk_full import FullDisk
 from pipeline.errors import DiskFullError, FabricError, IngestError, WireError
 from pipeline.outlet import Outlet
+from pipeline.ring_records import put_items, split_items
 from pipeline.security import ServerGate
 from pipeline.stage import Stage
 from pipeline.topology import internal_address

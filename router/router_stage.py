@@ -20,12 +20,20 @@ import numpy as np
 import zmq
 
 from pipeline import wire
-from pipeline.batches import ITEMS, Items, Keyed, pad_tokens, put_keyed, read_items, split_keyed
 from pipeline.outlet import Outlet
 from pipeline.ring_port import RingPort
+from pipeline.ring_records import (
+    ITEMS,
+    Items,
+    Keyed,
+    pad_tokens,
+    put_keyed,
+    read_items,
+    split_keyed,
+)
 from pipeline.stage import Stage
 from pipeline.topology import internal_address, rings_to
-from router.shapes import ShapeTable
+from router.intern_table import InternTable
 
 
 def writer_for(model: str, shape: int, lane: int, writers: int) -> int:
@@ -75,7 +83,7 @@ class RouterStage(Stage):
     def open(self) -> None:
         settings = self.settings
         self.lanes = np.array(settings.broker.lanes, dtype=np.int64)
-        self.shapes = ShapeTable(settings.data_path)
+        self.shapes = InternTable(settings.data_path)
         self.inputs = [RingPort(r.name) for r in rings_to(settings, f"router-{self.index}")]
         self.context = zmq.Context()
         self.wakeups = self.context.socket(zmq.PULL)

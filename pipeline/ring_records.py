@@ -1,4 +1,4 @@
-"""Item batches as ring records: what flows front/tokenizer -> router -> writer.
+"""The ingest ring records (ITEMS, KEYED): what flows front/tokenizer -> router -> writer.
 
 Both record kinds start with a fixed header row (a numpy structured array),
 then the arrays listed; every array starts 8-byte aligned (pipeline.ring).

@@ -23,12 +23,12 @@ import numpy as np
 import zmq
 
 from pipeline import wire
-from pipeline.batches import KEYED, Keyed, read_keyed
 from pipeline.datadir import DataDir
 from pipeline.disk_full import FullDisk, probe
 from pipeline.errors import DiskFullError, FabricError
 from pipeline.metrics import FSYNC_BUCKETS_S, Histogram
 from pipeline.ring_port import RingPort
+from pipeline.ring_records import KEYED, Keyed, read_keyed
 from pipeline.segment_format import KIND_INPUT, SegmentKey, slot_bytes_for
 from pipeline.segment_log import SegmentAppender, SegmentIds
 from pipeline.stage import Stage
