@@ -86,9 +86,10 @@ class RouterStage(Stage):
         self.shapes = InternTable(settings.data_path)
         self.inputs = [RingPort(r.name) for r in rings_to(settings, f"router-{self.index}")]
         self.context = zmq.Context()
-        self.wakeups = self.context.socket(zmq.PULL)
-        self.wakeups.setsockopt(zmq.LINGER, 0)
-        self.wakeups.bind(internal_address(settings, f"router-{self.index}"))
+        wakeups = wire.open_socket(
+            self.context, zmq.PULL, bind=internal_address(settings, f"router-{self.index}")
+        )
+        self.wakeups = wire.Inbox(wakeups, self.log, "a front or tokenizer")
         self.outlet = Outlet(self.context, settings, f"router-{self.index}", "writer")
         self.pending: deque[tuple[int, Keyed]] = deque()  # groups waiting for room in a writer ring
         self.routed = 0
@@ -108,7 +109,7 @@ class RouterStage(Stage):
 
     def step(self, now: float) -> None:
         if not self._flush_pending():
-            wire.recv(self.wakeups, 5)  # writers are behind: wait for room, read nothing new
+            self.wakeups.drain(5, most=1)  # writers are behind: wait for room, read nothing new
             return
         idle = True
         for port in self.inputs:
@@ -137,9 +138,8 @@ class RouterStage(Stage):
             if not self._flush_pending():
                 return
         # Idle: wait once for a wakeup, then take the others already queued.
-        if idle and wire.recv(self.wakeups, self.poll_ms) is not None:
-            while wire.recv(self.wakeups, 0) is not None:
-                pass
+        if idle:
+            self.wakeups.drain(self.poll_ms)
 
     def drain(self, deadline: float) -> None:
         while time.monotonic() < deadline:
@@ -152,5 +152,5 @@ class RouterStage(Stage):
         for port in self.inputs:
             port.close()
         self.outlet.close()
-        self.wakeups.close(0)
+        self.wakeups.socket.close(0)
         self.context.term()

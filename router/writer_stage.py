@@ -53,17 +53,21 @@ class WriterStage(Stage):
         self.appenders: dict[tuple[str, int, int], SegmentAppender] = {}
         self.ports = [RingPort(r.name) for r in rings_to(settings, f"writer-{self.index}")]
         self.context = zmq.Context()
-        self.wakeups = self.context.socket(zmq.PULL)
-        self.wakeups.setsockopt(zmq.LINGER, 0)
-        self.wakeups.bind(internal_address(settings, f"writer-{self.index}"))
-        self.acks = self.context.socket(zmq.PUSH)
-        self.acks.setsockopt(zmq.LINGER, 1000)
-        self.acks.setsockopt(zmq.SNDTIMEO, 1000)
-        self.acks.connect(internal_address(settings, "front"))
-        self.dispatch = self.context.socket(zmq.PUSH)  # new work: (segment, end) after each sync
-        self.dispatch.setsockopt(zmq.LINGER, 0)
-        self.dispatch.setsockopt(zmq.SNDTIMEO, 0)
-        self.dispatch.connect(internal_address(settings, "dispatch"))
+        wakeups = wire.open_socket(
+            self.context, zmq.PULL, bind=internal_address(settings, f"writer-{self.index}")
+        )
+        self.wakeups = wire.Inbox(wakeups, self.log, "a router")
+        self.acks = wire.open_socket(
+            self.context,
+            zmq.PUSH,
+            linger_ms=1000,
+            send_timeout_ms=1000,
+            connect=internal_address(settings, "front"),
+        )
+        # new work: (segment, end) after each sync
+        self.dispatch = wire.open_socket(
+            self.context, zmq.PUSH, connect=internal_address(settings, "dispatch")
+        )
         self.placed: dict[int, int] = {}  # segment id -> end of what this step appended
         self.appended = 0
         self.flush_s = settings.writers.flush_ms / 1000
@@ -101,9 +105,7 @@ class WriterStage(Stage):
         return None
 
     def step(self, now: float) -> None:
-        busy = self._backlog()
-        while wire.recv(self.wakeups, 0 if busy else self.poll_ms) is not None:
-            busy = True  # drain wakeups; the rings hold the work
+        self.wakeups.drain(0 if self._backlog() else self.poll_ms)  # the rings hold the work
         durable: dict[tuple[int, int], int] = defaultdict(int)
         failed: dict[tuple[int, int], str] = {}
         taken = self._take(now, durable, failed)
@@ -111,7 +113,7 @@ class WriterStage(Stage):
             deadline = time.monotonic() + self.flush_s
             while taken < MAX_RECORDS_PER_STEP:
                 left_ms = int((deadline - time.monotonic()) * 1000)
-                if left_ms <= 0 or wire.recv(self.wakeups, left_ms) is None:
+                if left_ms <= 0 or not self.wakeups.drain(left_ms, most=1):
                     break
                 taken += self._take(now, durable, failed)
         if durable:
@@ -268,7 +270,7 @@ class WriterStage(Stage):
                 self.log.error("closing %s: %s", appender.key, exc)
         for port in self.ports:
             port.close()
-        self.wakeups.close(0)
+        self.wakeups.socket.close(0)
         self.acks.close()
         self.dispatch.close(0)
         self.context.term()

@@ -162,18 +162,18 @@ def test_the_front_refuses_chunks_past_its_byte_caps_but_never_a_first_one():
     """Point 10 of issue 14: bytes of chunks in flight are capped per producer and in all."""
     from types import SimpleNamespace
 
-    from ingest.front_stage import FrontStage
+    from ingest.inflight import InflightChunks
 
-    front = FrontStage.__new__(FrontStage)
-    front.producer_inflight_bytes, front.max_inflight_bytes = 100, 250
+    inflight = InflightChunks(max_chunks=64, producer_chunks=8, max_bytes=250, producer_bytes=100)
     a, b, c = (b"a",), (b"b",), (b"c",)
-    front.inflight = {}
-    assert front._too_many_bytes(a, 500) is None  # holding nothing: one chunk may always come
-    front.inflight = {
+    assert inflight.busy(a, 500) is None  # holding nothing: one chunk may always come
+    inflight.by_key = {
         1: SimpleNamespace(route=a, nbytes=60),
         2: SimpleNamespace(route=b, nbytes=90),
     }
-    assert "ingest.producer_inflight_bytes = 100" in front._too_many_bytes(a, 41)
-    assert front._too_many_bytes(a, 40) is None
-    assert front._too_many_bytes(c, 100) is None
-    assert "ingest.max_inflight_bytes = 250" in front._too_many_bytes(c, 101)
+    assert "ingest.producer_inflight_bytes = 100" in inflight.busy(a, 41)
+    assert inflight.busy(a, 40) is None
+    assert inflight.busy(c, 100) is None
+    assert "ingest.max_inflight_bytes = 250" in inflight.busy(c, 101)
+    inflight.producer_chunks = 1
+    assert "ingest.producer_chunks_in_flight" in inflight.busy(a, 1)

@@ -130,6 +130,11 @@ class Inbox:
                 return
             yield message
 
+    def drain(self, wait_ms: int = 0, most: int = 1024) -> int:
+        """Read and discard up to `most` waiting messages (wakeups, whose work waits elsewhere);
+        only the first read waits, at most `wait_ms`. How many well-formed ones were read."""
+        return sum(1 for _ in self.read(most, wait_ms))
+
 
 def open_socket(
     context: zmq.Context,
