@@ -21,12 +21,12 @@ import zmq
 
 from pipeline import wire
 from pipeline.outlet import Outlet
+from pipeline.ragged import offsets_of, pad
 from pipeline.ring_port import RingPort
 from pipeline.ring_records import (
     ITEMS,
     Items,
     Keyed,
-    pad_tokens,
     put_keyed,
     read_items,
     split_keyed,
@@ -54,7 +54,7 @@ def group_by_key(items: Items, shape_ids: np.ndarray, lanes: np.ndarray) -> list
     key = (
         (items.model_index.astype(np.int64) << 48) | (shape_of.astype(np.int64) << 20) | lane_index
     )
-    starts = np.concatenate(([0], np.cumsum(lengths)[:-1])) if len(lengths) else lengths
+    starts = offsets_of(lengths)[:-1]
     groups = []
     order = np.argsort(key, kind="stable")
     bounds = np.flatnonzero(np.diff(key[order])) + 1
@@ -70,7 +70,7 @@ def group_by_key(items: Items, shape_ids: np.ndarray, lanes: np.ndarray) -> list
                 int(lane_of[first]),
                 items.index[members],
                 items.lengths[members],
-                pad_tokens(items.tokens, starts[members], lengths[members]),
+                pad(items.tokens, starts[members], lengths[members]),
             )
         )
     return groups
