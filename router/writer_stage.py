@@ -26,6 +26,7 @@ from pipeline import wire
 from pipeline.datadir import DataDir
 from pipeline.disk_full import FullDisk, probe
 from pipeline.errors import DiskFullError, FabricError
+from pipeline.item_seq import seq_of
 from pipeline.metrics import FSYNC_BUCKETS_S, Histogram
 from pipeline.ring_port import RingPort
 from pipeline.ring_records import KEYED, Keyed, read_keyed
@@ -35,10 +36,6 @@ from pipeline.stage import Stage
 from pipeline.topology import internal_address, rings_to
 
 MAX_RECORDS_PER_STEP = 256
-
-
-def seqs(job_no: int, index: np.ndarray) -> np.ndarray:
-    return (np.uint64(job_no) << np.uint64(32)) | index.astype(np.uint64)
 
 
 class WriterStage(Stage):
@@ -206,7 +203,7 @@ class WriterStage(Stage):
             return
         try:
             placed = self._appender((keyed.model, keyed.shape, keyed.lane)).append(
-                seqs(keyed.job_no, keyed.index),
+                seq_of(keyed.job_no, keyed.index),
                 np.full(len(keyed.index), keyed.job_no, np.uint64),
                 keyed.index,
                 keyed.lengths,
