@@ -12,6 +12,13 @@ chunk of the step), logged once, not once per chunk (pipeline/disk_full.py);
 the writer goes on and the next append tries the disk again; with nothing to
 append it probes the disk once a second, so "disk writable again" is said
 once space is freed whether or not more work comes.
+
+Stage logic takes its clock from `step(now)` (CLOCK_MONOTONIC seconds): a
+record's deadline and the full-disk episode are judged on it, so a test can
+drive a writer on a clock of its own. Two things use real time on purpose:
+the group-commit window (`writers.flush_ms`, a real wait for more records;
+records it takes are judged on the step's `now`) and the fsync latency it
+measures.
 """
 
 from __future__ import annotations
@@ -119,12 +126,12 @@ class WriterStage(Stage):
                 for appender in self.appenders.values():
                     appender.sync()
             except DiskFullError as exc:  # not durable: no chunk of this step is acknowledged
-                self.disk.failed(exc, time.monotonic())
+                self.disk.failed(exc, now)
                 failed.update({chunk: str(exc) for chunk in durable if chunk not in failed})
                 self.placed.clear()  # dispatch finds what did reach the disk by its rescan
             else:
                 self.fsync_s.observe(time.perf_counter() - began)
-                self.disk.succeeded(time.monotonic())
+                self.disk.succeeded(now)
                 self._announce()
         elif self.disk.full and self.disk.ready(now):
             self._probe_disk(now)
@@ -146,7 +153,7 @@ class WriterStage(Stage):
                 try:
                     appender.sync()
                 except DiskFullError as exc:  # the seal is written again at the next sync
-                    self.disk.failed(exc, time.monotonic())
+                    self.disk.failed(exc, now)
 
     def _probe_disk(self, now: float) -> None:
         """With nothing to append while the disk is full, try it: sync what a failed sync left
@@ -168,7 +175,6 @@ class WriterStage(Stage):
         copied out by then, and nothing is acknowledged before the sync.
         """
         taken = 0
-        now_ns = time.monotonic_ns()
         for port in self.ports:
             ring = port.get(now)
             if ring is None:
@@ -178,12 +184,12 @@ class WriterStage(Stage):
                 if record is None:
                     break
                 taken += 1
-                self._append(port.name, *record, now_ns, durable, failed)
+                self._append(port.name, *record, now, durable, failed)
             ring.release()
         return taken
 
     def _append(
-        self, ring: str, kind: int, payload, now_ns: int, durable: dict, failed: dict
+        self, ring: str, kind: int, payload, now: float, durable: dict, failed: dict
     ) -> None:
         if kind != KEYED:
             self.log.error("ring %s: unexpected record kind %d; dropped", ring, kind)
@@ -196,7 +202,7 @@ class WriterStage(Stage):
                 "ring %s: bad record for job %d chunk %d: %s; dropped", ring, *chunk, problem
             )
             return
-        if keyed.deadline_ns < now_ns:
+        if keyed.deadline_ns < round(now * 1e9):  # `now` is CLOCK_MONOTONIC, like deadline_ns
             self.log.warning("job %d chunk %d: past its deadline; dropped unappended", *chunk)
             return
         if chunk in failed:
@@ -213,10 +219,10 @@ class WriterStage(Stage):
             self.appended_by_key[(keyed.model, str(keyed.lane))] += len(keyed.index)
             for segment_id, first, count in placed.tolist():
                 self.placed[segment_id] = max(self.placed.get(segment_id, 0), first + count)
-            self.disk.succeeded(time.monotonic())
+            self.disk.succeeded(now)
         except DiskFullError as exc:  # the front tells the producer, who sends it again
             failed[chunk] = str(exc)
-            self.disk.failed(exc, time.monotonic())
+            self.disk.failed(exc, now)
             self.disk.refused()
 
     def _announce(self) -> None:
