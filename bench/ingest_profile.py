@@ -93,7 +93,7 @@ def _attributed(stack: tuple[str, ...]) -> str:
 
 
 def _function(frame: str) -> str:
-    """'step (router/router.py:123)' -> 'router/router.py:step'."""
+    """'step (router/router_stage.py:123)' -> 'router/router_stage.py:step'."""
     name, _, where = frame.partition(" (")
     return f"{where.rsplit(':', 1)[0]}:{name}"
 

@@ -60,7 +60,7 @@ from pipeline.segment_format import (
     slot_bytes_for,
 )
 from pipeline.segment_log import SegmentAppender, SegmentIds
-from router.shapes import ShapeTable
+from router.intern_table import InternTable
 
 log = logging.getLogger("fabric.completion")
 RESULT = 0
@@ -186,7 +186,7 @@ class CompletionLog:
         expected_items: Callable[[str], int] = lambda job_id: 0,
     ) -> None:
         self.data_dir = data_dir
-        self.models = ShapeTable(data_dir.root, MODELS_FILE)
+        self.models = InternTable(data_dir.root, MODELS_FILE)
         self.open_input = open_input
         self.segment_bytes = segment_bytes
         self.expected_items = expected_items  # job id -> items known so far (a sizing hint)

@@ -60,7 +60,7 @@ from pipeline.security import ServerGate
 from pipeline.segment import Segment, disk_error
 from pipeline.stage import Stage
 from pipeline.topology import internal_address
-from router.shapes import ShapeTable
+from router.intern_table import InternTable
 
 MT = wire.MessageType
 MAX_MESSAGES_PER_STEP = 256
@@ -107,7 +107,7 @@ class CompletionStage(Stage):
         self.config = settings.completion
         self.data_dir = DataDir(settings.data_path).ensure()
         self.jobs = JobIndex(settings.data_path)
-        self.shapes = ShapeTable(settings.data_path)
+        self.shapes = InternTable(settings.data_path)
         self.inputs: dict[int, Segment] = {}
         self.log_ = CompletionLog(self.data_dir, self._input, expected_items=self._lines_known)
         self.flush_s = self.config.tombstone_flush_ms / 1000

@@ -201,9 +201,9 @@ def _not_finite(payload: np.ndarray, offsets: np.ndarray, pick: np.ndarray) -> n
 
 def expected_for(items: np.ndarray, open_input, shapes) -> tuple[Expected, np.ndarray]:
     """What each item's result must look like, and each item's attempts so far (the marker's
-    attempts byte), read from its input segment and shape (`open_input(segment_id)`,
-    router.shapes.ShapeTable). An item whose segment cannot be opened, or whose slot is outside
-    it, is not checked here: the completion log refuses it (its seq cannot match)."""
+    attempts byte), read from its input segment and shape (`open_input(segment_id)`, the
+    shape table: router.intern_table.InternTable). An item whose segment cannot be opened, or
+    whose slot is outside it, is not checked here: the completion log refuses it (its seq cannot match)."""
     n = len(items)
     kind = np.full(n, 0xFF, np.uint8)
     max_tokens = np.zeros(n, np.int64)

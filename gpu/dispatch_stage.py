@@ -57,7 +57,7 @@ from pipeline.security import ServerGate
 from pipeline.segment import Segment
 from pipeline.stage import EPOCH_ENV, Stage
 from pipeline.topology import internal_address
-from router.shapes import ShapeTable
+from router.intern_table import InternTable
 
 MT = wire.MessageType
 PARK_S = 0.5  # a work request with nothing to give waits this long before NO_WORK
@@ -159,7 +159,7 @@ class DispatchStage(Stage):
         self.disk = FullDisk(self.log, "no new batches until batch ids can be reserved")
         self.batch_ids_end = 0
         self._reserve_batch_ids()
-        self.shapes = ShapeTable(settings.data_path)
+        self.shapes = InternTable(settings.data_path)
         self.sessions: dict[str, _Session] = {}
         self.parked: collections.deque[_Parked] = collections.deque()
         self.to_completion: collections.deque[tuple[MT, dict, dict]] = collections.deque()

@@ -29,6 +29,7 @@ from ingest.input_chunk import InputChunk
 from ingest.line_errors import LineError, Rejected
 from ingest.request_shape import SHAPE_PARAMETERS, Shape, parse_shape
 from pipeline.errors import WireError
+from pipeline.ragged import offsets_of, offsets_problem
 
 ARRAYS = (
     "line",
@@ -46,8 +47,7 @@ ARRAYS = (
 
 def _blob(strings: list[str]) -> tuple[np.ndarray, np.ndarray]:
     encoded = [s.encode() for s in strings]
-    offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
-    np.cumsum([len(e) for e in encoded], out=offsets[1:])
+    offsets = offsets_of(np.fromiter(map(len, encoded), np.int64, len(encoded)))
     return np.frombuffer(b"".join(encoded), dtype=np.uint8), offsets
 
 
@@ -155,15 +155,11 @@ def chunk_from_wire(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> Inpu
 
 
 def _offsets(raw: np.ndarray, n: int, blob: int, what: str) -> np.ndarray:
-    """n + 1 offsets from 0 to `blob`, never decreasing, as int64; WireError otherwise."""
-    _check(len(raw) == n + 1, f"{what} offsets do not match the item count")
-    _check(
-        int(raw[0]) == 0 and int(raw.min()) >= 0 and int(raw[-1]) == blob,
-        f"{what} offsets do not run from 0 to the {blob} entries they index",
-    )
-    offsets = raw.astype(np.int64)  # in 0..blob now: no wrap-around below
-    _check(bool(np.all(np.diff(offsets) >= 0)), f"{what} offsets are not increasing")
-    return offsets
+    """n + 1 offsets from 0 to `blob`, never decreasing (pipeline/ragged.py's rule), as int64;
+    WireError naming the array (`what`) and the problem otherwise."""
+    problem = offsets_problem(raw, n, blob)
+    _check(problem is None, f"{what} offsets into {blob} entries: {problem}")
+    return raw.astype(np.int64)  # in 0..blob now: no wrap-around
 
 
 def _shape(spec: object) -> Shape:

@@ -33,6 +33,7 @@ import orjson
 
 from ingest.line_errors import LineError
 from pipeline.errors import WireError
+from pipeline.ragged import offsets_of, offsets_problem
 
 ARRAYS = (
     "err_line",
@@ -71,8 +72,7 @@ def errors_to_wire(errors: Iterable[LineError]) -> dict[str, np.ndarray]:
             reason, prefixed[i] = reason[len(prefix) :], 1
         reason_index[i] = reasons.setdefault(reason, len(reasons))
     encoded = [(e.custom_id or "").encode() for e in errors]
-    offsets = np.zeros(n + 1, np.int64)
-    np.cumsum([len(b) for b in encoded], out=offsets[1:])
+    offsets = offsets_of(np.fromiter(map(len, encoded), np.int64, n))
     return {
         "err_line": lines.astype("<u4", copy=False),
         "err_code": codes.astype("<u2", copy=False),
@@ -97,15 +97,11 @@ def errors_from_wire(arrays: dict[str, np.ndarray]) -> list[LineError]:
     for name in ("err_code", "err_reason", "err_prefixed", "err_has_id"):
         if arrays[name].ndim != 1 or len(arrays[name]) != n:
             raise WireError(f"rejected lines: {name} has {arrays[name].shape}, not {n} entries")
-    offsets = arrays["err_ids_offsets"].astype(np.int64)
     blob = arrays["err_ids"].tobytes()
-    if (
-        len(offsets) != n + 1
-        or int(offsets[0]) != 0
-        or int(offsets[-1]) != len(blob)
-        or bool(np.any(np.diff(offsets) < 0))
-    ):
-        raise WireError("rejected lines: err_ids_offsets do not index err_ids")
+    problem = offsets_problem(arrays["err_ids_offsets"], n, len(blob))
+    if problem is not None:
+        raise WireError(f"rejected lines: err_ids_offsets into {len(blob)} bytes: {problem}")
+    offsets = arrays["err_ids_offsets"].astype(np.int64)
     try:
         reasons = [str(r) for r in orjson.loads(arrays["err_reasons"].tobytes())]
         code_names = [str(c) for c in orjson.loads(arrays["err_codes"].tobytes())]

@@ -30,6 +30,7 @@ import numpy as np
 from ingest.line_errors import LineError
 from ingest.line_parser import ParsedLine, TextPrompt
 from ingest.request_shape import Shape
+from pipeline.ragged import offsets_of, scatter
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -78,16 +79,15 @@ class InputChunk:
         lengths = np.diff(self.offsets)
         for group in groups:
             lengths[group.items] = np.diff(group.offsets)
-        offsets = np.zeros(self.n_items + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
+        offsets = offsets_of(lengths)
         tokens = np.empty(int(offsets[-1]), dtype=np.uint32)
         ready = np.ones(self.n_items, dtype=bool)
         ready[self.text_items] = False
         had = np.flatnonzero(ready)
-        _scatter(tokens, offsets[had], self.tokens, self.offsets[had], self.offsets[had + 1])
+        scatter(tokens, offsets[had], self.tokens, self.offsets[had], self.offsets[had + 1])
         for group in groups:
             starts = group.offsets[:-1]
-            _scatter(tokens, offsets[group.items], group.tokens, starts, group.offsets[1:])
+            scatter(tokens, offsets[group.items], group.tokens, starts, group.offsets[1:])
         empty = np.zeros(0, dtype=np.int64)
         return replace(self, tokens=tokens, offsets=offsets, text_items=empty, texts=())
 
@@ -97,11 +97,9 @@ class InputChunk:
         if not drop.any():
             return replace(self, errors=merged)
         keep = np.flatnonzero(~drop)
-        lengths = np.diff(self.offsets)[keep]
-        offsets = np.zeros(keep.size + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
+        offsets = offsets_of(np.diff(self.offsets)[keep])
         tokens = np.empty(int(offsets[-1]), dtype=np.uint32)
-        _scatter(tokens, offsets[:-1], self.tokens, self.offsets[keep], self.offsets[keep + 1])
+        scatter(tokens, offsets[:-1], self.tokens, self.offsets[keep], self.offsets[keep + 1])
         new_position = np.cumsum(~drop) - 1
         text_keep = ~drop[self.text_items]
         return replace(
@@ -116,19 +114,6 @@ class InputChunk:
             texts=tuple(t for t, k in zip(self.texts, text_keep.tolist(), strict=True) if k),
             errors=merged,
         )
-
-
-def _scatter(
-    dst: np.ndarray, dst_starts: np.ndarray, src: np.ndarray, starts: np.ndarray, ends: np.ndarray
-) -> None:
-    """Copy src[starts[j]:ends[j]] to dst[dst_starts[j]:...] for every j, without a Python loop."""
-    lengths = ends - starts
-    total = int(lengths.sum())
-    if total == 0:
-        return
-    segment_start = np.repeat(starts, lengths)
-    within = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    dst[np.repeat(dst_starts, lengths) + within] = src[segment_start + within]
 
 
 @dataclass(slots=True)
@@ -164,8 +149,7 @@ class ChunkBuilder:
             self.texts.append(item.text)
 
     def build(self, last_line: int) -> InputChunk:
-        offsets = np.zeros(len(self.lengths) + 1, dtype=np.int64)
-        np.cumsum(np.array(self.lengths, dtype=np.int64), out=offsets[1:])
+        offsets = offsets_of(np.array(self.lengths, dtype=np.int64))
         tokens = np.concatenate(self.token_arrays) if self.token_arrays else np.zeros(0, np.uint32)
         return InputChunk(
             index=self.index,

@@ -2,8 +2,8 @@
 
 A chunk that was accepted but never committed (a stage or the broker died,
 or the front gave up waiting) may have some of its items in the log. Its
-retry must store only the others. An item's seq is `job_no << 32 | index`,
-so this reads the seq column of the segments that could hold the chunk:
+retry must store only the others. An item's seq joins its job and index
+(pipeline/item_seq.py), so this reads the seq column of the segments that could hold the chunk:
 those still open, or sealed after the chunk was accepted. Only retries pay
 for it; the normal path never scans.
 """
@@ -14,6 +14,7 @@ import numpy as np
 
 from pipeline.datadir import DataDir
 from pipeline.errors import SegmentError
+from pipeline.item_seq import index_of, seq_range
 from pipeline.segment import Segment
 from pipeline.segment_format import EMPTY
 
@@ -22,8 +23,7 @@ def stored_indexes(
     data_dir: DataDir, job_no: int, first_index: int, last_index: int, since_ns: int
 ) -> np.ndarray:
     """Sorted item indexes in first_index..last_index of job `job_no` found in the input log."""
-    lo = np.uint64((job_no << 32) | first_index)
-    hi = np.uint64((job_no << 32) | last_index)
+    lo, hi = seq_range(job_no, first_index, last_index)
     found = []
     if not data_dir.segments.is_dir():
         return np.zeros(0, dtype=np.int64)
@@ -38,7 +38,7 @@ def stored_indexes(
             written = np.flatnonzero(segment.states() != EMPTY)
             seqs = segment.slots["seq"][written]
             hit = seqs[(seqs >= lo) & (seqs <= hi)]
-            found.append((hit & np.uint64(0xFFFFFFFF)).astype(np.int64))
+            found.append(index_of(hit))
         finally:
             segment.close()
     return np.unique(np.concatenate(found)) if found else np.zeros(0, dtype=np.int64)

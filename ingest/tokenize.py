@@ -35,6 +35,7 @@ from ingest.input_chunk import InputChunk, TokenGroup
 from ingest.line_errors import EMPTY_PROMPT, PROMPT_TOO_LONG, LineError, show
 from ingest.line_parser import TEXT_FIELD, TextPrompt
 from pipeline.errors import TokenizerError
+from pipeline.ragged import offsets_of
 
 
 class ModelTokenizer:
@@ -86,8 +87,7 @@ class ModelTokenizer:
         encodings = self._tokenizer.encode_batch_fast(list(texts), add_special_tokens=True)
         ids = [encoding.ids for encoding in encodings]
         lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-        offsets = np.zeros(len(ids) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
+        offsets = offsets_of(lengths)
         tokens = np.fromiter(chain.from_iterable(ids), dtype=np.uint32, count=int(offsets[-1]))
         return tokens, offsets
 

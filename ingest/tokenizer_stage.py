@@ -16,37 +16,21 @@ import time
 import zmq
 
 from config.settings import Settings
+from ingest.chunk_items import items_of, router_for
 from ingest.chunk_wire import chunk_from_wire
 from ingest.error_wire import errors_to_wire
-from ingest.input_chunk import InputChunk
 from ingest.tokenize import load_tokenizers, tokenize_chunk
 from pipeline import wire
-from pipeline.batches import Items, put_items, split_items
 from pipeline.errors import FabricError
 from pipeline.outlet import Outlet
+from pipeline.ring_records import Items, put_items, split_items
 from pipeline.stage import Stage
 from pipeline.topology import internal_address
 
 
-def items_of(chunk: InputChunk, job_no: int, deadline_ns: int) -> Items:
-    """The ITEMS record of a fully tokenised chunk."""
-    return Items(
-        job_no=job_no,
-        chunk=chunk.index,
-        deadline_ns=deadline_ns,
-        models=list(chunk.models),
-        shapes=[s.as_dict() for s in chunk.shapes],
-        index=(chunk.line - 1).astype("<u4"),
-        model_index=chunk.model_index,
-        shape_index=chunk.shape_index,
-        lengths=chunk.lengths,
-        tokens=chunk.tokens,
-    )
-
-
 def forward(outlet: Outlet, items: Items, deadline_s: float) -> bool:
     """Put `items` into the ring of router `chunk % routers`; False if no room before the deadline."""
-    router = items.chunk % len(outlet)
+    router = router_for(items.chunk, len(outlet))
     for piece in split_items(items):
         while not outlet.try_put(router, put_items, piece):
             if time.monotonic() > deadline_s:
@@ -63,25 +47,25 @@ class TokenizerStage(Stage):
         settings: Settings = self.settings
         self.tokenizers = load_tokenizers(settings)
         self.context = zmq.Context()
-        self.inbox = self.context.socket(zmq.PULL)
-        self.inbox.setsockopt(zmq.LINGER, 0)
-        self.inbox.setsockopt(zmq.RCVHWM, 4)
-        self.inbox.connect(internal_address(settings, "tokenize"))
-        self.report = self.context.socket(zmq.PUSH)
-        self.report.setsockopt(zmq.LINGER, 1000)
-        self.report.setsockopt(zmq.SNDTIMEO, 1000)
-        self.report.connect(internal_address(settings, "front"))
+        inbox = wire.open_socket(
+            self.context, zmq.PULL, recv_hwm=4, connect=internal_address(settings, "tokenize")
+        )
+        self.inbox = wire.Inbox(inbox, self.log, "the front")
+        self.report = wire.open_socket(
+            self.context,
+            zmq.PUSH,
+            linger_ms=1000,
+            send_timeout_ms=1000,
+            connect=internal_address(settings, "front"),
+        )
         self.outlet = Outlet(self.context, settings, f"tokenizer-{self.index}", "router")
         self.done = 0
 
     def step(self, now: float) -> None:
-        try:
-            message = wire.recv(self.inbox, self.poll_ms)
-        except FabricError as exc:
-            self.log.error("dropped a malformed message from the front: %s", exc)
-            return
-        if message is None:
-            return
+        for message in self.inbox.read(1, wait_ms=self.poll_ms):
+            self._tokenize(message, now)
+
+    def _tokenize(self, message: wire.Message, now: float) -> None:
         meta = message.meta
         job_no, deadline_ns = int(meta["job_no"]), int(meta["deadline_ns"])
         try:
@@ -92,7 +76,7 @@ class TokenizerStage(Stage):
             return
         known = set(chunk.errors)
         new_errors = [e for e in tokenized.errors if e not in known]
-        deadline_s = now + max(0.0, (deadline_ns - time.monotonic_ns()) / 1e9)
+        deadline_s = max(now, deadline_ns / 1e9)  # `now` is CLOCK_MONOTONIC, like deadline_ns
         forwarded = tokenized.n_items
         if forwarded and not forward(
             self.outlet, items_of(tokenized, job_no, deadline_ns), deadline_s
@@ -126,6 +110,6 @@ class TokenizerStage(Stage):
 
     def close(self) -> None:
         self.outlet.close()
-        self.inbox.close(0)
+        self.inbox.socket.close(0)
         self.report.close()
         self.context.term()

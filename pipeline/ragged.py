@@ -28,7 +28,9 @@ def offsets_problem(offsets: np.ndarray, n: int, size: int) -> str | None:
         return f"offsets are {offsets.dtype.str}, not integers"
     if int(offsets[0]) != 0 or int(offsets[-1]) != size:
         return f"offsets run from {int(offsets[0])} to {int(offsets[-1])}, not from 0 to {size}"
-    if not bool(np.all(np.diff(offsets.astype(np.int64)) >= 0)):  # from 0: so none is negative
+    # compared, not subtracted: a difference of int64s or uint64s can wrap around and hide a
+    # step back (from 0 up to `size` without one, no offset can leave 0..size)
+    if not bool(np.all(offsets[1:] >= offsets[:-1])):
         return "offsets decrease"
     return None
 

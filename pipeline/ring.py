@@ -3,7 +3,7 @@
 Stages hand batches to the next stage through a ring: the producer copies a
 few numpy arrays into one record (one copy each), the consumer reads them in
 place (zero copies) and releases the space. ZeroMQ carries only the record's
-positions (an ITEM_BATCH descriptor, see pipeline/wire.py). The ring never
+positions (an ITEM_BATCH descriptor, see pipeline/wire/messages.py). The ring never
 grows: when it is full `put()` returns None and the producer backs off, so a
 slow consumer pushes back on its producers instead of growing memory.
 

@@ -40,6 +40,7 @@ import numpy as np
 from pipeline.datadir import DataDir
 from pipeline.durable import fsync_dir
 from pipeline.errors import SegmentFormatError
+from pipeline.item_seq import consistent
 from pipeline.scan import SLOT_CHUNK_BYTES, DamagedFile
 from pipeline.segment import Segment
 from pipeline.segment_format import (
@@ -126,8 +127,7 @@ def iter_slots(fd: int, header: SegmentHeader, size: int, wanted):
         words = np.frombuffer(raw, "<u4").reshape(-1, header.slot_bytes // 4)[pick - lo]
         seq = np.ascontiguousarray(words[:, :2]).view("<u8").reshape(-1)
         job = np.ascontiguousarray(words[:, 2:4]).view("<u8").reshape(-1)
-        ok = (slot_checksums(words) == words[:, CHECKSUM_WORD]) & (seq != 0)
-        ok &= (seq >> np.uint64(32) == job) & ((seq & np.uint64(0xFFFFFFFF)) == words[:, 4])
+        ok = (slot_checksums(words) == words[:, CHECKSUM_WORD]) & consistent(seq, job, words[:, 4])
         yield first + pick, markers[pick], words, ok
 
 

@@ -34,7 +34,7 @@ from pipeline.stage import StageSpec
 # isolate damaged input segments and give lost items their error results (a function,
 # "package.module:name", composed here like the stages: it spans the logs and the jobs).
 AFTER_RECOVERY = "collector.losses:after_recovery"
-RING_BYTES = 64 << 20  # per ring; records are at most pipeline.batches.MAX_RECORD_BYTES
+RING_BYTES = 64 << 20  # per ring; records are at most pipeline.ring_records.MAX_RECORD_BYTES
 
 
 @dataclass(frozen=True)
@@ -81,17 +81,17 @@ def internal_address(settings, endpoint: str) -> str:
 
 
 def stage_specs(settings) -> list[StageSpec]:
-    specs = [StageSpec("front", 0, "ingest.front:FrontStage")]
+    specs = [StageSpec("front", 0, "ingest.front_stage:FrontStage")]
     specs += [
         StageSpec("tokenizer", i, "ingest.tokenizer_stage:TokenizerStage")
         for i in range(settings.ingest.processes)
     ]
     specs += [
-        StageSpec("router", i, "router.router:RouterStage")
+        StageSpec("router", i, "router.router_stage:RouterStage")
         for i in range(settings.router.processes)
     ]
     specs += [
-        StageSpec("writer", i, "router.writer:WriterStage")
+        StageSpec("writer", i, "router.writer_stage:WriterStage")
         for i in range(settings.writers.processes)
     ]
     specs += [

@@ -162,18 +162,60 @@ def test_the_front_refuses_chunks_past_its_byte_caps_but_never_a_first_one():
     """Point 10 of issue 14: bytes of chunks in flight are capped per producer and in all."""
     from types import SimpleNamespace
 
-    from ingest.front import FrontStage
+    from ingest.inflight import InflightChunks
 
-    front = FrontStage.__new__(FrontStage)
-    front.producer_inflight_bytes, front.max_inflight_bytes = 100, 250
+    inflight = InflightChunks(max_chunks=64, producer_chunks=8, max_bytes=250, producer_bytes=100)
     a, b, c = (b"a",), (b"b",), (b"c",)
-    front.inflight = {}
-    assert front._too_many_bytes(a, 500) is None  # holding nothing: one chunk may always come
-    front.inflight = {
+    assert inflight.busy(a, 500) is None  # holding nothing: one chunk may always come
+    inflight.by_key = {
         1: SimpleNamespace(route=a, nbytes=60),
         2: SimpleNamespace(route=b, nbytes=90),
     }
-    assert "ingest.producer_inflight_bytes = 100" in front._too_many_bytes(a, 41)
-    assert front._too_many_bytes(a, 40) is None
-    assert front._too_many_bytes(c, 100) is None
-    assert "ingest.max_inflight_bytes = 250" in front._too_many_bytes(c, 101)
+    assert "ingest.producer_inflight_bytes = 100" in inflight.busy(a, 41)
+    assert inflight.busy(a, 40) is None
+    assert inflight.busy(c, 100) is None
+    assert "ingest.max_inflight_bytes = 250" in inflight.busy(c, 101)
+    inflight.producer_chunks = 1
+    assert "ingest.producer_chunks_in_flight" in inflight.busy(a, 1)
+
+
+def test_offsets_that_wrap_around_in_a_difference_are_refused_naming_the_array():
+    """The one offsets rule (pipeline/ragged.py) compares offsets instead of subtracting them:
+    a difference of int64s wraps and once let [0, 2**63 - 1, -2**63, -1, 2] pass."""
+    import pytest
+
+    from ingest.chunk_wire import chunk_from_wire
+    from ingest.error_wire import errors_from_wire, errors_to_wire
+    from ingest.line_errors import LineError
+    from pipeline.errors import WireError
+
+    good = {
+        "line": np.arange(1, 5, dtype="<u8"),
+        "ids": np.frombuffer(b"ab", np.uint8),
+        "ids_offsets": np.array([0, 1, 1, 1, 2], "<i8"),
+        "model_index": np.zeros(4, "<u4"),
+        "shape_index": np.zeros(4, "<u4"),
+        "tokens": np.arange(4, dtype="<u4"),
+        "offsets": np.array([0, 1, 2, 3, 4], "<i8"),
+        "text_items": np.zeros(0, "<i8"),
+        "texts": np.frombuffer(b"[]", np.uint8),
+        "errors": np.frombuffer(b"[]", np.uint8),
+    }
+    meta = {
+        "index": 0,
+        "first_line": 1,
+        "last_line": 4,
+        "models": ["echo"],
+        "shapes": [{"endpoint": "/v1/embeddings"}],
+    }
+    assert chunk_from_wire(meta, good).custom_ids == ("a", "", "", "b")
+    wraps = np.array([0, 2**63 - 1, -(2**63), -1, 2], "<i8")
+    with pytest.raises(WireError, match="custom_id offsets into 2 entries: offsets decrease"):
+        chunk_from_wire(meta, {**good, "ids_offsets": wraps})
+    with pytest.raises(WireError, match="token offsets into 4 entries: 4 offsets for 4 rows"):
+        chunk_from_wire(meta, {**good, "offsets": np.array([0, 1, 2, 4], "<i8")})
+    errors = errors_to_wire([LineError(n, "x", "bad", "why") for n in (1, 2, 3, 4)])
+    assert len(errors_from_wire(errors)) == 4
+    errors["err_ids_offsets"] = np.array([0, 2**63 - 1, -(2**63), -1, 4], "<i8")
+    with pytest.raises(WireError, match="err_ids_offsets into 4 bytes: offsets decrease"):
+        errors_from_wire(errors)

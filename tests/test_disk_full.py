@@ -295,7 +295,7 @@ def test_the_writer_ends_a_full_disk_episode_once_space_is_freed_with_nothing_mo
     placed is not appended anew): the writer must find out by itself that the disk has room."""
     from config import load_settings
     from pipeline.disk_full import CALM_S, RETRY_S
-    from router.writer import WriterStage
+    from router.writer_stage import WriterStage
 
     settings = load_settings(None, {"broker": {"data_dir": str(tmp_path / "fabric")}})
     stage = WriterStage(settings, 0)

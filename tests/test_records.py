@@ -9,7 +9,7 @@ import pytest
 
 from pipeline.counter import DurableCounter
 from pipeline.records import RecordLog, encode_record, read_records
-from router.shapes import ShapeTable
+from router.intern_table import InternTable
 
 EMBED = {"endpoint": "/v1/embeddings", "priority": 0}
 CHAT = {"endpoint": "/v1/chat/completions", "max_tokens": 16, "temperature": 0.0, "priority": 2}
@@ -70,23 +70,23 @@ def test_a_reserved_block_is_never_handed_out_again_even_below_the_floor(tmp_pat
 
 
 def test_shape_ids_are_shared_durable_and_canonical(tmp_path):
-    table = ShapeTable(tmp_path)
+    table = InternTable(tmp_path)
     embed = table.id_for(EMBED)
     chat = table.id_for(CHAT)
     assert (embed, chat) == (1, 2)
     assert table.id_for(dict(reversed(list(CHAT.items())))) == chat  # key order does not matter
-    other = ShapeTable(tmp_path)  # another process's view
-    assert other.shape(chat) == CHAT and other.id_for(CHAT) == chat
+    other = InternTable(tmp_path)  # another process's view
+    assert other.value(chat) == CHAT and other.id_for(CHAT) == chat
     third = {**CHAT, "priority": 3}
     assert other.id_for(third) == 3
-    assert table.shape(3) == third  # found on re-read
-    with pytest.raises(Exception, match="shape id 9 is not in"):
-        table.shape(9)
+    assert table.value(3) == third  # found on re-read
+    with pytest.raises(Exception, match="id 9 is not in"):
+        table.value(9)
 
 
 def test_shapes_added_by_racing_processes_get_one_id_each(tmp_path):
     code = (
-        "import sys; from router.shapes import ShapeTable; t = ShapeTable(sys.argv[1]);"
+        "import sys; from router.intern_table import InternTable; t = InternTable(sys.argv[1]);"
         "print(' '.join(str(t.id_for({'endpoint': 'e', 'priority': p})) for p in range(20)))"
     )
     procs = [

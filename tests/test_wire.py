@@ -5,6 +5,8 @@ from __future__ import annotations
 import shutil
 import struct
 import tempfile
+import time
+from types import SimpleNamespace
 
 import numpy as np
 import orjson
@@ -19,11 +21,13 @@ from pipeline.wire import (
     MAGIC,
     REQUIRED_META,
     Flag,
+    Inbox,
     Message,
     MessageType,
     WireLimits,
     decode,
     encode,
+    open_socket,
     recv,
     send,
 )
@@ -481,3 +485,30 @@ def test_recv_times_out_with_none_and_send_times_out_with_an_error(sockets):
     assert recv(dealer, timeout_ms=50) is None
     with pytest.raises(SendTimeoutError, match="PING timed out after SNDTIMEO 50 ms"):
         send(dealer, MessageType.PING)
+
+
+def test_an_inbox_logs_counts_and_skips_a_malformed_message_and_reads_on(context, ipc_dir):
+    """The one PULL-inbox loop every stage uses: a bad message never stops the next."""
+    address = f"ipc://{ipc_dir}/inbox.sock"
+    pull = open_socket(context, zmq.PULL, recv_hwm=8, bind=address)
+    push = open_socket(context, zmq.PUSH, send_timeout_ms=5000, connect=address)
+    try:
+        assert pull.getsockopt(zmq.LINGER) == 0 and pull.getsockopt(zmq.SNDTIMEO) == 0
+        assert pull.getsockopt(zmq.RCVHWM) == 8
+        logged = []
+        log = SimpleNamespace(error=lambda text, *args: logged.append(text % args))
+        inbox = Inbox(pull, log, "a writer")
+        send(push, MessageType.PING, {"n": 1})
+        push.send_multipart([b"garbage"])
+        send(push, MessageType.PING, {"n": 2})
+        got = []
+        deadline = time.monotonic() + 10
+        while len(got) < 2 and time.monotonic() < deadline:
+            got += [m.meta["n"] for m in inbox.read(10, wait_ms=100)]
+        assert got == [1, 2]
+        assert inbox.dropped == 1
+        assert logged and "from a writer" in logged[0] and "truncated header" in logged[0]
+        assert inbox.drain() == 0
+    finally:
+        push.close(0)
+        pull.close(0)

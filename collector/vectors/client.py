@@ -22,7 +22,7 @@ import orjson
 from collector.client import Client
 from collector.vectors.shard import VectorInputError
 from pipeline import wire
-from pipeline.batches import pad_tokens
+from pipeline.ragged import pad
 
 MT = wire.MessageType
 READ_ROWS = 65536
@@ -184,7 +184,7 @@ def embed_texts(settings, model_name: str, texts: list[str]) -> np.ndarray:
         raise VectorInputError(
             f"the query has {int(lengths.max())} tokens; model {model_name} takes {model.max_tokens}"
         )
-    padded = pad_tokens(tokens, offsets[:-1], lengths)
+    padded = pad(tokens, offsets[:-1], lengths)
     options = {"tokens_per_s": 1e9} if model.engine == "simulated" else {}
     engine = make_engine(model.engine, **options)
     engine.load()

@@ -1,10 +1,13 @@
-"""The shape table: each distinct shape stored once, items carry only its id.
+"""An intern table: each distinct value (a JSON dict) stored once, durably, under a small id.
+
+Items carry only the id. Two tables use it: the shape table (this module's
+default file) and completion's models table (`models.log`, collector/completion_log.py).
 
 A shape is everything besides the tokens that must be equal inside one GPU
 batch (task, sampling parameters, output budget, priority), as a canonical
-dict (`ingest.request_shape.Shape.as_dict()`). The table is the file
-`<data_dir>/shapes.log`, a RecordLog of `{"id": n, "shape": {...}}`, shared
-by every stage. Ids start at 1, increase, and are never reused. A process
+dict (`ingest.request_shape.Shape.as_dict()`). The table is a file such as
+`<data_dir>/shapes.log`, a RecordLog of `{"id": n, "shape": {...}}` (the
+field is named "shape" in every table, models.log too), shared by every stage. Ids start at 1, increase, and are never reused. A process
 adds a shape under an exclusive flock on the file, after re-reading what
 others added, and syncs it before using the id, so an id in a durable item
 always has a durable shape.
@@ -29,8 +32,8 @@ def _canonical(shape: dict[str, Any]) -> bytes:
     return orjson.dumps(shape, option=orjson.OPT_SORT_KEYS)
 
 
-class ShapeTable:
-    """Shape dict <-> id, backed by `<data_dir>/shapes.log`."""
+class InternTable:
+    """Value dict <-> id, backed by `<data_dir>/<file>` (default shapes.log)."""
 
     def __init__(self, data_root: Path, file: str = FILE) -> None:
         self.path = Path(data_root) / file
@@ -43,13 +46,13 @@ class ShapeTable:
         for record in records:
             self._remember(record["id"], record["shape"])
 
-    def _remember(self, shape_id: int, shape: dict[str, Any]) -> None:
-        self._by_key.setdefault(_canonical(shape), shape_id)
-        self._by_id[shape_id] = shape
+    def _remember(self, value_id: int, value: dict[str, Any]) -> None:
+        self._by_key.setdefault(_canonical(value), value_id)
+        self._by_id[value_id] = value
 
-    def id_for(self, shape: dict[str, Any]) -> int:
-        """The id of `shape`, adding it durably if it is new."""
-        key = _canonical(shape)
+    def id_for(self, value: dict[str, Any]) -> int:
+        """The id of `value`, adding it durably if it is new."""
+        key = _canonical(value)
         found = self._by_key.get(key)
         if found is not None:
             return found
@@ -72,18 +75,18 @@ class ShapeTable:
             os.close(lock_fd)
         return found
 
-    def shape(self, shape_id: int) -> dict[str, Any]:
-        """The shape of `shape_id`; re-reads the table once if it is not known yet."""
-        if shape_id not in self._by_id:
+    def value(self, value_id: int) -> dict[str, Any]:
+        """The value of `value_id`; re-reads the table once if it is not known yet."""
+        if value_id not in self._by_id:
             self.reload()
         try:
-            return self._by_id[shape_id]
+            return self._by_id[value_id]
         except KeyError:
-            raise FabricError(f"shape id {shape_id} is not in {self.path}") from None
+            raise FabricError(f"id {value_id} is not in {self.path}") from None
 
-    def get(self, shape_id: int) -> dict[str, Any] | None:
-        """The shape of `shape_id`, or None if the table does not have it (after one re-read)."""
+    def get(self, value_id: int) -> dict[str, Any] | None:
+        """The value of `value_id`, or None if the table does not have it (after one re-read)."""
         try:
-            return self.shape(shape_id)
+            return self.value(value_id)
         except FabricError:
             return None

@@ -1,4 +1,4 @@
-"""Item batches as ring records: what flows front/tokenizer -> router -> writer.
+"""The ingest ring records (ITEMS, KEYED): what flows front/tokenizer -> router -> writer.
 
 Both record kinds start with a fixed header row (a numpy structured array),
 then the arrays listed; every array starts 8-byte aligned (pipeline.ring).
@@ -197,30 +197,6 @@ def read_keyed(payload: memoryview) -> Keyed:
         lengths,
         tokens,
     )
-
-
-def pad_tokens(tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Rows tokens[starts[i]:starts[i]+lengths[i]] zero-padded to the longest: [n, width].
-
-    One pass when the rows lie back to back (the common case: a batch of one
-    key); a gather otherwise.
-    """
-    n = len(lengths)
-    width = int(lengths.max()) if n else 0
-    starts = starts.astype(np.int64, copy=False)
-    lengths = lengths.astype(np.int64, copy=False)
-    total = int(lengths.sum())
-    back_to_back = n == 0 or bool(np.all(starts[1:] == starts[:-1] + lengths[:-1]))
-    if back_to_back:
-        run = tokens[int(starts[0]) : int(starts[0]) + total] if n else tokens[:0]
-        if total == n * width:
-            return run.reshape(n, width).astype(np.uint32, copy=False)
-    else:
-        within = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-        run = tokens[np.repeat(starts, lengths) + within]
-    out = np.zeros((n, width), dtype=np.uint32)
-    out[np.arange(width)[None, :] < lengths[:, None]] = run
-    return out
 
 
 MAX_RECORD_BYTES = 16 << 20  # a 4096-item chunk of 512 tokens in one record; rings are 4x this

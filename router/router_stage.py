@@ -20,12 +20,20 @@ import numpy as np
 import zmq
 
 from pipeline import wire
-from pipeline.batches import ITEMS, Items, Keyed, pad_tokens, put_keyed, read_items, split_keyed
 from pipeline.outlet import Outlet
+from pipeline.ragged import offsets_of, pad
 from pipeline.ring_port import RingPort
+from pipeline.ring_records import (
+    ITEMS,
+    Items,
+    Keyed,
+    put_keyed,
+    read_items,
+    split_keyed,
+)
 from pipeline.stage import Stage
 from pipeline.topology import internal_address, rings_to
-from router.shapes import ShapeTable
+from router.intern_table import InternTable
 
 
 def writer_for(model: str, shape: int, lane: int, writers: int) -> int:
@@ -46,7 +54,7 @@ def group_by_key(items: Items, shape_ids: np.ndarray, lanes: np.ndarray) -> list
     key = (
         (items.model_index.astype(np.int64) << 48) | (shape_of.astype(np.int64) << 20) | lane_index
     )
-    starts = np.concatenate(([0], np.cumsum(lengths)[:-1])) if len(lengths) else lengths
+    starts = offsets_of(lengths)[:-1]
     groups = []
     order = np.argsort(key, kind="stable")
     bounds = np.flatnonzero(np.diff(key[order])) + 1
@@ -62,7 +70,7 @@ def group_by_key(items: Items, shape_ids: np.ndarray, lanes: np.ndarray) -> list
                 int(lane_of[first]),
                 items.index[members],
                 items.lengths[members],
-                pad_tokens(items.tokens, starts[members], lengths[members]),
+                pad(items.tokens, starts[members], lengths[members]),
             )
         )
     return groups
@@ -75,12 +83,13 @@ class RouterStage(Stage):
     def open(self) -> None:
         settings = self.settings
         self.lanes = np.array(settings.broker.lanes, dtype=np.int64)
-        self.shapes = ShapeTable(settings.data_path)
+        self.shapes = InternTable(settings.data_path)
         self.inputs = [RingPort(r.name) for r in rings_to(settings, f"router-{self.index}")]
         self.context = zmq.Context()
-        self.wakeups = self.context.socket(zmq.PULL)
-        self.wakeups.setsockopt(zmq.LINGER, 0)
-        self.wakeups.bind(internal_address(settings, f"router-{self.index}"))
+        wakeups = wire.open_socket(
+            self.context, zmq.PULL, bind=internal_address(settings, f"router-{self.index}")
+        )
+        self.wakeups = wire.Inbox(wakeups, self.log, "a front or tokenizer")
         self.outlet = Outlet(self.context, settings, f"router-{self.index}", "writer")
         self.pending: deque[tuple[int, Keyed]] = deque()  # groups waiting for room in a writer ring
         self.routed = 0
@@ -100,7 +109,7 @@ class RouterStage(Stage):
 
     def step(self, now: float) -> None:
         if not self._flush_pending():
-            wire.recv(self.wakeups, 5)  # writers are behind: wait for room, read nothing new
+            self.wakeups.drain(5, most=1)  # writers are behind: wait for room, read nothing new
             return
         idle = True
         for port in self.inputs:
@@ -129,9 +138,8 @@ class RouterStage(Stage):
             if not self._flush_pending():
                 return
         # Idle: wait once for a wakeup, then take the others already queued.
-        if idle and wire.recv(self.wakeups, self.poll_ms) is not None:
-            while wire.recv(self.wakeups, 0) is not None:
-                pass
+        if idle:
+            self.wakeups.drain(self.poll_ms)
 
     def drain(self, deadline: float) -> None:
         while time.monotonic() < deadline:
@@ -144,5 +152,5 @@ class RouterStage(Stage):
         for port in self.inputs:
             port.close()
         self.outlet.close()
-        self.wakeups.close(0)
+        self.wakeups.socket.close(0)
         self.context.term()

@@ -21,80 +21,54 @@ step are one group commit.
 
 What producers can make the front hold is capped (docs/wire.md, "Limits on
 each port"): chunks in flight by count and by bytes, per producer connection
-and in all (a chunk past a cap is refused, retryably), and connections per
-address and in all (ingest/peer_guard.py: libzmq buffers a frame whole
-before the front sees it, so only the number of connections bounds that).
+and in all (ingest/inflight.py: a chunk past a cap is refused, retryably), and
+connections per address and in all (ingest/peer_guard.py: libzmq buffers a
+frame whole before the front sees it, so only the number of connections
+bounds that). The answers besides refusals are built in ingest/front_answers.py.
 
 A chunk that does not complete by its deadline (a stage died and its rings
 were replaced, a disk stalled) is answered with a retryable error; writers
 drop records past that deadline. A retried chunk that was accepted before is
 reconciled: items already in the log are counted, not stored again.
+
+The front reads no clock: `step(now)` is given the monotonic time (seconds),
+and every deadline, the writers' CLOCK_MONOTONIC `deadline_ns` included, is
+derived from it, so a test can drive the stage with a clock of its own.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import zmq
 
+from ingest import front_answers
 from ingest.catalog import ModelCatalog
 from ingest.chunk_check import Checked, recheck
+from ingest.chunk_items import items_of, router_for
 from ingest.chunk_wire import chunk_from_wire, chunk_to_wire
-from ingest.error_wire import errors_from_wire, errors_to_wire
+from ingest.error_wire import errors_from_wire
+from ingest.inflight import DEADLINE_MARGIN_S, Inflight, InflightChunks
 from ingest.input_chunk import InputChunk
 from ingest.jobs import DELIVER_FILE, Job, JobRegistry, check_job_id, parse_deliver
-from ingest.line_errors import (
-    LineError,
-)
+from ingest.line_errors import LineError
 from ingest.peer_guard import PeerGuard
 from ingest.reconcile import stored_indexes
-from ingest.tokenizer_stage import items_of
 from pipeline import wire
-from pipeline.batches import put_items, split_items
 from pipeline.datadir import DataDir
 from pipeline.disk_full import FullDisk
 from pipeline.errors import DiskFullError, FabricError, IngestError, WireError
 from pipeline.outlet import Outlet
+from pipeline.ring_records import put_items, split_items
 from pipeline.security import ServerGate
 from pipeline.stage import Stage
 from pipeline.topology import internal_address
 
 MT = wire.MessageType
-DEADLINE_MARGIN_S = 5.0  # the front waits this much past the writers' deadline
-
-
-@dataclass
-class Inflight:
-    job: Job
-    chunk: InputChunk
-    final: bool
-    route: tuple[bytes, ...]
-    deadline_s: float
-    deadline_ns: int
-    expected: int | None  # items sent on; None until a tokenizer reports
-    already: list[tuple[int, str]] = field(default_factory=list)  # (line, custom_id) stored before
-    acked: int = 0
-    errors: list[LineError] = field(default_factory=list)
-    sent: bool = False
-    pieces: deque | None = None  # records still to put into the router's ring
-    digests: tuple[np.ndarray, np.ndarray] = (np.zeros(0, np.uint64), np.zeros(0, np.uint64))
-    nbytes: int = 0  # the chunk's arrays as received, for ingest.*inflight_bytes
-
-    @property
-    def key(self) -> tuple[int, int]:
-        return (self.job.job_no, self.chunk.index)
-
-    @property
-    def complete(self) -> bool:
-        return self.sent and self.expected is not None and self.acked >= self.expected
-
-
-def error_list(errors: list[LineError]) -> list[list[Any]]:
-    return [[e.line, e.custom_id, e.code, e.message] for e in errors]
+MAX_REPORTS_PER_STEP = 4096  # writer and tokenizer reports read in one step
 
 
 class FrontStage(Stage):
@@ -107,18 +81,14 @@ class FrontStage(Stage):
         self.registry = JobRegistry(settings.data_path)
         self.catalog = ModelCatalog.from_settings(settings)
         self.chunk_timeout_s = settings.ingest.chunk_timeout_s
-        self.max_in_flight = settings.ingest.max_chunks_in_flight
-        self.producer_in_flight = settings.ingest.producer_chunks_in_flight
         self.limits = wire.WireLimits(max_bytes=settings.ingest.max_message_bytes)
         self.context = zmq.Context()
         self.gate = ServerGate(self.context, settings.security)  # CURVE, when keys are set
-        self.producers = self.context.socket(zmq.ROUTER)
-        self.producers.setsockopt(zmq.LINGER, 0)
-        self.producers.setsockopt(zmq.SNDTIMEO, 0)  # a gone producer never blocks the front
+        # SNDTIMEO 0: a gone producer never blocks the front. RCVHWM 2: two whole messages
+        # wait per connection at most; with 1, a CURVE connection's first message never
+        # reaches the front (tests/test_auth.py)
+        self.producers = wire.open_socket(self.context, zmq.ROUTER, recv_hwm=2)
         self.producers.setsockopt(zmq.MAXMSGSIZE, settings.ingest.max_message_bytes)
-        # two whole messages wait per connection at most: with 1, a CURVE connection's first
-        # message never reaches the front (tests/test_auth.py)
-        self.producers.setsockopt(zmq.RCVHWM, 2)
         self.gate.secure(self.producers)
         self.producers.bind(settings.ingest.bind)
         self.guard = PeerGuard(
@@ -127,22 +97,22 @@ class FrontStage(Stage):
             settings.ingest.max_peer_connections,
             self.log,
         )
-        self.max_inflight_bytes = settings.ingest.max_inflight_bytes
-        self.producer_inflight_bytes = settings.ingest.producer_inflight_bytes
-        self.inbox = self.context.socket(zmq.PULL)
-        self.inbox.setsockopt(zmq.LINGER, 0)
-        self.inbox.bind(internal_address(settings, "front"))
-        self.tokenize = self.context.socket(zmq.PUSH)
-        self.tokenize.setsockopt(zmq.LINGER, 0)
-        self.tokenize.setsockopt(zmq.SNDHWM, 4)
-        self.tokenize.setsockopt(zmq.SNDTIMEO, 0)
-        self.tokenize.bind(internal_address(settings, "tokenize"))
+        self.inflight = InflightChunks(
+            settings.ingest.max_chunks_in_flight,
+            settings.ingest.producer_chunks_in_flight,
+            settings.ingest.max_inflight_bytes,
+            settings.ingest.producer_inflight_bytes,
+        )
+        inbox = wire.open_socket(self.context, zmq.PULL, bind=internal_address(settings, "front"))
+        self.inbox = wire.Inbox(inbox, self.log, "a writer or tokenizer")
+        self.tokenize = wire.open_socket(
+            self.context, zmq.PUSH, send_hwm=4, bind=internal_address(settings, "tokenize")
+        )
         self.outlet = Outlet(self.context, settings, "front-0", "router")
         self.poller = zmq.Poller()
         self.poller.register(self.producers, zmq.POLLIN)
-        self.poller.register(self.inbox, zmq.POLLIN)
+        self.poller.register(inbox, zmq.POLLIN)
         self.poller.register(self.guard.monitor, zmq.POLLIN)
-        self.inflight: dict[tuple[int, int], Inflight] = {}
         self.unsent: deque[Inflight] = deque()
         self.replies: list[tuple[tuple[bytes, ...], MT, dict[str, Any], int, Any]] = []
         self.jobs_by_no: dict[int, Job] = {}
@@ -153,11 +123,9 @@ class FrontStage(Stage):
     def step(self, now: float) -> None:
         events = dict(self.poller.poll(self.poll_ms))
         self.guard.step(now)  # cut connections over the caps before they are read
-        if self.inbox in events:
+        if self.inbox.socket in events:
             self._read_inbox()
-        accepting = (
-            not self.stopping and not self.unsent and len(self.inflight) < self.max_in_flight
-        )
+        accepting = not self.stopping and not self.unsent and not self.inflight.full
         fresh: list[Inflight] = []
         if accepting and self.producers in events:
             refuse = lambda route, reason: self._reply(route, MT.ERROR, {"reason": reason})  # noqa: E731
@@ -185,9 +153,10 @@ class FrontStage(Stage):
     def _handle(self, message: wire.Message, now: float) -> Inflight | None:
         route, meta = message.route, message.meta
         if message.type == MT.HELLO:
-            self._reply(route, MT.CATALOG, self._catalog())
+            self._reply(route, MT.CATALOG, front_answers.catalog(self.settings, self.catalog))
         elif message.type == MT.JOB_STATUS:
-            self._reply(route, MT.JOB_INFO, self._job_info(str(meta.get("job", ""))))
+            job_id = str(meta.get("job", ""))
+            self._reply(route, MT.JOB_INFO, front_answers.job_info(self.registry, job_id))
         elif message.type == MT.SUBMIT_CHUNK:
             try:
                 return self._submit(message, now)
@@ -195,15 +164,8 @@ class FrontStage(Stage):
                 self._refuse(route, meta, str(exc))
             except DiskFullError as exc:  # creating the job's files: the producer retries
                 self.log.warning("job %r: %s", meta.get("job"), exc)
-                self._reply(
-                    route,
-                    MT.CHUNK_ERROR,
-                    {
-                        "job": str(meta.get("job", "")),
-                        "chunk": _int(meta.get("chunk")),
-                        "reason": str(exc),
-                    },
-                    wire.Flag.RETRYABLE,
+                self._chunk_error(
+                    route, str(meta.get("job", "")), _int(meta.get("chunk")), str(exc)
                 )
             except WireError as exc:
                 self._refuse(route, meta, f"malformed chunk: {exc}")
@@ -215,42 +177,6 @@ class FrontStage(Stage):
                 route, MT.ERROR, {"reason": f"the front does not take {message.type.name} messages"}
             )
         return None
-
-    def _catalog(self) -> dict[str, Any]:
-        settings = self.settings
-        return {
-            "models": [
-                {
-                    "name": m.name,
-                    "engine": m.engine,
-                    "tokenizer": m.tokenizer,
-                    "max_tokens": m.max_tokens,
-                    "endpoints": list(m.endpoints),
-                    # as resolved here (ingest.catalog), so the producer refuses the same ids
-                    "vocab_size": self.catalog.models[m.name].vocab_size or 0,
-                }
-                for m in settings.models
-            ],
-            "lanes": list(settings.broker.lanes),
-            "chunk_items": settings.ingest.chunk_items,
-            "max_message_bytes": settings.ingest.max_message_bytes,
-        }
-
-    def _job_info(self, job_id: str) -> dict[str, Any]:
-        try:
-            job = self.registry.get(job_id)
-        except IngestError as exc:
-            return {"job": job_id, "exists": False, "reason": str(exc)}
-        if job is None:
-            return {"job": job_id, "exists": False}
-        committed = sorted(c for c, s in job.chunks.items() if s.committed is not None)
-        return {
-            **job.summary(),
-            "job": job_id,
-            "exists": True,
-            "chunk_lines": job.chunk_lines,
-            "committed": committed,
-        }
 
     def _submit(self, message: wire.Message, now: float) -> Inflight | None:
         meta, route = message.meta, message.route
@@ -280,40 +206,19 @@ class FrontStage(Stage):
         if state is not None and state.committed is not None:
             if job.commit_pending(number):  # its commit is not on disk yet (a full disk?)
                 reason = "the chunk is stored but not yet recorded durably; send it again"
-                self._reply(
-                    route,
-                    MT.CHUNK_ERROR,
-                    {"job": job_id, "chunk": number, "reason": reason},
-                    wire.Flag.RETRYABLE,
-                )
+                self._chunk_error(route, job_id, number, reason)
             else:
-                self._reply(route, MT.CHUNK_ACK, *self._ack(job, number, duplicate=True))
+                ack = front_answers.chunk_ack(job, number, duplicate=True)
+                self._reply(route, MT.CHUNK_ACK, *ack)
             return None
         flight = self.inflight.get((job.job_no, number))
         if flight is not None:
             flight.route = route  # answer the latest sender
             return None
-        if sum(1 for f in self.inflight.values() if f.route == route) >= self.producer_in_flight:
-            reason = (
-                f"this producer already has {self.producer_in_flight} chunks in flight "
-                "(ingest.producer_chunks_in_flight); send it again when one is answered"
-            )
-            self._reply(
-                route,
-                MT.CHUNK_ERROR,
-                {"job": job_id, "chunk": number, "reason": reason},
-                wire.Flag.RETRYABLE,
-            )
-            return None
         nbytes = sum(a.nbytes for a in message.arrays.values())
-        busy = self._too_many_bytes(route, nbytes)
+        busy = self.inflight.busy(route, nbytes)
         if busy is not None:
-            self._reply(
-                route,
-                MT.CHUNK_ERROR,
-                {"job": job_id, "chunk": number, "reason": busy},
-                wire.Flag.RETRYABLE,
-            )
+            self._chunk_error(route, job_id, number, busy)
             return None
         chunk = chunk_from_wire(meta, message.arrays)
         first = number * job.chunk_lines + 1
@@ -328,7 +233,7 @@ class FrontStage(Stage):
             )
         checked = self._check(job, chunk, state)
         chunk = checked.chunk
-        deadline_ns = time.monotonic_ns() + int(self.chunk_timeout_s * 1e9)
+        deadline_ns = round((now + self.chunk_timeout_s) * 1e9)  # `now` is CLOCK_MONOTONIC
         flight = Inflight(
             job=job,
             chunk=chunk,
@@ -344,26 +249,8 @@ class FrontStage(Stage):
         if state is None:
             job.accept(number, chunk.first_line, chunk.last_line)
             self.registry.touch(job)
-        self.inflight[flight.key] = flight
+        self.inflight.add(flight)
         return flight
-
-    def _too_many_bytes(self, route: tuple[bytes, ...], nbytes: int) -> str | None:
-        """Why a chunk of `nbytes` must wait (retryably), or None. A connection holding nothing
-        may always send one chunk, so a chunk larger than a cap is never refused for ever."""
-        mine = sum(f.nbytes for f in self.inflight.values() if f.route == route)
-        total = sum(f.nbytes for f in self.inflight.values())
-        if mine and mine + nbytes > self.producer_inflight_bytes:
-            return (
-                f"this producer already has {mine} bytes of chunks in flight "
-                f"(ingest.producer_inflight_bytes = {self.producer_inflight_bytes}); "
-                "send it again when one is answered"
-            )
-        if total and total + nbytes > self.max_inflight_bytes:
-            return (
-                f"the front holds {total} bytes of chunks in flight "
-                f"(ingest.max_inflight_bytes = {self.max_inflight_bytes}); send it again later"
-            )
-        return None
 
     def _check(self, job: Job, chunk: InputChunk, earlier) -> Checked:
         """Check the chunk again, and find what an earlier attempt already stored."""
@@ -376,11 +263,7 @@ class FrontStage(Stage):
                 chunk.last_line - 1,
                 earlier.accepted_ns,
             )
-        in_flight = [
-            f.digests[0]
-            for f in self.inflight.values()
-            if f.job is job and f.chunk.index != chunk.index
-        ]
+        in_flight = self.inflight.digests_of_job(job, chunk.index)
         checked = recheck(chunk, self.catalog, job.custom_ids, in_flight, stored)
         if checked.already:
             self.log.info(
@@ -420,7 +303,7 @@ class FrontStage(Stage):
             flight.pieces = deque(
                 split_items(items_of(to_send, flight.job.job_no, flight.deadline_ns))
             )
-        router = to_send.index % len(self.outlet)
+        router = router_for(to_send.index, len(self.outlet))
         while flight.pieces:
             if not self.outlet.try_put(router, put_items, flight.pieces[0]):
                 return False
@@ -429,14 +312,7 @@ class FrontStage(Stage):
 
     # ---- reports from writers and tokenizers ------------------------------------------------------
     def _read_inbox(self) -> None:
-        while True:
-            try:
-                message = wire.recv(self.inbox, 0)
-            except WireError as exc:
-                self.log.error("dropped a malformed internal message: %s", exc)
-                continue
-            if message is None:
-                return
+        for message in self.inbox.read(MAX_REPORTS_PER_STEP):
             meta = message.meta
             flight = self.inflight.get((int(meta.get("job_no", -1)), int(meta.get("chunk", -1))))
             if flight is None:
@@ -459,52 +335,15 @@ class FrontStage(Stage):
                 self._fail(flight, str(meta.get("reason")), retryable=message.retryable)
 
     def _commit_ready(self) -> None:
-        for flight in [f for f in self.inflight.values() if f.complete]:
-            chunk = flight.chunk
-            errors = sorted([*chunk.errors, *flight.errors], key=lambda e: e.line)
-            rejected = {e.line for e in flight.errors}
-            if rejected or flight.already:
-                pairs = [
-                    (int(line), custom_id)
-                    for line, custom_id in zip(chunk.line.tolist(), chunk.custom_ids, strict=True)
-                    if line not in rejected
-                ]
-                pairs = sorted(pairs + flight.already)
-                lines, ids = [line for line, _ in pairs], [custom_id for _, custom_id in pairs]
-            else:  # the usual case: every item forwarded was stored, already in line order
-                lines, ids = chunk.line.tolist(), list(chunk.custom_ids)
-            flight.job.commit(
-                chunk.index,
-                lines,
-                ids,
-                flight.acked + len(flight.already),
-                error_list(errors),
-                flight.final,
-                digests=flight.digests if not (rejected or flight.already) else None,
-            )
+        for flight in self.inflight.complete():
+            flight.job.commit(flight.chunk.index, **flight.commit_record())
             self.registry.touch(flight.job)
-            del self.inflight[flight.key]
-            self._reply(flight.route, MT.CHUNK_ACK, *self._ack(flight.job, chunk.index))
-
-    def _ack(
-        self, job: Job, number: int, duplicate: bool = False
-    ) -> tuple[dict[str, Any], int, dict[str, np.ndarray]]:
-        """CHUNK_ACK's meta, flags and arrays: the rejected lines go as compact arrays, so the
-        answer fits its limits however many lines the chunk had rejected."""
-        record = job.chunks[number].committed
-        meta = {
-            "job": job.job_id,
-            "chunk": number,
-            "stored": record["stored"],
-            "rejected": len(record["errors"]),
-            "duplicate": duplicate,
-            "state": job.state,
-        }
-        errors = (LineError(int(a), b, str(c), str(d)) for a, b, c, d in record["errors"])
-        return meta, 0, errors_to_wire(errors)
+            self.inflight.remove(flight)
+            ack = front_answers.chunk_ack(flight.job, flight.chunk.index)
+            self._reply(flight.route, MT.CHUNK_ACK, *ack)
 
     def _expire(self, now: float) -> None:
-        for flight in [f for f in self.inflight.values() if now > f.deadline_s]:
+        for flight in self.inflight.expired(now):
             self._fail(
                 flight,
                 "the chunk timed out inside the broker (a stage restarted?); send it again",
@@ -512,7 +351,7 @@ class FrontStage(Stage):
             )
 
     def _fail(self, flight: Inflight, reason: str, retryable: bool) -> None:
-        self.inflight.pop(flight.key, None)
+        self.inflight.remove(flight)
         self.log.warning(
             "job %s chunk %d failed: %s", flight.job.job_id, flight.chunk.index, reason
         )
@@ -555,7 +394,7 @@ class FrontStage(Stage):
         """Forget jobs that take no more input, so memory follows the jobs being submitted."""
         if not self.jobs_by_no:
             return
-        busy = {f.job.job_no for f in self.inflight.values()}
+        busy = self.inflight.job_numbers()
         for job_no, job in list(self.jobs_by_no.items()):
             if job.state != "validating" and job_no not in busy and self.registry.unload(job):
                 del self.jobs_by_no[job_no]
@@ -568,6 +407,11 @@ class FrontStage(Stage):
             MT.CHUNK_ERROR,
             {"job": str(meta.get("job", "")), "chunk": _int(meta.get("chunk")), "reason": reason},
         )
+
+    def _chunk_error(self, route, job_id: str, number: int, reason: str) -> None:
+        """A retryable CHUNK_ERROR: the producer sends the chunk again later."""
+        meta = {"job": job_id, "chunk": number, "reason": reason}
+        self._reply(route, MT.CHUNK_ERROR, meta, wire.Flag.RETRYABLE)
 
     def _reply(
         self,
@@ -598,7 +442,7 @@ class FrontStage(Stage):
         self.registry.close()
         self.outlet.close()
         self.guard.close()
-        for sock in (self.producers, self.inbox, self.tokenize):
+        for sock in (self.producers, self.inbox.socket, self.tokenize):
             sock.close(0)
         self.gate.close()
         self.context.term()

@@ -12,6 +12,13 @@ chunk of the step), logged once, not once per chunk (pipeline/disk_full.py);
 the writer goes on and the next append tries the disk again; with nothing to
 append it probes the disk once a second, so "disk writable again" is said
 once space is freed whether or not more work comes.
+
+Stage logic takes its clock from `step(now)` (CLOCK_MONOTONIC seconds): a
+record's deadline and the full-disk episode are judged on it, so a test can
+drive a writer on a clock of its own. Two things use real time on purpose:
+the group-commit window (`writers.flush_ms`, a real wait for more records;
+records it takes are judged on the step's `now`) and the fsync latency it
+measures.
 """
 
 from __future__ import annotations
@@ -23,22 +30,19 @@ import numpy as np
 import zmq
 
 from pipeline import wire
-from pipeline.batches import KEYED, Keyed, read_keyed
 from pipeline.datadir import DataDir
 from pipeline.disk_full import FullDisk, probe
 from pipeline.errors import DiskFullError, FabricError
+from pipeline.item_seq import seq_of
 from pipeline.metrics import FSYNC_BUCKETS_S, Histogram
 from pipeline.ring_port import RingPort
+from pipeline.ring_records import KEYED, Keyed, read_keyed
 from pipeline.segment_format import KIND_INPUT, SegmentKey, slot_bytes_for
 from pipeline.segment_log import SegmentAppender, SegmentIds
 from pipeline.stage import Stage
 from pipeline.topology import internal_address, rings_to
 
 MAX_RECORDS_PER_STEP = 256
-
-
-def seqs(job_no: int, index: np.ndarray) -> np.ndarray:
-    return (np.uint64(job_no) << np.uint64(32)) | index.astype(np.uint64)
 
 
 class WriterStage(Stage):
@@ -53,17 +57,21 @@ class WriterStage(Stage):
         self.appenders: dict[tuple[str, int, int], SegmentAppender] = {}
         self.ports = [RingPort(r.name) for r in rings_to(settings, f"writer-{self.index}")]
         self.context = zmq.Context()
-        self.wakeups = self.context.socket(zmq.PULL)
-        self.wakeups.setsockopt(zmq.LINGER, 0)
-        self.wakeups.bind(internal_address(settings, f"writer-{self.index}"))
-        self.acks = self.context.socket(zmq.PUSH)
-        self.acks.setsockopt(zmq.LINGER, 1000)
-        self.acks.setsockopt(zmq.SNDTIMEO, 1000)
-        self.acks.connect(internal_address(settings, "front"))
-        self.dispatch = self.context.socket(zmq.PUSH)  # new work: (segment, end) after each sync
-        self.dispatch.setsockopt(zmq.LINGER, 0)
-        self.dispatch.setsockopt(zmq.SNDTIMEO, 0)
-        self.dispatch.connect(internal_address(settings, "dispatch"))
+        wakeups = wire.open_socket(
+            self.context, zmq.PULL, bind=internal_address(settings, f"writer-{self.index}")
+        )
+        self.wakeups = wire.Inbox(wakeups, self.log, "a router")
+        self.acks = wire.open_socket(
+            self.context,
+            zmq.PUSH,
+            linger_ms=1000,
+            send_timeout_ms=1000,
+            connect=internal_address(settings, "front"),
+        )
+        # new work: (segment, end) after each sync
+        self.dispatch = wire.open_socket(
+            self.context, zmq.PUSH, connect=internal_address(settings, "dispatch")
+        )
         self.placed: dict[int, int] = {}  # segment id -> end of what this step appended
         self.appended = 0
         self.flush_s = settings.writers.flush_ms / 1000
@@ -101,9 +109,7 @@ class WriterStage(Stage):
         return None
 
     def step(self, now: float) -> None:
-        busy = self._backlog()
-        while wire.recv(self.wakeups, 0 if busy else self.poll_ms) is not None:
-            busy = True  # drain wakeups; the rings hold the work
+        self.wakeups.drain(0 if self._backlog() else self.poll_ms)  # the rings hold the work
         durable: dict[tuple[int, int], int] = defaultdict(int)
         failed: dict[tuple[int, int], str] = {}
         taken = self._take(now, durable, failed)
@@ -111,7 +117,7 @@ class WriterStage(Stage):
             deadline = time.monotonic() + self.flush_s
             while taken < MAX_RECORDS_PER_STEP:
                 left_ms = int((deadline - time.monotonic()) * 1000)
-                if left_ms <= 0 or wire.recv(self.wakeups, left_ms) is None:
+                if left_ms <= 0 or not self.wakeups.drain(left_ms, most=1):
                     break
                 taken += self._take(now, durable, failed)
         if durable:
@@ -120,12 +126,12 @@ class WriterStage(Stage):
                 for appender in self.appenders.values():
                     appender.sync()
             except DiskFullError as exc:  # not durable: no chunk of this step is acknowledged
-                self.disk.failed(exc, time.monotonic())
+                self.disk.failed(exc, now)
                 failed.update({chunk: str(exc) for chunk in durable if chunk not in failed})
                 self.placed.clear()  # dispatch finds what did reach the disk by its rescan
             else:
                 self.fsync_s.observe(time.perf_counter() - began)
-                self.disk.succeeded(time.monotonic())
+                self.disk.succeeded(now)
                 self._announce()
         elif self.disk.full and self.disk.ready(now):
             self._probe_disk(now)
@@ -147,7 +153,7 @@ class WriterStage(Stage):
                 try:
                     appender.sync()
                 except DiskFullError as exc:  # the seal is written again at the next sync
-                    self.disk.failed(exc, time.monotonic())
+                    self.disk.failed(exc, now)
 
     def _probe_disk(self, now: float) -> None:
         """With nothing to append while the disk is full, try it: sync what a failed sync left
@@ -169,7 +175,6 @@ class WriterStage(Stage):
         copied out by then, and nothing is acknowledged before the sync.
         """
         taken = 0
-        now_ns = time.monotonic_ns()
         for port in self.ports:
             ring = port.get(now)
             if ring is None:
@@ -179,12 +184,12 @@ class WriterStage(Stage):
                 if record is None:
                     break
                 taken += 1
-                self._append(port.name, *record, now_ns, durable, failed)
+                self._append(port.name, *record, now, durable, failed)
             ring.release()
         return taken
 
     def _append(
-        self, ring: str, kind: int, payload, now_ns: int, durable: dict, failed: dict
+        self, ring: str, kind: int, payload, now: float, durable: dict, failed: dict
     ) -> None:
         if kind != KEYED:
             self.log.error("ring %s: unexpected record kind %d; dropped", ring, kind)
@@ -197,14 +202,14 @@ class WriterStage(Stage):
                 "ring %s: bad record for job %d chunk %d: %s; dropped", ring, *chunk, problem
             )
             return
-        if keyed.deadline_ns < now_ns:
+        if keyed.deadline_ns < round(now * 1e9):  # `now` is CLOCK_MONOTONIC, like deadline_ns
             self.log.warning("job %d chunk %d: past its deadline; dropped unappended", *chunk)
             return
         if chunk in failed:
             return
         try:
             placed = self._appender((keyed.model, keyed.shape, keyed.lane)).append(
-                seqs(keyed.job_no, keyed.index),
+                seq_of(keyed.job_no, keyed.index),
                 np.full(len(keyed.index), keyed.job_no, np.uint64),
                 keyed.index,
                 keyed.lengths,
@@ -214,10 +219,10 @@ class WriterStage(Stage):
             self.appended_by_key[(keyed.model, str(keyed.lane))] += len(keyed.index)
             for segment_id, first, count in placed.tolist():
                 self.placed[segment_id] = max(self.placed.get(segment_id, 0), first + count)
-            self.disk.succeeded(time.monotonic())
+            self.disk.succeeded(now)
         except DiskFullError as exc:  # the front tells the producer, who sends it again
             failed[chunk] = str(exc)
-            self.disk.failed(exc, time.monotonic())
+            self.disk.failed(exc, now)
             self.disk.refused()
 
     def _announce(self) -> None:
@@ -268,7 +273,7 @@ class WriterStage(Stage):
                 self.log.error("closing %s: %s", appender.key, exc)
         for port in self.ports:
             port.close()
-        self.wakeups.close(0)
+        self.wakeups.socket.close(0)
         self.acks.close()
         self.dispatch.close(0)
         self.context.term()

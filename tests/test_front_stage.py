@@ -1,0 +1,78 @@
+"""The front stage driven in-process, one step at a time, on a clock of the test's own.
+
+The front reads no clock: every deadline comes from the `now` its loop passes to
+`step(now)`, so a chunk's deadline is tested here by moving the clock, not by waiting.
+No other stage runs: the test stands in for the producer (a DEALER on the front's port)
+and for the tokenizers (a PULL on the front's tokenize socket).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import zmq
+from broker import write_config, write_jsonl
+from conftest import wait_for
+
+from config import load_settings
+from ingest.batch_input import iter_batch_input
+from ingest.chunk_wire import chunk_to_wire
+from ingest.front_stage import FrontStage
+from ingest.inflight import DEADLINE_MARGIN_S
+from pipeline import wire
+from pipeline.datadir import DataDir
+from pipeline.topology import internal_address
+
+MT = wire.MessageType
+T0 = 1000.0  # the test's clock: far from the host's monotonic clock, so a real read shows
+
+
+@pytest.fixture
+def front(tmp_path):
+    settings = load_settings(write_config(tmp_path))
+    DataDir(settings.data_path).ensure()
+    stage = FrontStage(settings, 0)
+    stage.open()
+    context = zmq.Context()
+    producer = wire.open_socket(context, zmq.DEALER, connect=settings.ingest.bind)
+    tokenizer = wire.open_socket(context, zmq.PULL, connect=internal_address(settings, "tokenize"))
+    yield stage, producer, tokenizer
+    producer.close(0)
+    tokenizer.close(0)
+    context.term()
+    stage.close()
+
+
+def text_chunk(tmp_path, settings, job: str) -> tuple[dict, dict[str, np.ndarray]]:
+    """SUBMIT_CHUNK of a one-chunk job whose every line is text (so it goes to a tokenizer)."""
+    source = tmp_path / "in.jsonl"
+    write_jsonl(source, 8, text_every=1)
+    chunk = next(iter_batch_input(source, settings, chunk_lines=8))
+    meta, arrays = chunk_to_wire(chunk)
+    meta.update(job=job, chunk=0, chunk_lines=8, final=True)
+    return meta, arrays
+
+
+def test_a_chunk_past_its_deadline_is_answered_retryably_on_the_front_s_own_clock(tmp_path, front):
+    stage, producer, tokenizer = front
+    timeout_s = stage.settings.ingest.chunk_timeout_s
+    wire.send(producer, MT.SUBMIT_CHUNK, *text_chunk(tmp_path, stage.settings, "clocked"))
+
+    def taken() -> bool:
+        stage.step(T0)
+        return len(stage.inflight) == 1 and not stage.unsent
+
+    wait_for(taken, "the front to accept the chunk and send it to a tokenizer", 10)
+    sent = wire.recv(tokenizer, 5000)
+    assert sent is not None and sent.type == MT.TOKENIZE
+    # the writers' deadline comes from the clock the front was given, not from the host's
+    assert sent.meta["deadline_ns"] == round((T0 + timeout_s) * 1e9)
+
+    stage.step(T0 + timeout_s + DEADLINE_MARGIN_S - 0.001)  # no tokenizer ever answers
+    assert len(stage.inflight) == 1, "the chunk must still be in flight before its deadline"
+    stage.step(T0 + timeout_s + DEADLINE_MARGIN_S + 0.001)
+    assert len(stage.inflight) == 0
+    answer = wire.recv(producer, 5000)
+    assert answer is not None and answer.type == MT.CHUNK_ERROR and answer.retryable
+    assert answer.meta["chunk"] == 0 and "timed out" in answer.meta["reason"]
+    assert stage.registry.get("clocked").chunks[0].committed is None
