@@ -46,7 +46,7 @@ from ingest.chunk_check import Checked, recheck
 from ingest.chunk_wire import chunk_from_wire, chunk_to_wire
 from ingest.error_wire import errors_from_wire, errors_to_wire
 from ingest.input_chunk import InputChunk
-from ingest.jobs import DELIVER_FILE, Job, JobRegistry, check_job_id, parse_deliver
+from ingest.jobs import DELIVER_FILE, Job, JobRegistry, parse_deliver
 from ingest.line_errors import (
     LineError,
 )
@@ -58,6 +58,7 @@ from pipeline.batches import put_items, split_items
 from pipeline.datadir import DataDir
 from pipeline.disk_full import FullDisk
 from pipeline.errors import DiskFullError, FabricError, IngestError, WireError
+from pipeline.job_files import check_job_id
 from pipeline.outlet import Outlet
 from pipeline.security import ServerGate
 from pipeline.stage import Stage

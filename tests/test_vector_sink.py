@@ -6,30 +6,27 @@ import json
 import logging
 
 import numpy as np
-import orjson
 import pytest
 
 from collector.export import KIND_EMBEDDING, KIND_ERROR_TEXT, KIND_TOKENS
 from collector.vectors.sink import VectorSink
 from collector.vectors.stores import StoreSet
+from pipeline.job_files import JobFiles
 
 DIM = 8
 LOG = logging.getLogger("test")
 
 
 def make_job(root, job_id: str, job_no: int, deliver: str) -> None:
-    directory = root / "jobs" / job_id
-    directory.mkdir(parents=True)
-    (directory / "job.json").write_bytes(
-        orjson.dumps(
-            {
-                "job_id": job_id,
-                "job_no": job_no,
-                "created_ns": 1,
-                "chunk_lines": 10,
-                "deliver": deliver,
-            }
-        )
+    JobFiles(root).write_record(
+        job_id,
+        {
+            "job_id": job_id,
+            "job_no": job_no,
+            "created_ns": 1,
+            "chunk_lines": 10,
+            "deliver": deliver,
+        },
     )
 
 
@@ -71,7 +68,7 @@ def sink(tmp_path):
     make_job(tmp_path, "j", 7, "vectors:docs")
     make_job(tmp_path, "other", 8, "file")
     stores = StoreSet(tmp_path / "vectors", "float32", 1 << 20)
-    s = VectorSink(stores, tmp_path / "jobs", 100, LOG)
+    s = VectorSink(stores, JobFiles(tmp_path), 100, LOG)
     yield s
     stores.close()
 
@@ -110,7 +107,7 @@ def test_a_page_sent_again_is_not_stored_twice_even_after_a_restart(sink, tmp_pa
     # The sink restarts before completion saw the ack: the same results come again.
     sink.stores.close()
     stores = StoreSet(tmp_path / "vectors", "float32", 1 << 20)
-    again = VectorSink(stores, tmp_path / "jobs", 100, LOG)
+    again = VectorSink(stores, JobFiles(tmp_path), 100, LOG)
     meta = fetch(again)
     again.on_page(
         *page([2, 3, 4], np.vstack([vectors[2:], vectors[:1]]), page_id=1, req=meta["req"]), 0.0
@@ -174,7 +171,7 @@ def test_a_rotation_that_fails_midway_stores_each_row_once_after_the_retry(tmp_p
 
     make_job(tmp_path, "j", 7, "vectors:docs")
     stores = StoreSet(tmp_path / "vectors", "float32", 4 * DIM * 4)  # 4 rows a shard
-    sink = VectorSink(stores, tmp_path / "jobs", 100, LOG)
+    sink = VectorSink(stores, JobFiles(tmp_path), 100, LOG)
     rng = np.random.default_rng(3)
     vectors = rng.standard_normal((6, DIM))
     real_create = store_module.Shard.create

@@ -55,9 +55,7 @@ class VectorStage(Stage):
         for name, reason in self.stores.broken.items():
             self.log.error("vector store %s failed recovery and is not served: %s", name, reason)
         self.job_index = JobIndex(settings.data_path)
-        self.sink = VectorSink(
-            self.stores, settings.data_path / "jobs", self.config.page_items, self.log
-        )
+        self.sink = VectorSink(self.stores, self.job_index.files, self.config.page_items, self.log)
         rows = sum(store.rows for _, store in self.stores.open.values())
         self.log.info(
             "vector stores recovered in %.3f s: %d store(s), %d rows, %d broken; %d job(s) to deliver",

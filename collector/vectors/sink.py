@@ -28,16 +28,15 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
 from collector.completion_log import subset
 from collector.export import KIND_EMBEDDING, ResultFile, error_line
 from collector.vectors.stores import StoreSet
-from ingest.job_record import read_job_record
 from ingest.jobs import DELIVER_VECTORS
 from pipeline.errors import FabricError, IngestError
+from pipeline.job_files import JobFiles
 
 TERMINAL = ("completed", "cancelled", "expired")
 IDLE_POLL_S = 0.25  # a job with nothing new is asked again this often
@@ -82,10 +81,10 @@ class VectorSink:
     """Decides what to fetch, turns pages into appends and error lines; the manager sends."""
 
     def __init__(
-        self, stores: StoreSet, jobs_root: Path, page_items: int, log: logging.Logger
+        self, stores: StoreSet, job_files: JobFiles, page_items: int, log: logging.Logger
     ) -> None:
         self.stores = stores
-        self.jobs_root = jobs_root
+        self.job_files = job_files
         self.page_items = page_items
         self.log = log
         self.delivered_dir = stores.root / "delivered"
@@ -103,18 +102,14 @@ class VectorSink:
     def discover(self) -> list[str]:
         """Start delivering jobs submitted with `--deliver vectors` since the last look."""
         found = []
-        if not self.jobs_root.is_dir():
-            return found
-        for directory in self.jobs_root.iterdir():
-            job_id = directory.name
+        for job_id in self.job_files.names():
             if job_id in self.seen:
                 continue
-            meta_path = directory / "job.json"
-            if not meta_path.exists():
+            if not self.job_files.has_record(job_id):
                 continue  # being created: look again next time
             self.seen.add(job_id)
             try:
-                meta = read_job_record(directory)
+                meta = self.job_files.read_record(job_id)
             except (OSError, IngestError) as exc:
                 self.log.error("job %s: unreadable job.json (%s); not delivered", job_id, exc)
                 continue
