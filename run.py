@@ -27,7 +27,7 @@ import time
 from config import load_settings
 from config.defaults import DEFAULTS
 from pipeline import exitcodes
-from pipeline.errors import BrokerUnreachableError, ConfigError, DataDirLockedError, FabricError
+from pipeline.errors import BrokerUnavailableError, ConfigError, DataDirLockedError, FabricError
 
 COMMANDS = ("check", "submit", "status", "results", "cancel", "vectors", "worker", "demo", "keys")
 COMMANDS += ("batch",)  # collector/oneshot.py
@@ -118,7 +118,7 @@ def _retry_line(attempts: int):
 def _submit(args: argparse.Namespace) -> int:
     import orjson
 
-    from ingest.sdk import BrokerUnavailableError, Producer
+    from ingest.sdk import Producer
 
     address = args.broker or load_settings(args.config).ingest.bind
     progress = _ProgressLine()
@@ -584,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
     except DataDirLockedError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exitcodes.LOCKED
-    except BrokerUnreachableError as exc:
+    except BrokerUnavailableError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exitcodes.UNAVAILABLE
     except FabricError as exc:

@@ -5,26 +5,23 @@ runs `ResultsClient.fetch`. Each page is written to OUT and ERR (lines a file
 already holds are skipped, so a re-run after a crash writes each custom_id
 once), both files are fsynced, and only then is the page acknowledged, with
 the next request (invariant 12). A broker that goes away is retried with
-backoff; with `follow` the client keeps going until the job is finished.
+backoff (pipeline/broker_client.py); with `follow` the client keeps going
+until the job is finished.
 """
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import zmq
 
 from collector.completion_log import subset
 from collector.export import ExportContext, ResultFile, ResultPage, format_page, page_keys
 from pipeline import wire
-from pipeline.errors import BrokerUnreachableError, FabricError, WireError
-from pipeline.first_contact import FirstContact
-from pipeline.security import ClientCurve, secure_client
+from pipeline.broker_client import BrokerClient
 
 MT = wire.MessageType
 TERMINAL = ("completed", "cancelled", "expired")
@@ -38,96 +35,7 @@ class FetchReport:
     info: dict[str, Any] | None = None
 
 
-class Client:
-    """A DEALER to one broker address; `request` retries with backoff on silence."""
-
-    def __init__(
-        self,
-        address: str,
-        timeout_s: float = 5.0,
-        attempts: int = 5,
-        curve: ClientCurve | None = None,
-        patient: bool = False,
-        on_waiting: Callable[[str], None] | None = None,
-    ) -> None:
-        """`curve`: this client's CURVE keys, for a broker that requires them. `patient`: wait
-        for a broker that is not listening yet (one just started) instead of failing fast.
-        `on_waiting` hears once "waiting for the broker at ADDR" (pipeline/first_contact.py)."""
-        self.address = address
-        self.patient = patient
-        self.timeout_s = timeout_s
-        self.attempts = attempts
-        self.curve = curve
-        self.context = zmq.Context()
-        self.socket = None
-        self.contact = FirstContact(address, on_waiting)  # fail fast if nothing listens
-        self._connect()
-
-    def _connect(self) -> None:
-        if self.socket is not None:
-            self.socket.close(0)
-        self.socket = self.context.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.SNDTIMEO, 1000)
-        secure_client(self.socket, self.curve)
-        self.socket.connect(self.address)
-
-    def request(
-        self,
-        kind: MT,
-        meta: dict,
-        answer: MT,
-        attempts: int | None = None,
-        arrays: dict | None = None,
-        patient: bool = False,
-    ) -> wire.Message:
-        """The answer to one request, tried `attempts` times; `patient`: wait for a broker
-        that is not up yet rather than fail fast (pipeline/first_contact.py)."""
-        attempts = self.attempts if attempts is None else attempts
-        backoff = 0.2
-        for attempt in range(attempts):
-            try:
-                self.contact.before_send(patient or self.patient)
-                wire.send(self.socket, kind, meta, arrays)
-                deadline = time.monotonic() + self.timeout_s
-                while (left := deadline - time.monotonic()) > 0:
-                    message = wire.recv(self.socket, self.contact.wait_ms(left))
-                    if message is None:
-                        self.contact.silent()
-                        continue
-                    self.contact.heard()
-                    if message.type == answer:
-                        return message
-                    if message.type == MT.ERROR:
-                        raise FabricError(
-                            f"the broker at {self.address} says: {message.meta['reason']}"
-                        )
-            except WireError:
-                pass
-            if attempt + 1 < attempts:
-                self._connect()  # a fresh socket: nothing stale is waiting in the old one
-                time.sleep(backoff * (0.5 + random.random()))
-                backoff = min(5.0, backoff * 2)
-        raise BrokerUnreachableError(
-            f"no answer from the broker at {self.address} after {attempts} tries of "
-            f"{self.timeout_s:g} s; is it running (python run.py --config FILE)? "
-            "Check --broker / --config, and that it requires no CURVE key or authorizes this "
-            "client's (--key, security.client_key)"
-        )
-
-    def close(self) -> None:
-        if self.socket is not None:
-            self.socket.close(0)
-        self.context.term()
-
-    def __enter__(self) -> Client:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class ResultsClient(Client):
+class ResultsClient(BrokerClient):
     """Talks to the completion stage (`completion.bind`)."""
 
     def job_status(self, job_id: str) -> dict[str, Any]:
@@ -226,7 +134,7 @@ class ResultsClient(Client):
             report.errors += err.write(err_lines, err_keys)
 
 
-class DispatchClient(Client):
+class DispatchClient(BrokerClient):
     """Talks to the dispatch stage (`dispatch.bind`): queue depth, in-flight, workers."""
 
     def broker_status(self) -> dict[str, Any]:

@@ -292,7 +292,8 @@ def run_oneshot(run: OneShot) -> int:
 
 def _drive(run: OneShot, settings, job_id: str, broker, progress: _Progress, say) -> int:
     from collector.client import TERMINAL, ResultsClient
-    from ingest.sdk import BrokerUnavailableError, Producer
+    from ingest.sdk import Producer
+    from pipeline.errors import BrokerUnavailableError
     from pipeline.security import client_curve
 
     curve = client_curve(settings.security, None, None)  # the config's keys, if it sets any

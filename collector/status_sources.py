@@ -24,7 +24,7 @@ from typing import Any
 
 from collector.client import DispatchClient, ResultsClient
 from collector.job_state import with_in_flight
-from pipeline.errors import BrokerUnreachableError, FabricError, IngestError
+from pipeline.errors import BrokerUnavailableError, FabricError, IngestError
 from pipeline.job_files import JobFiles
 from pipeline.security import ClientCurve
 
@@ -165,7 +165,7 @@ class Sources:
         snap = Snapshot(taken_ns=time.time_ns())
         try:
             snap.broker = self._dispatch_client().broker_status()
-        except BrokerUnreachableError:
+        except BrokerUnavailableError:
             self._drop_dispatch()
             snap.broker_error = f"broker not reachable at {self.dispatch_address}, retrying"
         except FabricError as exc:
@@ -190,7 +190,7 @@ class Sources:
             try:
                 info = self._completion_client().job_status(entry.job_id)
                 snap.jobs.append(with_in_flight(info, snap.broker))
-            except BrokerUnreachableError:
+            except BrokerUnavailableError:
                 self._drop_completion()
                 snap.jobs_note = f"completion not reachable at {self.completion_address}"
                 return

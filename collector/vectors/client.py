@@ -19,16 +19,16 @@ from typing import Any
 import numpy as np
 import orjson
 
-from collector.client import Client
 from collector.vectors.shard import VectorInputError
 from pipeline import wire
 from pipeline.batches import pad_tokens
+from pipeline.broker_client import BrokerClient
 
 MT = wire.MessageType
 READ_ROWS = 65536
 
 
-class VectorsClient(Client):
+class VectorsClient(BrokerClient):
     """Talks to the vector shard manager (`vectors.bind`)."""
 
     def stats(self) -> dict[str, Any]:
