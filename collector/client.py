@@ -4,7 +4,7 @@
 runs `ResultsClient.fetch`. Each page is written to OUT and ERR (lines a file
 already holds are skipped, so a re-run after a crash writes each custom_id
 once), both files are fsynced, and only then is the page acknowledged, with
-the next request (invariant 12). A broker that goes away is retried with
+the next request (invariant 12; the protocol: collector/delivery_client.py). A broker that goes away is retried with
 backoff (pipeline/broker_client.py); with `follow` the client keeps going
 until the job is finished.
 """
@@ -19,12 +19,12 @@ from typing import Any
 import numpy as np
 
 from collector.completion_log import subset
+from collector.delivery_client import Delivery
 from collector.export import ExportContext, ResultFile, ResultPage, format_page, page_keys
 from pipeline import wire
 from pipeline.broker_client import BrokerClient
 
 MT = wire.MessageType
-TERMINAL = ("completed", "cancelled", "expired")
 
 
 @dataclass
@@ -60,21 +60,19 @@ class ResultsClient(BrokerClient):
         """Write the job's results to out/err, exactly once per custom_id; returns what it did."""
         report = FetchReport()
         decoders = decoders or {}
-        ack = 0
-        cursors: list = []
+        fields: dict[str, Any] = {"all": everything}
+        if page_items:
+            fields["limit"] = page_items
+        delivery = Delivery(job_id, fields)
 
         def ask() -> wire.Message:
-            meta = {"job": job_id, "ack": ack, "all": everything}
-            if page_items:
-                meta["limit"] = page_items
-            if everything:
-                meta["cursors"] = cursors
             return self.request(
                 MT.FETCH,
-                meta,
+                delivery.ask(time.monotonic()),
                 MT.RESULT_PAGE,
                 attempts=1_000_000 if follow else None,
                 patient=follow,
+                accept=lambda answer: delivery.counts(answer.meta),
             )
 
         message = ask()  # files are made only once the broker answered
@@ -82,22 +80,20 @@ class ResultsClient(BrokerClient):
             while True:
                 info = message.meta
                 report.info = info
-                ack = 0
                 a = message.arrays
                 n = len(a["index"])
                 if n:
                     self._write(job_id, info, a, decoders, out, err, report)
                     out.sync()
                     err.sync()  # both on disk: only now may the page be acknowledged
-                    ack = int(info["page"])
-                    cursors = info.get("cursors", [])
+                    delivery.written(info)
+                    delivery.durable(time.monotonic())
                     report.pages += 1
                     if progress is not None:
                         progress(report)
                     message = ask()
                     continue
-                finished = info["state"] in TERMINAL and (everything or not info.get("undelivered"))
-                if not follow or finished or (everything and n == 0 and not follow):
+                if not follow or delivery.done(info, n):
                     return report
                 if progress is not None:
                     progress(report)  # nothing new: a periodic line still says where it stands

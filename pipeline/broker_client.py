@@ -107,10 +107,12 @@ class BrokerClient:
         arrays: dict[str, np.ndarray] | None = None,
         patient: bool = False,
         wait_s: float | None = None,
+        accept: Callable[[wire.Message], bool] | None = None,
     ) -> wire.Message:
         """The answer to one request, tried `attempts` times of `wait_s` each (defaults: the
         client's `attempts` and `timeout_s`); `patient`: wait for a broker that is not up yet
-        rather than fail fast (pipeline/first_contact.py)."""
+        rather than fail fast (pipeline/first_contact.py); `accept`: whether an answer of the
+        `answer` type is the one awaited (one that is not is dropped)."""
         attempts = self.attempts if attempts is None else attempts
         wait_s = self.timeout_s if wait_s is None else wait_s
         for attempt in range(attempts):
@@ -124,7 +126,7 @@ class BrokerClient:
                         self.contact.silent()
                         continue
                     self.contact.heard()
-                    if message.type == answer:
+                    if message.type == answer and (accept is None or accept(message)):
                         return message
                     if message.type == MT.ERROR:
                         raise FabricError(

@@ -44,7 +44,8 @@ CLIENTS = [
 
 
 class SilentBroker:
-    """A ROUTER that takes requests and answers with `reply(message)` (None: silence)."""
+    """A ROUTER that takes requests and answers with `reply(message)`: one (type, meta[,
+    arrays]) answer, a list of them, or None (silence)."""
 
     def __init__(self, tmp_path, reply=lambda m: None) -> None:
         self.address = f"ipc://{tmp_path}/broker.sock"
@@ -64,8 +65,8 @@ class SilentBroker:
                 continue
             message = wire.recv(self.router, 0)
             self.heard += 1
-            answer = self.reply(message)
-            if answer is not None:
+            answers = self.reply(message) or []
+            for answer in [answers] if isinstance(answers, tuple) else answers:
                 wire.send(self.router, *answer, route=message.route)
 
     def close(self) -> None:

@@ -188,7 +188,7 @@ def test_a_rotation_that_fails_midway_stores_each_row_once_after_the_retry(tmp_p
     sink.on_page(*page(range(6), vectors, page_id=3, req=meta["req"]), 0.0)
     _, store = stores.get("docs")
     assert store.rows == 4  # the first shard was sealed (flushed) by the rotation
-    assert sink.jobs["j"].ack == 0  # nothing acknowledged
+    assert sink.jobs["j"].delivery.ack == 0  # nothing acknowledged
     meta = fetch(sink, 100.0)  # asked again later, without an ack
     assert meta["ack"] == 0
     sink.on_page(*page(range(6), vectors, page_id=4, req=meta["req"]), 100.0)

@@ -1,6 +1,8 @@
 """The vector sink: delivers `--deliver vectors[:STORE]` jobs from completion into stores, once.
 
-With completion (collector/completion_stage.py), one page per job in flight:
+With completion (collector/completion_stage.py), one page per job in flight,
+through the delivery client every results consumer shares
+(collector/delivery_client.py):
 
 1. FETCH `{job, ack, sink: "vectors", limit, req}` -> RESULT_PAGE, which echoes `req`
    (an answer to an older request is dropped).
@@ -32,15 +34,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from collector.completion_log import subset
+from collector.delivery_client import Delivery
 from collector.export import KIND_EMBEDDING, ResultFile, error_line
 from collector.vectors.stores import StoreSet
 from ingest.jobs import DELIVER_VECTORS
 from pipeline.errors import FabricError, IngestError
 from pipeline.job_files import JobFiles
 
-TERMINAL = ("completed", "cancelled", "expired")
 IDLE_POLL_S = 0.25  # a job with nothing new is asked again this often
-ANSWER_TIMEOUT_S = 10.0  # a FETCH without an answer is sent again after this long
 BROKEN_RETRY_S = 30.0  # a job whose store is not served is asked again this often
 REFUSED = "vector_refused"  # error code of a result the store cannot take
 
@@ -52,11 +53,7 @@ class SinkJob:
     job_id: str
     job_no: int
     deliver: str  # "vectors" or "vectors:STORE"
-    req: int = 0  # the FETCH whose answer counts
-    sent_at: float | None = None  # that FETCH is unanswered since
-    next_at: float = 0.0  # when to send the next FETCH
-    ack: int = 0  # page to acknowledge with the next FETCH: its vectors are durable
-    unflushed: int = 0  # page appended, waiting for the flush
+    delivery: Delivery  # FETCH, the req echo, ack once the stores are flushed
     have: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))  # indexes stored
     stored: int = 0
     skipped: int = 0
@@ -118,7 +115,10 @@ class VectorSink:
                 continue
             if (self.delivered_dir / job_id).exists():
                 continue
-            self.jobs[job_id] = SinkJob(job_id, int(meta["job_no"]), deliver)
+            fetch = {"sink": "vectors", "limit": self.page_items}
+            self.jobs[job_id] = SinkJob(
+                job_id, int(meta["job_no"]), deliver, Delivery(job_id, fetch)
+            )
             found.append(job_id)
         return found
 
@@ -142,58 +142,33 @@ class VectorSink:
     # ---- fetching --------------------------------------------------------------------
     def due(self, now: float) -> list[dict]:
         """FETCH metas to send now (each job at most one in flight)."""
-        out = []
-        for job in self.jobs.values():
-            if job.unflushed:
-                continue
-            if job.sent_at is not None and now - job.sent_at < ANSWER_TIMEOUT_S:
-                continue
-            if job.sent_at is None and now < job.next_at:
-                continue
-            job.req += 1
-            job.sent_at = now
-            out.append(
-                {
-                    "job": job.job_id,
-                    "ack": job.ack,
-                    "sink": "vectors",
-                    "limit": self.page_items,
-                    "req": job.req,
-                }
-            )
-        return out
+        return [meta for job in self.jobs.values() if (meta := job.delivery.ask(now))]
 
     def on_page(self, meta: dict, arrays: dict, now: float) -> None:
         job = self.jobs.get(str(meta.get("job")))
-        if job is None or meta.get("req") != job.req or job.sent_at is None:
+        if job is None or not job.delivery.counts(meta):
             return  # an answer to an older request, or a job already finished
-        job.sent_at = None
-        job.ack = 0  # completion has taken it
         index = np.asarray(arrays["index"]).astype(np.int64)
         if not len(index):
-            if meta.get("state") in TERMINAL and not meta.get("undelivered"):
+            if job.delivery.done(meta, 0):
                 self._finish(job)
             else:
-                job.next_at = now + IDLE_POLL_S
+                job.delivery.idle(now, IDLE_POLL_S)
             return
         try:
             appended = self._deliver(job, meta, arrays, index)
         except (FabricError, OSError) as exc:  # a store not served, a full disk, ...
             self.log.error("job %s: page not delivered, asked again later: %s", job.job_id, exc)
-            job.next_at = now + BROKEN_RETRY_S
+            job.delivery.idle(now, BROKEN_RETRY_S)
             return
-        if appended:
-            job.unflushed = int(meta["page"])
-        else:  # nothing waits for a flush: acknowledge at once
-            job.ack = int(meta["page"])
-            job.next_at = now
+        job.delivery.written(meta)
+        if not appended:  # nothing waits for a flush: acknowledge at once
+            job.delivery.durable(now)
 
     def flushed(self, now: float) -> None:
         """Every store is durable up to now: pages appended before may be acknowledged."""
         for job in self.jobs.values():
-            if job.unflushed:
-                job.ack, job.unflushed = job.unflushed, 0
-                job.next_at = now
+            job.delivery.durable(now)
 
     def _finish(self, job: SinkJob) -> None:
         marker = self.delivered_dir / job.job_id
