@@ -14,6 +14,7 @@ from collector.vectors.search import METRICS
 from collector.vectors.shard import VectorInputError
 from collector.vectors.texts import input_texts
 from pipeline import exitcodes
+from pipeline.item_seq import index_of
 
 
 def add_parser(commands, client_options, handler) -> None:
@@ -123,7 +124,7 @@ def _search(client: VectorsClient, args, settings_of) -> int:
     hits = client.search(args.store, query, args.k, args.metric)
     meta, a = hits.meta, hits.arrays
     q, k = meta["shape"]
-    index = (a["id"].reshape(-1) & np.uint64(0xFFFFFFFF)).astype(np.int64).tolist()
+    index = index_of(a["id"].reshape(-1)).tolist()
     texts = (
         input_texts(
             settings.data_path,

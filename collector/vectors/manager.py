@@ -29,6 +29,7 @@ from collector.vectors.stores import StoreSet, stores_root
 from ingest.jobs import JOB_ID
 from pipeline import wire
 from pipeline.errors import FabricError, WireError
+from pipeline.item_seq import index_of, job_of
 from pipeline.security import ServerGate, internal_curve, secure_client
 from pipeline.stage import Stage
 from pipeline.topology import client_address
@@ -271,8 +272,7 @@ class VectorStage(Stage):
     def _names(self, ids: np.ndarray) -> tuple[list, list]:
         """(custom_id, job id) of each global id; None where the job is gone."""
         ids = np.asarray(ids, np.uint64)
-        job_nos = (ids >> np.uint64(32)).astype(np.int64)
-        index = (ids & np.uint64(0xFFFFFFFF)).astype(np.int64)
+        job_nos, index = job_of(ids), index_of(ids)
         custom_ids: list = [None] * len(ids)
         jobs: list = [None] * len(ids)
         for job_no in np.unique(job_nos).tolist():

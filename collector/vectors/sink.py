@@ -21,7 +21,7 @@ Exactly once. The store does not deduplicate; the sink does. A page can come
 back (the sink or completion restarted between a flush and its ack), so the
 sink keeps, per job being delivered, a bitmap of the items already stored.
 It is rebuilt at start from the stores' ids files (an id is the item's global
-id, `job_no << 32 | index`), and an item already there is skipped. Error lines
+id, its seq: pipeline/item_seq.py), and an item already there is skipped. Error lines
 are deduplicated by their file (collector/export.py `ResultFile`).
 """
 
@@ -39,6 +39,7 @@ from collector.export import KIND_EMBEDDING, ResultFile, error_line
 from collector.vectors.stores import StoreSet
 from ingest.jobs import DELIVER_VECTORS
 from pipeline.errors import FabricError, IngestError
+from pipeline.item_seq import index_of, job_of, seq_of
 from pipeline.job_files import JobFiles
 
 IDLE_POLL_S = 0.25  # a job with nothing new is asked again this often
@@ -127,15 +128,15 @@ class VectorSink:
         if not self.jobs:
             return
         by_no = {job.job_no: job for job in self.jobs.values()}
-        numbers = np.array(sorted(by_no), np.uint64)
+        numbers = np.array(sorted(by_no), np.int64)
         for _, store in self.stores.open.values():
             for ids in store.ids():
-                job_nos = ids >> np.uint64(32)
+                job_nos = job_of(ids)
                 mine = np.isin(job_nos, numbers)
                 if not mine.any():
                     continue
                 for job_no in np.unique(job_nos[mine]).tolist():
-                    index = (ids[job_nos == job_no] & np.uint64(0xFFFFFFFF)).astype(np.int64)
+                    index = index_of(ids[job_nos == job_no])
                     by_no[job_no].mark(index)
                     by_no[job_no].stored += len(index)
 
@@ -240,7 +241,7 @@ class VectorSink:
                 refused[i] = "the embedding has NaN or infinite values"
             if not finite.all():
                 rows, vectors = rows[finite], vectors[finite]
-            ids = (np.uint64(job.job_no) << np.uint64(32)) | index[rows].astype(np.uint64)
+            ids = seq_of(job.job_no, index[rows])
             try:
                 store.append(ids, vectors, copy=False)  # `vectors`: this page's gathered copy
             except FabricError as exc:  # a failed rotation: the rows queued before it stay

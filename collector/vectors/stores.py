@@ -10,7 +10,7 @@
 A store is created by the vector sink when the first embedding for it
 arrives: its dim is that embedding's, its dtype `vectors.dtype`, and a shard
 holds `vectors.shard_bytes` of payload. The ids row of a vector is the
-item's global id, `job_no << 32 | index` (ingest/jobs.py `seq_of`), which
+item's global id, its seq (pipeline/item_seq.py `seq_of`), which
 leads back to its job and `custom_id`.
 """
 
