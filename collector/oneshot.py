@@ -292,8 +292,8 @@ def run_oneshot(run: OneShot) -> int:
 
 
 def _drive(run: OneShot, settings, job_id: str, broker, progress: _Progress, say) -> int:
-    from collector.client import ResultsClient
-    from ingest.sdk import Producer
+    from collector.results_client import ResultsClient
+    from ingest.submit_client import Producer
     from pipeline.errors import BrokerUnavailableError
     from pipeline.security import client_curve
 

@@ -22,8 +22,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from collector.client import DispatchClient, ResultsClient
 from collector.job_state import with_in_flight
+from collector.results_client import DispatchClient, ResultsClient
 from pipeline.errors import BrokerUnavailableError, FabricError, IngestError
 from pipeline.job_files import JobFiles
 from pipeline.security import ClientCurve

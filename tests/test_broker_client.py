@@ -8,9 +8,9 @@ import threading
 import pytest
 import zmq
 
-from collector.client import DispatchClient, ResultsClient
+from collector.results_client import DispatchClient, ResultsClient
 from collector.vectors.client import VectorsClient
-from ingest.sdk import Producer
+from ingest.submit_client import Producer
 from pipeline import wire
 from pipeline.broker_client import MAX_BACKOFF_S, BrokerClient, backoff_s
 from pipeline.errors import BrokerUnavailableError, FabricError

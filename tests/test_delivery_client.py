@@ -7,8 +7,8 @@ import orjson
 from test_broker_client import SilentBroker
 from test_vector_sink import page
 
-from collector.client import ResultsClient
 from collector.delivery_client import Delivery
+from collector.results_client import ResultsClient
 from pipeline import wire
 
 MT = wire.MessageType

@@ -10,7 +10,7 @@ import pytest
 
 from collector.export import KIND_EMBEDDING, KIND_ERROR_TEXT, KIND_TOKENS
 from collector.vectors.sink import VectorSink
-from collector.vectors.stores import StoreSet
+from collector.vectors.store_catalog import StoreSet
 from pipeline.job_files import JobFiles
 
 DIM = 8
@@ -166,7 +166,7 @@ def test_a_page_of_only_errors_is_acknowledged_without_a_flush(sink):
 
 
 def test_a_rotation_that_fails_midway_stores_each_row_once_after_the_retry(tmp_path, monkeypatch):
-    from collector.vectors import store as store_module
+    from collector.vectors import vector_store as store_module
     from pipeline.errors import DiskFullError
 
     make_job(tmp_path, "j", 7, "vectors:docs")

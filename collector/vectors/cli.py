@@ -43,7 +43,7 @@ def add_parser(commands, client_options, handler) -> None:
 
 
 def run_vectors(args: argparse.Namespace, address: str, settings_of, curve=None) -> int:
-    """One `vectors` action against the manager at `address`; `curve`: the client's CURVE keys."""
+    """One `vectors` action against the vector stage at `address`; `curve`: the client's CURVE keys."""
     with VectorsClient(address, timeout_s=args.timeout, curve=curve) as client:
         if args.action == "stats":
             return _stats(client, args)

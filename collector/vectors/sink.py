@@ -36,7 +36,7 @@ import numpy as np
 from collector.completion_log import subset
 from collector.delivery_client import Delivery
 from collector.export import KIND_EMBEDDING, ResultFile, error_line
-from collector.vectors.stores import StoreSet
+from collector.vectors.store_catalog import StoreSet
 from ingest.jobs import DELIVER_VECTORS
 from pipeline.errors import FabricError, IngestError
 from pipeline.item_seq import index_of, job_of, seq_of
@@ -76,7 +76,7 @@ class SinkJob:
 
 
 class VectorSink:
-    """Decides what to fetch, turns pages into appends and error lines; the manager sends."""
+    """Decides what to fetch, turns pages into appends and error lines; the vector stage sends."""
 
     def __init__(
         self, stores: StoreSet, job_files: JobFiles, page_items: int, log: logging.Logger

@@ -23,7 +23,7 @@ from pathlib import Path
 import orjson
 
 from collector.vectors.shard import DTYPES, VectorInputError, VectorShardError
-from collector.vectors.store import VectorStore
+from collector.vectors.vector_store import VectorStore
 from ingest.jobs import JOB_ID
 from pipeline.durable import write_whole
 

@@ -1,4 +1,4 @@
-"""The vector shard manager stage: stores recovered, the sink fed, searches and reads answered.
+"""The vector stage: stores recovered, the sink fed, searches and reads answered.
 
 Sockets (bound only once every store has been recovered, DESIGN section 5):
 
@@ -25,7 +25,7 @@ from collector.job_view import JobIndex
 from collector.vectors.search import search
 from collector.vectors.shard import VectorError, VectorInputError
 from collector.vectors.sink import VectorSink
-from collector.vectors.stores import StoreSet, stores_root
+from collector.vectors.store_catalog import StoreSet, stores_root
 from ingest.jobs import JOB_ID
 from pipeline import wire
 from pipeline.errors import FabricError, WireError

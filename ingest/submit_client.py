@@ -1,4 +1,5 @@
-"""The producer SDK: hand a job to the broker and return once all of it is durable.
+"""The submit client (the producer SDK): hand a job to the broker and return once all of it
+is durable.
 
     with Producer("tcp://127.0.0.1:7710") as producer:
         report = producer.submit_file("requests.jsonl")          # OpenAI Batch JSONL
