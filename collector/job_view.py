@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from ingest.jobs import DELIVER_FILE
 from pipeline.job_files import (
     ChunkProgress,
     JobFiles,
@@ -44,7 +45,7 @@ class JobView:
         self.job_id: str = meta["job_id"]
         self.job_no: int = int(meta["job_no"])
         self.created_ns: int = int(meta["created_ns"])
-        self.deliver: str = meta.get("deliver", "file")  # ingest.jobs.parse_deliver
+        self.deliver: str = meta.get("deliver", DELIVER_FILE)  # ingest.jobs.parse_deliver
         self.journal = files.journal_path(job_id)
         self.offset = 0
         self.progress = ChunkProgress(keep_errors=False)

@@ -39,6 +39,7 @@ from ingest.batch_input import iter_batch_input
 from ingest.chunk_wire import chunk_to_wire
 from ingest.error_wire import errors_from_wire
 from ingest.input_chunk import InputChunk
+from ingest.jobs import DELIVER_FILE
 from ingest.request_shape import Shape
 from pipeline import wire
 from pipeline.broker_client import BrokerClient, backoff_s
@@ -148,7 +149,7 @@ class Producer(BrokerClient):
         chunk_lines: int | None = None,
         strict: bool = False,
         progress: Progress | None = None,
-        deliver: str = "file",
+        deliver: str = DELIVER_FILE,
     ) -> SubmitReport:
         """Send every line of an OpenAI Batch JSONL file; return when all of it is durable.
 
@@ -184,7 +185,7 @@ class Producer(BrokerClient):
         priority: int = 0,
         chunk_lines: int | None = None,
         progress: Progress | None = None,
-        deliver: str = "file",
+        deliver: str = DELIVER_FILE,
     ) -> SubmitReport:
         """Send pre-tokenised items without JSON: `rows` is a list of uint32 arrays, or a 2-D
         array (with `lengths` when rows are padded). Item i gets line number i + 1 and
@@ -216,7 +217,7 @@ class Producer(BrokerClient):
         chunks: Iterable[InputChunk],
         status: dict[str, Any],
         progress: Progress | None,
-        deliver: str = "file",
+        deliver: str = DELIVER_FILE,
         source: str = "",
     ) -> SubmitReport:
         report = SubmitReport(job_id)

@@ -37,7 +37,7 @@ from collector.completion_log import subset
 from collector.delivery_client import Delivery
 from collector.export import KIND_EMBEDDING, ResultFile, error_line
 from collector.vectors.store_catalog import StoreSet
-from ingest.jobs import DELIVER_VECTORS
+from ingest.jobs import DELIVER_FILE, DELIVER_VECTORS
 from pipeline.errors import FabricError, IngestError
 from pipeline.item_seq import index_of, job_of, seq_of
 from pipeline.job_files import JobFiles
@@ -111,7 +111,7 @@ class VectorSink:
             except (OSError, IngestError) as exc:
                 self.log.error("job %s: unreadable job.json (%s); not delivered", job_id, exc)
                 continue
-            deliver = str(meta.get("deliver", "file"))
+            deliver = str(meta.get("deliver", DELIVER_FILE))
             if not deliver.startswith(DELIVER_VECTORS):
                 continue
             if (self.delivered_dir / job_id).exists():

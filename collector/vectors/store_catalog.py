@@ -108,7 +108,7 @@ def open_store(root: Path, name: str, readonly: bool = False) -> tuple[StoreMeta
 
 
 class StoreSet:
-    """Every store under one root, opened (and recovered) at once; one owner, the manager.
+    """Every store under one root, opened (and recovered) at once; one owner, the vector stage.
 
     A store that fails recovery is kept in `broken` with the reason: it is
     never served or appended to, and `python run.py check` reports it.
