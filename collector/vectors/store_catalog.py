@@ -24,8 +24,8 @@ import orjson
 
 from collector.vectors.shard import DTYPES, VectorInputError, VectorShardError
 from collector.vectors.vector_store import VectorStore
-from ingest.jobs import JOB_ID
 from pipeline.durable import write_whole
+from pipeline.job_files import JOB_ID
 
 META_FILE = "store.json"
 SINK_DIRS = ("errors", "delivered")

@@ -26,10 +26,10 @@ from collector.vectors.search import search
 from collector.vectors.shard import VectorError, VectorInputError
 from collector.vectors.sink import VectorSink
 from collector.vectors.store_catalog import StoreSet, stores_root
-from ingest.jobs import JOB_ID
 from pipeline import wire
 from pipeline.errors import FabricError, WireError
 from pipeline.item_seq import index_of, job_of
+from pipeline.job_files import JOB_ID
 from pipeline.security import ServerGate, internal_curve, secure_client
 from pipeline.stage import Stage
 from pipeline.topology import client_address
