@@ -18,11 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from collector.completion_log import subset
 from collector.delivery_client import Delivery
 from collector.export import ExportContext, ResultFile, ResultPage, format_page, page_keys
 from pipeline import wire
 from pipeline.broker_client import BrokerClient
+from pipeline.ragged import Ragged
 
 MT = wire.MessageType
 
@@ -109,7 +109,8 @@ class ResultsClient(BrokerClient):
             if len(pick) == len(model_ids):
                 payload, offsets = a["payload"], a["offsets"]
             else:
-                payload, offsets = subset(a["payload"], a["offsets"], pick)
+                part = Ragged(a["payload"], a["offsets"]).take(pick)
+                payload, offsets = part.values, part.offsets
             page = ResultPage(
                 index=a["index"][pick],
                 custom_ids=[info["custom_ids"][i] for i in pick.tolist()],

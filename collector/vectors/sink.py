@@ -33,14 +33,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from collector.completion_log import subset
 from collector.delivery_client import Delivery
-from collector.export import KIND_EMBEDDING, ResultFile, error_line
+from collector.export import ResultFile, error_line
 from collector.vectors.store_catalog import StoreSet
 from ingest.jobs import DELIVER_FILE, DELIVER_VECTORS
 from pipeline.errors import FabricError, IngestError
 from pipeline.item_seq import index_of, job_of, seq_of
 from pipeline.job_files import JobFiles
+from pipeline.ragged import Ragged
+from pipeline.result_kinds import ResultKind, ResultStatus
 
 IDLE_POLL_S = 0.25  # a job with nothing new is asked again this often
 BROKEN_RETRY_S = 30.0  # a job whose store is not served is asked again this often
@@ -202,8 +203,9 @@ class VectorSink:
         sizes = np.diff(offsets)
         refused: dict[int, str] = {}  # page row -> why the store cannot take it
         appended = 0
-        ok = (status == 0) & (kind == KIND_EMBEDDING)
-        for i in np.flatnonzero((status == 0) & ~ok).tolist():
+        result = status == ResultStatus.RESULT
+        ok = result & (kind == ResultKind.VECTOR)
+        for i in np.flatnonzero(result & ~ok).tolist():
             refused[i] = "the result is not an embedding; a vectors job takes /v1/embeddings"
         model_ids = np.asarray(a["model"])
         for model_id in np.unique(model_ids[ok]).tolist():
@@ -234,7 +236,7 @@ class VectorSink:
             rows = rows[~already]
             if not len(rows):
                 continue
-            data, _ = subset(payload, offsets, rows)
+            data = Ragged(payload, offsets).take(rows).values
             vectors = data.view("<f4").reshape(len(rows), store_meta.dim)
             finite = np.isfinite(vectors).all(axis=1)
             for i in rows[~finite].tolist():
@@ -259,7 +261,7 @@ class VectorSink:
 
     def _write_errors(self, job, index, custom_ids, status, offsets, payload, refused) -> None:
         lines, keys = [], []
-        for i in np.flatnonzero(status != 0).tolist():
+        for i in np.flatnonzero(status != ResultStatus.RESULT).tolist():
             line, key = error_line(
                 job.job_id,
                 int(index[i]),
