@@ -27,7 +27,7 @@ import time
 from config import load_settings
 from config.defaults import DEFAULTS
 from pipeline import exitcodes
-from pipeline.errors import BrokerUnreachableError, ConfigError, DataDirLockedError, FabricError
+from pipeline.errors import BrokerUnavailableError, ConfigError, DataDirLockedError, FabricError
 
 COMMANDS = ("check", "submit", "status", "results", "cancel", "vectors", "worker", "demo", "keys")
 COMMANDS += ("batch",)  # collector/oneshot.py
@@ -118,7 +118,7 @@ def _retry_line(attempts: int):
 def _submit(args: argparse.Namespace) -> int:
     import orjson
 
-    from ingest.sdk import BrokerUnavailableError, Producer
+    from ingest.submit_client import Producer
 
     address = args.broker or load_settings(args.config).ingest.bind
     progress = _ProgressLine()
@@ -207,7 +207,7 @@ def _decoders(args: argparse.Namespace) -> dict:
 
 
 def _results(args: argparse.Namespace) -> int:
-    from collector.client import ResultsClient
+    from collector.results_client import ResultsClient
 
     err_path = args.errors or f"{args.output}.errors.jsonl"
     tty = sys.stderr.isatty()
@@ -273,8 +273,8 @@ def _vectors(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     import orjson
 
-    from collector.client import DispatchClient, ResultsClient
     from collector.job_state import with_in_flight
+    from collector.results_client import DispatchClient, ResultsClient
 
     if args.watch:
         return _watch(args)
@@ -300,7 +300,7 @@ def _status(args: argparse.Namespace) -> int:
 def _dispatch_status(args: argparse.Namespace, curve) -> dict | None:
     """Dispatch's BROKER_INFO (which items are with workers), or None: it is only a detail of
     `status JOB`, and a --broker address there is completion's, not dispatch's."""
-    from collector.client import DispatchClient
+    from collector.results_client import DispatchClient
 
     if args.broker:
         return None
@@ -343,7 +343,7 @@ def _watch(args: argparse.Namespace) -> int:
 
 
 def _cancel(args: argparse.Namespace) -> int:
-    from collector.client import ResultsClient
+    from collector.results_client import ResultsClient
 
     with ResultsClient(
         _address(args, "completion"), timeout_s=args.timeout, curve=_curve(args), on_waiting=_say
@@ -584,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
     except DataDirLockedError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exitcodes.LOCKED
-    except BrokerUnreachableError as exc:
+    except BrokerUnavailableError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exitcodes.UNAVAILABLE
     except FabricError as exc:

@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 
 from bench.ingest_broker import REPO, BenchBroker, Model
-from collector.client import DispatchClient, ResultsClient
-from ingest.sdk import Producer
+from collector.results_client import DispatchClient, ResultsClient
+from ingest.submit_client import Producer
 
 MODEL = Model("echo", endpoints=("/v1/completions",))
 ENDPOINT = "/v1/completions"

@@ -88,9 +88,9 @@ def engine_alone(batches) -> tuple[float, int, int]:
 
 def pipeline(root: Path, texts: list[str]) -> float:
     """Seconds from the first submitted line to the last result delivered (one local worker)."""
-    from collector.client import ResultsClient
+    from collector.results_client import ResultsClient
     from config import load_settings
-    from ingest.sdk import Producer
+    from ingest.submit_client import Producer
     from pipeline.demo import write_config
 
     root.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,7 @@ from bench import ingest_profile
 from bench.ingest_broker import BenchBroker, Model, RssSampler, cpu_times
 from bench.ingest_common import CHUNK_ITEMS, SLOT_BYTES, TOKENS, WINDOW, Outcome, Plan, progress
 from bench.report import Row
-from ingest.sdk import Producer
+from ingest.submit_client import Producer
 
 ITEMS_TARGET = 300_000
 TOKENS_TARGET = 150e6

@@ -26,7 +26,8 @@ import orjson
 from bench.ingest_broker import BenchBroker, Model, cpu_times, write_config
 from bench.ingest_common import CHUNK_ITEMS, SEED, WINDOW, Outcome, Plan, progress
 from bench.report import Row
-from ingest.sdk import BrokerUnavailableError, Producer
+from ingest.submit_client import Producer
+from pipeline.errors import BrokerUnavailableError
 
 VOCAB_WORDS = 30_000
 WORDS_PER_LINE = (20, 40)  # inclusive

@@ -28,7 +28,7 @@ from bench import disk, machine
 from bench.report import Row, render_section, write_section
 from collector.vectors.search import search
 from collector.vectors.shard import Shard
-from collector.vectors.store import VectorStore
+from collector.vectors.vector_store import VectorStore
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH_DIR = ROOT / "var" / "bench-vectors"
@@ -49,7 +49,7 @@ def _batch(rng: np.random.Generator, rows: int) -> np.ndarray:
 
 def bench_append(store_dir: Path, rows: int) -> tuple[list[float], float, list[int]]:
     """Append `rows` in pages of BATCH rows, flushing every FLUSH_S as the manager does
-    (collector/vectors/manager.py: rows queue up between scheduled flushes); per-slice rows/s,
+    (collector/vectors/vector_stage.py: rows queue up between scheduled flushes); per-slice rows/s,
     the total seconds and the bytes of each flush."""
     rng = np.random.default_rng(0)
     pool = _batch(rng, BATCH * 4)  # reuse a few batches: generating is not the thing timed

@@ -4,7 +4,7 @@ The completion stage knows how many of a job's items have a result; only
 dispatch knows which are with workers right now. A job with no result yet
 is `queued` at completion, but it is `in_progress` as soon as one of its
 items is handed to a worker. `status JOB` and `status --watch` ask both and
-merge them here (docs/completion.md, "Job states"):
+merge them here (the states: pipeline/job_states.py):
 
 | completion says | dispatch says              | shown         |
 |-----------------|----------------------------|---------------|
@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pipeline.job_states import JobState
+
 
 def with_in_flight(info: dict[str, Any], broker: dict[str, Any] | None) -> dict[str, Any]:
     """`info` (a JOB_INFO) with dispatch's items in flight for its job, from BROKER_INFO."""
@@ -26,6 +28,6 @@ def with_in_flight(info: dict[str, Any], broker: dict[str, Any] | None) -> dict[
         return info
     in_flight = int(broker["in_flight_jobs"].get(str(info["job_no"]), 0))
     merged = {**info, "in_flight": in_flight}
-    if info.get("state") == "queued" and in_flight:
-        merged["state"] = "in_progress"
+    if info.get("state") == JobState.QUEUED and in_flight:
+        merged["state"] = JobState.IN_PROGRESS.value
     return merged

@@ -1,12 +1,12 @@
 """The completion stage's read-only view of jobs, from the files the front writes.
 
 The front owns `jobs/<job_id>/job.json` and `jobs/<job_id>/chunks.log`
-(ingest/jobs.py); the completion stage only reads them, incrementally, to
-learn a job's number, its total once every chunk is committed, the lines
-ingest rejected (each becomes an error result), and the `custom_id` of an
-item when a results client asks. The completion stage owns one file here,
-`jobs/<job_id>/cancel` (the job number and the time, written atomically):
-a cancelled job's queued items are retired with a `cancelled` error result.
+(their formats: pipeline/job_files.py); the completion stage only reads them,
+incrementally, to learn a job's number, its total once every chunk is
+committed, the lines ingest rejected (each becomes an error result), and the
+`custom_id` of an item when a results client asks. The completion stage owns
+one file here, the job's `cancel` mark (pipeline/job_files.py): a cancelled
+job's queued items are retired with a `cancelled` error result.
 
 Memory stays small for big jobs: a view keeps, per committed chunk, where
 its commit record lies in the journal, and loads the custom_ids of a few
@@ -16,16 +16,21 @@ chunks at a time (results are delivered roughly in order).
 from __future__ import annotations
 
 import collections
-import os
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ingest.job_record import JobRecordError, read_job_record
-from pipeline.durable import write_whole
-from pipeline.records import _iter as iter_records
+from ingest.jobs import DELIVER_FILE
+from pipeline.job_files import (
+    ChunkProgress,
+    JobFiles,
+    journal_record_at,
+    journal_records,
+)
+from pipeline.job_record import JobRecordError
+from pipeline.job_states import JobState
 
 CHUNKS_CACHED = 16
 
@@ -33,29 +38,37 @@ CHUNKS_CACHED = 16
 class JobView:
     """One job as the front recorded it; `refresh()` reads what was appended since."""
 
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        meta = read_job_record(directory)  # JobRecordError: a damaged record is refused
+    def __init__(self, files: JobFiles, job_id: str) -> None:
+        self.files = files
+        self.directory = files.directory(job_id)
+        meta = files.read_record(job_id)  # JobRecordError: a damaged record is refused
         self.job_id: str = meta["job_id"]
         self.job_no: int = int(meta["job_no"])
         self.created_ns: int = int(meta["created_ns"])
-        self.deliver: str = meta.get("deliver", "file")  # ingest.jobs.parse_deliver
+        self.deliver: str = meta.get("deliver", DELIVER_FILE)  # ingest.jobs.parse_deliver
+        self.journal = files.journal_path(job_id)
         self.offset = 0
-        self.commits: dict[int, tuple[int, int]] = {}  # chunk -> (start, end) in chunks.log
+        self.progress = ChunkProgress(keep_errors=False)
         self.first_lines: dict[int, int] = {}  # first line of a committed chunk -> chunk
-        self.final_chunk: int | None = None
-        self.stored = 0
         self.rejected: list[list[Any]] = []  # [line, custom_id, code, message], not yet taken
-        self.rejected_count = 0
-        self.front_state = "validating"
         self._ids: collections.OrderedDict[int, tuple] = collections.OrderedDict()
         self.refresh()
 
     @property
     def all_committed(self) -> bool:
-        return self.final_chunk is not None and all(
-            c in self.commits for c in range(self.final_chunk + 1)
-        )
+        return self.progress.all_committed
+
+    @property
+    def stored(self) -> int:
+        return self.progress.stored
+
+    @property
+    def rejected_count(self) -> int:
+        return self.progress.rejected
+
+    @property
+    def front_state(self) -> JobState:
+        return self.progress.state
 
     @property
     def total(self) -> int | None:
@@ -64,38 +77,18 @@ class JobView:
 
     @property
     def cancel_path(self) -> Path:
-        return self.directory / "cancel"
+        return self.files.cancel_path(self.job_id)
 
     @property
     def cancelled(self) -> bool:
-        return self.cancel_path.exists()
+        return self.files.is_cancelled(self.job_id)
 
     def refresh(self) -> None:
-        try:
-            with open(self.directory / "chunks.log", "rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-        except FileNotFoundError:
-            return
-        start = 0
-        for record, end in iter_records(data):
-            kind = record.get("e")
-            if kind == "commit" and record["c"] not in self.commits:
-                self.commits[record["c"]] = (self.offset + start, self.offset + end)
+        records, self.offset = journal_records(self.journal, self.offset)
+        for record, span in records:
+            if self.progress.apply(record, span):
                 self.first_lines[int(record["first"])] = record["c"]
-                self.stored += int(record["stored"])
                 self.rejected.extend(record["errors"])
-                self.rejected_count += len(record["errors"])
-                if record.get("final"):
-                    self.final_chunk = (
-                        record["c"]
-                        if self.final_chunk is None
-                        else min(self.final_chunk, record["c"])
-                    )
-            elif kind == "state":
-                self.front_state = record["state"]
-            start = end
-        self.offset += start
 
     def take_rejected(self) -> list[list[Any]]:
         taken, self.rejected = self.rejected, []
@@ -128,11 +121,7 @@ class JobView:
         if cached is not None:
             self._ids.move_to_end(chunk, last=False)
             return cached
-        start, end = self.commits[chunk]
-        with open(self.directory / "chunks.log", "rb") as f:
-            f.seek(start)
-            data = f.read(end - start)
-        record = next(iter_records(data))[0]
+        record = journal_record_at(self.journal, self.progress.chunks[chunk].span)
         lines = np.asarray(record["lines"], np.int64)
         ids = list(record["ids"])
         if len(lines) > 1 and (np.diff(lines) < 0).any():
@@ -151,7 +140,7 @@ class JobIndex:
     """Job number -> job id for every job under `jobs/`, and the views of active jobs."""
 
     def __init__(self, data_root: Path) -> None:
-        self.root = Path(data_root) / "jobs"
+        self.files = JobFiles(data_root)
         self._by_no: dict[int, str] = {}
         self._named: set[str] = set()  # job directories whose number is in _by_no
         self.views: dict[str, JobView] = {}
@@ -163,11 +152,10 @@ class JobIndex:
         another job claims too: `refused` says why)."""
         view = self.views.get(job_id)
         if view is None:
-            directory = self.root / job_id
-            if not (directory / "job.json").is_file() or job_id in self.refused:
+            if job_id in self.refused or not self.files.has_record(job_id):
                 return None
             try:
-                view = JobView(directory)
+                view = JobView(self.files, job_id)
             except JobRecordError as exc:
                 self.refused[job_id] = str(exc)
                 return None
@@ -199,15 +187,11 @@ class JobIndex:
         before, so a miss costs a listing, not a read of every job ever run."""
         found = self._by_no.get(job_no)
         if found is None:
-            try:
-                names = os.listdir(self.root)
-            except OSError:
-                return None
-            for name in names:
+            for name in self.files.names():
                 if name in self._named:
                     continue
                 try:
-                    number = int(read_job_record(self.root / name)["job_no"])
+                    number = int(self.files.read_record(name)["job_no"])
                 except OSError:
                     continue  # not a job, or one still being created: read again next time
                 except JobRecordError as exc:
@@ -224,4 +208,4 @@ class JobIndex:
 
 def write_cancel(view: JobView) -> None:
     """Record durably that the job is cancelled (job number and wall time)."""
-    write_whole(view.cancel_path, f"{view.job_no} {time.time_ns()}\n".encode())
+    view.files.mark_cancelled(view.job_id, view.job_no, time.time_ns())

@@ -29,9 +29,9 @@ import numpy as np
 
 from collector.completion_log import CompletionLog
 from gpu.dispatch_report import CORRUPT_INPUT
-from ingest.job_record import JobRecordError, read_job_record
 from pipeline.datadir import DataDir
 from pipeline.errors import SegmentError
+from pipeline.job_record import JobRecordError, read_job_record
 from pipeline.records import read_records
 from pipeline.salvage import isolate, iter_slots, trusted_header
 from pipeline.segment_format import (

@@ -45,6 +45,7 @@ from pathlib import Path
 from pipeline import exitcodes
 from pipeline.datadir import LOCK_NAME
 from pipeline.errors import FabricError
+from pipeline.job_states import is_terminal
 from pipeline.topology import client_address, free_loopback_ports
 
 REPO = Path(__file__).resolve().parents[1]
@@ -291,8 +292,9 @@ def run_oneshot(run: OneShot) -> int:
 
 
 def _drive(run: OneShot, settings, job_id: str, broker, progress: _Progress, say) -> int:
-    from collector.client import TERMINAL, ResultsClient
-    from ingest.sdk import BrokerUnavailableError, Producer
+    from collector.results_client import ResultsClient
+    from ingest.submit_client import Producer
+    from pipeline.errors import BrokerUnavailableError
     from pipeline.security import client_curve
 
     curve = client_curve(settings.security, None, None)  # the config's keys, if it sets any
@@ -371,7 +373,7 @@ def _drive(run: OneShot, settings, job_id: str, broker, progress: _Progress, say
     total, failed = info.get("total"), int(info.get("failed", 0))
     done = int(info.get("completed", 0)) + failed  # `completed` counts results, not errors
     progress.show(done, total, info.get("state", "?"))
-    whole = info.get("state") in TERMINAL and total is not None and done >= total
+    whole = is_terminal(info.get("state")) and total is not None and done >= total
     say(
         f"job {job_id}: {info.get('state')}; {done} of {total} lines have their outcome "
         f"({failed} errors); this run wrote {report.written} results to {run.output} and "

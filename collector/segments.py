@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.durable import fsync_dir
+from pipeline.job_files import JOB_ID, JobFiles
 from pipeline.scan import SegmentSummary, scan_segment
 from pipeline.segment_format import (
     DELETED_OFFSET,
@@ -75,11 +76,12 @@ class SegmentCollector:
         (every result delivered) once their job finished `retention_s` ago.
 
         A job has finished when every item has a result: the completion stage then
-        writes `jobs/<job>/finished` (the wall time in ns), which retention counts from.
+        writes the job's `finished` mark (pipeline/job_files.py), which retention counts from.
         """
         candidates = []
         now_ns = time.time_ns()
         finished: dict[str, int | None] = {}
+        jobs = JobFiles(data_dir.root)
         for path in data_dir.segment_files():
             try:
                 with open(path, "rb") as f:
@@ -95,7 +97,7 @@ class SegmentCollector:
             if path.parent == data_dir.completion:
                 job = path.name.split(".")[1]
                 if job not in finished:
-                    finished[job] = _finished_ns(data_dir.root / "jobs" / job / "finished")
+                    finished[job] = jobs.finished_ns(job) if JOB_ID.match(job) else None
                 done_ns = finished[job]
                 if done_ns is None or now_ns - max(done_ns, sealed_ns) < retention_s * 1e9:
                     continue
@@ -127,11 +129,3 @@ class SegmentCollector:
             return "removed"
         finally:
             os.close(fd)
-
-
-def _finished_ns(path: Path) -> int | None:
-    """When a job finished (its `finished` file), or None while it runs."""
-    try:
-        return int(path.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None

@@ -4,7 +4,7 @@
 |----------------------------|-----------------------------------------------------|------------------|
 | lanes, in flight, rates, workers, dead letters | BROKER_STATUS to dispatch (`dispatch.bind`) | one request |
 | jobs: progress, rate, time left | JOB_STATUS to completion (`completion.bind`), one per job shown | one request per job |
-| which jobs exist           | `<data_dir>/jobs/<id>/job.json` (id, number, created_ns; read once per job) and `<data_dir>/jobs/<id>/finished` (ns; one stat per unfinished job) | a directory listing |
+| which jobs exist           | each job's record (id, number, created_ns; read once per job) and its `finished` mark (ns; one read per unfinished job), through pipeline/job_files.py | a directory listing |
 | recent restarts            | the last 64 KiB of `<data_dir>/log/supervisor-0.log`: its `stage X died ...` lines | one read |
 
 The data dir is read only when the dashboard runs where the broker does
@@ -22,10 +22,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from collector.client import DispatchClient, ResultsClient
 from collector.job_state import with_in_flight
-from ingest.job_record import read_job_record
-from pipeline.errors import BrokerUnreachableError, FabricError, IngestError
+from collector.results_client import DispatchClient, ResultsClient
+from pipeline.errors import BrokerUnavailableError, FabricError, IngestError
+from pipeline.job_files import JobFiles
 from pipeline.security import ClientCurve
 
 FINISHED_SHOWN_S = 300.0  # a finished job stays on the dashboard this long
@@ -71,25 +71,22 @@ class JobDirectory:
     """The jobs under `<data_dir>/jobs/`, as the front and completion stage left them."""
 
     def __init__(self, data_root: Path) -> None:
-        self.root = Path(data_root) / "jobs"
+        self.files = JobFiles(data_root)
         self._known: dict[str, JobEntry] = {}
 
     def entries(self) -> list[JobEntry]:
-        try:
-            names = [d.name for d in os.scandir(self.root) if d.is_dir()]
-        except FileNotFoundError:
-            return []
+        names = self.files.names()
         for name in names:
             entry = self._known.get(name)
             if entry is not None and entry.finished_ns is not None:
                 continue  # finished for good: nothing changes any more
             if entry is None:
                 try:
-                    meta = read_job_record(self.root / name)
+                    meta = self.files.read_record(name)
                     entry = JobEntry(name, int(meta["job_no"]), int(meta["created_ns"]), None)
                 except (OSError, IngestError):
                     continue  # being created (job.json is written atomically) or not a job
-            finished = _read_ns(self.root / name / "finished")
+            finished = self.files.finished_ns(name)
             if finished is not None:
                 entry = JobEntry(entry.job_id, entry.job_no, entry.created_ns, finished)
             self._known[name] = entry
@@ -115,13 +112,6 @@ class JobDirectory:
 
     def names(self) -> dict[int, str]:
         return {e.job_no: e.job_id for e in self._known.values()}
-
-
-def _read_ns(path: Path) -> int | None:
-    try:
-        return int(path.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def recent_restarts(log_dir: Path, limit: int = RESTARTS_SHOWN) -> list[Restart]:
@@ -175,7 +165,7 @@ class Sources:
         snap = Snapshot(taken_ns=time.time_ns())
         try:
             snap.broker = self._dispatch_client().broker_status()
-        except BrokerUnreachableError:
+        except BrokerUnavailableError:
             self._drop_dispatch()
             snap.broker_error = f"broker not reachable at {self.dispatch_address}, retrying"
         except FabricError as exc:
@@ -200,7 +190,7 @@ class Sources:
             try:
                 info = self._completion_client().job_status(entry.job_id)
                 snap.jobs.append(with_in_flight(info, snap.broker))
-            except BrokerUnreachableError:
+            except BrokerUnavailableError:
                 self._drop_completion()
                 snap.jobs_note = f"completion not reachable at {self.completion_address}"
                 return

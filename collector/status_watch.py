@@ -31,6 +31,7 @@ from typing import Any, TextIO
 
 from collector.status_sources import Snapshot, Sources
 from pipeline import exitcodes
+from pipeline.job_states import JobState
 from pipeline.stage import StopFlags
 from pipeline.stage_restarts import describe
 
@@ -94,7 +95,7 @@ def _job_fields(job: dict[str, Any]) -> tuple[str, str, str, str]:
     else:
         progress = f"{done}/? (submitting)" if total is None else "0/0"
     eta = job.get("eta_s")
-    left = _age(eta) if eta else ("-" if job.get("state") != "completed" else "0s")
+    left = _age(eta) if eta else ("-" if job.get("state") != JobState.COMPLETED else "0s")
     return progress, str(job.get("failed", "-")), f"{job.get('rate', 0):.0f}/s", left
 
 

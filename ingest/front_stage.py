@@ -53,7 +53,7 @@ from ingest.chunk_wire import chunk_from_wire, chunk_to_wire
 from ingest.error_wire import errors_from_wire
 from ingest.inflight import DEADLINE_MARGIN_S, Inflight, InflightChunks
 from ingest.input_chunk import InputChunk
-from ingest.jobs import DELIVER_FILE, Job, JobRegistry, check_job_id, parse_deliver
+from ingest.jobs import DELIVER_FILE, Job, JobRegistry, parse_deliver
 from ingest.line_errors import LineError
 from ingest.peer_guard import PeerGuard
 from ingest.reconcile import stored_indexes
@@ -61,6 +61,7 @@ from pipeline import wire
 from pipeline.datadir import DataDir
 from pipeline.disk_full import FullDisk
 from pipeline.errors import DiskFullError, FabricError, IngestError, WireError
+from pipeline.job_files import check_job_id
 from pipeline.outlet import Outlet
 from pipeline.ring_records import put_items, split_items
 from pipeline.security import ServerGate

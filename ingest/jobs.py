@@ -1,49 +1,31 @@
 """The job registry: one directory per job, written before any acknowledgement.
 
-| path                               | what                                              |
-|------------------------------------|---------------------------------------------------|
-| `jobs/next-job-no`                 | DurableCounter of job numbers (1, 2, ...)         |
-| `jobs/<job_id>/job.json`           | id, number, created_ns, chunk_lines, deliver, checksum; written once, atomically (ingest/job_record.py) |
-| `jobs/<job_id>/chunks.log`         | RecordLog of chunk events (below)                 |
-
-Chunk events, in order of their durability:
-
-| record                                                         | meaning |
-|----------------------------------------------------------------|---------|
-| `{"e": "accept", "c", "first", "last", "ns"}`                  | chunk c (lines first..last) may have items in the log from here on |
-| `{"e": "commit", "c", "first", "last", "lines", "ids", "stored", "errors", "final"}` | every item of chunk c is durable; `lines`/`ids` map line numbers to custom_ids; `errors` are the rejected lines |
-| `{"e": "state", "state"}`                                      | the job changed state |
-
-A job's item index is its line number minus one, and an item's seq in the
-log is `job_no << 32 | index`, so a retried chunk carries the same seqs.
-The registry has one owner (the front); it batches appends and makes them
-durable with `flush()`, before the producer hears anything.
+The registry writes `jobs/next-job-no`, `jobs/<job_id>/job.json` and
+`jobs/<job_id>/chunks.log`; their paths and formats, and the chunk events of
+the journal, are in pipeline/job_files.py (the one home of the `jobs/`
+layout). A job's item index is its line number minus one, and an item's seq
+in the log is its `pipeline.item_seq.seq_of(job_no, index)`, so a retried
+chunk carries the same seqs. The registry has one owner (the front); it
+batches appends and makes them durable with `flush()`, before the producer
+hears anything.
 """
 
 from __future__ import annotations
 
-import re
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ingest.custom_ids import CustomIdSet
-from ingest.job_record import encode_job_record, read_job_record
 from pipeline.counter import DurableCounter
-from pipeline.durable import write_whole
 from pipeline.errors import IngestError
+from pipeline.job_files import JOB_ID, ChunkEntry, ChunkProgress, JobFiles
+from pipeline.job_states import JobState
 from pipeline.records import RecordLog
 from pipeline.segment import disk_error
 
-JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")  # \Z: "$" would allow a final newline
-STATES = ("validating", "queued", "in_progress", "completed", "cancelled", "failed")
 DELIVER_FILE = "file"
 DELIVER_VECTORS = "vectors"
-
-
-def seq_of(job_no: int, index: int) -> int:
-    return (job_no << 32) | index
 
 
 def parse_deliver(text: str) -> str:
@@ -63,59 +45,51 @@ def parse_deliver(text: str) -> str:
     )
 
 
-def check_job_id(job_id: str) -> str:
-    if not JOB_ID.match(job_id):
-        raise IngestError(
-            f"job id {job_id!r} is not allowed: use 1-64 characters of letters, digits, "
-            f"'.', '_' or '-', starting with a letter or digit"
-        )
-    return job_id
-
-
-@dataclass
-class ChunkState:
-    first: int
-    last: int
-    accepted_ns: int
-    committed: dict[str, Any] | None = None
-
-
-@dataclass
 class Job:
-    """One job's durable record and the front's view of it."""
+    """One job's durable record and the front's view of it (its journal folded by
+    pipeline.job_files.ChunkProgress)."""
 
-    job_id: str
-    job_no: int
-    created_ns: int
-    chunk_lines: int
-    directory: Path
-    journal: RecordLog
-    chunks: dict[int, ChunkState] = field(default_factory=dict)
-    custom_ids: CustomIdSet = field(default_factory=CustomIdSet)
-    state: str = "validating"
-    deliver: str = DELIVER_FILE
-    stored: int = 0
-    rejected: int = 0
+    def __init__(
+        self,
+        job_id: str,
+        job_no: int,
+        created_ns: int,
+        chunk_lines: int,
+        directory: Path,
+        journal: RecordLog,
+        deliver: str = DELIVER_FILE,
+    ) -> None:
+        self.job_id = job_id
+        self.job_no = job_no
+        self.created_ns = created_ns
+        self.chunk_lines = chunk_lines
+        self.directory = directory
+        self.journal = journal
+        self.deliver = deliver
+        self.progress = ChunkProgress()
+        self.custom_ids = CustomIdSet()
+
+    @property
+    def chunks(self) -> dict[int, ChunkEntry]:
+        return self.progress.chunks
+
+    @property
+    def state(self) -> JobState:
+        return self.progress.state
+
+    @property
+    def stored(self) -> int:
+        return self.progress.stored
+
+    @property
+    def rejected(self) -> int:
+        return self.progress.rejected
 
     def _apply(self, record: dict[str, Any], digests=None) -> None:
-        kind = record["e"]
-        if kind == "accept":
-            self.chunks.setdefault(
-                record["c"], ChunkState(record["first"], record["last"], record["ns"])
-            )
-        elif kind == "commit":
-            chunk = self.chunks.setdefault(
-                record["c"], ChunkState(record["first"], record["last"], 0)
-            )
-            if chunk.committed is None:
-                # Kept in memory: counts and bad lines only. The custom_ids live in
-                # the digest set; the journal has the rest.
-                chunk.committed = {k: record[k] for k in ("stored", "errors", "final")}
-                self.stored += record["stored"]
-                self.rejected += len(record["errors"])
-                self.custom_ids.add(record["ids"], digests=digests)
-        elif kind == "state":
-            self.state = record["state"]
+        if self.progress.apply(record):
+            # Kept in memory: counts and bad lines only. The custom_ids live in the digest
+            # set; the journal has the rest.
+            self.custom_ids.add(record["ids"], digests=digests)
 
     def accept(self, chunk: int, first: int, last: int, now_ns: int | None = None) -> None:
         """Record that chunk `chunk` may start landing in the log (durable at flush)."""
@@ -157,53 +131,44 @@ class Job:
         }
         self.journal.append(record)
         self._apply(record, digests)
-        if self.state == "validating" and self.all_committed():
-            self.set_state("queued")
+        if self.state == JobState.VALIDATING and self.all_committed():
+            self.set_state(JobState.QUEUED)
 
     def all_committed(self) -> bool:
         """True once the final chunk and every chunk before it are committed."""
-        finals = [
-            c for c, s in self.chunks.items() if s.committed is not None and s.committed["final"]
-        ]
-        if not finals:
-            return False
-        return all(
-            (s := self.chunks.get(c)) is not None and s.committed is not None
-            for c in range(finals[0] + 1)
-        )
+        return self.progress.all_committed
 
     def commit_pending(self, chunk: int) -> bool:
         """True while chunk's commit record is written but not yet durable."""
         return any(r["e"] == "commit" and r["c"] == chunk for r in self.journal.pending)
 
-    def set_state(self, state: str) -> None:
-        record = {"e": "state", "state": state}
+    def set_state(self, state: JobState) -> None:
+        record = {"e": "state", "state": str(state)}
         self.journal.append(record)
         self._apply(record)
 
     def error_records(self) -> list[dict[str, Any]]:
-        return [
-            e for c in sorted(self.chunks) if (r := self.chunks[c].committed) for e in r["errors"]
-        ]
+        return self.progress.error_records()
 
     def summary(self) -> dict[str, Any]:
         return {
             "job_id": self.job_id,
-            "state": self.state,
+            "state": str(self.state),
             "deliver": self.deliver,
             "stored": self.stored,
             "rejected": self.rejected,
-            "chunks_committed": sum(1 for c in self.chunks.values() if c.committed is not None),
+            "chunks_committed": self.progress.committed_chunks,
         }
 
 
 class JobRegistry:
-    """All jobs under `<data_dir>/jobs`, loaded lazily; one owner."""
+    """All jobs under `<data_dir>/jobs` (pipeline/job_files.py), loaded lazily; one owner."""
 
     def __init__(self, data_root: Path) -> None:
-        self.root = Path(data_root) / "jobs"
+        self.files = JobFiles(data_root)
+        self.root = self.files.root
         self.root.mkdir(parents=True, exist_ok=True)
-        self._counter = DurableCounter(self.root / "next-job-no")
+        self._counter = DurableCounter(self.files.counter_path)
         self._jobs: dict[str, Job] = {}
         self._dirty: set[str] = set()
 
@@ -212,16 +177,20 @@ class JobRegistry:
         job = self._jobs.get(job_id)
         if job is not None:
             return job
-        directory = self.root / check_job_id(job_id)
         try:
-            meta = read_job_record(directory)  # JobRecordError: damaged, refused
+            meta = self.files.read_record(job_id)  # JobRecordError: damaged, refused
         except FileNotFoundError:
             return None
-        journal = RecordLog(directory / "chunks.log")
+        journal = RecordLog(self.files.journal_path(job_id))
         job = Job(
-            job_id, meta["job_no"], meta["created_ns"], meta["chunk_lines"], directory, journal
+            job_id,
+            meta["job_no"],
+            meta["created_ns"],
+            meta["chunk_lines"],
+            self.files.directory(job_id),
+            journal,
+            meta.get("deliver", DELIVER_FILE),
         )
-        job.deliver = meta.get("deliver", DELIVER_FILE)
         for record in journal.records:
             job._apply(record)
         self._jobs[job_id] = job
@@ -234,8 +203,7 @@ class JobRegistry:
         `chunk_lines` lines and its results go where `deliver` says (`parse_deliver`).
         `source`: the absolute path of the input file on the producer's host, if it sent one
         (`vectors search` reads the text of a hit's line back from it when it can)."""
-        check_job_id(job_id)
-        directory = self.root / job_id
+        directory = self.files.directory(job_id)  # IngestError: not an allowed id
         job_no = self._counter.next()  # DiskFullError when the disk is full
         created_ns = time.time_ns()
         meta = {
@@ -248,14 +216,11 @@ class JobRegistry:
         if source:
             meta["source"] = source
         try:
-            directory.mkdir(exist_ok=True)
-            write_whole(directory / "job.json", encode_job_record(meta), also_sync=(self.root,))
+            self.files.write_record(job_id, meta)
         except OSError as exc:  # a full disk: nothing of the job exists; the producer retries
-            raise disk_error(exc, directory / "job.json", "creating the job") from exc
-        job = Job(
-            job_id, job_no, created_ns, chunk_lines, directory, RecordLog(directory / "chunks.log")
-        )
-        job.deliver = deliver
+            raise disk_error(exc, self.files.record_path(job_id), "creating the job") from exc
+        journal = RecordLog(self.files.journal_path(job_id))
+        job = Job(job_id, job_no, created_ns, chunk_lines, directory, journal, deliver)
         self._jobs[job_id] = job
         return job
 
@@ -284,9 +249,6 @@ class JobRegistry:
         for job_id in sorted(self._dirty):
             self._jobs[job_id].journal.sync()
         self._dirty.clear()
-
-    def job_ids(self) -> list[str]:
-        return sorted(p.name for p in self.root.iterdir() if (p / "job.json").exists())
 
     def close(self) -> None:
         for job in self._jobs.values():

@@ -125,10 +125,11 @@ class _Bar:
 
 
 def run_demo(root: Path | str = "var/demo", workers: int = 1, limit: int | None = None) -> int:
-    from collector.client import ResultsClient
+    from collector.results_client import ResultsClient
     from collector.vectors.client import VectorsClient
     from config import load_settings
-    from ingest.sdk import BrokerUnavailableError, Producer
+    from ingest.submit_client import Producer
+    from pipeline.errors import BrokerUnavailableError
 
     root = (REPO / root) if not Path(root).is_absolute() else Path(root)
     root.mkdir(parents=True, exist_ok=True)

@@ -98,5 +98,9 @@ class SendTimeoutError(WireError):
     retryable = True
 
 
-class BrokerUnreachableError(FabricError):
-    """A client got no answer from the broker within the tries allowed (exit code 6)."""
+class BrokerUnavailableError(FabricError):
+    """No broker answered a client within the tries allowed, or a request kept failing
+    retryably (a full disk): exit code 6. What the broker acknowledged is durable; running
+    the same command again resumes (pipeline/broker_client.py)."""
+
+    retryable = True

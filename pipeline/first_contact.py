@@ -1,14 +1,14 @@
 """A client's first contact with a broker: say where it waits, and fail fast when nothing listens.
 
 A ZeroMQ client never hears "connection refused": it queues the request and
-waits. So until a broker first answers, the clients (ingest/sdk.py Producer,
-collector/client.py Client) do two things here:
+waits. So until a broker first answers, the clients (ingest/submit_client.py Producer,
+collector/results_client.py ResultsClient, through pipeline/broker_client.py) do two things here:
 
 * Before each request, probe what can be known at once on this host: a TCP
   port on loopback (127.x, localhost, ::1) that refuses a plain connect, or
   an ipc path that does not exist, means no broker runs there. The probe is
   repeated for `GRACE_S` (a broker that is just starting binds in that time),
-  then BrokerUnreachableError names the address (exit code 6).
+  then BrokerUnavailableError names the address (exit code 6).
   A patient client (`results --follow`) keeps waiting instead.
 * After `SAY_AFTER_S` without an answer, the client's `on_waiting` (run.py
   passes one that prints a line on stderr) hears once "waiting for the broker
@@ -26,7 +26,7 @@ import socket
 import time
 from collections.abc import Callable
 
-from pipeline.errors import BrokerUnreachableError
+from pipeline.errors import BrokerUnavailableError
 from pipeline.invocation import how_to_run
 
 SAY_AFTER_S = 1.0
@@ -71,7 +71,7 @@ class FirstContact:
         self.said = False
 
     def before_send(self, patient: bool = False) -> None:
-        """BrokerUnreachableError if nothing listens at the address for GRACE_S; a `patient`
+        """BrokerUnavailableError if nothing listens at the address for GRACE_S; a `patient`
         client (`results --follow`, which waits out broker restarts) only says it waits."""
         if self.answered:
             return
@@ -84,7 +84,7 @@ class FirstContact:
         deadline = now + GRACE_S
         while (why := refused(self.address)) is not None:
             if time.monotonic() >= deadline:
-                raise BrokerUnreachableError(
+                raise BrokerUnavailableError(
                     f"no broker answers at {self.address}: {why}; is it running? Start one "
                     f"with `{how_to_run()} --config FILE`, or check --broker / --config"
                 )

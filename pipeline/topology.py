@@ -100,7 +100,7 @@ def stage_specs(settings) -> list[StageSpec]:
     ]
     specs.append(StageSpec("dispatch", 0, "gpu.dispatch_stage:DispatchStage"))
     specs.append(StageSpec("completion", 0, "collector.completion_stage:CompletionStage"))
-    specs.append(StageSpec("vectors", 0, "collector.vectors.manager:VectorStage"))
+    specs.append(StageSpec("vectors", 0, "collector.vectors.vector_stage:VectorStage"))
     return specs
 
 

@@ -151,7 +151,7 @@ TIMED_MODULES = [
     "pipeline/supervisor.py",
     "pipeline/segment_log.py",
     "collector/completion_stage.py",
-    "collector/client.py",
+    "collector/results_client.py",
 ]
 
 

@@ -21,9 +21,9 @@ import pytest
 from broker import REPO, Broker, seq_counts, submit, write_config
 from conftest import appender, assert_check_clean, make_batch, small_tmpfs, wait_for
 
-from collector.client import ResultsClient
+from collector.results_client import ResultsClient
 from ingest.jobs import JobRegistry
-from ingest.sdk import Producer
+from ingest.submit_client import Producer
 from pipeline.datadir import DataDir
 from pipeline.disk_full import FullDisk
 from pipeline.errors import DiskFullError

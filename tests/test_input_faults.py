@@ -18,8 +18,8 @@ import pytest
 from broker import REPO, Broker, submit, write_config
 from conftest import assert_check_clean, wait_for
 
-from collector.client import DispatchClient, ResultsClient
-from ingest.sdk import Producer
+from collector.results_client import DispatchClient, ResultsClient
+from ingest.submit_client import Producer
 
 
 @pytest.fixture

@@ -30,7 +30,7 @@ from test_dispatch_pipeline import (
 )
 from test_metrics import scrape_when, value
 
-from collector.client import DispatchClient
+from collector.results_client import DispatchClient
 
 broker = test_dispatch_pipeline.broker  # the fixture: a real broker, fast dispatch timeouts
 

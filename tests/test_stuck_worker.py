@@ -30,7 +30,7 @@ from test_dispatch_pipeline import (  # noqa: F401 (fixtures)
     workers,
 )
 
-from collector.client import DispatchClient
+from collector.results_client import DispatchClient
 from gpu.engines import TransientEngineError
 from gpu.worker import Worker, WorkerOptions
 

@@ -9,7 +9,7 @@ import pytest
 
 from collector.vectors.search import search
 from collector.vectors.shard import VectorInputError
-from collector.vectors.store import VectorStore
+from collector.vectors.vector_store import VectorStore
 
 DIM = 24
 ROWS = 3000

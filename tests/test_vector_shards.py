@@ -24,8 +24,8 @@ from collector.vectors.shard import (
     VectorShardError,
     shard_paths,
 )
-from collector.vectors.store import VectorStore
-from collector.vectors.stores import create_store
+from collector.vectors.store_catalog import create_store
+from collector.vectors.vector_store import VectorStore
 from pipeline.datadir import DataDir
 from pipeline.errors import DiskFullError
 from pipeline.records import read_records

@@ -6,30 +6,27 @@ import json
 import logging
 
 import numpy as np
-import orjson
 import pytest
 
 from collector.export import KIND_EMBEDDING, KIND_ERROR_TEXT, KIND_TOKENS
 from collector.vectors.sink import VectorSink
-from collector.vectors.stores import StoreSet
+from collector.vectors.store_catalog import StoreSet
+from pipeline.job_files import JobFiles
 
 DIM = 8
 LOG = logging.getLogger("test")
 
 
 def make_job(root, job_id: str, job_no: int, deliver: str) -> None:
-    directory = root / "jobs" / job_id
-    directory.mkdir(parents=True)
-    (directory / "job.json").write_bytes(
-        orjson.dumps(
-            {
-                "job_id": job_id,
-                "job_no": job_no,
-                "created_ns": 1,
-                "chunk_lines": 10,
-                "deliver": deliver,
-            }
-        )
+    JobFiles(root).write_record(
+        job_id,
+        {
+            "job_id": job_id,
+            "job_no": job_no,
+            "created_ns": 1,
+            "chunk_lines": 10,
+            "deliver": deliver,
+        },
     )
 
 
@@ -71,7 +68,7 @@ def sink(tmp_path):
     make_job(tmp_path, "j", 7, "vectors:docs")
     make_job(tmp_path, "other", 8, "file")
     stores = StoreSet(tmp_path / "vectors", "float32", 1 << 20)
-    s = VectorSink(stores, tmp_path / "jobs", 100, LOG)
+    s = VectorSink(stores, JobFiles(tmp_path), 100, LOG)
     yield s
     stores.close()
 
@@ -110,7 +107,7 @@ def test_a_page_sent_again_is_not_stored_twice_even_after_a_restart(sink, tmp_pa
     # The sink restarts before completion saw the ack: the same results come again.
     sink.stores.close()
     stores = StoreSet(tmp_path / "vectors", "float32", 1 << 20)
-    again = VectorSink(stores, tmp_path / "jobs", 100, LOG)
+    again = VectorSink(stores, JobFiles(tmp_path), 100, LOG)
     meta = fetch(again)
     again.on_page(
         *page([2, 3, 4], np.vstack([vectors[2:], vectors[:1]]), page_id=1, req=meta["req"]), 0.0
@@ -169,12 +166,12 @@ def test_a_page_of_only_errors_is_acknowledged_without_a_flush(sink):
 
 
 def test_a_rotation_that_fails_midway_stores_each_row_once_after_the_retry(tmp_path, monkeypatch):
-    from collector.vectors import store as store_module
+    from collector.vectors import vector_store as store_module
     from pipeline.errors import DiskFullError
 
     make_job(tmp_path, "j", 7, "vectors:docs")
     stores = StoreSet(tmp_path / "vectors", "float32", 4 * DIM * 4)  # 4 rows a shard
-    sink = VectorSink(stores, tmp_path / "jobs", 100, LOG)
+    sink = VectorSink(stores, JobFiles(tmp_path), 100, LOG)
     rng = np.random.default_rng(3)
     vectors = rng.standard_normal((6, DIM))
     real_create = store_module.Shard.create
@@ -191,7 +188,7 @@ def test_a_rotation_that_fails_midway_stores_each_row_once_after_the_retry(tmp_p
     sink.on_page(*page(range(6), vectors, page_id=3, req=meta["req"]), 0.0)
     _, store = stores.get("docs")
     assert store.rows == 4  # the first shard was sealed (flushed) by the rotation
-    assert sink.jobs["j"].ack == 0  # nothing acknowledged
+    assert sink.jobs["j"].delivery.ack == 0  # nothing acknowledged
     meta = fetch(sink, 100.0)  # asked again later, without an ack
     assert meta["ack"] == 0
     sink.on_page(*page(range(6), vectors, page_id=4, req=meta["req"]), 100.0)

@@ -27,7 +27,7 @@ import zmq
 from broker import REPO, Broker, submit, write_config
 from conftest import assert_check_clean, wait_for
 
-from collector.client import DispatchClient
+from collector.results_client import DispatchClient
 from gpu.engines import EngineResult
 from gpu.work_protocol import ITEM_DTYPE
 from gpu.work_token import SECRET_FILE, WorkTokens

@@ -7,7 +7,7 @@ from collector.vectors.shard import (
     VectorSealedError,
     VectorShardError,
 )
-from collector.vectors.store import VectorStore
+from collector.vectors.vector_store import VectorStore
 
 __all__ = [
     "Shard",

@@ -20,7 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from collector.vectors.shard import VectorError, VectorShardBusy
-from collector.vectors.stores import (
+from collector.vectors.store_catalog import (
     META_FILE,
     SINK_DIRS,
     open_store,

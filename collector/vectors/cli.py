@@ -14,6 +14,7 @@ from collector.vectors.search import METRICS
 from collector.vectors.shard import VectorInputError
 from collector.vectors.texts import input_texts
 from pipeline import exitcodes
+from pipeline.item_seq import index_of
 
 
 def add_parser(commands, client_options, handler) -> None:
@@ -42,7 +43,7 @@ def add_parser(commands, client_options, handler) -> None:
 
 
 def run_vectors(args: argparse.Namespace, address: str, settings_of, curve=None) -> int:
-    """One `vectors` action against the manager at `address`; `curve`: the client's CURVE keys."""
+    """One `vectors` action against the vector stage at `address`; `curve`: the client's CURVE keys."""
     with VectorsClient(address, timeout_s=args.timeout, curve=curve) as client:
         if args.action == "stats":
             return _stats(client, args)
@@ -123,7 +124,7 @@ def _search(client: VectorsClient, args, settings_of) -> int:
     hits = client.search(args.store, query, args.k, args.metric)
     meta, a = hits.meta, hits.arrays
     q, k = meta["shape"]
-    index = (a["id"].reshape(-1) & np.uint64(0xFFFFFFFF)).astype(np.int64).tolist()
+    index = index_of(a["id"].reshape(-1)).tolist()
     texts = (
         input_texts(
             settings.data_path,

@@ -2,8 +2,8 @@
 
 `python run.py vectors stats|search|export` (run.py) calls these. A text
 query is embedded here, with the store's model's own tokenizer and engine
-(the same code the workers run), then searched by the manager
-(collector/vectors/manager.py), which answers with the hits' custom_ids.
+(the same code the workers run), then searched by the vector stage
+(collector/vectors/vector_stage.py), which answers with the hits' custom_ids.
 Export pages through the store with VECTORS_READ and writes `.npy` (rows;
 ids and custom_ids beside it in `<out>.ids.jsonl`) or `.parquet` (one row
 per vector: job, custom_id, id, shard, row, embedding; needs pyarrow).
@@ -19,17 +19,17 @@ from typing import Any
 import numpy as np
 import orjson
 
-from collector.client import Client
 from collector.vectors.shard import VectorInputError
 from pipeline import wire
+from pipeline.broker_client import BrokerClient
 from pipeline.ragged import pad
 
 MT = wire.MessageType
 READ_ROWS = 65536
 
 
-class VectorsClient(Client):
-    """Talks to the vector shard manager (`vectors.bind`)."""
+class VectorsClient(BrokerClient):
+    """Talks to the vector stage (`vectors.bind`)."""
 
     def stats(self) -> dict[str, Any]:
         return self.request(MT.VECTORS_STATS, {}, MT.VECTORS_INFO).meta

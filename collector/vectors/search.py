@@ -17,7 +17,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from collector.vectors.shard import Shard, VectorInputError
-from collector.vectors.store import VectorStore
+from collector.vectors.vector_store import VectorStore
 
 METRICS = ("cosine", "dot")
 REF_DTYPE = np.dtype([("shard", "<u4"), ("row", "<u8"), ("id", "<u8")])

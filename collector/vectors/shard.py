@@ -56,7 +56,7 @@ class VectorShardError(VectorError):
 
 
 class VectorShardBusy(VectorShardError):
-    """Another process has the shard open for appending (the broker's vector manager)."""
+    """Another process has the shard open for appending (the broker's vector stage)."""
 
 
 class VectorSealedError(VectorError):

@@ -1,6 +1,8 @@
 """The vector sink: delivers `--deliver vectors[:STORE]` jobs from completion into stores, once.
 
-With completion (collector/completion_stage.py), one page per job in flight:
+With completion (collector/completion_stage.py), one page per job in flight,
+through the delivery client every results consumer shares
+(collector/delivery_client.py):
 
 1. FETCH `{job, ack, sink: "vectors", limit, req}` -> RESULT_PAGE, which echoes `req`
    (an answer to an older request is dropped).
@@ -19,7 +21,7 @@ Exactly once. The store does not deduplicate; the sink does. A page can come
 back (the sink or completion restarted between a flush and its ack), so the
 sink keeps, per job being delivered, a bitmap of the items already stored.
 It is rebuilt at start from the stores' ids files (an id is the item's global
-id, `job_no << 32 | index`), and an item already there is skipped. Error lines
+id, its seq: pipeline/item_seq.py), and an item already there is skipped. Error lines
 are deduplicated by their file (collector/export.py `ResultFile`).
 """
 
@@ -28,20 +30,20 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
-from collector.completion_log import subset
-from collector.export import KIND_EMBEDDING, ResultFile, error_line
-from collector.vectors.stores import StoreSet
-from ingest.job_record import read_job_record
-from ingest.jobs import DELIVER_VECTORS
+from collector.delivery_client import Delivery
+from collector.export import ResultFile, error_line
+from collector.vectors.store_catalog import StoreSet
+from ingest.jobs import DELIVER_FILE, DELIVER_VECTORS
 from pipeline.errors import FabricError, IngestError
+from pipeline.item_seq import index_of, job_of, seq_of
+from pipeline.job_files import JobFiles
+from pipeline.ragged import Ragged
+from pipeline.result_kinds import ResultKind, ResultStatus
 
-TERMINAL = ("completed", "cancelled", "expired")
 IDLE_POLL_S = 0.25  # a job with nothing new is asked again this often
-ANSWER_TIMEOUT_S = 10.0  # a FETCH without an answer is sent again after this long
 BROKEN_RETRY_S = 30.0  # a job whose store is not served is asked again this often
 REFUSED = "vector_refused"  # error code of a result the store cannot take
 
@@ -53,11 +55,7 @@ class SinkJob:
     job_id: str
     job_no: int
     deliver: str  # "vectors" or "vectors:STORE"
-    req: int = 0  # the FETCH whose answer counts
-    sent_at: float | None = None  # that FETCH is unanswered since
-    next_at: float = 0.0  # when to send the next FETCH
-    ack: int = 0  # page to acknowledge with the next FETCH: its vectors are durable
-    unflushed: int = 0  # page appended, waiting for the flush
+    delivery: Delivery  # FETCH, the req echo, ack once the stores are flushed
     have: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))  # indexes stored
     stored: int = 0
     skipped: int = 0
@@ -79,13 +77,13 @@ class SinkJob:
 
 
 class VectorSink:
-    """Decides what to fetch, turns pages into appends and error lines; the manager sends."""
+    """Decides what to fetch, turns pages into appends and error lines; the vector stage sends."""
 
     def __init__(
-        self, stores: StoreSet, jobs_root: Path, page_items: int, log: logging.Logger
+        self, stores: StoreSet, job_files: JobFiles, page_items: int, log: logging.Logger
     ) -> None:
         self.stores = stores
-        self.jobs_root = jobs_root
+        self.job_files = job_files
         self.page_items = page_items
         self.log = log
         self.delivered_dir = stores.root / "delivered"
@@ -103,27 +101,26 @@ class VectorSink:
     def discover(self) -> list[str]:
         """Start delivering jobs submitted with `--deliver vectors` since the last look."""
         found = []
-        if not self.jobs_root.is_dir():
-            return found
-        for directory in self.jobs_root.iterdir():
-            job_id = directory.name
+        for job_id in self.job_files.names():
             if job_id in self.seen:
                 continue
-            meta_path = directory / "job.json"
-            if not meta_path.exists():
+            if not self.job_files.has_record(job_id):
                 continue  # being created: look again next time
             self.seen.add(job_id)
             try:
-                meta = read_job_record(directory)
+                meta = self.job_files.read_record(job_id)
             except (OSError, IngestError) as exc:
                 self.log.error("job %s: unreadable job.json (%s); not delivered", job_id, exc)
                 continue
-            deliver = str(meta.get("deliver", "file"))
+            deliver = str(meta.get("deliver", DELIVER_FILE))
             if not deliver.startswith(DELIVER_VECTORS):
                 continue
             if (self.delivered_dir / job_id).exists():
                 continue
-            self.jobs[job_id] = SinkJob(job_id, int(meta["job_no"]), deliver)
+            fetch = {"sink": "vectors", "limit": self.page_items}
+            self.jobs[job_id] = SinkJob(
+                job_id, int(meta["job_no"]), deliver, Delivery(job_id, fetch)
+            )
             found.append(job_id)
         return found
 
@@ -132,73 +129,48 @@ class VectorSink:
         if not self.jobs:
             return
         by_no = {job.job_no: job for job in self.jobs.values()}
-        numbers = np.array(sorted(by_no), np.uint64)
+        numbers = np.array(sorted(by_no), np.int64)
         for _, store in self.stores.open.values():
             for ids in store.ids():
-                job_nos = ids >> np.uint64(32)
+                job_nos = job_of(ids)
                 mine = np.isin(job_nos, numbers)
                 if not mine.any():
                     continue
                 for job_no in np.unique(job_nos[mine]).tolist():
-                    index = (ids[job_nos == job_no] & np.uint64(0xFFFFFFFF)).astype(np.int64)
+                    index = index_of(ids[job_nos == job_no])
                     by_no[job_no].mark(index)
                     by_no[job_no].stored += len(index)
 
     # ---- fetching --------------------------------------------------------------------
     def due(self, now: float) -> list[dict]:
         """FETCH metas to send now (each job at most one in flight)."""
-        out = []
-        for job in self.jobs.values():
-            if job.unflushed:
-                continue
-            if job.sent_at is not None and now - job.sent_at < ANSWER_TIMEOUT_S:
-                continue
-            if job.sent_at is None and now < job.next_at:
-                continue
-            job.req += 1
-            job.sent_at = now
-            out.append(
-                {
-                    "job": job.job_id,
-                    "ack": job.ack,
-                    "sink": "vectors",
-                    "limit": self.page_items,
-                    "req": job.req,
-                }
-            )
-        return out
+        return [meta for job in self.jobs.values() if (meta := job.delivery.ask(now))]
 
     def on_page(self, meta: dict, arrays: dict, now: float) -> None:
         job = self.jobs.get(str(meta.get("job")))
-        if job is None or meta.get("req") != job.req or job.sent_at is None:
+        if job is None or not job.delivery.counts(meta):
             return  # an answer to an older request, or a job already finished
-        job.sent_at = None
-        job.ack = 0  # completion has taken it
         index = np.asarray(arrays["index"]).astype(np.int64)
         if not len(index):
-            if meta.get("state") in TERMINAL and not meta.get("undelivered"):
+            if job.delivery.done(meta, 0):
                 self._finish(job)
             else:
-                job.next_at = now + IDLE_POLL_S
+                job.delivery.idle(now, IDLE_POLL_S)
             return
         try:
             appended = self._deliver(job, meta, arrays, index)
         except (FabricError, OSError) as exc:  # a store not served, a full disk, ...
             self.log.error("job %s: page not delivered, asked again later: %s", job.job_id, exc)
-            job.next_at = now + BROKEN_RETRY_S
+            job.delivery.idle(now, BROKEN_RETRY_S)
             return
-        if appended:
-            job.unflushed = int(meta["page"])
-        else:  # nothing waits for a flush: acknowledge at once
-            job.ack = int(meta["page"])
-            job.next_at = now
+        job.delivery.written(meta)
+        if not appended:  # nothing waits for a flush: acknowledge at once
+            job.delivery.durable(now)
 
     def flushed(self, now: float) -> None:
         """Every store is durable up to now: pages appended before may be acknowledged."""
         for job in self.jobs.values():
-            if job.unflushed:
-                job.ack, job.unflushed = job.unflushed, 0
-                job.next_at = now
+            job.delivery.durable(now)
 
     def _finish(self, job: SinkJob) -> None:
         marker = self.delivered_dir / job.job_id
@@ -231,8 +203,9 @@ class VectorSink:
         sizes = np.diff(offsets)
         refused: dict[int, str] = {}  # page row -> why the store cannot take it
         appended = 0
-        ok = (status == 0) & (kind == KIND_EMBEDDING)
-        for i in np.flatnonzero((status == 0) & ~ok).tolist():
+        result = status == ResultStatus.RESULT
+        ok = result & (kind == ResultKind.VECTOR)
+        for i in np.flatnonzero(result & ~ok).tolist():
             refused[i] = "the result is not an embedding; a vectors job takes /v1/embeddings"
         model_ids = np.asarray(a["model"])
         for model_id in np.unique(model_ids[ok]).tolist():
@@ -263,14 +236,14 @@ class VectorSink:
             rows = rows[~already]
             if not len(rows):
                 continue
-            data, _ = subset(payload, offsets, rows)
+            data = Ragged(payload, offsets).take(rows).values
             vectors = data.view("<f4").reshape(len(rows), store_meta.dim)
             finite = np.isfinite(vectors).all(axis=1)
             for i in rows[~finite].tolist():
                 refused[i] = "the embedding has NaN or infinite values"
             if not finite.all():
                 rows, vectors = rows[finite], vectors[finite]
-            ids = (np.uint64(job.job_no) << np.uint64(32)) | index[rows].astype(np.uint64)
+            ids = seq_of(job.job_no, index[rows])
             try:
                 store.append(ids, vectors, copy=False)  # `vectors`: this page's gathered copy
             except FabricError as exc:  # a failed rotation: the rows queued before it stay
@@ -288,7 +261,7 @@ class VectorSink:
 
     def _write_errors(self, job, index, custom_ids, status, offsets, payload, refused) -> None:
         lines, keys = [], []
-        for i in np.flatnonzero(status != 0).tolist():
+        for i in np.flatnonzero(status != ResultStatus.RESULT).tolist():
             line, key = error_line(
                 job.job_id,
                 int(index[i]),

@@ -1,9 +1,9 @@
 """The text behind a vector: read back from its job's input file, when this host has it.
 
-The store keeps vectors and their global ids (job number << 32 | line - 1), not the
+The store keeps vectors and their global ids (item seqs, pipeline/item_seq.py), not the
 text that was embedded; the text lived in the input file. `submit` (the producer SDK)
-sends that file's absolute path with the job, and the front keeps it in `job.json`
-(`source`). For a search hit, `input_texts` opens the job's source, reads the hit's
+sends that file's absolute path with the job, and the front keeps it in the job's
+record (`source`, pipeline/job_record.py). For a search hit, `input_texts` opens the job's source, reads the hit's
 line, and returns its text only if the line still carries the hit's custom_id (a file
 changed or replaced since is never shown as the hit's text). No source, a file gone
 or unreadable, or another host: None, and the caller shows the custom_id alone.
@@ -19,6 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+
+from pipeline.errors import FabricError
+from pipeline.job_files import JobFiles
 
 
 def line_text(record: Any) -> str | None:
@@ -41,10 +44,10 @@ def line_text(record: Any) -> str | None:
 
 def _source(data_path: Path, job_id: str) -> Path | None:
     try:
-        meta = orjson.loads((data_path / "jobs" / job_id / "job.json").read_bytes())
-    except (OSError, ValueError):
+        meta = JobFiles(data_path).read_record(job_id)
+    except (OSError, FabricError):  # no such job here, or a record that is not trusted
         return None
-    source = meta.get("source") if isinstance(meta, dict) else None
+    source = meta.get("source")
     return Path(source) if isinstance(source, str) and source else None
 
 

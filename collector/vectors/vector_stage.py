@@ -1,4 +1,4 @@
-"""The vector shard manager stage: stores recovered, the sink fed, searches and reads answered.
+"""The vector stage: stores recovered, the sink fed, searches and reads answered.
 
 Sockets (bound only once every store has been recovered, DESIGN section 5):
 
@@ -25,10 +25,11 @@ from collector.job_view import JobIndex
 from collector.vectors.search import search
 from collector.vectors.shard import VectorError, VectorInputError
 from collector.vectors.sink import VectorSink
-from collector.vectors.stores import StoreSet, stores_root
-from ingest.jobs import JOB_ID
+from collector.vectors.store_catalog import StoreSet, stores_root
 from pipeline import wire
 from pipeline.errors import FabricError, WireError
+from pipeline.item_seq import index_of, job_of
+from pipeline.job_files import JOB_ID
 from pipeline.security import ServerGate, internal_curve, secure_client
 from pipeline.stage import Stage
 from pipeline.topology import client_address
@@ -55,9 +56,7 @@ class VectorStage(Stage):
         for name, reason in self.stores.broken.items():
             self.log.error("vector store %s failed recovery and is not served: %s", name, reason)
         self.job_index = JobIndex(settings.data_path)
-        self.sink = VectorSink(
-            self.stores, settings.data_path / "jobs", self.config.page_items, self.log
-        )
+        self.sink = VectorSink(self.stores, self.job_index.files, self.config.page_items, self.log)
         rows = sum(store.rows for _, store in self.stores.open.values())
         self.log.info(
             "vector stores recovered in %.3f s: %d store(s), %d rows, %d broken; %d job(s) to deliver",
@@ -273,8 +272,7 @@ class VectorStage(Stage):
     def _names(self, ids: np.ndarray) -> tuple[list, list]:
         """(custom_id, job id) of each global id; None where the job is gone."""
         ids = np.asarray(ids, np.uint64)
-        job_nos = (ids >> np.uint64(32)).astype(np.int64)
-        index = (ids & np.uint64(0xFFFFFFFF)).astype(np.int64)
+        job_nos, index = job_of(ids), index_of(ids)
         custom_ids: list = [None] * len(ids)
         jobs: list = [None] * len(ids)
         for job_no in np.unique(job_nos).tolist():

@@ -3,14 +3,16 @@
 | field        | meaning                                                         | since |
 |--------------|-----------------------------------------------------------------|-------|
 | `job_id`     | the job's id; must equal the directory's name (if absent: it)   | 1     |
-| `job_no`     | the job's number: seqs of its items are `job_no << 32 | index`  | 1     |
+| `job_no`     | the job's number: its items' seqs are `pipeline.item_seq.seq_of(job_no, index)` | 1 |
 | `created_ns` | wall-clock creation time                                        | 1     |
 | `chunk_lines`| lines per chunk                                                 | 1     |
 | `deliver`    | where results go (ingest.jobs.parse_deliver); "file" if absent  | 1     |
+| `source`     | the input file's absolute path on the producer's host, if sent  | 2     |
 | `v`          | record version: absent (1) or 2                                 | 2     |
 | `crc`        | version 2: CRC-32 of the record without `crc`, keys sorted, as compact JSON | 2 |
 
-A record is written once, atomically (ingest/jobs.py). Version 1 records
+A record is written once, atomically, by the front (ingest/jobs.py, through
+pipeline/job_files.py, which knows where it lies). Version 1 records
 (no `v`, no `crc`) are still read; they cannot be checked beyond their
 fields. A record whose checksum fails, whose `job_id` is not its
 directory's name, or whose fields are missing is refused with

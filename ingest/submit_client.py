@@ -1,4 +1,5 @@
-"""The producer SDK: hand a job to the broker and return once all of it is durable.
+"""The submit client (the producer SDK): hand a job to the broker and return once all of it
+is durable.
 
     with Producer("tcp://127.0.0.1:7710") as producer:
         report = producer.submit_file("requests.jsonl")          # OpenAI Batch JSONL
@@ -8,10 +9,12 @@ A job is sent in numbered chunks of `chunk_lines` lines, a few at a time
 (`window`). Each chunk is acknowledged only when every item of it is
 durable in the broker's log, so when `submit_*` returns, the producer may
 exit. A chunk that fails retryably (a full disk, a busy broker) is sent
-again after a backoff of 0.2 s doubling to 5 s (`on_retry` hears of each),
-one that gets no answer in `timeout_s` at once; the broker stores nothing
-twice. If the broker stays silent,
-BrokerUnavailableError says how far the job got; running the same submit
+again after a backoff of 0.2 s doubling to 5 s (`on_retry` hears of each;
+pipeline/broker_client.py `backoff_s`), one that gets no answer in
+`timeout_s` at once; the broker stores nothing twice. Small requests (the
+catalog, a job's status) go through the one request loop of every client
+(pipeline/broker_client.py). If the broker stays silent,
+BrokerUnavailableError (pipeline/errors.py) says how far the job got; running the same submit
 again with the same job id resumes after the chunks already acknowledged.
 
 Lines are parsed and checked here, with the broker's own catalog of models
@@ -30,29 +33,22 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import zmq
 
 from config import load_settings
 from ingest.batch_input import iter_batch_input
 from ingest.chunk_wire import chunk_to_wire
 from ingest.error_wire import errors_from_wire
 from ingest.input_chunk import InputChunk
+from ingest.jobs import DELIVER_FILE
 from ingest.request_shape import Shape
 from pipeline import wire
-from pipeline.errors import BrokerUnreachableError, IngestError, WireError
-from pipeline.first_contact import FirstContact
-from pipeline.security import ClientCurve, secure_client
+from pipeline.broker_client import BrokerClient, backoff_s
+from pipeline.errors import BrokerUnavailableError, IngestError
+from pipeline.security import ClientCurve
 
 MT = wire.MessageType
 QUICK_TRIES = 3  # requests that are not chunks: HELLO, JOB_STATUS
 QUICK_WAIT_S = 5.0
-MAX_BACKOFF_S = 5.0  # a chunk failed retryably (a full disk, a busy broker) waits 0.2, 0.4 .. 5 s
-
-
-class BrokerUnavailableError(IngestError):
-    """The broker did not answer; what was acknowledged is durable, run again to resume."""
-
-    retryable = True
 
 
 class ChunkRefusedError(IngestError):
@@ -75,7 +71,7 @@ Progress = Callable[[SubmitReport, int], None]  # (report so far, lines done)
 RetryHook = Callable[[str, int, int, str, float], None]
 
 
-class Producer:
+class Producer(BrokerClient):
     """A connection to the ingest front; one thread at a time."""
 
     def __init__(
@@ -88,76 +84,33 @@ class Producer:
         patient: bool = False,
         on_waiting: Callable[[str], None] | None = None,
     ) -> None:
-        """`curve`: this producer's CURVE keys, for a broker that requires them. `patient`:
-        wait for a broker that is not listening yet (one just started) instead of failing
-        fast; `on_waiting` hears once "waiting for the broker at ADDR" (pipeline/first_contact.py)."""
-        self._patient = patient
-        self.address = address
-        self.timeout_s = timeout_s
+        """`timeout_s`: how long a chunk waits for its answer before it is sent again;
+        `attempts`: tries of one chunk. `curve`: this producer's CURVE keys, for a broker that
+        requires them. `patient`: wait for a broker that is not listening yet (one just
+        started) instead of failing fast; `on_waiting` hears once "waiting for the broker at
+        ADDR" (pipeline/first_contact.py)."""
+        super().__init__(
+            address,
+            timeout_s,
+            attempts,
+            curve,
+            patient,
+            on_waiting,
+            send_timeout_ms=int(timeout_s * 1000),
+            send_hwm=window * 2,
+        )
         self.window = window
-        self.attempts = attempts
-        self._context = zmq.Context()
-        self._socket = self._context.socket(zmq.DEALER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
-        self._socket.setsockopt(zmq.SNDHWM, window * 2)
-        secure_client(self._socket, curve)
-        self._socket.connect(address)
-        self._contact = FirstContact(address, on_waiting)  # fail fast if nothing listens
         self._catalog: dict[str, Any] | None = None
         self._backing_off: dict[int, tuple[float, str]] = {}  # chunk -> (resend at, why)
         self.on_retry: RetryHook | None = None  # told of each retryable failure (a full disk)
 
-    def __enter__(self) -> Producer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        self._socket.close(0)
-        self._context.term()
-
     # ---- small requests --------------------------------------------------------------------
-    def _send(
-        self, msg_type: MT, meta: dict[str, Any], arrays: dict[str, np.ndarray] | None = None
-    ) -> None:
-        try:
-            wire.send(self._socket, msg_type, meta, arrays)
-        except WireError as exc:
-            raise BrokerUnavailableError(
-                f"cannot send to the broker at {self.address}: {exc}"
-            ) from exc
-
     def _request(self, msg_type: MT, meta: dict[str, Any], answer: MT) -> dict[str, Any]:
         """A small request: a few quick tries, so a broker that is down is reported fast."""
         wait_s = min(self.timeout_s, QUICK_WAIT_S)
-        if self._patient and not self._contact.answered:  # a broker still starting: timeout_s
+        if self.patient and not self.contact.answered:  # a broker still starting: timeout_s
             wait_s = self.timeout_s
-        for _ in range(QUICK_TRIES):
-            try:
-                self._contact.before_send(self._patient)
-            except BrokerUnreachableError as exc:
-                raise BrokerUnavailableError(str(exc)) from None
-            self._send(msg_type, meta)
-            deadline = time.monotonic() + wait_s
-            while (left := deadline - time.monotonic()) > 0:
-                message = wire.recv(self._socket, self._contact.wait_ms(left))
-                if message is None:
-                    self._contact.silent()
-                    continue
-                self._contact.heard()
-                if message.type == answer:
-                    return message.meta
-                if message is not None and message.type == MT.ERROR:
-                    raise IngestError(
-                        f"the broker at {self.address} says: {message.meta['reason']}"
-                    )
-        raise BrokerUnavailableError(
-            f"no broker answers at {self.address} ({QUICK_TRIES} tries of {wait_s:g} s); is it "
-            f"running? Start one with `python run.py --config FILE`, or check --broker / --config, "
-            f"and that it requires no CURVE key or authorizes this producer's (--key)"
-        )
+        return self.request(msg_type, meta, answer, attempts=QUICK_TRIES, wait_s=wait_s).meta
 
     def catalog(self) -> dict[str, Any]:
         """The broker's models, lanes and limits."""
@@ -196,7 +149,7 @@ class Producer:
         chunk_lines: int | None = None,
         strict: bool = False,
         progress: Progress | None = None,
-        deliver: str = "file",
+        deliver: str = DELIVER_FILE,
     ) -> SubmitReport:
         """Send every line of an OpenAI Batch JSONL file; return when all of it is durable.
 
@@ -232,7 +185,7 @@ class Producer:
         priority: int = 0,
         chunk_lines: int | None = None,
         progress: Progress | None = None,
-        deliver: str = "file",
+        deliver: str = DELIVER_FILE,
     ) -> SubmitReport:
         """Send pre-tokenised items without JSON: `rows` is a list of uint32 arrays, or a 2-D
         array (with `lengths` when rows are padded). Item i gets line number i + 1 and
@@ -264,7 +217,7 @@ class Producer:
         chunks: Iterable[InputChunk],
         status: dict[str, Any],
         progress: Progress | None,
-        deliver: str = "file",
+        deliver: str = DELIVER_FILE,
         source: str = "",
     ) -> SubmitReport:
         report = SubmitReport(job_id)
@@ -298,7 +251,7 @@ class Producer:
                 )
                 if source:
                     meta["source"] = source
-                self._send(MT.SUBMIT_CHUNK, meta, arrays)
+                self.send(MT.SUBMIT_CHUNK, meta, arrays)
                 pending[chunk.index] = (meta, arrays, time.monotonic(), 1)
             if pending:
                 self._await_one(job_id, pending, report)
@@ -324,7 +277,7 @@ class Producer:
             if number not in self._backing_off
         ]
         wait_s = max(0.0, min(deadlines) - time.monotonic())
-        message = wire.recv(self._socket, int(wait_s * 1000) + 1)
+        message = wire.recv(self.socket, int(wait_s * 1000) + 1)
         now = time.monotonic()
         if message is None:
             for number, (meta, arrays, sent, tries) in list(pending.items()):
@@ -354,7 +307,7 @@ class Producer:
                 raise BrokerUnavailableError(
                     f"chunk {number} of job {job_id} failed {tries} times (last: {reason})"
                 )
-            delay_s = min(MAX_BACKOFF_S, 0.1 * 2**tries)
+            delay_s = backoff_s(tries, jitter=False)
             self._backing_off[number] = (now + delay_s, reason)
             if self.on_retry is not None:
                 self.on_retry(job_id, number, tries, reason, delay_s)
@@ -368,7 +321,7 @@ class Producer:
             raise BrokerUnavailableError(
                 f"chunk {number} of job {job_id} failed {tries} times (last: {why})"
             )
-        self._send(MT.SUBMIT_CHUNK, meta, arrays)
+        self.send(MT.SUBMIT_CHUNK, meta, arrays)
         pending[number] = (meta, arrays, time.monotonic(), tries + 1)
 
 

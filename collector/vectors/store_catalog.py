@@ -10,7 +10,7 @@
 A store is created by the vector sink when the first embedding for it
 arrives: its dim is that embedding's, its dtype `vectors.dtype`, and a shard
 holds `vectors.shard_bytes` of payload. The ids row of a vector is the
-item's global id, `job_no << 32 | index` (ingest/jobs.py `seq_of`), which
+item's global id, its seq (pipeline/item_seq.py `seq_of`), which
 leads back to its job and `custom_id`.
 """
 
@@ -23,9 +23,9 @@ from pathlib import Path
 import orjson
 
 from collector.vectors.shard import DTYPES, VectorInputError, VectorShardError
-from collector.vectors.store import VectorStore
-from ingest.jobs import JOB_ID
+from collector.vectors.vector_store import VectorStore
 from pipeline.durable import write_whole
+from pipeline.job_files import JOB_ID
 
 META_FILE = "store.json"
 SINK_DIRS = ("errors", "delivered")
@@ -108,7 +108,7 @@ def open_store(root: Path, name: str, readonly: bool = False) -> tuple[StoreMeta
 
 
 class StoreSet:
-    """Every store under one root, opened (and recovered) at once; one owner, the manager.
+    """Every store under one root, opened (and recovered) at once; one owner, the vector stage.
 
     A store that fails recovery is kept in `broken` with the reason: it is
     never served or appended to, and `python run.py check` reports it.

@@ -1,0 +1,138 @@
+"""The results client: fetch a job's results exactly once, its status, cancel it; broker status.
+
+`python run.py results JOB -o OUT.jsonl [--errors ERR.jsonl] [--follow] [--all]`
+runs `ResultsClient.fetch`. Each page is written to OUT and ERR (lines a file
+already holds are skipped, so a re-run after a crash writes each custom_id
+once), both files are fsynced, and only then is the page acknowledged, with
+the next request (invariant 12; the protocol: collector/delivery_client.py). A broker that goes away is retried with
+backoff (pipeline/broker_client.py); with `follow` the client keeps going
+until the job is finished.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from collector.delivery_client import Delivery
+from collector.export import ExportContext, ResultFile, ResultPage, format_page, page_keys
+from pipeline import wire
+from pipeline.broker_client import BrokerClient
+from pipeline.ragged import Ragged
+
+MT = wire.MessageType
+
+
+@dataclass
+class FetchReport:
+    written: int = 0  # output lines written in this run
+    errors: int = 0  # error lines written in this run
+    pages: int = 0
+    info: dict[str, Any] | None = None
+
+
+class ResultsClient(BrokerClient):
+    """Talks to the completion stage (`completion.bind`)."""
+
+    def job_status(self, job_id: str) -> dict[str, Any]:
+        return self.request(MT.JOB_STATUS, {"job": job_id}, MT.JOB_INFO).meta
+
+    def cancel(self, job_id: str) -> dict[str, Any]:
+        return self.request(MT.CANCEL, {"job": job_id}, MT.CANCELLED).meta
+
+    def fetch(
+        self,
+        job_id: str,
+        out_path: str,
+        err_path: str,
+        *,
+        follow: bool = False,
+        everything: bool = False,
+        decoders: dict[str, Callable[[list[int]], str]] | None = None,
+        progress: Callable[[FetchReport], None] | None = None,
+        page_items: int | None = None,
+        poll_s: float = 0.2,
+    ) -> FetchReport:
+        """Write the job's results to out/err, exactly once per custom_id; returns what it did."""
+        report = FetchReport()
+        decoders = decoders or {}
+        fields: dict[str, Any] = {"all": everything}
+        if page_items:
+            fields["limit"] = page_items
+        delivery = Delivery(job_id, fields)
+
+        def ask() -> wire.Message:
+            return self.request(
+                MT.FETCH,
+                delivery.ask(time.monotonic()),
+                MT.RESULT_PAGE,
+                attempts=1_000_000 if follow else None,
+                patient=follow,
+                accept=lambda answer: delivery.counts(answer.meta),
+            )
+
+        message = ask()  # files are made only once the broker answered
+        with ResultFile.open(out_path) as out, ResultFile.open(err_path) as err:
+            while True:
+                info = message.meta
+                report.info = info
+                a = message.arrays
+                n = len(a["index"])
+                if n:
+                    self._write(job_id, info, a, decoders, out, err, report)
+                    out.sync()
+                    err.sync()  # both on disk: only now may the page be acknowledged
+                    delivery.written(info)
+                    delivery.durable(time.monotonic())
+                    report.pages += 1
+                    if progress is not None:
+                        progress(report)
+                    message = ask()
+                    continue
+                if not follow or delivery.done(info, n):
+                    return report
+                if progress is not None:
+                    progress(report)  # nothing new: a periodic line still says where it stands
+                time.sleep(poll_s)  # nothing new yet: the job is still running
+                message = ask()
+
+    def _write(self, job_id, info, a, decoders, out, err, report) -> None:
+        models = {int(k): v for k, v in info["models"].items()}
+        shapes = {int(k): v for k, v in info["shapes"].items()}
+        model_ids = a["model"]
+        for model_id in np.unique(model_ids).tolist():
+            pick = np.flatnonzero(model_ids == model_id)
+            if len(pick) == len(model_ids):
+                payload, offsets = a["payload"], a["offsets"]
+            else:
+                part = Ragged(a["payload"], a["offsets"]).take(pick)
+                payload, offsets = part.values, part.offsets
+            page = ResultPage(
+                index=a["index"][pick],
+                custom_ids=[info["custom_ids"][i] for i in pick.tolist()],
+                status=a["status"][pick],
+                kind=a["kind"][pick],
+                shape=a["shape"][pick],
+                prompt_tokens=a["prompt_tokens"][pick],
+                payload=payload,
+                offsets=offsets,
+            )
+            model = models.get(model_id, "")
+            context = ExportContext(
+                job_id, model, shapes, decoders.get(model), int(info.get("created_ns") or 0)
+            )
+            out_lines, err_lines = format_page(page, context)
+            out_keys, err_keys = page_keys(page, context)
+            report.written += out.write(out_lines, out_keys)
+            report.errors += err.write(err_lines, err_keys)
+
+
+class DispatchClient(BrokerClient):
+    """Talks to the dispatch stage (`dispatch.bind`): queue depth, in-flight, workers."""
+
+    def broker_status(self) -> dict[str, Any]:
+        return self.request(MT.BROKER_STATUS, {}, MT.BROKER_INFO).meta
