@@ -34,7 +34,9 @@ refused) is tried again every second until one goes through
 from __future__ import annotations
 
 import collections
+import os
 import time
+from pathlib import Path
 
 import numpy as np
 import zmq
@@ -65,6 +67,19 @@ from router.shapes import ShapeTable
 MT = wire.MessageType
 MAX_MESSAGES_PER_STEP = 256
 FINISHED_FILE = "finished"
+
+
+def finished_mark(jobs_root: Path, job_id: str) -> Path:
+    """`jobs/<job>/finished`: when the job finished (wall-clock ns), the start of its retention."""
+    return jobs_root / job_id / FINISHED_FILE
+
+
+def job_names(jobs_root: Path) -> list[str]:
+    """The names under `jobs/` (job directories, and the front's own files)."""
+    try:
+        return os.listdir(jobs_root)
+    except FileNotFoundError:
+        return []
 
 
 def results_problem(arrays: dict[str, np.ndarray]) -> str | None:
@@ -111,8 +126,11 @@ class CompletionStage(Stage):
         self.inputs: dict[int, Segment] = {}
         self.log_ = CompletionLog(self.data_dir, self._input, expected_items=self._lines_known)
         self.flush_s = self.config.tombstone_flush_ms / 1000
-        self.next_flush = time.monotonic() + self.flush_s
-        self.next_tidy = time.monotonic() + 1.0
+        self.next_flush: float | None = None  # set from the first step's clock
+        self.next_tidy = 0.0  # the first step tidies: jobs that finished before a restart
+        self.wall_ns = time.time_ns  # the finished mark's timestamp (tests give a fake clock)
+        self.touched: set[str] = set()  # jobs given results since the last finishing check
+        self.looked_at: set[str] = set()  # names under jobs/ already considered by `_discover`
         self.acks: list[list] = []
         self.pages: dict[str, tuple[int, list]] = {}  # job -> (page id, where) awaiting its ack
         self.next_page = 1
@@ -162,12 +180,13 @@ class CompletionStage(Stage):
 
     # ---- the loop --------------------------------------------------------------------------
     def step(self, now: float) -> None:
+        if self.next_flush is None:
+            self.next_flush = now + self.flush_s
         wait_ms = max(0, min(self.poll_ms, int((self.next_flush - now) * 1000)))
         events = dict(self.poller.poll(wait_ms))
         if self.inbox in events or self.deferred or self.probe is not None:
             self._read_inbox(now)
         self._sync_outputs(now)  # outputs durable, then their tombstones written
-        now = time.monotonic()
         if now >= self.next_flush:
             self._flush(now)
             self.next_flush = now + self.flush_s
@@ -184,6 +203,12 @@ class CompletionStage(Stage):
                 self.log_.sync_outputs()
             except DiskFullError as exc:  # everything stays queued for the next try
                 self.disk.failed(exc, now)
+        if self.touched and not self.log_.unsynced:  # their results are durable: done ones end
+            touched, self.touched = self.touched, set()
+            for job_id in touched:
+                view = self.jobs.view(job_id)
+                if view is not None:
+                    self._finish_if_done(view, now)
 
     def _flush(self, now: float) -> None:
         if self.log_.unsynced:  # outputs not durable yet (a full disk): acknowledge nothing
@@ -360,6 +385,7 @@ class CompletionStage(Stage):
                 sub_payload, sub_offsets = payload, offsets
             else:
                 sub_payload, sub_offsets = subset(payload, offsets, pick)
+            self.touched.add(job_id)
             recorded = self.log_.record(
                 Results(
                     job_id,
@@ -456,7 +482,7 @@ class CompletionStage(Stage):
         view.refresh()
         if not view.rejected:
             return
-        if (view.directory / FINISHED_FILE).exists():
+        if self._finished(view):
             view.take_rejected()
             return
         if not self.disk.ready(now):
@@ -464,6 +490,7 @@ class CompletionStage(Stage):
         rejected = view.take_rejected()
         index = np.array([int(r[0]) - 1 for r in rejected], np.int64)
         reasons = [f"{r[2]}: {r[3]}" for r in rejected]
+        self.touched.add(view.job_id)
         try:
             self.log_.record_errors(view.job_id, view.job_no, index, reasons)
             self.log_.sync_outputs()
@@ -486,12 +513,7 @@ class CompletionStage(Stage):
         failed = self.log_.failed(job_id)
         total = view.total
         undelivered = self.log_.undelivered(job_id)
-        if (
-            (view.directory / FINISHED_FILE).exists()
-            and total is not None
-            and done < total
-            and not undelivered
-        ):
+        if self._finished(view) and total is not None and done < total and not undelivered:
             state = "expired"  # finished once; its delivered results are past retention, removed
         else:
             state = self._state(view, done, total)
@@ -500,8 +522,6 @@ class CompletionStage(Stage):
         elapsed = now - first[0]
         rate = max(0, done - failed - first[1]) / elapsed if elapsed > 1 else 0.0
         pending = None if total is None else max(0, total - done)
-        if state in ("completed", "cancelled") and not (view.directory / FINISHED_FILE).exists():
-            self._finish(view, now)
         return {
             "job": job_id,
             "job_no": view.job_no,
@@ -598,33 +618,65 @@ class CompletionStage(Stage):
 
     # ---- housekeeping --------------------------------------------------------------------
     def _tidy(self, now: float) -> None:
-        """Release finished input segments; finish jobs whose every item has a result."""
+        """Release finished input segments; take up jobs not finished and not loaded yet (at
+        the first step: those that finished before a restart); finish jobs whose every item
+        has a result."""
         for segment_id, segment in list(self.inputs.items()):
             if segment.sealed and segment.deleted >= segment.entries:
                 segment.close()
                 del self.inputs[segment_id]
+        self._discover()
         for job_id in self.log_.known_jobs():
             view = self.jobs.view(job_id)
             if view is None:
                 continue
-            if (view.directory / FINISHED_FILE).exists():
+            if self._finished(view):
                 if job_id not in self.pages and not self.log_.undelivered(job_id):
                     self.log_.unload(job_id)  # all delivered: free its bitmaps and handles
                     self.jobs.forget(job_id)
                 continue
             self._catch_up(view, now)
-            total = view.total
-            if total is not None and self.log_.completed(job_id) >= total:
-                self._finish(view, now)
+            if not self.log_.unsynced:  # its results are durable
+                self._finish_if_done(view, now)
+
+    def _discover(self) -> None:
+        """Load every job under jobs/ seen for the first time that has not finished, so it
+        finishes without anyone asking about it (all its lines rejected, or its last result
+        stored before a restart). A finished job is not read at all."""
+        root = self.jobs.root
+        for name in job_names(root):
+            if name in self.looked_at:
+                continue
+            self.looked_at.add(name)
+            if not JOB_ID.match(name) or finished_mark(root, name).exists():
+                continue
+            try:
+                view = self.jobs.view(name)
+            except (FabricError, OSError, ValueError) as exc:
+                self.log.warning("job %r unreadable: %s", name, exc)
+                continue
+            if view is not None:
+                self.log_.load_job(name)
+
+    def _finished(self, view: JobView) -> bool:
+        return finished_mark(self.jobs.root, view.job_id).exists()
+
+    def _finish_if_done(self, view: JobView, now: float) -> None:
+        """Finish the job if every item has a result (or an error result) and it has not
+        finished yet: the one place a job finishes (never a status or results request)."""
+        total = view.total
+        done = total is not None and self.log_.completed(view.job_id) >= total
+        if done and not self._finished(view):
+            self._finish(view, now)
 
     def _finish(self, view: JobView, now: float) -> None:
         """Seal the job's completion segments and note when it finished (for retention);
         on a full disk, again at the next tidy."""
-        path = view.directory / FINISHED_FILE
+        path = finished_mark(self.jobs.root, view.job_id)
         try:
             self.log_.finish_job(view.job_id)
             try:  # whole or absent: an empty mark would read as finished at time 0
-                write_whole(path, f"{time.time_ns()}\n".encode())
+                write_whole(path, f"{self.wall_ns()}\n".encode())
             except OSError as exc:
                 raise disk_error(exc, path, "noting that the job finished") from exc
         except DiskFullError as exc:
