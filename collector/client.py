@@ -19,11 +19,12 @@ from typing import Any
 import numpy as np
 import zmq
 
-from collector.completion_log import subset
-from collector.export import ExportContext, ResultFile, ResultPage, format_page, page_keys
+from collector.delivery.lines import ExportContext, ResultPage, format_page, page_keys
+from collector.delivery.result_file import ResultFile
 from pipeline import wire
 from pipeline.errors import BrokerUnreachableError, FabricError, WireError
 from pipeline.first_contact import FirstContact
+from pipeline.ragged import Ragged
 from pipeline.security import ClientCurve, secure_client
 
 MT = wire.MessageType
@@ -205,7 +206,8 @@ class ResultsClient(Client):
             if len(pick) == len(model_ids):
                 payload, offsets = a["payload"], a["offsets"]
             else:
-                payload, offsets = subset(a["payload"], a["offsets"], pick)
+                rows = Ragged(a["payload"], a["offsets"].astype(np.int64)).take(pick)
+                payload, offsets = rows.values, rows.offsets
             page = ResultPage(
                 index=a["index"][pick],
                 custom_ids=[info["custom_ids"][i] for i in pick.tolist()],

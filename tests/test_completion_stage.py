@@ -14,7 +14,8 @@ import zmq
 from broker import write_config
 from conftest import appender, make_batch
 
-from collector.completion_stage import CompletionStage
+from collector.completion.stage import CompletionStage
+from collector.segments import SegmentCollector
 from config import load_settings
 from gpu.work_protocol import ITEM_DTYPE
 from ingest.jobs import JobRegistry
@@ -66,11 +67,11 @@ class Harness:
 
     def item_errors(self, items: np.ndarray, reason: str) -> None:
         """Dispatch's ITEM_ERRORS; step until the stage has stored them."""
-        before = self.stage.stored
+        before = self.stage.intake.stored
         wire.send(self.dispatch, MT.ITEM_ERRORS, {"reason": reason}, {"items": items})
         for _ in range(200):
             self.stage.step(self.now)
-            if self.stage.stored > before:
+            if self.stage.intake.stored > before:
                 return
         raise AssertionError("the item errors were never stored")
 
@@ -158,7 +159,7 @@ def test_a_job_done_before_a_restart_is_finished_at_the_first_step(settings):
     _, items = submit(settings, "job-d", stored=2, rejected=1)
     first = Harness(settings)
     try:
-        first.stage._finish = lambda view, now: None  # killed before it wrote the mark
+        first.stage.finishing.finish = lambda view: None  # killed before it wrote the mark
         first.step()
         first.item_errors(items, "dead_letter: failed 3 times")
     finally:
@@ -184,3 +185,23 @@ def test_status_and_results_requests_write_nothing(settings, harness):
     assert page.type == MT.RESULT_PAGE and len(page.arrays["index"]) == 1
     assert files_of(settings) == before
     assert finished_ns(settings, "job-q") is None
+
+
+def test_a_finished_job_expires_only_once_delivered_and_past_retention(settings, harness):
+    submit(settings, "job-e", stored=0, rejected=2)
+    harness.step()
+    harness.step(0.01)
+    data_dir = DataDir(settings.data_path)
+    collector = SegmentCollector()
+    assert collector.sweep(data_dir, retention_s=0).removed == []  # undelivered: kept
+    page = harness.ask(MT.FETCH, {"job": "job-e", "limit": 10})
+    assert len(page.arrays["index"]) == 2 and page.meta["state"] == "completed"
+    last = harness.ask(MT.FETCH, {"job": "job-e", "ack": page.meta["page"], "limit": 10})
+    assert len(last.arrays["index"]) == 0 and last.meta["undelivered"] == 0
+    harness.step(1.0)  # the tidy unloads the job: nothing of it is undelivered
+    assert harness.stage.completion_log.known_jobs() == []
+    assert collector.sweep(data_dir, retention_s=3600).removed == []  # sealed a moment ago
+    assert len(collector.sweep(data_dir, retention_s=0).removed) == 1
+    info = harness.ask(MT.JOB_STATUS, {"job": "job-e"}).meta
+    assert (info["state"], info["failed"], info["undelivered"]) == ("expired", 0, 0)
+    assert finished_ns(settings, "job-e") == WALL_NS  # the retention clock never moved

@@ -1,6 +1,6 @@
 """The vector sink: delivers `--deliver vectors[:STORE]` jobs from completion into stores, once.
 
-With completion (collector/completion_stage.py), one page per job in flight:
+With completion (collector/completion/delivery.py), one page per job in flight:
 
 1. FETCH `{job, ack, sink: "vectors", limit, req}` -> RESULT_PAGE, which echoes `req`
    (an answer to an older request is dropped).
@@ -20,7 +20,7 @@ back (the sink or completion restarted between a flush and its ack), so the
 sink keeps, per job being delivered, a bitmap of the items already stored.
 It is rebuilt at start from the stores' ids files (an id is the item's global
 id, `job_no << 32 | index`), and an item already there is skipped. Error lines
-are deduplicated by their file (collector/export.py `ResultFile`).
+are deduplicated by their file (collector/delivery/result_file.py `ResultFile`).
 """
 
 from __future__ import annotations
@@ -32,12 +32,14 @@ from pathlib import Path
 
 import numpy as np
 
-from collector.completion_log import subset
-from collector.export import KIND_EMBEDDING, ResultFile, error_line
+from collector.delivery.lines import error_line
+from collector.delivery.result_file import ResultFile
 from collector.vectors.stores import StoreSet
 from ingest.job_record import read_job_record
 from ingest.jobs import DELIVER_VECTORS
 from pipeline.errors import FabricError, IngestError
+from pipeline.ragged import Ragged
+from pipeline.result_kinds import ResultKind
 
 TERMINAL = ("completed", "cancelled", "expired")
 IDLE_POLL_S = 0.25  # a job with nothing new is asked again this often
@@ -231,7 +233,7 @@ class VectorSink:
         sizes = np.diff(offsets)
         refused: dict[int, str] = {}  # page row -> why the store cannot take it
         appended = 0
-        ok = (status == 0) & (kind == KIND_EMBEDDING)
+        ok = (status == 0) & (kind == ResultKind.VECTOR)
         for i in np.flatnonzero((status == 0) & ~ok).tolist():
             refused[i] = "the result is not an embedding; a vectors job takes /v1/embeddings"
         model_ids = np.asarray(a["model"])
@@ -263,7 +265,7 @@ class VectorSink:
             rows = rows[~already]
             if not len(rows):
                 continue
-            data, _ = subset(payload, offsets, rows)
+            data = Ragged(payload, offsets).take(rows).values
             vectors = data.view("<f4").reshape(len(rows), store_meta.dim)
             finite = np.isfinite(vectors).all(axis=1)
             for i in rows[~finite].tolist():
