@@ -20,6 +20,7 @@ import numpy as np
 from collector.completion.job_results import JobResults
 from collector.completion.record_format import PROMPT_HEADER, split_flags
 from pipeline.errors import FabricError
+from pipeline.ragged import offsets_of
 from pipeline.segment import Segment
 from pipeline.segment_format import DEAD, EMPTY, LIVE, STATE_MASK
 
@@ -173,7 +174,7 @@ def _page(where, parts, next_at) -> Page:
         mask = (columns >= PROMPT_HEADER) & (columns < c[:, None])
         chunks.append(body[mask])
     payload = np.concatenate(chunks)
-    offsets = np.concatenate(([0], np.cumsum(count - PROMPT_HEADER)))
+    offsets = offsets_of(count - PROMPT_HEADER)
     status, kind, model, shape = split_flags(flags)
     return Page(
         where,
@@ -184,6 +185,6 @@ def _page(where, parts, next_at) -> Page:
         shape,
         prompt.astype(np.uint32),
         payload,
-        offsets.astype(np.int64),
+        offsets,
         next_at,
     )

@@ -54,7 +54,7 @@ from collector.completion.record_format import (
 from pipeline.datadir import DataDir
 from pipeline.errors import FabricError
 from pipeline.item_seq import index_of, seq_of
-from pipeline.ragged import pad
+from pipeline.ragged import offsets_of, pad
 from pipeline.result_kinds import ResultKind, ResultStatus
 from pipeline.segment import Segment
 from pipeline.segment_format import (
@@ -255,7 +255,7 @@ class CompletionLog:
         texts = [reasons[i].encode("utf-8")[: SIZE_CLASSES[-1] - 64] for i in fresh.tolist()]
         payload = np.frombuffer(b"".join(texts), np.uint8)
         sizes = np.array([len(t) for t in texts], np.int64)
-        offsets = np.concatenate(([0], np.cumsum(sizes)))[:-1]
+        starts = offsets_of(sizes)[:-1]
         seq = seq_of(job_no, index[fresh])
         flags = np.full(len(fresh), flags_of(ResultStatus.ERROR, ResultKind.TEXT), np.uint32)
         self._store(
@@ -266,7 +266,7 @@ class CompletionLog:
             flags,
             np.zeros(len(fresh), np.uint32),
             payload,
-            offsets,
+            starts,
             sizes,
         )
         return len(fresh)
