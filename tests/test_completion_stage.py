@@ -50,6 +50,9 @@ class Harness:
         self.dispatch = self.context.socket(zmq.PUSH)
         self.dispatch.setsockopt(zmq.LINGER, 0)
         self.dispatch.connect(internal_address(settings, "completion"))
+        self.from_stage = self.context.socket(zmq.PULL)  # dispatch's side: RETIRED, CANCEL_JOB
+        self.from_stage.setsockopt(zmq.LINGER, 0)
+        self.from_stage.bind(internal_address(settings, "dispatch"))
 
     def step(self, seconds: float = 0.0) -> None:
         self.now += seconds
@@ -78,6 +81,7 @@ class Harness:
     def close(self) -> None:
         self.client.close(0)
         self.dispatch.close(0)
+        self.from_stage.close(0)
         self.context.term()
         self.stage.close()
 
@@ -205,3 +209,20 @@ def test_a_finished_job_expires_only_once_delivered_and_past_retention(settings,
     info = harness.ask(MT.JOB_STATUS, {"job": "job-e"}).meta
     assert (info["state"], info["failed"], info["undelivered"]) == ("expired", 0, 0)
     assert finished_ns(settings, "job-e") == WALL_NS  # the retention clock never moved
+
+
+def test_a_cancelled_job_finishes_when_its_last_item_is_retired(settings, harness):
+    job_no, items = submit(settings, "job-c", stored=2, rejected=0)
+    harness.step()
+    answer = harness.ask(MT.CANCEL, {"job": "job-c"})
+    assert (answer.type, answer.meta["state"]) == (MT.CANCELLED, "cancelling")
+    told = wire.recv(harness.from_stage, 1000)
+    assert (told.type, told.meta["job_no"]) == (MT.CANCEL_JOB, job_no)
+    assert finished_ns(settings, "job-c") is None
+    harness.wall_ns += 3 * 10**9
+    harness.item_errors(items, "cancelled: the job was cancelled")  # dispatch retires them
+    assert finished_ns(settings, "job-c") == WALL_NS + 3 * 10**9
+    info = harness.ask(MT.JOB_STATUS, {"job": "job-c"}).meta
+    assert (info["state"], info["failed"], info["pending"]) == ("cancelled", 2, 0)
+    again = harness.ask(MT.CANCEL, {"job": "job-c"})  # cancelled already: asked again
+    assert again.type == MT.CANCELLED and finished_ns(settings, "job-c") == WALL_NS + 3 * 10**9
