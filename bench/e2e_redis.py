@@ -195,7 +195,7 @@ def read_results(port: int, n: int, out_path: Path, created: int) -> int:
 
 
 def _line(item: str, custom_id: str, tokens: list[int], created: int) -> dict:
-    """The shape of the fabric's output line for a /v1/completions result (collector/export.py)."""
+    """The shape of the fabric's output line for a /v1/completions result (collector/delivery/lines.py)."""
     return {
         "id": "batch_req_" + item,
         "custom_id": custom_id,

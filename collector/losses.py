@@ -27,10 +27,12 @@ from pathlib import Path
 
 import numpy as np
 
-from collector.completion_log import CompletionLog
+from collector.completion.finishing import finished_mark
+from collector.completion.results_log import CompletionLog
 from gpu.dispatch_report import CORRUPT_INPUT
 from pipeline.datadir import DataDir
 from pipeline.errors import SegmentError
+from pipeline.item_seq import job_of, seq_of
 from pipeline.job_record import JobRecordError, read_job_record
 from pipeline.records import read_records
 from pipeline.salvage import isolate, iter_slots, trusted_header
@@ -44,7 +46,6 @@ from pipeline.segment_format import (
     live_markers,
 )
 
-FINISHED_MARK = "finished"  # collector/completion_stage.py: the job ended
 LOST_REASON = (
     f"{CORRUPT_INPUT}: the stored item was lost to damage in the input log "
     "(a damaged segment, a torn or rotten slot or marker); resubmit it"
@@ -90,7 +91,7 @@ def _unfinished_jobs(data_dir: DataDir) -> dict[int, tuple[str, Path]]:
         return jobs
     claimed: set[int] = set()
     for directory in sorted(p for p in root.iterdir() if p.is_dir()):
-        if (directory / FINISHED_MARK).exists():
+        if finished_mark(root, directory.name).exists():
             continue
         try:
             meta = read_job_record(directory)
@@ -121,7 +122,7 @@ def _readable_seqs(data_dir: DataDir, job_nos: np.ndarray) -> np.ndarray:
     found: list[np.ndarray] = []
     for _, _, markers, words, ok in _slots(data_dir, lambda states: states == LIVE):
         seq = np.ascontiguousarray(words[:, :2]).view("<u8").reshape(-1)
-        keep = ok & live_markers(markers) & np.isin(seq >> np.uint64(32), job_nos)
+        keep = ok & live_markers(markers) & np.isin(job_of(seq), job_nos.astype(np.int64))
         found.append(seq[keep])
     return np.concatenate(found) if found else np.empty(0, np.uint64)
 
@@ -167,7 +168,7 @@ def _notes(data_dir: DataDir, lost_seqs: np.ndarray) -> dict[int, list[tuple[int
                 what = "LIVE slot fails its checksum (rot or a torn write of an acknowledged item)"
             else:
                 continue
-            mine = notes.setdefault(int(seq[i] >> np.uint64(32)), [])
+            mine = notes.setdefault(job_of(int(seq[i])), [])
             if len(mine) < MAX_NOTES:
                 mine.append((header.segment_id, int(slots[i]), what))
     return notes
@@ -186,16 +187,14 @@ def find_lost(data_dir: DataDir, notes: bool = True) -> list[LostItems]:
             index = acknowledged(directory)
             if not len(index):
                 continue
-            seqs = (np.uint64(job_no) << np.uint64(32)) | index.astype(np.uint64)
+            seqs = seq_of(job_no, index)
             missing = ~np.isin(seqs, readable) & ~log.load_job(job_id).seen(index)
             if missing.any():
                 lost.append(LostItems(job_id, job_no, index[missing]))
     finally:
         log.close()
     if notes and lost:
-        seqs = np.concatenate(
-            [(np.uint64(x.job_no) << np.uint64(32)) | x.index.astype(np.uint64) for x in lost]
-        )
+        seqs = np.concatenate([seq_of(x.job_no, x.index) for x in lost])
         found = _notes(data_dir, seqs)
         for x in lost:
             x.slots = found.get(x.job_no, [])

@@ -5,7 +5,7 @@
 | `<data_dir>/broker.lock`     | flock held exclusively by the broker (or check --fix); holds its pid |
 | `<data_dir>/segments/`       | the input log: `in-<id>.<model>.s<shape>.l<lane>.seg` |
 | `<data_dir>/damaged/`        | damaged input segments moved aside at start (pipeline/salvage.py); never read by a stage |
-| `<data_dir>/completion/`     | the completion log: `out-<id>.<job>.s0.l<size class>.seg` (collector/completion_log.py) |
+| `<data_dir>/completion/`     | the completion log: `out-<id>.<job>.s0.l<size class>.seg` (collector/completion/results_log.py) |
 | `<data_dir>/next-segment-id` | the lowest id not yet handed out (text)         |
 | `<data_dir>/next-batch-id`   | dispatch's batch ids: the lowest not yet reserved (text, blocks of 2^20) |
 | `<data_dir>/work-token.key`  | the secret of dispatch's work tokens (gpu/work_token.py); 0600, never replaced |

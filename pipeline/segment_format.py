@@ -50,7 +50,7 @@ Slot (u32 words; body_bytes = slot_bytes - 32):
 | 4    | index    | u32, item index within its job                          |
 | 5    | count    | u32, body length: tokens (input) or bytes (completion)  |
 | 6    | checksum | u32, see slot_checksums()                               |
-| 7    | flags    | u32: input log 0; completion log: status, kind, model, shape (completion_log) |
+| 7    | flags    | u32: input log 0; completion log: status, kind, model, shape (collector/completion/record_format.py) |
 | 8..  | body     | tokens (u32) or result bytes, zero padded               |
 
 A slot is written before its marker becomes LIVE; both reach the disk in the

@@ -99,7 +99,7 @@ def stage_specs(settings) -> list[StageSpec]:
         for i in range(sum(group.local for group in settings.worker_groups))
     ]
     specs.append(StageSpec("dispatch", 0, "gpu.dispatch_stage:DispatchStage"))
-    specs.append(StageSpec("completion", 0, "collector.completion_stage:CompletionStage"))
+    specs.append(StageSpec("completion", 0, "collector.completion.stage:CompletionStage"))
     specs.append(StageSpec("vectors", 0, "collector.vectors.vector_stage:VectorStage"))
     return specs
 

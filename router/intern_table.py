@@ -1,7 +1,7 @@
 """An intern table: each distinct value (a JSON dict) stored once, durably, under a small id.
 
 Items carry only the id. Two tables use it: the shape table (this module's
-default file) and completion's models table (`models.log`, collector/completion_log.py).
+default file) and completion's models table (`models.log`, collector/completion/results_log.py).
 
 A shape is everything besides the tokens that must be equal inside one GPU
 batch (task, sampling parameters, output budget, priority), as a canonical

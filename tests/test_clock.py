@@ -138,7 +138,7 @@ def test_heartbeat_up_s_is_a_monotonic_duration(jumpy_wall_clock):
 WALL_CLOCK_ALLOWED = {
     "gpu/dispatch_stage.py": "batch ids start from wall-clock microseconds; dead-letter events",
     "pipeline/supervisor.py": "the broker epoch (an id, shared by every stage)",
-    "collector/completion_stage.py": "jobs/<job>/finished: when the job finished, for retention",
+    "collector/completion/stage.py": "jobs/<job>/finished: when the job finished, for retention",
 }
 TIMED_MODULES = [
     "gpu/dispatch_state.py",
@@ -150,7 +150,8 @@ TIMED_MODULES = [
     "router/router_stage.py",
     "pipeline/supervisor.py",
     "pipeline/segment_log.py",
-    "collector/completion_stage.py",
+    "collector/completion/stage.py",
+    "collector/completion/finishing.py",
     "collector/results_client.py",
 ]
 

@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 from conftest import appender, assert_check_clean, make_batch
 
-from collector.completion_log import ERROR_RESULT, RESULT, SIZE_CLASSES, CompletionLog, Results
+from collector.completion.record_format import SIZE_CLASSES
+from collector.completion.results_log import CompletionLog, Results
 from pipeline.recovery import recover
+from pipeline.result_kinds import ResultStatus
 from pipeline.segment import Segment
 from pipeline.segment_format import DEAD, LIVE
 
@@ -31,7 +33,7 @@ def inputs(data_dir, n: int = 50):
     }
 
 
-def results(segs, picks, status=RESULT, size=10, seq_offset=0) -> Results:
+def results(segs, picks, status=ResultStatus.RESULT, size=10, seq_offset=0) -> Results:
     seg_ids, slots = zip(*picks, strict=True)
     seg_ids, slots = np.array(seg_ids, np.uint64), np.array(slots, np.int64)
     seqs = np.array(
@@ -74,7 +76,7 @@ def test_results_are_stored_then_inputs_retired_and_counted_once(data_dir):
     assert (again.stored, again.duplicates) == (0, 5)
     assert log.completed("job-c") == 5
     log.close()
-    assert sorted(completion_rows(data_dir)) == [(i, RESULT) for i in range(5)]
+    assert sorted(completion_rows(data_dir)) == [(i, ResultStatus.RESULT) for i in range(5)]
 
 
 def test_a_duplicate_of_a_retired_item_is_named_retired_again(data_dir):
@@ -84,11 +86,11 @@ def test_a_duplicate_of_a_retired_item_is_named_retired_again(data_dir):
     segs = inputs(data_dir)
     first = min(segs)
     log = CompletionLog(data_dir, segs.__getitem__)
-    log.record(results(segs, [(first, 0), (first, 1)], status=ERROR_RESULT))
+    log.record(results(segs, [(first, 0), (first, 1)], status=ResultStatus.ERROR))
     log.close()  # killed before its flush: what it retired was never told
     restarted = CompletionLog(data_dir, segs.__getitem__)
     assert restarted.flush_tombstones() == {}
-    again = restarted.record(results(segs, [(first, 0), (first, 1)], status=ERROR_RESULT))
+    again = restarted.record(results(segs, [(first, 0), (first, 1)], status=ResultStatus.ERROR))
     assert (again.stored, again.duplicates) == (0, 2)
     assert {k: v.tolist() for k, v in restarted.flush_tombstones().items()} == {first: [0, 1]}
     restarted.close()
@@ -98,7 +100,7 @@ def test_a_crash_between_output_and_tombstone_heals_without_a_second_result(data
     segs = inputs(data_dir)
     first = min(segs)
     log = CompletionLog(data_dir, segs.__getitem__)
-    log.record(results(segs, [(first, 0), (first, 1)], status=ERROR_RESULT))
+    log.record(results(segs, [(first, 0), (first, 1)], status=ResultStatus.ERROR))
     log.close()
     segs[first].markers[[0, 1]] = LIVE  # the tombstones never reached the disk
     restarted = CompletionLog(data_dir, segs.__getitem__)
@@ -109,7 +111,11 @@ def test_a_crash_between_output_and_tombstone_heals_without_a_second_result(data
     assert (recorded.stored, recorded.duplicates) == (1, 2)
     assert (segs[first].states()[:3] == DEAD).all()
     restarted.close()
-    assert sorted(completion_rows(data_dir)) == [(0, ERROR_RESULT), (1, ERROR_RESULT), (2, RESULT)]
+    assert sorted(completion_rows(data_dir)) == [
+        (0, ResultStatus.ERROR),
+        (1, ResultStatus.ERROR),
+        (2, ResultStatus.RESULT),
+    ]
 
 
 def test_stale_and_forged_results_are_refused_by_name_and_oversized_ones_become_errors(data_dir):
@@ -136,7 +142,7 @@ def test_stale_and_forged_results_are_refused_by_name_and_oversized_ones_become_
     assert (big.stored, big.refused) == (1, [])
     assert log.failed("job-c") == 1 and seg.states()[4] == DEAD
     page = log.page("job-c", 10)
-    assert page.status.tolist() == [ERROR_RESULT]
+    assert page.status.tolist() == [ResultStatus.ERROR]
     assert bytes(page.payload).startswith(b"result_too_large")
     log.close()
 
@@ -159,7 +165,7 @@ def test_results_are_read_back_in_pages_and_delivered_once(data_dir):
     log.delivered("job-c", page.where)
     rest = log.page("job-c", 100)
     assert sorted(rest.index.tolist()) == [4, 5, 6, 40, 41]
-    errors = rest.status == ERROR_RESULT
+    errors = rest.status == ResultStatus.ERROR
     assert sorted(rest.index[errors].tolist()) == [40, 41]
     assert log.undelivered("job-c") == 5
     log.delivered("job-c", rest.where)

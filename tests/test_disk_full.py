@@ -253,7 +253,7 @@ def test_a_full_disk_during_ingest_and_completion_stops_nothing_loses_nothing_an
         try:
             queued = submit(config, tmp_path / "b.jsonl", "--job-id", "b")
             assert queued.returncode == 0, queued.stderr
-            # < one completion segment (they start at 256 KiB: collector/completion_log.py)
+            # < one completion segment (they start at 256 KiB: collector/completion/results_log.py)
             fill(disk / "ballast", leave_bytes=128 * 1024)
         finally:
             os.kill(worker, signal.SIGCONT)

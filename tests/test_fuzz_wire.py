@@ -18,7 +18,7 @@ from conftest import make_batch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from collector.completion_stage import results_problem
+from collector.completion.intake import results_problem
 from gpu.dispatch_files import parse_header, read_leases
 from gpu.dispatch_stage import item_array
 from gpu.dispatch_state import DispatchState

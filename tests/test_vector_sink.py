@@ -8,10 +8,10 @@ import logging
 import numpy as np
 import pytest
 
-from collector.export import KIND_EMBEDDING, KIND_ERROR_TEXT, KIND_TOKENS
 from collector.vectors.sink import VectorSink
 from collector.vectors.store_catalog import StoreSet
 from pipeline.job_files import JobFiles
+from pipeline.result_kinds import ResultKind
 
 DIM = 8
 LOG = logging.getLogger("test")
@@ -41,7 +41,7 @@ def page(index, vectors=None, status=None, kind=None, payloads=None, page_id=1, 
     arrays = {
         "index": index,
         "status": np.zeros(n, np.uint8) if status is None else np.asarray(status, np.uint8),
-        "kind": np.full(n, KIND_EMBEDDING, np.uint8)
+        "kind": np.full(n, ResultKind.VECTOR, np.uint8)
         if kind is None
         else np.asarray(kind, np.uint8),
         "model": np.zeros(n, np.uint16),
@@ -132,7 +132,7 @@ def test_errors_and_what_the_store_cannot_take_become_error_lines(sink, tmp_path
         np.zeros(DIM + 1, "<f4").tobytes(),  # another dim than the store's
     ]
     status = [0, 1, 0, 0, 0, 0]
-    kind = [KIND_EMBEDDING, KIND_ERROR_TEXT, KIND_TOKENS] + [KIND_EMBEDDING] * 3
+    kind = [ResultKind.VECTOR, ResultKind.TEXT, ResultKind.TOKENS] + [ResultKind.VECTOR] * 3
     meta = fetch(sink)
     sink.on_page(*page(range(6), payloads=payloads, status=status, kind=kind, req=meta["req"]), 0.0)
     _, store = sink.stores.get("docs")
@@ -159,7 +159,7 @@ def test_a_stale_answer_is_dropped_and_a_finished_job_is_marked(sink, tmp_path):
 def test_a_page_of_only_errors_is_acknowledged_without_a_flush(sink):
     meta = fetch(sink)
     info, arrays = page(
-        [0], payloads=[b"bad: no"], status=[1], kind=[KIND_ERROR_TEXT], page_id=9, req=meta["req"]
+        [0], payloads=[b"bad: no"], status=[1], kind=[ResultKind.TEXT], page_id=9, req=meta["req"]
     )
     sink.on_page(info, arrays, 0.0)
     assert fetch(sink, 0.0)["ack"] == 9

@@ -1,6 +1,6 @@
 """The vector sink: delivers `--deliver vectors[:STORE]` jobs from completion into stores, once.
 
-With completion (collector/completion_stage.py), one page per job in flight,
+With completion (collector/completion/delivery.py), one page per job in flight,
 through the delivery client every results consumer shares
 (collector/delivery_client.py):
 
@@ -22,7 +22,7 @@ back (the sink or completion restarted between a flush and its ack), so the
 sink keeps, per job being delivered, a bitmap of the items already stored.
 It is rebuilt at start from the stores' ids files (an id is the item's global
 id, its seq: pipeline/item_seq.py), and an item already there is skipped. Error lines
-are deduplicated by their file (collector/export.py `ResultFile`).
+are deduplicated by their file (collector/delivery/result_file.py `ResultFile`).
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from collector.delivery.lines import error_line
+from collector.delivery.result_file import ResultFile
 from collector.delivery_client import Delivery
-from collector.export import ResultFile, error_line
 from collector.vectors.store_catalog import StoreSet
 from ingest.jobs import DELIVER_FILE, DELIVER_VECTORS
 from pipeline.errors import FabricError, IngestError

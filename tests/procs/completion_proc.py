@@ -13,7 +13,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from collector.completion_log import CompletionLog, Results
+from collector.completion.results_log import CompletionLog, Results
 from pipeline.datadir import DataDir
 from pipeline.segment import Segment
 from pipeline.segment_format import LIVE, STATE_MASK

@@ -41,10 +41,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from collector.completion_log import ERROR_RESULT, RESULT, TOKENS, VECTOR
 from ingest.catalog import EMBEDDINGS
 from pipeline.errors import FabricError
 from pipeline.metrics import RESULT_REFUSALS
+from pipeline.result_kinds import ResultKind, ResultStatus
 
 OK = 0
 BAD_STATUS = 1
@@ -61,7 +61,7 @@ INVALID_RESULT = "invalid_result"
 class Expected:
     """What each item of a RESULTS message must look like (one entry per item)."""
 
-    kind: np.ndarray  # u1: VECTOR or TOKENS; 0xFF when unknown (then not checked)
+    kind: np.ndarray  # u1: a ResultKind, VECTOR or TOKENS; 0xFF when unknown (not checked)
     max_tokens: np.ndarray  # i8: generation's output budget; 0 = not checked
     dim_key: list[tuple[str, int]]  # the distinct (model, lane) pairs of the message
     dim_of: np.ndarray  # i8 per item: its pair's index in dim_key (-1: not checked)
@@ -98,7 +98,7 @@ class ResultCheck:
         """Per item, OK or why its result cannot be stored as it is (see the module table).
 
         `offsets` (i8, n + 1) must already be known to lie inside `payload`
-        (completion.results_problem)."""
+        (collector/completion/intake.py `results_problem`)."""
         n = len(status)
         cause = np.zeros(n, np.uint8)
         detail: dict[int, str] = {}
@@ -113,11 +113,14 @@ class ResultCheck:
         status = status.astype(np.int64)
         kind = kind.astype(np.int64)
         sizes = np.diff(offsets)
-        result = status == RESULT
+        result = status == ResultStatus.RESULT
         refuse(
-            ~result & (status != ERROR_RESULT),
+            ~result & (status != ResultStatus.ERROR),
             BAD_STATUS,
-            lambda i: f"status {status[i]}, not {RESULT} (result) or {ERROR_RESULT} (error)",
+            lambda i: (
+                f"status {status[i]}, not {int(ResultStatus.RESULT)} (result) or "
+                f"{int(ResultStatus.ERROR)} (error)"
+            ),
         )
         want = expected.kind.astype(np.int64)
         known = want != 0xFF
@@ -127,20 +130,23 @@ class ResultCheck:
             lambda i: f"kind {kind[i]} where the item's endpoint gives kind {want[i]}",
         )
         refuse(
-            result & (kind != TOKENS) & (kind != VECTOR),
+            result & (kind != ResultKind.TOKENS) & (kind != ResultKind.VECTOR),
             WRONG_KIND,
-            lambda i: f"kind {kind[i]}, not {TOKENS} (tokens) or {VECTOR} (vector)",
+            lambda i: (
+                f"kind {kind[i]}, not {int(ResultKind.TOKENS)} (tokens) or "
+                f"{int(ResultKind.VECTOR)} (vector)"
+            ),
         )
         refuse(
             result & (sizes % 4 != 0),
             WRONG_SIZE,
             lambda i: f"a {sizes[i]}-byte payload, not whole 4-byte values",
         )
-        vectors = result & (kind == VECTOR)
+        vectors = result & (kind == ResultKind.VECTOR)
         refuse(vectors & (sizes == 0), WRONG_SIZE, lambda i: "an empty embedding")
         budget = expected.max_tokens
         refuse(
-            result & (kind == TOKENS) & (budget > 0) & (sizes // 4 > budget),
+            result & (kind == ResultKind.TOKENS) & (budget > 0) & (sizes // 4 > budget),
             WRONG_SIZE,
             lambda i: f"{sizes[i] // 4} tokens where the shape's max_tokens is {budget[i]}",
         )
@@ -177,7 +183,7 @@ def expected_kind(shape: dict | None) -> int:
     0xFF when the shape is unknown."""
     if not shape or "endpoint" not in shape:
         return 0xFF
-    return VECTOR if shape["endpoint"] == EMBEDDINGS else TOKENS
+    return ResultKind.VECTOR if shape["endpoint"] == EMBEDDINGS else ResultKind.TOKENS
 
 
 def _not_finite(payload: np.ndarray, offsets: np.ndarray, pick: np.ndarray) -> np.ndarray:

@@ -1,29 +1,27 @@
-"""Result pages -> OpenAI Batch output lines, and the output files that make delivery exactly-once.
+"""Result pages -> OpenAI Batch output lines.
 
 The broker sends a results client pages of stored results (`ResultPage`, a
 few numpy columns and every item's payload back to back). `format_page`
 renders one page into output lines and error lines, each one JSON object and
 a newline; `page_keys` gives the key of each line (its custom_id, or its id
-when the input line had no readable custom_id). `ResultFile` appends lines to
-one output file at most once per key, and `sync()` makes them durable: the
-client acknowledges a page to the broker only after both of its files are
-synced (invariant 12), and a re-run after a crash rewrites nothing it already
-has (invariant 5).
+when the input line had no readable custom_id). The client writes them
+through `ResultFile` (collector/delivery/result_file.py), which holds each
+key at most once.
 
 A stored result that cannot be rendered (a status other than 0 or 1, a kind
 or payload size its shape does not allow, a shape the table lacks, NaN or
 infinite values) becomes an `invalid_result` error line for its item, and
 the rest of its page is written; only a page whose columns disagree raises
 PageError. Completion refuses such results before it stores them
-(collector/result_check.py); this covers data stored before it did.
+(collector/completion/result_check.py); this covers data stored before it did.
 
-Payload, by `kind`:
+Payload, by `kind` and `status` (pipeline/result_kinds.py):
 
-| kind | status | payload                               | rendered as                               |
-|------|--------|---------------------------------------|-------------------------------------------|
-| 0    | 0      | generated token ids, little-endian u4 | a chat.completion or text_completion line |
-| 1    | 0      | embedding, little-endian f4           | an embedding line (shortest f32 decimals) |
-| 2    | 1      | UTF-8 `code: message`, or a message   | an error line; code `item_failed` unless the text starts with a bare identifier and ": " |
+| kind       | status   | payload                               | rendered as                               |
+|------------|----------|---------------------------------------|-------------------------------------------|
+| 0 `TOKENS` | 0 RESULT | generated token ids, little-endian u4 | a chat.completion or text_completion line |
+| 1 `VECTOR` | 0 RESULT | embedding, little-endian f4           | an embedding line (shortest f32 decimals) |
+| 2 `TEXT`   | 1 ERROR  | UTF-8 `code: message`, or a message   | an error line; code `item_failed` unless the text starts with a bare identifier and ": " |
 
 Line forms (`id` and `request_id` depend only on (job_id, index), so a
 re-fetch writes identical bytes; error lines are rendered by
@@ -53,14 +51,10 @@ ever being taken for one.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
-import os
 import re
-import stat
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Final
 
 import numpy as np
@@ -68,14 +62,10 @@ import orjson
 
 from ingest.catalog import CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS
 from ingest.line_errors import LineError
-from pipeline.durable import fsync_dir
 from pipeline.errors import FabricError
+from pipeline.ragged import offsets_problem, ranges
+from pipeline.result_kinds import ResultKind, ResultStatus
 
-RESULT: Final = 0
-ERROR: Final = 1
-KIND_TOKENS: Final = 0
-KIND_EMBEDDING: Final = 1
-KIND_ERROR_TEXT: Final = 2
 ITEM_FAILED: Final = "item_failed"
 INVALID_RESULT: Final = "invalid_result"  # a stored result that cannot be rendered
 
@@ -85,16 +75,8 @@ _HEX = np.array([f"{b:02x}" for b in range(256)], dtype="U2")
 _U64 = np.uint64
 
 
-class ExportError(FabricError):
-    """Results cannot be rendered or written as asked."""
-
-
-class PageError(ExportError):
+class PageError(FabricError):
     """A result page from the broker is malformed; the message names the job, item and field."""
-
-
-class ResultFileError(ExportError):
-    """An output file cannot be used: not a result file, in use, or unreadable."""
 
 
 @dataclass(eq=False)
@@ -103,8 +85,8 @@ class ResultPage:
 
     index: np.ndarray  # u4: the item's index in the job (line number - 1)
     custom_ids: list[str | None]  # None when the input line had no readable custom_id
-    status: np.ndarray  # u1: RESULT or ERROR
-    kind: np.ndarray  # u1: KIND_TOKENS, KIND_EMBEDDING or KIND_ERROR_TEXT
+    status: np.ndarray  # u1: a ResultStatus
+    kind: np.ndarray  # u1: a ResultKind
     shape: np.ndarray  # u2: the item's shape id (0 = unknown)
     prompt_tokens: np.ndarray  # u4: prompt length in tokens
     payload: np.ndarray  # u1: every item's payload back to back
@@ -189,11 +171,11 @@ def _format_results(page: ResultPage, context: ExportContext, checked: _Checked)
     counts = (offsets[results + 1] - starts) // 4
     words, word_starts = _result_words(page.payload, starts, counts)
     floats = words.view("<f4").astype(np.float32, copy=False)  # native order for orjson
-    embeds = kind == KIND_EMBEDDING
+    embeds = kind == ResultKind.VECTOR
     if embeds.any():  # gather the token ids alone, so tolist() converts no embedding
         token_counts = np.where(embeds, 0, counts)
         token_starts = np.cumsum(token_counts) - token_counts
-        tokens = words[_concat_ranges(word_starts, token_counts)].tolist()
+        tokens = words[ranges(word_starts, token_counts)].tolist()
     else:
         token_starts, tokens = word_starts, words.tolist()
     ids, request_ids = _request_ids(context.job_id, page.index[results])
@@ -284,7 +266,7 @@ def _check_page(page: ResultPage, context: ExportContext) -> _Checked:
     """Sort the page's entries; raise PageError if its columns disagree (nothing is usable).
 
     Belt and braces: completion checks every result before it stores it
-    (collector/result_check.py), but a page read from older data may still
+    (collector/completion/result_check.py), but a page read from older data may still
     hold one that cannot be rendered (a status, kind or size its shape does
     not allow, NaN or infinite values): each such entry becomes an
     `invalid_result` error line, so the rest of the page is still delivered.
@@ -305,29 +287,32 @@ def _check_page(page: ResultPage, context: ExportContext) -> _Checked:
                 f"job {job_id}: result page column {name} has {length} entries for {n} items "
                 "(offsets needs n + 1); the broker sent a malformed page, report it with the job id"
             )
-    offsets = np.asarray(page.offsets, dtype=np.int64)
-    if n and (offsets[0] < 0 or offsets[-1] > len(page.payload) or (np.diff(offsets) < 0).any()):
+    problem = offsets_problem(np.asarray(page.offsets), n, len(page.payload))
+    if problem:
         raise PageError(
-            f"job {job_id}: result page offsets run from {int(offsets[0])} to "
-            f"{int(offsets[-1])} (or go backwards) over a {len(page.payload)}-byte payload; "
-            "the broker sent a malformed page, report it with the job id"
+            f"job {job_id}: result page offsets over its {len(page.payload)}-byte payload are "
+            f"wrong ({problem}); the broker sent a malformed page, report it with the job id"
         )
+    offsets = np.asarray(page.offsets, dtype=np.int64)
     invalid: dict[int, str] = {}
     status, kind = page.status, page.kind
     sizes = np.diff(offsets)
-    results = status == RESULT
-    errors = status == ERROR
+    results = status == ResultStatus.RESULT
+    errors = status == ResultStatus.ERROR
     for i in np.flatnonzero(~results & ~errors).tolist():
-        invalid[i] = f"has status {int(status[i])}, not {RESULT} or {ERROR}"
+        invalid[i] = (
+            f"has status {int(status[i])}, not {int(ResultStatus.RESULT)} or "
+            f"{int(ResultStatus.ERROR)}"
+        )
     for i in np.flatnonzero(results & (sizes % 4 != 0)).tolist():
         invalid[i] = f"has a {int(sizes[i])}-byte payload, not a whole number of u4/f4 values"
     endpoints = _endpoints(context, page.shape, kind, results, invalid)
-    embeds = np.flatnonzero(results & (kind == KIND_EMBEDDING))
+    embeds = np.flatnonzero(results & (kind == ResultKind.VECTOR))
     embeds = embeds[[i not in invalid for i in embeds.tolist()]] if invalid else embeds
     if len(embeds):
         counts = sizes[embeds] // 4
         words, word_starts = _result_words(page.payload, offsets[embeds], counts)
-        floats = words[_concat_ranges(word_starts, counts)].view("<f4")
+        floats = words[ranges(word_starts, counts)].view("<f4")
         owner = np.repeat(np.arange(len(embeds)), counts)
         for i in embeds[np.unique(owner[~np.isfinite(floats)])].tolist():
             invalid[i] = "is an embedding with NaN or infinite values"
@@ -355,7 +340,7 @@ def _endpoints(
         shape = context.shapes.get(shape_id) or {}
         endpoint = shape.get("endpoint")
         max_tokens = shape.get("max_tokens")
-        want = KIND_EMBEDDING if endpoint == EMBEDDINGS else KIND_TOKENS
+        want = ResultKind.VECTOR if endpoint == EMBEDDINGS else ResultKind.TOKENS
         problem = ""
         if not shape:
             problem = f"names shape {shape_id}, which the job's shape table does not hold"
@@ -372,7 +357,7 @@ def _endpoints(
             continue
         for i in np.flatnonzero(mine & (kind != want)).tolist():
             what = f"is a kind {int(kind[i])} result, but its shape {shape_id} is {endpoint}"
-            invalid.setdefault(i, f"{what}, which gives kind {want}")
+            invalid.setdefault(i, f"{what}, which gives kind {int(want)}")
         table[shape_id] = (endpoint, max_tokens or 0)
     return table
 
@@ -396,19 +381,9 @@ def _result_words(
         mine = phases == phase
         if mine.any():
             view = buffer[phase : phase + (len(buffer) - phase) // 4 * 4].view("<u4")
-            source = _concat_ranges(starts[mine] // 4, counts[mine])
-            words[_concat_ranges(word_starts[mine], counts[mine])] = view[source]
+            source = ranges(starts[mine] // 4, counts[mine])
+            words[ranges(word_starts[mine], counts[mine])] = view[source]
     return words, word_starts
-
-
-def _concat_ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """np.concatenate([arange(s, s + c) for s, c in zip(starts, counts)]), without the loop."""
-    counts = np.asarray(counts, dtype=np.int64)
-    total = int(counts.sum())
-    ends = np.cumsum(counts)
-    return np.repeat(np.asarray(starts, dtype=np.int64) - (ends - counts), counts) + np.arange(
-        total, dtype=np.int64
-    )
 
 
 def _request_ids(job_id: str, index: np.ndarray) -> tuple[list[str], list[str]]:
@@ -438,167 +413,3 @@ def _split_error(payload: bytes) -> tuple[str, str]:
 def _where(job_id: str, item: int, what: str, fix: str = "") -> str:
     fix = fix or "the broker sent a malformed result page: report it with the job id"
     return f"job {job_id}: item {item} (line {item + 1}) {what}; {fix}"
-
-
-class ResultFile:
-    """One JSONL output file that holds each key at most once, across crashes and re-runs.
-
-    Contract: `open` cuts a torn last line (bytes after the last newline, from
-    a writer killed mid-write) and loads the key of every line already there;
-    `write` appends only lines whose key is new (also within one call), with
-    no buffering of its own; `sync` returns only once everything written is on
-    disk, and is the only point after which a page may be acknowledged. A
-    failed write or sync leaves the file unusable until it is opened again
-    (which cuts what a failed write tore). One process at a time holds a file
-    (an exclusive lock), so two clients never append to one path.
-    """
-
-    def __init__(self, path: Path, fd: int, keys: set[str], cut_bytes: int) -> None:
-        """Use `ResultFile.open`."""
-        self.path = path
-        self.cut_bytes = cut_bytes  # bytes of a torn last line cut at open (0 if none)
-        self._fd = fd
-        self._keys = keys
-        self._failed: str | None = None
-
-    @classmethod
-    def open(cls, path: str | os.PathLike[str]) -> ResultFile:
-        """Open or create `path`; raise ResultFileError if it is not a result file or is in use."""
-        path = Path(path)
-        created = not path.exists()
-        try:
-            # O_NONBLOCK: a FIFO without a reader fails here instead of hanging; no effect on files
-            flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK
-            fd = os.open(path, flags, 0o644)
-        except OSError as exc:
-            raise ResultFileError(f"cannot open output file {path}: {exc.strerror}") from exc
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise ResultFileError(
-                    f"output path {path} is not a regular file; choose a file path"
-                )
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise ResultFileError(
-                    f"output file {path} is in use by another process; wait for it to end "
-                    "or write to another path"
-                ) from None
-            with open(path, "rb") as reader:
-                keys, good_bytes, size = _read_keys(path, reader)
-            if good_bytes < size:
-                os.ftruncate(fd, good_bytes)
-                os.fsync(fd)
-            if created:
-                fsync_dir(path.parent)
-        except OSError as exc:
-            os.close(fd)
-            raise ResultFileError(f"cannot read output file {path}: {exc.strerror}") from exc
-        except BaseException:
-            os.close(fd)
-            raise
-        return cls(path, fd, keys, size - good_bytes)
-
-    def __contains__(self, key: str) -> bool:
-        return key in self._keys
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-    def write(self, lines: Sequence[bytes], keys: Sequence[str]) -> int:
-        """Append the lines whose key is not yet in the file; return how many were appended.
-
-        Each line is one JSON object ending in a newline; `keys[i]` is
-        `line_key` of `lines[i]` (from `page_keys`).
-        """
-        self._check_usable()
-        if len(lines) != len(keys):
-            raise ValueError(f"write got {len(lines)} lines but {len(keys)} keys")
-        new_keys: dict[
-            str, None
-        ] = {}  # insertion-ordered, so a key repeated in `lines` counts once
-        new_lines = []
-        for line, key in zip(lines, keys, strict=True):
-            if key not in self._keys and key not in new_keys:
-                if not line.endswith(b"\n"):
-                    raise ValueError(f"line for key {key!r} does not end with a newline")
-                new_keys[key] = None
-                new_lines.append(line)
-        if new_lines:
-            data = memoryview(b"".join(new_lines))
-            try:
-                while data:
-                    data = data[os.write(self._fd, data) :]
-            except OSError as exc:
-                self._failed = f"a write failed ({exc.strerror})"
-                raise ResultFileError(
-                    f"writing output file {self.path} failed: {exc.strerror}; free the space "
-                    "or fix the disk, then run again (the torn end is cut when it is reopened)"
-                ) from exc
-            self._keys.update(new_keys)
-        return len(new_lines)
-
-    def sync(self) -> None:
-        """fsync: everything written so far is on disk when this returns."""
-        self._check_usable()
-        try:
-            os.fsync(self._fd)
-        except OSError as exc:
-            self._failed = f"an fsync failed ({exc.strerror})"
-            raise ResultFileError(
-                f"syncing output file {self.path} failed: {exc.strerror}; what was written "
-                "since the last sync may be lost: run again, and the file is re-read"
-            ) from exc
-
-    def close(self) -> None:
-        """Close the file (without a sync: call `sync` first to keep what was written)."""
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-    def _check_usable(self) -> None:
-        if self._fd < 0:
-            raise ResultFileError(f"output file {self.path} is closed")
-        if self._failed is not None:
-            raise ResultFileError(
-                f"output file {self.path} is unusable after {self._failed}; open it again"
-            )
-
-    def __enter__(self) -> ResultFile:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def _read_keys(path: Path, file: Any) -> tuple[set[str], int, int]:
-    """(keys, bytes of whole lines, file size); raise ResultFileError at the first bad line."""
-    keys: set[str] = set()
-    good_bytes = 0
-    file.seek(0)
-    for number, line in enumerate(file, 1):
-        if not line.endswith(b"\n"):  # torn: the writer died before the newline
-            return keys, good_bytes, good_bytes + len(line)
-        try:
-            record = orjson.loads(line)
-        except orjson.JSONDecodeError as exc:
-            raise _not_ours(path, number, f"not JSON ({exc})") from None
-        if not isinstance(record, dict):
-            raise _not_ours(path, number, f"a JSON {type(record).__name__}, not an object")
-        if "custom_id" not in record:
-            raise _not_ours(path, number, "an object without a custom_id field")
-        custom_id, line_id = record["custom_id"], record.get("id")
-        if custom_id is not None and not isinstance(custom_id, str):
-            raise _not_ours(path, number, f"custom_id is {custom_id!r}, not a string or null")
-        if not isinstance(line_id, str):
-            raise _not_ours(path, number, f"id is {line_id!r}, not a string")
-        keys.add(line_key(custom_id, line_id))
-        good_bytes += len(line)
-    return keys, good_bytes, good_bytes
-
-
-def _not_ours(path: Path, number: int, what: str) -> ResultFileError:
-    return ResultFileError(
-        f"{path}: line {number} is {what}; it is not an OpenAI Batch result file this client "
-        "wrote, so it is left as it is: move it away or choose another output path"
-    )

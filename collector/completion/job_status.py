@@ -1,0 +1,75 @@
+"""A job's status as completion answers JOB_STATUS (and heads RESULT_PAGE and CANCELLED with).
+
+Reads only: the job's view (collector/job_view.py), its exact counters in the
+completion log, and whether it has finished. Nothing here writes a file:
+a job finishes where it finishes (collector/completion/finishing.py).
+
+| state (pipeline/job_states.py) | when |
+|--------------|------|
+| `validating` | not every chunk up to the final one is committed: `total` unknown |
+| `queued`     | nothing done yet, not cancelled |
+| `in_progress`| some items done, not all, not cancelled |
+| `cancelling` | cancelled, not every item done |
+| `cancelled`  | cancelled, every item done |
+| `completed`  | every item done, not cancelled |
+| `expired`    | finished, fewer items done than its total and nothing undelivered: its delivered results were past retention and removed |
+
+`done` is the number of distinct items with a result or an error result.
+"""
+
+from __future__ import annotations
+
+from collector.completion.results_log import CompletionLog
+from collector.job_view import JobView
+from pipeline.job_states import JobState
+
+
+def job_state(done: int, total: int | None, cancelled: bool) -> JobState:
+    """The state of a job not expired (see the module table)."""
+    if total is None:
+        return JobState.VALIDATING
+    if done >= total:
+        return JobState.CANCELLED if cancelled else JobState.COMPLETED
+    if cancelled:
+        return JobState.CANCELLING
+    return JobState.IN_PROGRESS if done else JobState.QUEUED
+
+
+class JobStatus:
+    """JOB_INFO of jobs, with each job's rate since this process first answered about it."""
+
+    def __init__(self, completion_log: CompletionLog) -> None:
+        self.completion_log = completion_log
+        self.rates: dict[str, tuple[float, int]] = {}  # job -> (first asked, completed then)
+
+    def info(self, view: JobView, finished: bool, now: float) -> dict:
+        """The JOB_INFO fields (docs/completion.md) of the job; `finished`: its mark exists."""
+        job_id = view.job_id
+        log = self.completion_log
+        done, failed = log.completed(job_id), log.failed(job_id)
+        undelivered = log.undelivered(job_id)
+        total = view.total
+        if finished and total is not None and done < total and not undelivered:
+            state = JobState.EXPIRED  # its delivered results are past retention, removed
+        else:
+            state = job_state(done, total, view.cancelled)
+        # results of work done: not error results (a cancel's, rejected lines') that come at once
+        first = self.rates.setdefault(job_id, (now, done - failed))
+        elapsed = now - first[0]
+        rate = max(0, done - failed - first[1]) / elapsed if elapsed > 1 else 0.0
+        pending = None if total is None else max(0, total - done)
+        return {
+            "job": job_id,
+            "job_no": view.job_no,
+            "exists": True,
+            "state": str(state),
+            "total": total,
+            "completed": done - failed,
+            "failed": failed,
+            "pending": pending,
+            "undelivered": undelivered,
+            "created_ns": view.created_ns,
+            "deliver": view.deliver,
+            "rate": round(rate, 1),
+            "eta_s": round(pending / rate, 1) if rate > 0 and pending else None,
+        }

@@ -1,0 +1,61 @@
+"""How the completion log stores one result: a slot's flags word and body.
+
+A job's results live in completion segments (the input log's segment format,
+kind 2, keyed by the job id and a size class). In each slot:
+
+| field | content |
+|-------|---------|
+| seq, job, index | the item (pipeline/item_seq.py) |
+| count | stored bytes: `PROMPT_HEADER` + payload |
+| body  | `[u32 prompt tokens][payload]`, zero padded |
+| flags | `status \\| kind << 4 \\| model << 8 \\| shape << 16` (below) |
+| marker | LIVE = stored, not delivered; DEAD = delivered (invariant 12) |
+
+| flags bits | field  | values |
+|------------|--------|--------|
+| 0-3        | status | `ResultStatus` (pipeline/result_kinds.py) |
+| 4-7        | kind   | `ResultKind` |
+| 8-15       | model  | the input's model, its id in `<data_dir>/models.log` (0 = unknown; above 255 stored as 255) |
+| 16-31      | shape  | the input's shape id (0 = none; above 65535 stored as 65535) |
+
+A result goes to the smallest of `SIZE_CLASSES` (stored bytes) that holds
+it; one larger than the largest is stored as an error result saying so.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+PROMPT_HEADER = 4
+SIZE_CLASSES = (256, 1024, 4096, 16384, 65536, 262144, 1 << 20)  # stored bytes per result
+# A job's completion segment of one size class: the first holds FIRST_SEGMENT_BYTES' worth of
+# slots or the items the job still expects (if more), the next twice the last, up to
+# segment_bytes. A small job gets a small file; a large one reaches full size.
+FIRST_SEGMENT_BYTES = 256 * 1024
+STATUS_MASK = 0x0F
+MODELS_FILE = "models.log"
+TOO_LARGE = b"result_too_large: the output exceeds the largest result slot"
+
+
+def flags_of(status, kind, model=0, shape=0) -> np.ndarray:
+    """The flags word of stored results (numpy arrays or scalars)."""
+    return (
+        np.asarray(status, np.uint32)
+        | (np.asarray(kind, np.uint32) << np.uint32(4))
+        | (np.minimum(np.asarray(model, np.uint32), 0xFF) << np.uint32(8))
+        | (np.minimum(np.asarray(shape, np.uint32), 0xFFFF) << np.uint32(16))
+    )
+
+
+def status_of(flags: np.ndarray) -> np.ndarray:
+    return (flags & np.uint32(STATUS_MASK)).astype(np.uint8)
+
+
+def split_flags(flags: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(status u1, kind u1, model u1, shape u2) of each flags word."""
+    return (
+        status_of(flags),
+        ((flags >> 4) & 0x0F).astype(np.uint8),
+        ((flags >> 8) & 0xFF).astype(np.uint8),
+        (flags >> 16).astype(np.uint16),
+    )

@@ -1,0 +1,416 @@
+"""The completion stage: results in, durable, inputs retired, workers acknowledged; results out.
+
+Sockets:
+
+| socket            | kind   | peer                                                                 |
+|-------------------|--------|----------------------------------------------------------------------|
+| `completion` ipc  | PULL   | dispatch: RESULTS (as workers sent them), ITEM_ERRORS (dead letters, quarantined, cancelled) |
+| `dispatch` ipc    | PUSH   | dispatch: RETIRED (input slots now DEAD on disk, the worker acks, refused results to hand back) and CANCEL_JOB |
+| `completion.bind` | ROUTER | results clients: FETCH / RESULT_PAGE, JOB_STATUS / JOB_INFO, CANCEL / CANCELLED |
+
+Each step takes what arrived and stores it (collector/completion/intake.py:
+every worker result checked against its item, a bad one handed back to
+dispatch with the next RETIRED or stored as the item's error
+`invalid_result`; CompletionLog.record, no sync yet), then makes it durable in
+one group commit and only then writes the input tombstones (`sync_outputs`);
+jobs it made done finish there (collector/completion/finishing.py). About every
+`tombstone_flush_ms` the tombstones are synced and dispatch is told which
+slots retired, with the acknowledgements for the workers whose results
+those were: output, tombstone, count, retire, acknowledge (invariant 3).
+
+Client requests: FETCH (collector/completion/delivery.py: pages, marked
+delivered once acknowledged), JOB_STATUS (collector/completion/job_status.py,
+which only reads), CANCEL (collector/completion/cancel.py).
+
+The stage's logic takes its time from `step(now)` (monotonic seconds; only
+the run loop and `drain` read the clock) and the finished mark's wall-clock
+time from `wall_ns`, so tests drive a real stage on a fake clock.
+
+A full disk (DiskFullError) stops nothing: results that cannot be stored
+are not acknowledged (their workers keep them and send them again), item
+errors from dispatch (sent once) are kept here, client requests are served
+as before, one ERROR line says so, and a store (of the latest results
+refused) is tried again every second until one goes through
+(pipeline/disk_full.py).
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+
+import numpy as np
+import zmq
+
+from collector.completion import cancel
+from collector.completion.delivery import PageDelivery
+from collector.completion.finishing import JobFinisher
+from collector.completion.intake import ResultIntake
+from collector.completion.job_status import JobStatus
+from collector.completion.result_check import CAUSES
+from collector.completion.results_log import CompletionLog
+from collector.job_view import JobIndex, JobView
+from gpu.work_protocol import ITEM_DTYPE
+from ingest.jobs import JOB_ID
+from pipeline import wire
+from pipeline.datadir import DataDir
+from pipeline.disk_full import FullDisk
+from pipeline.errors import DiskFullError, FabricError, SegmentError, WireError
+from pipeline.security import ServerGate
+from pipeline.segment import Segment
+from pipeline.stage import Stage
+from pipeline.topology import internal_address
+from router.intern_table import InternTable
+
+MT = wire.MessageType
+MAX_MESSAGES_PER_STEP = 256
+TIDY_S = 1.0
+
+
+class CompletionStage(Stage):
+    name = "completion"
+    poll_ms = 10
+
+    def open(self) -> None:
+        settings = self.settings
+        self.config = settings.completion
+        self.data_dir = DataDir(settings.data_path).ensure()
+        self.jobs = JobIndex(settings.data_path)
+        self.shapes = InternTable(settings.data_path)
+        self.inputs: dict[int, Segment] = {}
+        self.completion_log = CompletionLog(
+            self.data_dir, self._input, expected_items=self._lines_known
+        )
+        self.wall_ns = time.time_ns  # the finished mark's timestamp (tests give a fake clock)
+        self.intake = ResultIntake(
+            self.completion_log,
+            self.jobs,
+            self.shapes,
+            self._input,
+            settings.dispatch.max_attempts,
+            self.log,
+        )
+        self.status = JobStatus(self.completion_log)
+        self.delivery = PageDelivery(self.completion_log, self.shapes, self.config.page_items)
+        self.finishing = JobFinisher(
+            self.completion_log, self.jobs, lambda: self.wall_ns(), self.log
+        )
+        self.flush_s = self.config.tombstone_flush_ms / 1000
+        self.next_flush: float | None = None  # set from the first step's clock
+        self.next_tidy = 0.0  # the first step tidies: it takes up every unfinished job
+        self.disk = FullDisk(
+            self.log,
+            "results are not taken (workers keep them unacknowledged and send them again); "
+            "status and results reads go on",
+        )
+        self.deferred: collections.deque[wire.Message] = collections.deque()  # ITEM_ERRORS
+        self.probe: wire.Message | None = None  # the latest RESULTS refused: tried each second
+        self.context = zmq.Context()
+        self.gate = ServerGate(self.context, settings.security)  # CURVE, when keys are set
+        self.inbox = self.context.socket(zmq.PULL)
+        self.inbox.setsockopt(zmq.LINGER, 0)
+        self.inbox.bind(internal_address(settings, "completion"))
+        self.dispatch = self.context.socket(zmq.PUSH)
+        self.dispatch.setsockopt(zmq.LINGER, 2000)
+        self.dispatch.setsockopt(zmq.SNDTIMEO, 1000)
+        self.dispatch.connect(internal_address(settings, "dispatch"))
+        self.clients = self.context.socket(zmq.ROUTER)
+        self.clients.setsockopt(zmq.LINGER, 0)
+        self.clients.setsockopt(zmq.SNDTIMEO, 0)
+        self.clients.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)  # bigger: dropped
+        self.limits = wire.WireLimits(max_bytes=self.config.max_message_bytes)
+        self.gate.secure(self.clients)
+        self.clients.bind(self.config.bind)
+        self.poller = zmq.Poller()
+        self.poller.register(self.inbox, zmq.POLLIN)
+        self.poller.register(self.clients, zmq.POLLIN)
+
+    def _input(self, segment_id: int) -> Segment:
+        segment = self.inputs.get(segment_id)
+        if segment is None:
+            paths = list(self.data_dir.segments.glob(f"in-{segment_id:012d}.*.seg"))
+            if not paths:
+                raise SegmentError(f"input segment {segment_id} does not exist (collected?)")
+            segment = Segment.open(paths[0], writable=True)
+            self.inputs[segment_id] = segment
+        return segment
+
+    def _lines_known(self, job_id: str) -> int:
+        """Lines of the job committed so far, as last read (sizes its completion segments)."""
+        view = self.jobs.views.get(job_id)
+        return 0 if view is None else view.stored + view.rejected_count
+
+    # ---- the loop --------------------------------------------------------------------------
+    def step(self, now: float) -> None:
+        if self.next_flush is None:
+            self.next_flush = now + self.flush_s
+        wait_ms = max(0, min(self.poll_ms, int((self.next_flush - now) * 1000)))
+        events = dict(self.poller.poll(wait_ms))
+        if self.inbox in events or self.deferred or self.probe is not None:
+            self._read_inbox(now)
+        self._sync_outputs(now)  # outputs durable, then their tombstones written
+        if now >= self.next_flush:
+            self._flush(now)
+            self.next_flush = now + self.flush_s
+        if self.clients in events:
+            self._read_clients(now)
+        if now >= self.next_tidy:
+            self.next_tidy = now + TIDY_S
+            self._tidy(now)
+            self.disk.settle(now)
+
+    def _sync_outputs(self, now: float) -> None:
+        """The group commit; then the jobs given results finish if they are done."""
+        log = self.completion_log
+        if log.unsynced and self.disk.ready(now):
+            try:
+                log.sync_outputs()
+            except DiskFullError as exc:  # everything stays queued for the next try
+                self.disk.failed(exc, now)
+        if self.intake.touched and not log.unsynced:  # their results are durable
+            touched, self.intake.touched = self.intake.touched, set()
+            for job_id in touched:
+                view = self.jobs.view(job_id)
+                if view is not None:
+                    self._finish_if_done(view, now)
+
+    def _flush(self, now: float) -> None:
+        """Sync the tombstones; tell dispatch what retired, with the acks and hand-backs."""
+        if self.completion_log.unsynced:  # outputs not durable yet (a full disk): ack nothing
+            return
+        try:
+            retired = self.completion_log.flush_tombstones()
+        except DiskFullError as exc:  # the tombstones and acks wait for the next flush
+            self.disk.failed(exc, now)
+            return
+        intake = self.intake
+        if not retired and not intake.acks and not intake.hand_back:
+            return
+        parts = []
+        for segment_id, slots in retired.items():
+            items = np.zeros(len(slots), ITEM_DTYPE)
+            items["segment"] = segment_id
+            items["slot"] = slots
+            parts.append(items)
+        items = np.concatenate(parts) if parts else np.zeros(0, ITEM_DTYPE)
+        back = [items for _, _, items in intake.hand_back]
+        meta = {"acks": intake.acks, "refused": [[s, b, len(i)] for s, b, i in intake.hand_back]}
+        arrays = {"items": items, "refused": np.concatenate(back) if back else items[:0]}
+        try:
+            wire.send(self.dispatch, MT.RETIRED, meta, arrays)
+        except FabricError as exc:  # dispatch restarting: it rereads markers; workers resend
+            self.log.warning("could not tell dispatch of %d retired item(s): %s", len(items), exc)
+        intake.acks = []
+        intake.hand_back = []
+
+    def _read_inbox(self, now: float) -> None:
+        while self.deferred and self._store(self.deferred[0], now):
+            self.deferred.popleft()
+        if self.probe is not None and self._store(self.probe, now):
+            self.probe = None  # the disk takes results again, without waiting for a resend
+        for _ in range(MAX_MESSAGES_PER_STEP):
+            try:
+                message = wire.recv(self.inbox, 0)
+            except WireError as exc:
+                self.log.error("malformed message from dispatch dropped: %s", exc)
+                continue
+            if message is None:
+                return
+            if message.type == MT.ITEM_ERRORS and self.deferred:
+                self.deferred.append(message)  # in order, after those waiting for the disk
+            elif message.type == MT.ITEM_ERRORS:
+                if not self._store(message, now):
+                    self.deferred.append(message)  # sent once: kept until the disk takes it
+            elif message.type == MT.RESULTS:
+                if not self._store(message, now):
+                    self.disk.refused()  # not acknowledged: the worker sends them again
+                    self.probe = message
+            else:
+                self.log.error("unexpected %s from dispatch dropped", message.type.name)
+
+    def _store(self, message: wire.Message, now: float) -> bool:
+        """Record RESULTS or ITEM_ERRORS; False when the disk is full (then nothing of it is
+        acknowledged). A malformed message is dropped (True: it is done with)."""
+        if not self.disk.ready(now):
+            return False
+        try:
+            if message.type == MT.RESULTS:
+                self.intake.results(message)
+            else:
+                self.intake.item_errors(message)
+        except DiskFullError as exc:
+            self.disk.failed(exc, now)
+            return False
+        except (KeyError, ValueError, TypeError) as exc:
+            self.log.error("bad %s message dropped: %s", message.type.name, exc)
+            return True
+        self.disk.succeeded(now)
+        return True
+
+    # ---- clients -------------------------------------------------------------------------
+    def _read_clients(self, now: float) -> None:
+        refuse = lambda route, reason: self._reply(route, MT.ERROR, {"reason": reason})  # noqa: E731
+        for message in wire.requests(self.clients, 64, self.limits, self.log, "client", refuse):
+            try:
+                self._client(message, now)
+            except (KeyError, ValueError, TypeError) as exc:
+                self._reply(message.route, MT.ERROR, {"reason": f"bad request: {exc}"})
+            except FabricError as exc:  # a cancel mark not written (a full disk: ask again)
+                retryable = isinstance(exc, DiskFullError)
+                if retryable:
+                    self.disk.failed(exc, now)
+                else:
+                    self.log.error("a %s request failed: %s", message.type.name, exc)
+                flags = wire.Flag.RETRYABLE if retryable else 0
+                self._reply(message.route, MT.ERROR, {"reason": str(exc)}, flags=flags)
+
+    def _client(self, message: wire.Message, now: float) -> None:
+        meta, route = message.meta, message.route
+        if message.type == MT.PING:
+            self._reply(route, MT.PONG, {})
+            return
+        if message.type not in (MT.FETCH, MT.JOB_STATUS, MT.CANCEL):
+            self._reply(
+                route, MT.ERROR, {"reason": f"completion does not take {message.type.name}"}
+            )
+            return
+        job_id = str(meta["job"])
+        if not JOB_ID.match(job_id):  # never a path outside jobs/ ("../x", "/etc")
+            self._reply(route, MT.ERROR, {"reason": f"job id {job_id!r} is not allowed"})
+            return
+        try:
+            view = self.jobs.view(job_id)
+        except (FabricError, OSError, ValueError) as exc:
+            view = None
+            self.log.warning("job %r unreadable: %s", job_id, exc)
+        if view is None:
+            self._reply(route, MT.ERROR, {"reason": f"no job {job_id!r} on this broker"})
+            return
+        self._catch_up(view, now)
+        if message.type == MT.JOB_STATUS:
+            self._reply(route, MT.JOB_INFO, self._job_info(view, now))
+        elif message.type == MT.CANCEL:
+            reason = cancel.refusal(view, self._job_info(view, now)["state"])
+            if reason:
+                self._reply(route, MT.ERROR, {"reason": reason})
+                return
+            cancel.cancel_job(view, self.dispatch, self.log)
+            self._reply(route, MT.CANCELLED, self._job_info(view, now))
+        else:
+            self._fetch(route, view, meta, now)
+
+    def _fetch(self, route, view: JobView, meta: dict, now: float) -> None:
+        reason = self.delivery.refusal(view, meta)
+        if reason:
+            self._reply(route, MT.ERROR, {"reason": reason})
+            return
+        try:
+            self.delivery.acknowledge(view.job_id, meta)
+        except DiskFullError as exc:  # marked in memory; made durable by a later sync
+            self.disk.failed(exc, now)
+        reply, arrays = self.delivery.page(view, meta, lambda: self._job_info(view, now))
+        self._reply(route, MT.RESULT_PAGE, reply, arrays)
+
+    def _job_info(self, view: JobView, now: float) -> dict:
+        return self.status.info(view, self.finishing.finished(view.job_id), now)
+
+    def _catch_up(self, view: JobView, now: float) -> None:
+        """Read what the front appended; rejected lines become error results.
+
+        Not once the job has finished: its results may be collected by then, and
+        the rejected lines were stored before it could finish. On a full disk the
+        rejected lines stay in the view for a later try.
+        """
+        view.refresh()
+        if not view.rejected:
+            return
+        if self.finishing.finished(view.job_id):
+            view.take_rejected()
+            return
+        if not self.disk.ready(now):
+            return
+        try:
+            self.intake.rejected_lines(view)
+        except DiskFullError as exc:
+            self.disk.failed(exc, now)
+
+    def stats(self, now: float) -> dict:
+        """Results stored, duplicates dropped, results delivered (docs/metrics.md)."""
+        intake = self.intake
+        return {
+            "fabric_items_completed_total": intake.stored,
+            "fabric_duplicate_results_total": intake.duplicates,
+            "fabric_results_delivered_total": self.delivery.delivered,
+            "fabric_results_refused_total": {(c,): intake.refused[c] for c in CAUSES[1:]},
+        }
+
+    def _reply(
+        self, route, kind: MT, meta: dict, arrays: dict | None = None, flags: int = 0
+    ) -> None:
+        try:
+            wire.send(self.clients, kind, meta, arrays, route=route, flags=flags)
+        except FabricError as exc:
+            self.log.debug("could not answer a client: %s", exc)
+
+    # ---- housekeeping --------------------------------------------------------------------
+    def _tidy(self, now: float) -> None:
+        """Release finished input segments; take up jobs not finished and not loaded yet (at
+        the first step: those that finished before a restart); finish jobs whose every item
+        has a result; unload finished jobs once nothing of theirs is undelivered."""
+        for segment_id, segment in list(self.inputs.items()):
+            if segment.sealed and segment.deleted >= segment.entries:
+                segment.close()
+                del self.inputs[segment_id]
+        self.finishing.discover()
+        log = self.completion_log
+        for job_id in log.known_jobs():
+            view = self.jobs.view(job_id)
+            if view is None:
+                continue
+            if self.finishing.finished(job_id):
+                if not self.delivery.outstanding(job_id) and not log.undelivered(job_id):
+                    log.unload(job_id)  # all delivered: free its bitmaps and handles
+                    self.jobs.forget(job_id)
+                continue
+            self._catch_up(view, now)
+            if not log.unsynced:  # its results are durable
+                self._finish_if_done(view, now)
+
+    def _finish_if_done(self, view: JobView, now: float) -> None:
+        try:
+            self.finishing.finish_if_done(view)
+        except DiskFullError as exc:  # finished at a later tidy
+            self.disk.failed(exc, now)
+
+    def drain(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            events = dict(self.poller.poll(20))
+            if self.inbox not in events:
+                break
+            now = time.monotonic()
+            self._read_inbox(now)
+            self._sync_outputs(now)
+        now = time.monotonic()
+        self.disk.next_try = now  # one last try each
+        self._sync_outputs(now)
+        self._flush(now)
+        if self.completion_log.unsynced or self.deferred:
+            self.log.error(
+                "stopping on a full disk: results not stored are sent again by their workers; "
+                "%d item error batch(es) not stored (their items stay queued; dispatch meets "
+                "them again after a restart)",
+                len(self.deferred),
+            )
+
+    def close(self) -> None:
+        try:
+            self.completion_log.close()
+        except DiskFullError as exc:  # seals not durable: recovery finds them open, harmless
+            self.log.error("closing the completion log: %s", exc)
+        for segment in self.inputs.values():
+            segment.close()
+        self.inbox.close(0)
+        self.dispatch.close()
+        self.clients.close(0)
+        self.gate.close()
+        self.context.term()

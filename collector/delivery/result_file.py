@@ -1,0 +1,191 @@
+"""The output files that make delivery exactly-once: each key written at most once, then synced.
+
+`ResultFile` appends lines to one output file at most once per key
+(collector/delivery/lines.py `line_key`: the line's custom_id, or its id when
+it has none), and `sync()` makes them durable: the client acknowledges a page
+to the broker only after both of its files are synced (invariant 12), and a
+re-run after a crash rewrites nothing it already has (invariant 5).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import stat
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from collector.delivery.lines import line_key
+from pipeline.durable import fsync_dir
+from pipeline.errors import FabricError
+
+
+class ResultFileError(FabricError):
+    """An output file cannot be used: not a result file, in use, or unreadable."""
+
+
+class ResultFile:
+    """One JSONL output file that holds each key at most once, across crashes and re-runs.
+
+    Contract: `open` cuts a torn last line (bytes after the last newline, from
+    a writer killed mid-write) and loads the key of every line already there;
+    `write` appends only lines whose key is new (also within one call), with
+    no buffering of its own; `sync` returns only once everything written is on
+    disk, and is the only point after which a page may be acknowledged. A
+    failed write or sync leaves the file unusable until it is opened again
+    (which cuts what a failed write tore). One process at a time holds a file
+    (an exclusive lock), so two clients never append to one path.
+    """
+
+    def __init__(self, path: Path, fd: int, keys: set[str], cut_bytes: int) -> None:
+        """Use `ResultFile.open`."""
+        self.path = path
+        self.cut_bytes = cut_bytes  # bytes of a torn last line cut at open (0 if none)
+        self._fd = fd
+        self._keys = keys
+        self._failed: str | None = None
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str]) -> ResultFile:
+        """Open or create `path`; raise ResultFileError if it is not a result file or is in use."""
+        path = Path(path)
+        created = not path.exists()
+        try:
+            # O_NONBLOCK: a FIFO without a reader fails here instead of hanging; no effect on files
+            flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK
+            fd = os.open(path, flags, 0o644)
+        except OSError as exc:
+            raise ResultFileError(f"cannot open output file {path}: {exc.strerror}") from exc
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ResultFileError(
+                    f"output path {path} is not a regular file; choose a file path"
+                )
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise ResultFileError(
+                    f"output file {path} is in use by another process; wait for it to end "
+                    "or write to another path"
+                ) from None
+            with open(path, "rb") as reader:
+                keys, good_bytes, size = _read_keys(path, reader)
+            if good_bytes < size:
+                os.ftruncate(fd, good_bytes)
+                os.fsync(fd)
+            if created:
+                fsync_dir(path.parent)
+        except OSError as exc:
+            os.close(fd)
+            raise ResultFileError(f"cannot read output file {path}: {exc.strerror}") from exc
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(path, fd, keys, size - good_bytes)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._keys
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def write(self, lines: Sequence[bytes], keys: Sequence[str]) -> int:
+        """Append the lines whose key is not yet in the file; return how many were appended.
+
+        Each line is one JSON object ending in a newline; `keys[i]` is
+        `line_key` of `lines[i]` (from `page_keys`).
+        """
+        self._check_usable()
+        if len(lines) != len(keys):
+            raise ValueError(f"write got {len(lines)} lines but {len(keys)} keys")
+        new_keys: dict[
+            str, None
+        ] = {}  # insertion-ordered, so a key repeated in `lines` counts once
+        new_lines = []
+        for line, key in zip(lines, keys, strict=True):
+            if key not in self._keys and key not in new_keys:
+                if not line.endswith(b"\n"):
+                    raise ValueError(f"line for key {key!r} does not end with a newline")
+                new_keys[key] = None
+                new_lines.append(line)
+        if new_lines:
+            data = memoryview(b"".join(new_lines))
+            try:
+                while data:
+                    data = data[os.write(self._fd, data) :]
+            except OSError as exc:
+                self._failed = f"a write failed ({exc.strerror})"
+                raise ResultFileError(
+                    f"writing output file {self.path} failed: {exc.strerror}; free the space "
+                    "or fix the disk, then run again (the torn end is cut when it is reopened)"
+                ) from exc
+            self._keys.update(new_keys)
+        return len(new_lines)
+
+    def sync(self) -> None:
+        """fsync: everything written so far is on disk when this returns."""
+        self._check_usable()
+        try:
+            os.fsync(self._fd)
+        except OSError as exc:
+            self._failed = f"an fsync failed ({exc.strerror})"
+            raise ResultFileError(
+                f"syncing output file {self.path} failed: {exc.strerror}; what was written "
+                "since the last sync may be lost: run again, and the file is re-read"
+            ) from exc
+
+    def close(self) -> None:
+        """Close the file (without a sync: call `sync` first to keep what was written)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def _check_usable(self) -> None:
+        if self._fd < 0:
+            raise ResultFileError(f"output file {self.path} is closed")
+        if self._failed is not None:
+            raise ResultFileError(
+                f"output file {self.path} is unusable after {self._failed}; open it again"
+            )
+
+    def __enter__(self) -> ResultFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _read_keys(path: Path, file: Any) -> tuple[set[str], int, int]:
+    """(keys, bytes of whole lines, file size); raise ResultFileError at the first bad line."""
+    keys: set[str] = set()
+    good_bytes = 0
+    file.seek(0)
+    for number, line in enumerate(file, 1):
+        if not line.endswith(b"\n"):  # torn: the writer died before the newline
+            return keys, good_bytes, good_bytes + len(line)
+        try:
+            record = orjson.loads(line)
+        except orjson.JSONDecodeError as exc:
+            raise _not_ours(path, number, f"not JSON ({exc})") from None
+        if not isinstance(record, dict):
+            raise _not_ours(path, number, f"a JSON {type(record).__name__}, not an object")
+        if "custom_id" not in record:
+            raise _not_ours(path, number, "an object without a custom_id field")
+        custom_id, line_id = record["custom_id"], record.get("id")
+        if custom_id is not None and not isinstance(custom_id, str):
+            raise _not_ours(path, number, f"custom_id is {custom_id!r}, not a string or null")
+        if not isinstance(line_id, str):
+            raise _not_ours(path, number, f"id is {line_id!r}, not a string")
+        keys.add(line_key(custom_id, line_id))
+        good_bytes += len(line)
+    return keys, good_bytes, good_bytes
+
+
+def _not_ours(path: Path, number: int, what: str) -> ResultFileError:
+    return ResultFileError(
+        f"{path}: line {number} is {what}; it is not an OpenAI Batch result file this client "
+        "wrote, so it is left as it is: move it away or choose another output path"
+    )

@@ -1,0 +1,44 @@
+"""A set of item indexes kept as a bitmap: one bool per index, grown by doubling.
+
+Completion's exact counters (the items of a job that have a result, those
+that have an error result) and the vector sink's (the items of a job it has
+stored) are such sets. They are rebuilt from what is on disk, never from a
+stored count, so they count distinct items however often one arrives.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class IndexBitmap:
+    """Item indexes 0 .. 2**32 - 1 (int arrays), present or not."""
+
+    __slots__ = ("bits",)
+
+    def __init__(self, size: int = 1024) -> None:
+        self.bits = np.zeros(size, dtype=bool)
+
+    def add(self, index: np.ndarray) -> None:
+        """Put these indexes in the set (the bitmap grows to hold the largest)."""
+        index = np.asarray(index, dtype=np.int64)
+        if not len(index):
+            return
+        top = int(index.max())
+        if top >= len(self.bits):
+            grown = np.zeros(max(top + 1, 2 * len(self.bits)), dtype=bool)
+            grown[: len(self.bits)] = self.bits
+            self.bits = grown
+        self.bits[index] = True
+
+    def has(self, index: np.ndarray) -> np.ndarray:
+        """True for each index in the set (False for any past the bitmap's end)."""
+        index = np.asarray(index, dtype=np.int64)
+        inside = index < len(self.bits)
+        out = np.zeros(len(index), dtype=bool)
+        out[inside] = self.bits[index[inside]]
+        return out
+
+    def count(self) -> int:
+        """How many distinct indexes are in the set."""
+        return int(self.bits.sum())
