@@ -27,14 +27,13 @@ from pathlib import Path
 
 import numpy as np
 
-from collector.completion.finishing import finished_mark
 from collector.completion.results_log import CompletionLog
 from gpu.dispatch_report import CORRUPT_INPUT
 from pipeline.datadir import DataDir
 from pipeline.errors import SegmentError
 from pipeline.item_seq import job_of, seq_of
-from pipeline.job_record import JobRecordError, read_job_record
-from pipeline.records import read_records
+from pipeline.job_files import JOURNAL_FILE, JobFiles, acknowledged_indexes
+from pipeline.job_record import JobRecordError
 from pipeline.salvage import isolate, iter_slots, trusted_header
 from pipeline.segment_format import (
     DEAD,
@@ -75,26 +74,19 @@ class LostItems:
 
 def acknowledged(directory: Path) -> np.ndarray:
     """Item indexes of every committed chunk of the job in `directory` (int64, sorted)."""
-    records, _ = read_records(directory / "chunks.log")
-    parts = [
-        np.asarray(r["lines"], np.int64) - 1
-        for r in records
-        if isinstance(r, dict) and r.get("e") == "commit"
-    ]
-    return np.unique(np.concatenate(parts)) if parts else np.empty(0, np.int64)
+    return acknowledged_indexes(directory / JOURNAL_FILE)
 
 
 def _unfinished_jobs(data_dir: DataDir) -> dict[int, tuple[str, Path]]:
-    root = data_dir.root / "jobs"
+    files = JobFiles(data_dir.root)
     jobs: dict[int, tuple[str, Path]] = {}
-    if not root.is_dir():
-        return jobs
     claimed: set[int] = set()
-    for directory in sorted(p for p in root.iterdir() if p.is_dir()):
-        if finished_mark(root, directory.name).exists():
+    for name in files.names():
+        if files.is_finished(name):
             continue
+        directory = files.directory(name)
         try:
-            meta = read_job_record(directory)
+            meta = files.read_record(name)
         except (OSError, JobRecordError):
             continue  # not a job, or a refused one (ingest/job_check.py reports it)
         job_no = int(meta["job_no"])

@@ -13,38 +13,18 @@ where it happens, never in a status or results request (reads never write):
 Finishing seals the job's open completion segments and writes
 `jobs/<id>/finished` (the wall-clock ns, written whole): the start of the
 job's retention (collector/segments.py). On a full disk, again at the next
-tidy. The two reads of the `jobs/` layout here, the mark's path and the list
-of job directories, are one small function each.
+tidy. The `jobs/` layout is pipeline/job_files.py's.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
-from pathlib import Path
 
 from collector.completion.results_log import CompletionLog
 from collector.job_view import JobIndex, JobView
-from ingest.jobs import JOB_ID
-from pipeline.durable import write_whole
 from pipeline.errors import FabricError
 from pipeline.segment import disk_error
-
-FINISHED_FILE = "finished"
-
-
-def finished_mark(jobs_root: Path, job_id: str) -> Path:
-    """`jobs/<job>/finished`: when the job finished (wall-clock ns), the start of its retention."""
-    return jobs_root / job_id / FINISHED_FILE
-
-
-def job_names(jobs_root: Path) -> list[str]:
-    """The names under `jobs/` (job directories, and the front's own files)."""
-    try:
-        return os.listdir(jobs_root)
-    except FileNotFoundError:
-        return []
 
 
 class JobFinisher:
@@ -65,17 +45,16 @@ class JobFinisher:
         self.looked_at: set[str] = set()  # names under jobs/ already considered by `discover`
 
     def finished(self, job_id: str) -> bool:
-        return finished_mark(self.jobs.root, job_id).exists()
+        return self.jobs.files.is_finished(job_id)
 
     def discover(self) -> None:
         """Load every job under jobs/ seen for the first time that has not finished, so that
         it finishes without anyone asking about it. A finished job is not read at all."""
-        root = self.jobs.root
-        for name in job_names(root):
+        for name in self.jobs.files.names():
             if name in self.looked_at:
                 continue
             self.looked_at.add(name)
-            if not JOB_ID.match(name) or self.finished(name):
+            if self.finished(name):
                 continue
             try:
                 view = self.jobs.view(name)
@@ -96,10 +75,11 @@ class JobFinisher:
 
     def finish(self, view: JobView) -> None:
         """Seal the job's completion segments and note when it finished (for retention)."""
-        path = finished_mark(self.jobs.root, view.job_id)
+        files = self.jobs.files
         self.completion_log.finish_job(view.job_id)
         try:  # whole or absent: an empty mark would read as finished at time 0
-            write_whole(path, f"{self.wall_ns()}\n".encode())
+            files.mark_finished(view.job_id, self.wall_ns())
         except OSError as exc:
+            path = files.finished_path(view.job_id)
             raise disk_error(exc, path, "noting that the job finished") from exc
         self.log.info("job %s finished", view.job_id)
