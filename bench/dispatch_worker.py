@@ -54,7 +54,7 @@ class TimedEngine(Engine):
     def load(self) -> None:
         self.inner.load()
 
-    def run(self, batch: EngineBatch) -> EngineResult:
+    def infer(self, batch: EngineBatch) -> EngineResult:
         started = time.monotonic()
         try:
             return self.inner.run(batch)

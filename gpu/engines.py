@@ -10,6 +10,9 @@ Contract (issue 4; invariant 14 tells the failures apart):
 * `TransientEngineError` means the batch as a whole could not run now (out
   of memory for this batch, a restarting server, a quota): the worker hands
   the batch back without counting an attempt and backs off.
+* Out of memory is one rule for every engine: `Engine.run` calls the
+  engine's `infer` and turns an error that `out_of_memory` recognises into a
+  `TransientEngineError`. Engines implement `infer`, never `run`.
 * Anything else escaping `run` means the engine is broken: the worker stops
   asking for work and exits, rather than retry against a dead engine.
 
@@ -67,20 +70,83 @@ class EngineResult:
     meta: dict = field(default_factory=dict)
 
 
+# What an out-of-memory error says, lower-cased, whichever library raised it.
+OUT_OF_MEMORY_MARKERS = (
+    "out of memory",  # torch (CUDA, ROCm, MPS), vLLM, CUDA's own errors
+    "bad_alloc",  # std::bad_alloc through a C++ binding
+    "bad allocation",  # the same, as MSVC's runtime words it
+    "failed to allocate",  # onnxruntime
+    "cannot allocate",  # ENOMEM's text (torch's CPU allocator quotes it)
+    "can't allocate memory",  # torch's CPU allocator
+    "alloc_failed",  # cuBLAS / cuDNN status names
+)
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether `exc`, or an exception it was raised from, says that memory ran out."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+            return True  # torch.OutOfMemoryError (torch.cuda.OutOfMemoryError is the same class)
+        text = str(exc).lower()
+        if any(marker in text for marker in OUT_OF_MEMORY_MARKERS):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def batch_size_text(batch: EngineBatch) -> str:
+    """`a batch of 4 x 128 tokens + 16 new`: how big a batch is, for messages."""
+    rows, lane = batch.tokens.shape[:2] if batch.tokens.ndim == 2 else (len(batch.lengths), 0)
+    text = f"a batch of {rows} x {lane} tokens"
+    return text + (f" + {batch.max_tokens} new" if batch.task == GENERATE else "")
+
+
 class Engine:
-    """Base class; see the module docstring for the contract."""
+    """Base class; see the module docstring for the contract.
+
+    Subclasses implement `infer(batch)`; callers call `run(batch)`, which is
+    `infer` under the out-of-memory rule (one rule for every engine).
+    """
 
     name: ClassVar[str] = "engine"
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if "run" in cls.__dict__:
+            raise TypeError(
+                f"{cls.__qualname__} overrides Engine.run; implement infer(batch) instead, so "
+                "that the out-of-memory rule applies to it"
+            )
 
     def load(self) -> None:
         """Load weights and warm up (once per process)."""
 
     def run(self, batch: EngineBatch) -> EngineResult:
+        """`infer(batch)`; an out-of-memory error becomes a `TransientEngineError`: the worker
+        hands the batch back without counting an attempt (invariant 14)."""
+        try:
+            return self.infer(batch)
+        except TransientEngineError:
+            raise
+        except Exception as exc:
+            if not out_of_memory(exc):
+                raise
+            raise TransientEngineError(
+                f"{self.name} engine: out of memory for {batch_size_text(batch)} "
+                f"({type(exc).__name__}: {exc}); the batch is handed back without counting an "
+                "attempt"
+            ) from exc
+
+    def infer(self, batch: EngineBatch) -> EngineResult:
+        """One output or one error per item, in order (see the module docstring)."""
         raise NotImplementedError
 
 
 POISON_ENV = "FABRIC_ECHO_POISON"
 HANG_ENV = "FABRIC_ECHO_HANG"  # tests: a batch with an item starting with this token never ends
+OOM_ENV = "FABRIC_ECHO_OOM"  # tests: "TOKEN:N": such a batch runs out of memory N times
 
 
 class EchoEngine(Engine):
@@ -89,6 +155,9 @@ class EchoEngine(Engine):
     For fault tests, `poison_token` (or the FABRIC_ECHO_POISON environment
     variable) names a token: a batch with an item that starts with it kills
     the worker process with SIGKILL, as a crashing GPU kernel would.
+    FABRIC_ECHO_HANG names a token whose batch never ends (a hung kernel), and
+    FABRIC_ECHO_OOM = "TOKEN:N" one whose batch raises torch's out-of-memory
+    error the first N times this process runs one.
     """
 
     name = "echo"
@@ -97,8 +166,11 @@ class EchoEngine(Engine):
         if poison_token is None and os.environ.get(POISON_ENV):
             poison_token = int(os.environ[POISON_ENV])
         self.poison_token = poison_token
+        token, _, times = os.environ.get(OOM_ENV, "").partition(":")
+        self.oom_token = int(token) if token else None
+        self.oom_left = int(times or 1)
 
-    def run(self, batch: EngineBatch) -> EngineResult:
+    def infer(self, batch: EngineBatch) -> EngineResult:
         n = len(batch.lengths)
         if self.poison_token is not None and n and (batch.tokens[:, 0] == self.poison_token).any():
             os.kill(os.getpid(), signal.SIGKILL)
@@ -106,6 +178,9 @@ class EchoEngine(Engine):
         if hang and n and (batch.tokens[:, 0] == int(hang)).any():
             while True:  # a hung kernel: only the worker's batch_timeout_s ends it
                 time.sleep(3600)
+        if self.oom_left > 0 and n and (batch.tokens[:, 0] == self.oom_token).any():
+            self.oom_left -= 1
+            raise RuntimeError("CUDA out of memory. Tried to allocate 20.00 GiB (echo, a test)")
         if batch.task == EMBED:
             return EngineResult([None] * n, embeddings=batch.tokens.astype(np.float32))
         lengths = np.minimum(batch.lengths.astype(np.int64), batch.max_tokens)
@@ -128,7 +203,7 @@ class SimulatedEngine(Engine):
         self.tokens_per_s = tokens_per_s
         self._sleep = sleep
 
-    def run(self, batch: EngineBatch) -> EngineResult:
+    def infer(self, batch: EngineBatch) -> EngineResult:
         n = len(batch.lengths)
         work = int(batch.lengths.sum()) + (n * batch.max_tokens if batch.task == GENERATE else 0)
         self._sleep(work / self.tokens_per_s)

@@ -46,7 +46,6 @@ from gpu.engines import (
     EngineBatch,
     EngineError,
     EngineResult,
-    TransientEngineError,
     verify_pinned,
 )
 
@@ -59,7 +58,6 @@ INSTALL_HINT = (
     "(docs/engines.md, `transformers`)"
 )
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-_MEMORY_MARKERS = ("out of memory", "bad_alloc", "failed to allocate", "cannot allocate")
 
 
 def smollm2_gguf_path() -> Path:
@@ -380,7 +378,7 @@ class TransformersEngine(Engine):
         return loaded.decode
 
     # ---- running ---------------------------------------------------------------------------
-    def run(self, batch: EngineBatch) -> EngineResult:
+    def infer(self, batch: EngineBatch) -> EngineResult:
         if batch.task != GENERATE:
             return wrong_task(batch, self.name)
         if self._model is None:
@@ -421,30 +419,16 @@ class TransformersEngine(Engine):
             eos_token_id=list(stop_ids) or None,
             pad_token_id=self.pad_id,
         )
-        try:
-            with torch.inference_mode():
-                out = self._model.generate(
-                    input_ids=torch.from_numpy(ids).to(self.device),
-                    attention_mask=torch.from_numpy(mask).to(self.device),
-                    generation_config=config,
-                    logits_processor=LogitsProcessorList(processors),
-                    stopping_criteria=StoppingCriteriaList(criteria),
-                )
-        except MemoryError as exc:
-            raise TransientEngineError(_memory_error(ids.shape, batch.max_tokens, exc)) from exc
-        except RuntimeError as exc:  # torch.OutOfMemoryError is one
-            if any(marker in str(exc).lower() for marker in _MEMORY_MARKERS):
-                raise TransientEngineError(_memory_error(ids.shape, batch.max_tokens, exc)) from exc
-            raise
+        with torch.inference_mode():  # out of memory (torch.OutOfMemoryError): Engine.run
+            out = self._model.generate(
+                input_ids=torch.from_numpy(ids).to(self.device),
+                attention_mask=torch.from_numpy(mask).to(self.device),
+                generation_config=config,
+                logits_processor=LogitsProcessorList(processors),
+                stopping_criteria=StoppingCriteriaList(criteria),
+            )
         generated = out[:, width:].cpu().numpy().astype(np.int64)
         ends = first_stop(generated, stop_ids) if stop_ids else [generated.shape[1]] * len(rows)
         for row, end in zip(generated, ends, strict=True):
             kept = row[:end]
             yield kept[: kept_before_stop(kept, sampling.stop, self._decode)]
-
-
-def _memory_error(shape: tuple[int, ...], max_tokens: int, exc: BaseException) -> str:
-    return (
-        f"transformers engine: out of memory for {shape[0]} rows of {shape[1]} prompt tokens "
-        f"+ {max_tokens} new ({exc})"
-    )

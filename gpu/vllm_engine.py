@@ -145,7 +145,7 @@ class VllmEngine(Engine):
         if self.task == EMBED:
             self.dim = result.embeddings.shape[1]
 
-    def run(self, batch: EngineBatch) -> EngineResult:
+    def infer(self, batch: EngineBatch) -> EngineResult:
         n = len(batch.lengths)
         if batch.task != self.task:
             return self._wrong_task(batch)

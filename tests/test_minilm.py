@@ -139,7 +139,9 @@ class _FailingSession:
 def test_out_of_memory_is_transient(exc):
     engine = MiniLMEngine(threads=1)
     engine._session = _FailingSession(exc)
-    with pytest.raises(TransientEngineError, match="out of memory for a batch of 1 x 64"):
+    with pytest.raises(
+        TransientEngineError, match="minilm engine: out of memory for a batch of 1 x 64 tokens"
+    ):
         engine.run(batch_of([[101, 102]], lane=64))
 
 

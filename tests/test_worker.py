@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
+from test_dispatch_pipeline import broker, workers  # noqa: F401 (fixtures)
 
 from gpu.engines import EchoEngine, EngineResult
 from gpu.work_protocol import ITEM_DTYPE
@@ -93,12 +95,12 @@ def _worker_with(engine, **options):
     worker.registered = True
     worker.report_s = 1e9
 
-    def work(batch_id: int, slots: list[int]) -> None:
+    def work(batch_id: int, slots: list[int], task: str = "embed") -> None:
         items = np.zeros(len(slots), ITEM_DTYPE)
         items["segment"], items["slot"], items["seq"] = 1, slots, slots
         words = np.zeros((len(slots), 8 + 4), np.uint32)
         words[:, 8] = np.array(slots) + 100
-        meta = {"batch_id": batch_id, "lane": 4, "task": "embed", "max_tokens": 4}
+        meta = {"batch_id": batch_id, "lane": 4, "task": task, "max_tokens": 4}
         arrays = {"items": items, "lengths": np.ones(len(slots), np.uint32), "slots": words}
         worker._handle(wire.Message(wire.MessageType.WORK, meta, arrays), 0.0)
 
@@ -208,3 +210,131 @@ def test_a_worker_whose_engine_thread_ended_or_took_no_work_hands_back_and_exits
     finally:
         blocked.set()
         stuck.close()
+
+
+# ---- out of memory: one rule for every engine (invariant 14) -----------------------------------
+def _minilm_out_of_memory():
+    from test_minilm import _FailingSession
+
+    from gpu.minilm_engine import MiniLMEngine
+
+    engine = MiniLMEngine(threads=1)
+    engine._session = _FailingSession(
+        RuntimeError("[ONNXRuntimeError] : 6 : Failed to allocate memory for buffer")
+    )
+    return engine, "embed"
+
+
+def _transformers_out_of_memory():
+    import torch
+
+    from gpu.transformers_engine import TransformersEngine
+
+    class Model:
+        def generate(self, **kwargs):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    engine = TransformersEngine()
+    engine._model, engine._torch, engine.vocab_size, engine.context_tokens = (
+        Model(),
+        torch,
+        1000,
+        64,
+    )
+    return engine, "generate"
+
+
+def _vllm_out_of_memory():
+    from types import SimpleNamespace
+
+    import gpu.vllm_engine as ve
+
+    class LLM:  # vllm.LLM's surface, started; it runs out of memory after its warm-up
+        llm_engine = SimpleNamespace(
+            model_config=SimpleNamespace(get_vocab_size=lambda: 1000, max_model_len=64)
+        )
+        warmed = False
+
+        def get_tokenizer(self):
+            return SimpleNamespace(decode=str)
+
+        def generate(self, prompts, params, use_tqdm):
+            if not self.warmed:
+                self.warmed = True
+                done = SimpleNamespace(token_ids=[5], finish_reason="length", stop_reason=None)
+                return [SimpleNamespace(outputs=[done])]
+            raise RuntimeError("CUDA out of memory. Tried to allocate 1.50 GiB (vLLM, a fake)")
+
+    real = ve.vllm_installed
+    ve.vllm_installed = lambda: True  # vLLM's glue on a stand-in: vllm itself is not needed
+    try:
+        engine = ve.VllmEngine(model="stand-in")
+    finally:
+        ve.vllm_installed = real
+    engine.attach(LLM(), lambda **params: SimpleNamespace(**params))
+    return engine, "generate"
+
+
+def _echo_out_of_memory():
+    engine = EchoEngine()
+    engine.oom_token, engine.oom_left = 100, 1  # FABRIC_ECHO_OOM=100:1
+    return engine, "embed"
+
+
+@pytest.mark.parametrize(
+    "engine_of",
+    [_echo_out_of_memory, _minilm_out_of_memory, _transformers_out_of_memory, _vllm_out_of_memory],
+    ids=["echo", "minilm", "transformers", "vllm"],
+)
+def test_out_of_memory_in_any_engine_hands_the_batch_back_without_an_attempt(engine_of):
+    from conftest import wait_for
+
+    engine, task = engine_of()
+    engine.load = lambda: None  # started above, on stand-ins
+    worker, sent, work = _worker_with(engine)
+    try:
+        work(1, [0, 1], task)
+        wait_for(lambda: (worker.step(0), "HAND_BACK" in _kinds(sent))[1], "the hand-back")
+        (back,) = [(m, a) for k, m, a in sent if k.name == "HAND_BACK"]
+        assert back[0]["count_attempt"] is False, back[0]
+        assert "out of memory" in back[0]["reason"] and engine.name in back[0]["reason"]
+        assert back[1]["items"]["slot"].tolist() == [0, 1]
+        assert worker.exit_code is None and worker.thread.is_alive()  # the engine is not broken
+        assert worker.pause_until > 0  # it backs off before asking again
+    finally:
+        worker.close()
+
+
+def test_a_real_worker_whose_engine_runs_out_of_memory_hands_back_and_finishes_the_job(
+    tmp_path,
+    broker,  # noqa: F811 (the fixture)
+    workers,  # noqa: F811
+):
+    """`run.py worker` against a real broker: its engine runs out of memory more times than
+    max_attempts (3). Were an attempt counted, the items would be dead-lettered (and before the
+    one rule, a worker whose engine was not minilm or transformers exited 7). The job finishes
+    with every result, once, and the worker lives on."""
+    import json
+
+    from broker import submit
+    from conftest import wait_for
+    from test_dispatch_pipeline import assert_each_once, fetch, finished, job_info, stop_and_check
+
+    b = broker(workers=0)
+    data = tmp_path / "oom.jsonl"
+    body = {"model": "echo", "prompt_token_ids": [7, 1, 2]}
+    lines = [
+        {"custom_id": f"r{i}", "method": "POST", "url": "/v1/embeddings", "body": body}
+        for i in range(20)
+    ]
+    data.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert submit(b.config, data, "--job-id", "oom").returncode == 0
+    worker = workers(b, env={"FABRIC_ECHO_OOM": "7:5"})  # 5 > max_attempts = 3
+    wait_for(lambda: finished(b, "oom"), "the job to finish despite 5 out-of-memory errors", 60)
+    assert worker.poll() is None, "the worker lives on: out of memory is transient"
+    info = job_info(b, "oom")
+    assert (info["completed"], info["failed"]) == (20, 0), info
+    out = tmp_path / "oom.out.jsonl"
+    assert fetch(b, "oom", out).returncode == 0
+    assert_each_once(out, 20)
+    stop_and_check(b)
