@@ -358,7 +358,7 @@ def _cancel(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from gpu.engines import make_engine
+    from gpu.engines.registry import make_engine
     from gpu.worker import WorkerOptions, run_worker
 
     options = {}

@@ -36,7 +36,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gpu.engines import Engine, EngineBatch, EngineResult, make_engine
+from gpu.engines.base import Engine, EngineBatch, EngineResult
+from gpu.engines.registry import make_engine
 from gpu.worker import Worker, WorkerOptions
 from pipeline import wire
 

@@ -51,7 +51,7 @@ import numpy as np
 import zmq
 
 from config.defaults import DEFAULTS
-from gpu.engines import Engine, EngineBatch, EngineResult, TransientEngineError
+from gpu.engines.base import Engine, EngineBatch, EngineResult, TransientEngineError
 from gpu.work_protocol import ITEM_DTYPE
 from pipeline import exitcodes, wire
 from pipeline.errors import ConfigError, FabricError, WireError
@@ -778,7 +778,7 @@ class WorkerStage:
     name = "worker"
 
     def __init__(self, settings, index: int) -> None:
-        from gpu.engines import make_engine
+        from gpu.engines.registry import make_engine
 
         self.settings = settings
         self.index = index

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu.engines import EMBED, GENERATE, EngineBatch, EngineError, make_engine
+from gpu.engines.base import EMBED, GENERATE, EngineBatch, EngineError
+from gpu.engines.registry import make_engine
 
 
 def batch(task: str, max_tokens: int = 4) -> EngineBatch:
@@ -53,7 +54,7 @@ def test_unknown_engines_and_bad_options_are_refused_by_name():
 
 
 def test_out_of_memory_is_recognised_whichever_library_says_it():
-    from gpu.engines import out_of_memory
+    from gpu.engines.base import out_of_memory
 
     class OutOfMemoryError(RuntimeError):  # torch's class name
         pass
@@ -76,7 +77,7 @@ def test_out_of_memory_is_recognised_whichever_library_says_it():
 
 
 def test_an_engine_cannot_bypass_the_out_of_memory_rule():
-    from gpu.engines import Engine
+    from gpu.engines.base import Engine
 
     with pytest.raises(TypeError, match=r"overrides Engine\.run; implement infer"):
 

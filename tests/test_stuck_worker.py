@@ -31,7 +31,7 @@ from test_dispatch_pipeline import (  # noqa: F401 (fixtures)
 )
 
 from collector.client import DispatchClient
-from gpu.engines import TransientEngineError
+from gpu.engines.base import TransientEngineError
 from gpu.worker import Worker, WorkerOptions
 
 TOKENS_PER_S = 10  # the simulated engine: a 4-item batch of 100 tokens each runs 40 s

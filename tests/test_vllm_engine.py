@@ -18,9 +18,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-import gpu.vllm_engine as ve
-from gpu.engines import EMBED, GENERATE, EngineBatch, EngineError, make_engine
-from gpu.vllm_engine import VllmEngine
+import gpu.engines.vllm as ve
+from gpu.engines.base import EMBED, GENERATE, EngineBatch, EngineError
+from gpu.engines.registry import make_engine
+from gpu.engines.vllm import VllmEngine
 
 SLOT_HEADER_WORDS = 8
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from test_dispatch_pipeline import broker, workers  # noqa: F401 (fixtures)
 
-from gpu.engines import EchoEngine, EngineResult
+from gpu.engines.base import EngineResult
+from gpu.engines.echo import EchoEngine
 from gpu.work_protocol import ITEM_DTYPE
 from gpu.worker import FIRST_BATCH_TOKENS, Worker, WorkerOptions, results_message
 
@@ -216,7 +217,7 @@ def test_a_worker_whose_engine_thread_ended_or_took_no_work_hands_back_and_exits
 def _minilm_out_of_memory():
     from test_minilm import _FailingSession
 
-    from gpu.minilm_engine import MiniLMEngine
+    from gpu.engines.minilm import MiniLMEngine
 
     engine = MiniLMEngine(threads=1)
     engine._session = _FailingSession(
@@ -228,7 +229,7 @@ def _minilm_out_of_memory():
 def _transformers_out_of_memory():
     import torch
 
-    from gpu.transformers_engine import TransformersEngine
+    from gpu.engines.transformers import TransformersEngine
 
     class Model:
         def generate(self, **kwargs):
@@ -247,7 +248,7 @@ def _transformers_out_of_memory():
 def _vllm_out_of_memory():
     from types import SimpleNamespace
 
-    import gpu.vllm_engine as ve
+    import gpu.engines.vllm as ve
 
     class LLM:  # vllm.LLM's surface, started; it runs out of memory after its warm-up
         llm_engine = SimpleNamespace(

@@ -32,14 +32,8 @@ from pathlib import Path
 import numpy as np
 
 from config.defaults import ENGINE_VOCAB_SIZE
-from gpu.engines import (
-    EMBED,
-    Engine,
-    EngineBatch,
-    EngineError,
-    EngineResult,
-    verify_pinned,
-)
+from gpu.engines.base import EMBED, Engine, EngineBatch, EngineError, EngineResult
+from gpu.engines.pinned import verify_pinned
 
 DIM = 384
 MAX_POSITIONS = 512  # the model's position embeddings
@@ -51,7 +45,7 @@ MODEL_SIZE_BYTES = 22_928_619
 
 def minilm_tokenizer_path() -> Path:
     """The absolute path of the committed tokenizer.json for models on this engine."""
-    return Path(__file__).resolve().parent / "minilm" / "tokenizer.json"
+    return Path(__file__).resolve().parents[1] / "minilm" / "tokenizer.json"
 
 
 def model_path() -> Path:
