@@ -31,7 +31,7 @@ from collector.client import DispatchClient
 from gpu.engines.base import EngineResult
 from gpu.work_protocol import ITEM_DTYPE
 from gpu.work_token import SECRET_FILE, WorkTokens
-from gpu.worker import results_message
+from gpu.worker.results import results_message
 from pipeline import exitcodes, wire
 from pipeline.errors import FabricError
 from pipeline.segment import Segment
