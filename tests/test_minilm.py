@@ -16,9 +16,9 @@ import gpu.engines.minilm as minilm
 from gpu.engines.base import EMBED, GENERATE, EngineBatch, EngineError, TransientEngineError
 from gpu.engines.minilm import DIM, MODEL_SHA256, MiniLMEngine, minilm_tokenizer_path
 from gpu.engines.registry import make_engine
+from pipeline.segment_format import SLOT_HEADER_WORDS  # batches are views into whole slots
 
 REFERENCE = Path(__file__).parent / "data" / "minilm_reference.json"
-SLOT_HEADER_WORDS = 8  # batches arrive as views into whole slots, as gpu/worker.py makes them
 
 
 @pytest.fixture(scope="module")

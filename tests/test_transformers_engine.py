@@ -29,8 +29,8 @@ from gpu.engines.transformers import (
     left_padded,
     smollm2_tokenizer_path,
 )
+from pipeline.segment_format import SLOT_HEADER_WORDS  # batches are views into whole slots
 
-SLOT_HEADER_WORDS = 8  # batches arrive as views into whole slots, as gpu/worker.py makes them
 EOS = 2  # <|im_end|>
 MISSING = [
     name
