@@ -311,6 +311,7 @@ def test_out_of_memory_in_any_engine_hands_the_batch_back_without_an_attempt(eng
         worker.close()
 
 
+@pytest.mark.slow
 def test_a_real_worker_whose_engine_runs_out_of_memory_hands_back_and_finishes_the_job(
     tmp_path,
     broker,  # noqa: F811 (the fixture)
