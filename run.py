@@ -358,42 +358,14 @@ def _cancel(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from gpu.engines import make_engine
-    from gpu.worker import WorkerOptions, run_worker
+    from gpu.engines.registry import make_engine
+    from gpu.worker.options import WorkerOptions
+    from gpu.worker.session import run_worker
 
-    options = {}
-    for pair in args.option or []:
-        key, _, value = pair.partition("=")
-        try:
-            options[key] = float(value) if "." in value else int(value)
-        except ValueError:
-            options[key] = value
-    try:
-        engine = make_engine(args.engine, **options)
-    except TypeError as exc:
-        raise FabricError(
-            f"engine {args.engine!r} does not take options {options}: {exc}"
-        ) from None
-    heartbeat = args.heartbeat
-    if heartbeat is None and args.broker.startswith("tcp://"):
-        host, _, port = args.broker.rpartition(":")
-        heartbeat = f"{host}:{int(port) + 1}"
+    options = WorkerOptions.from_args(args, curve=_curve(args))
+    engine = make_engine(options.engine, **options.engine_options)
     logging.getLogger("fabric").setLevel(logging.INFO)
-    return run_worker(
-        WorkerOptions(
-            broker=args.broker,
-            model=args.model,
-            heartbeat=heartbeat,
-            batch_items=args.batch_items,
-            batch_tokens=args.batch_tokens,
-            prefetch=args.prefetch,
-            drain_s=args.drain_s,
-            target_batch_s=args.target_batch_s,
-            batch_timeout_s=args.batch_timeout_s,
-            curve=_curve(args),
-        ),
-        engine,
-    )
+    return run_worker(options, engine)
 
 
 def _keys(args: argparse.Namespace) -> int:
@@ -523,40 +495,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_vectors_parser(commands, client_options, _vectors)
     worker = commands.add_parser("worker", help="a worker process: pulls batches, runs an engine")
-    worker.add_argument("--broker", required=True, help="dispatch address, e.g. tcp://host:7711")
-    worker.add_argument("--model", required=True, help="the model this worker serves")
-    worker.add_argument("--engine", required=True, help="echo, simulated, ...")
-    worker.add_argument("--option", action="append", help="engine option KEY=VALUE (repeat)")
-    worker.add_argument("--heartbeat", help="heartbeat address (default: the broker's port + 1)")
+    from gpu.worker.options import WorkerOptions
+
+    WorkerOptions.add_arguments(worker)
     key_options(worker)
-    defaults = DEFAULTS["workers"]
-    worker.add_argument(
-        "--batch-items", type=int, default=defaults["batch_items"], help="largest batch, in items"
-    )
-    worker.add_argument(
-        "--batch-tokens",
-        type=int,
-        default=defaults["batch_tokens"],
-        help="largest batch, in tokens",
-    )
-    worker.add_argument(
-        "--prefetch", type=int, default=defaults["prefetch"], help="batches queued ahead"
-    )
-    worker.add_argument(
-        "--drain-s", type=float, default=defaults["drain_s"], help="grace period on SIGTERM"
-    )
-    worker.add_argument(
-        "--target-batch-s",
-        type=float,
-        default=defaults["target_batch_s"],
-        help="size batches to take the engine about this long (0: always the maximum)",
-    )
-    worker.add_argument(
-        "--batch-timeout-s",
-        type=float,
-        default=defaults["batch_timeout_s"],
-        help="a batch running longer means a hung engine: hand back and exit 7 (0: never)",
-    )
     worker.set_defaults(handler=_worker)
     return parser
 

@@ -3,8 +3,8 @@
     python bench/dispatch_worker.py --broker ADDR --heartbeat ADDR --model M \
         --engine simulated --tokens-per-s 1000000 --batch-items 256 --prefetch 4 --stats OUT.json
 
-Runs one `gpu.worker.Worker` (unchanged: `TimedWorker` only wraps its
-message send and receive, and `TimedEngine` the engine's `run`) until
+Runs one `gpu.worker.session.Worker` (unchanged: `TimedWorker` only wraps
+its message send and receive, and `TimedEngine` the engine's `run`) until
 SIGTERM, drains as the SDK does, then writes one JSON object to `--stats`:
 
 | key | meaning |
@@ -36,8 +36,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gpu.engines import Engine, EngineBatch, EngineResult, make_engine
-from gpu.worker import Worker, WorkerOptions
+from gpu.engines.base import Engine, EngineBatch, EngineResult
+from gpu.engines.registry import make_engine
+from gpu.worker.options import WorkerOptions
+from gpu.worker.session import Worker
 from pipeline import wire
 
 MT = wire.MessageType
@@ -54,7 +56,7 @@ class TimedEngine(Engine):
     def load(self) -> None:
         self.inner.load()
 
-    def run(self, batch: EngineBatch) -> EngineResult:
+    def infer(self, batch: EngineBatch) -> EngineResult:
         started = time.monotonic()
         try:
             return self.inner.run(batch)
@@ -127,30 +129,20 @@ def stats(worker: TimedWorker, engine: TimedEngine, stopped: float) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--broker", required=True)
-    parser.add_argument("--heartbeat")
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--engine", default="simulated")
-    parser.add_argument("--tokens-per-s", type=float, default=1e6)
-    parser.add_argument("--batch-items", type=int, default=256)
-    parser.add_argument("--batch-tokens", type=int, default=262_144)
-    parser.add_argument("--prefetch", type=int, default=4)
+    WorkerOptions.add_arguments(parser, engine="simulated")  # the flags of `run.py worker`
+    parser.add_argument(
+        "--tokens-per-s", type=float, default=1e6, help="the simulated engine's speed"
+    )
     parser.add_argument("--stats", type=Path, required=True)
+    parser.set_defaults(batch_items=256, batch_tokens=262_144, prefetch=4)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
-    options = {"tokens_per_s": args.tokens_per_s} if args.engine == "simulated" else {}
-    engine = TimedEngine(make_engine(args.engine, **options))
-    worker = TimedWorker(
-        WorkerOptions(
-            broker=args.broker,
-            model=args.model,
-            heartbeat=args.heartbeat,
-            batch_items=args.batch_items,
-            batch_tokens=args.batch_tokens,
-            prefetch=args.prefetch,
-        ),
-        engine,
-    )
+    options = WorkerOptions.from_args(args)
+    engine_options = dict(options.engine_options)
+    if options.engine == "simulated":
+        engine_options.setdefault("tokens_per_s", args.tokens_per_s)
+    engine = TimedEngine(make_engine(options.engine, **engine_options))
+    worker = TimedWorker(options, engine)
     stop = {"at": None}
 
     def on_signal(signum: int, frame: object) -> None:

@@ -47,7 +47,7 @@ DOC = REPO / "docs" / "BENCHMARKS.md"
 def tokenised(texts: list[str]) -> list[list[int]]:
     from tokenizers import Tokenizer
 
-    from gpu.minilm_engine import minilm_tokenizer_path
+    from gpu.engines.minilm import minilm_tokenizer_path
 
     tokenizer = Tokenizer.from_file(str(minilm_tokenizer_path()))
     return [e.ids for e in tokenizer.encode_batch(texts)]
@@ -72,7 +72,8 @@ def lane_batches(ids: list[list[int]]) -> list[tuple[np.ndarray, np.ndarray]]:
 
 def engine_alone(batches) -> tuple[float, int, int]:
     """Seconds for every batch through a loaded engine; real tokens; lane slots."""
-    from gpu.engines import EMBED, EngineBatch, make_engine
+    from gpu.engines.base import EMBED, EngineBatch
+    from gpu.engines.registry import make_engine
 
     engine = make_engine("minilm")
     engine.load()

@@ -56,7 +56,7 @@ def corpus() -> list[str]:
                 paragraphs.append(" ".join(piece))
     from tokenizers import Tokenizer
 
-    from gpu.minilm_engine import minilm_tokenizer_path
+    from gpu.engines.minilm import minilm_tokenizer_path
 
     tokenizer = Tokenizer.from_file(str(minilm_tokenizer_path()))
     tokenizer.no_truncation()
@@ -65,7 +65,7 @@ def corpus() -> list[str]:
 
 
 def write_config(root: Path, workers: int) -> Path:
-    from gpu.minilm_engine import minilm_tokenizer_path
+    from gpu.engines.minilm import minilm_tokenizer_path
 
     ports = free_loopback_ports(6)
     text = f"""# Written by `python run.py demo`; rewritten on every run.

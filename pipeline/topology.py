@@ -95,7 +95,7 @@ def stage_specs(settings) -> list[StageSpec]:
         for i in range(settings.writers.processes)
     ]
     specs += [
-        StageSpec("worker", i, "gpu.worker:WorkerStage", critical=False)
+        StageSpec("worker", i, "gpu.worker.local_stage:WorkerStage", critical=False)
         for i in range(sum(group.local for group in settings.worker_groups))
     ]
     specs.append(StageSpec("dispatch", 0, "gpu.dispatch_stage:DispatchStage"))

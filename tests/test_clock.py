@@ -143,7 +143,9 @@ WALL_CLOCK_ALLOWED = {
 TIMED_MODULES = [
     "gpu/dispatch_state.py",
     "gpu/dispatch_stage.py",
-    "gpu/worker.py",
+    "gpu/worker/session.py",
+    "gpu/worker/engine_thread.py",
+    "gpu/worker/watchdog.py",
     "ingest/front_stage.py",
     "ingest/tokenizer_stage.py",
     "router/writer_stage.py",

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu.engines import EMBED, GENERATE, EngineBatch, EngineError, make_engine
+from gpu.engines.base import EMBED, GENERATE, EngineBatch, EngineError
+from gpu.engines.registry import make_engine
 
 
 def batch(task: str, max_tokens: int = 4) -> EngineBatch:
@@ -50,3 +51,36 @@ def test_unknown_engines_and_bad_options_are_refused_by_name():
         make_engine("nonesuch")
     with pytest.raises(EngineError, match="tokens_per_s = 0"):
         make_engine("simulated", tokens_per_s=0)
+
+
+def test_out_of_memory_is_recognised_whichever_library_says_it():
+    from gpu.engines.base import out_of_memory
+
+    class OutOfMemoryError(RuntimeError):  # torch's class name
+        pass
+
+    assert out_of_memory(MemoryError())
+    assert out_of_memory(OutOfMemoryError("no text"))
+    assert out_of_memory(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert out_of_memory(RuntimeError("[ONNXRuntimeError] : 6 : Failed to allocate memory"))
+    assert out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory"))
+    assert out_of_memory(RuntimeError("std::bad_alloc"))
+    try:
+        try:
+            raise MemoryError()
+        except MemoryError as inner:
+            raise RuntimeError("engine core died") from inner
+    except RuntimeError as outer:
+        assert out_of_memory(outer)  # wrapped: the cause says it
+    assert not out_of_memory(RuntimeError("invalid input shape"))
+    assert not out_of_memory(ValueError("token id 99999 is outside the vocabulary"))
+
+
+def test_an_engine_cannot_bypass_the_out_of_memory_rule():
+    from gpu.engines.base import Engine
+
+    with pytest.raises(TypeError, match=r"overrides Engine\.run; implement infer"):
+
+        class Bypass(Engine):
+            def run(self, batch):
+                return None

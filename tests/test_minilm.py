@@ -12,12 +12,13 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-import gpu.minilm_engine as minilm
-from gpu.engines import EMBED, GENERATE, EngineBatch, EngineError, TransientEngineError, make_engine
-from gpu.minilm_engine import DIM, MODEL_SHA256, MiniLMEngine, minilm_tokenizer_path
+import gpu.engines.minilm as minilm
+from gpu.engines.base import EMBED, GENERATE, EngineBatch, EngineError, TransientEngineError
+from gpu.engines.minilm import DIM, MODEL_SHA256, MiniLMEngine, minilm_tokenizer_path
+from gpu.engines.registry import make_engine
+from pipeline.segment_format import SLOT_HEADER_WORDS  # batches are views into whole slots
 
 REFERENCE = Path(__file__).parent / "data" / "minilm_reference.json"
-SLOT_HEADER_WORDS = 8  # batches arrive as views into whole slots, as gpu/worker.py makes them
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +140,9 @@ class _FailingSession:
 def test_out_of_memory_is_transient(exc):
     engine = MiniLMEngine(threads=1)
     engine._session = _FailingSession(exc)
-    with pytest.raises(TransientEngineError, match="out of memory for a batch of 1 x 64"):
+    with pytest.raises(
+        TransientEngineError, match="minilm engine: out of memory for a batch of 1 x 64 tokens"
+    ):
         engine.run(batch_of([[101, 102]], lane=64))
 
 
@@ -159,7 +162,7 @@ def test_bad_options_are_refused_by_name():
 
 def test_onnxruntime_is_imported_only_when_minilm_is_selected():
     code = (
-        "import sys; from gpu.engines import make_engine; make_engine('echo'); "
+        "import sys; from gpu.engines.registry import make_engine; make_engine('echo'); "
         "assert 'onnxruntime' not in sys.modules; "
         "make_engine('minilm').load(); assert 'onnxruntime' in sys.modules"
     )

@@ -31,8 +31,9 @@ from test_dispatch_pipeline import (  # noqa: F401 (fixtures)
 )
 
 from collector.results_client import DispatchClient
-from gpu.engines import TransientEngineError
-from gpu.worker import Worker, WorkerOptions
+from gpu.engines.base import TransientEngineError
+from gpu.worker.options import WorkerOptions
+from gpu.worker.session import Worker
 
 TOKENS_PER_S = 10  # the simulated engine: a 4-item batch of 100 tokens each runs 40 s
 AFTER_RESUME_S = 60.0  # the bound: what is left of that batch, then the next job

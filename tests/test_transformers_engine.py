@@ -18,21 +18,19 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-import gpu.transformers_engine as te
-from gpu.engines import EMBED, GENERATE, EngineBatch, EngineError, make_engine
-from gpu.transformers_engine import (
+import gpu.engines.transformers as te
+from gpu.engines.base import EMBED, GENERATE, EngineBatch, EngineError
+from gpu.engines.generation import Sampling, item_errors, kept_before_stop, pack
+from gpu.engines.registry import make_engine
+from gpu.engines.transformers import (
     SMOLLM2_SHA256,
-    Sampling,
     TransformersEngine,
     first_stop,
-    item_errors,
-    kept_before_stop,
     left_padded,
-    pack,
     smollm2_tokenizer_path,
 )
+from pipeline.segment_format import SLOT_HEADER_WORDS  # batches are views into whole slots
 
-SLOT_HEADER_WORDS = 8  # batches arrive as views into whole slots, as gpu/worker.py makes them
 EOS = 2  # <|im_end|>
 MISSING = [
     name
@@ -147,7 +145,7 @@ def test_a_damaged_model_file_is_refused_with_its_hash(tmp_path):
 
 def test_torch_is_imported_only_when_the_engine_loads():
     code = (
-        "import sys; from gpu.engines import make_engine; make_engine('transformers'); "
+        "import sys; from gpu.engines.registry import make_engine; make_engine('transformers'); "
         "assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
     )
     subprocess.run(

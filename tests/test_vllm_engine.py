@@ -1,7 +1,7 @@
 """The vllm engine: a clear error without vLLM, its glue on a stand-in LLM, and real runs on a GPU host.
 
-The real tests need `vllm` importable (skipped with the reason otherwise), a
-GPU, and the models named by FABRIC_VLLM_MODEL (default Qwen/Qwen2.5-0.5B-Instruct)
+The real tests need `vllm` importable and a GPU (skipped with the reason
+otherwise; with FABRIC_EXPECT_VLLM=1 they fail instead), and the models named by FABRIC_VLLM_MODEL (default Qwen/Qwen2.5-0.5B-Instruct)
 and FABRIC_VLLM_EMBED_MODEL (default BAAI/bge-small-en-v1.5), as local paths
 or Hugging Face ids the host can fetch. bench/gpu_check.sh runs the engine
 end to end through the broker.
@@ -18,23 +18,46 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-import gpu.vllm_engine as ve
-from gpu.engines import EMBED, GENERATE, EngineBatch, EngineError, make_engine
-from gpu.vllm_engine import VllmEngine
+import gpu.engines.vllm as ve
+from gpu.engines.base import EMBED, GENERATE, EngineBatch, EngineError
+from gpu.engines.registry import make_engine
+from gpu.engines.vllm import VllmEngine
+from pipeline.segment_format import SLOT_HEADER_WORDS  # batches are views into whole slots
 
-SLOT_HEADER_WORDS = 8
-HAVE_VLLM = importlib.util.find_spec("vllm") is not None
-needs_vllm = pytest.mark.skipif(
-    not HAVE_VLLM,
-    reason="vllm is not installed (GPU hosts only: pip install vllm); "
-    "the vllm engine's real runs are skipped",
-)
+EXPECT_ENV = "FABRIC_EXPECT_VLLM"  # "1" on a GPU host with vLLM: its real runs fail, never skip
+
+
+def missing_vllm() -> str | None:
+    """Why the real vLLM runs cannot run here (None when they can): no vllm, or no GPU."""
+    if importlib.util.find_spec("vllm") is None:
+        return (
+            "vllm is not installed (GPU hosts only: pip install vllm); "
+            "the vllm engine's real runs are skipped"
+        )
+    import torch
+
+    if not torch.cuda.is_available():
+        return "vllm is installed but torch sees no GPU; the vllm engine's real runs are skipped"
+    return None
+
+
+@pytest.fixture(scope="module")
+def vllm_host() -> None:
+    """Skips a real vLLM run where vLLM or a GPU is missing, with the reason; with
+    FABRIC_EXPECT_VLLM=1 (a GPU host that must run them) fails instead."""
+    reason = missing_vllm()
+    if reason is None:
+        return
+    if os.environ.get(EXPECT_ENV) == "1":
+        pytest.fail(f"{EXPECT_ENV}=1 says this host runs vLLM, but {reason.split(';')[0]}")
+    pytest.skip(reason)
 
 
 def on_vllm(test):
-    """Runs where vllm is importable; ignores the warnings vLLM, torch and transformers raise."""
+    """Runs on a vLLM host (see `vllm_host`); ignores the warnings vLLM, torch and transformers
+    raise."""
     for mark in (
-        needs_vllm,
+        pytest.mark.usefixtures("vllm_host"),
         pytest.mark.filterwarnings("ignore:::vllm"),
         pytest.mark.filterwarnings("ignore:::torch"),
         pytest.mark.filterwarnings("ignore:::transformers"),
@@ -174,6 +197,28 @@ def test_each_runner_serves_its_own_task(fake):
     assert "only generates" in wrong.errors[0] and "runner = pooling" in wrong.errors[0]
 
 
+def test_out_of_memory_in_vllm_is_transient_and_other_failures_are_not(fake):
+    import torch
+
+    from gpu.engines.base import TransientEngineError
+
+    engine, llm = fake()
+
+    def out_of_memory(prompts, params, use_tqdm):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    llm.generate = out_of_memory
+    with pytest.raises(TransientEngineError, match=r"vllm engine: out of memory for a batch of 2"):
+        engine.run(batch_of([[1], [2, 3]], lane=8))
+
+    def broken(prompts, params, use_tqdm):
+        raise RuntimeError("engine core died")
+
+    llm.generate = broken
+    with pytest.raises(RuntimeError, match="engine core died"):
+        engine.run(batch_of([[1]], lane=8))
+
+
 def test_a_model_is_required_and_options_are_checked(fake, monkeypatch):
     monkeypatch.delenv(ve.MODEL_ENV, raising=False)
     with pytest.raises(EngineError, match=r"no model given.*FABRIC_VLLM_MODEL"):
@@ -196,7 +241,7 @@ EMBED_MODEL = os.environ.get("FABRIC_VLLM_EMBED_MODEL", "BAAI/bge-small-en-v1.5"
 
 
 @pytest.fixture(scope="module")
-def generator():
+def generator(vllm_host):
     engine = make_engine(
         "vllm", model=GENERATE_MODEL, gpu_memory_utilization=0.3, enforce_eager=True
     )
@@ -206,7 +251,7 @@ def generator():
 
 
 @pytest.fixture(scope="module")
-def embedder():
+def embedder(vllm_host):
     engine = make_engine(
         "vllm", model=EMBED_MODEL, runner="pooling", gpu_memory_utilization=0.2, enforce_eager=True
     )

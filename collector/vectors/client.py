@@ -173,7 +173,8 @@ def _write_parquet(out: Path, pages, total: int, progress) -> int:
 
 def embed_texts(settings, model_name: str, texts: list[str]) -> np.ndarray:
     """Embed `texts` with `model_name`'s tokenizer and engine, as a worker would: float32 [n, dim]."""
-    from gpu.engines import EMBED, EngineBatch, make_engine
+    from gpu.engines.base import EMBED, EngineBatch
+    from gpu.engines.registry import make_engine
     from ingest.tokenize import ModelTokenizer
 
     model = settings.model(model_name)

@@ -29,7 +29,7 @@ def build() -> tuple[str, dict]:
     """(tokenizer.json text, tokenizer_config.json values) made from the pinned GGUF."""
     from transformers import AutoTokenizer
 
-    from gpu.transformers_engine import smollm2_gguf_path, verify_smollm2
+    from gpu.engines.transformers import smollm2_gguf_path, verify_smollm2
 
     gguf = smollm2_gguf_path()
     verify_smollm2(gguf)

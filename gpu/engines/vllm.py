@@ -13,7 +13,7 @@ The broker sends token ids, so vLLM never tokenises a prompt; each item
 goes in at its own length (vLLM batches and pads internally). A batch of the
 other task gets an error for every item. Sampling follows the request's
 shape (`batch.shape`: temperature, top_p, seed, stop; greedy with no stop
-strings when the batch has none), as `gpu.transformers_engine.Sampling`
+strings when the batch has none), as `gpu.engines.generation.Sampling`
 reads it, and max_tokens from the batch.
 
 Outputs match the `transformers` engine: generated ids without the EOS or
@@ -34,8 +34,8 @@ import sys
 
 import numpy as np
 
-from gpu.engines import EMBED, GENERATE, Engine, EngineBatch, EngineError, EngineResult
-from gpu.transformers_engine import Sampling, item_errors, kept_before_stop, pack
+from gpu.engines.base import EMBED, GENERATE, Engine, EngineBatch, EngineError, EngineResult
+from gpu.engines.generation import Sampling, item_errors, kept_before_stop, pack
 
 MODEL_ENV = "FABRIC_VLLM_MODEL"  # the model when the engine is given none (local workers)
 RUNNERS = {"generate": GENERATE, "pooling": EMBED}
@@ -145,7 +145,7 @@ class VllmEngine(Engine):
         if self.task == EMBED:
             self.dim = result.embeddings.shape[1]
 
-    def run(self, batch: EngineBatch) -> EngineResult:
+    def infer(self, batch: EngineBatch) -> EngineResult:
         n = len(batch.lengths)
         if batch.task != self.task:
             return self._wrong_task(batch)

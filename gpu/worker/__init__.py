@@ -1,0 +1,22 @@
+"""The worker SDK: pull batches ahead, keep the engine busy, return results, lose nothing
+(docs/dispatch.md, Workers).
+
+It runs on remote GPU hosts and depends on the worker protocol only
+(`gpu/work_protocol.py`, `pipeline/wire.py`, `pipeline/result_kinds.py`,
+`pipeline/segment_format.py`) and the engines (`gpu/engines/`), never on
+dispatch's modules.
+
+| module          | what it holds                                                    |
+|-----------------|------------------------------------------------------------------|
+| `session`       | `Worker`, one session: registration, asking, results, hand-backs, drain; `run_worker` |
+| `engine_thread` | the engine's own thread: runs queued batches, says how each went |
+| `watchdog`      | an engine that ended, hung, or takes no work ends the worker     |
+| `connection`    | the sockets to dispatch and its heartbeat endpoint               |
+| `held`          | a batch the worker holds, and its states                         |
+| `results`       | the RESULTS arrays built from an engine's result                 |
+| `options`       | `WorkerOptions`: the flags, the config, the argv of a worker     |
+| `faults`        | fault injection for tests (`FABRIC_WORKER_FAULT`)                |
+| `local_stage`   | `WorkerStage`: a local worker run by the supervisor              |
+
+This package imports nothing itself: import the module you need.
+"""

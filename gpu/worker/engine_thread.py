@@ -1,0 +1,124 @@
+"""The engine thread: takes queued batches one at a time, runs them, says how each went.
+
+The network thread (`gpu/worker/session.py`) queues batches with `put` and
+reads outcomes with `outcomes`; a queued batch is either started here or
+taken back there (`unqueue`), never both (`claim`).
+
+| outcome     | when                                                            |
+|-------------|-----------------------------------------------------------------|
+| `ok`        | the engine returned one outcome per item                        |
+| `transient` | `TransientEngineError` (out of memory in any engine): the batch goes back without an attempt |
+| `broken`    | anything else: the thread ends, and the worker hands back what it holds and exits 7 |
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator
+
+from gpu.engines.base import Engine, EngineBatch, TransientEngineError
+from gpu.worker.faults import Faults
+from gpu.worker.held import Done, Held
+from pipeline.errors import FabricError
+
+log = logging.getLogger("fabric.worker")
+
+
+class EngineThread:
+    """One engine, run on its own thread (see the module docstring)."""
+
+    def __init__(self, engine: Engine, faults: Faults) -> None:
+        self.engine = engine
+        self.faults = faults
+        self.ready: queue.Queue[Held | None] = queue.Queue()
+        self.done: queue.Queue[Done] = queue.Queue()
+        self.claim = threading.Lock()  # a queued batch is started or taken back, never both
+        self.running: tuple[int, float] | None = None  # (batch id, monotonic start)
+        self.active = 0.0  # monotonic: the thread last started or ended a batch
+        self.tokens_per_s: float | None = None  # the engine's measured speed
+        self.prompt_tokens = 0  # of the batches the engine finished (reported)
+        self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+
+    @property
+    def name(self) -> str:
+        return self.engine.name
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self, timeout_s: float = 1.0) -> None:
+        """Ask the thread to end after its batch; wait for it at most `timeout_s`."""
+        self.ready.put(None)
+        self.thread.join(timeout=timeout_s)
+
+    def is_alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def put(self, held: Held) -> None:
+        self.ready.put(held)
+
+    def unqueue(self, held: Held, state: str) -> bool:
+        """Take a batch the engine has not started away from it (state `state`); False when
+        the engine has started it meanwhile."""
+        with self.claim:
+            if held.state != "queued":
+                return False
+            held.state = state
+            return True
+
+    def outcomes(self) -> Iterator[Done]:
+        """The outcomes the engine produced since the last call."""
+        while True:
+            try:
+                yield self.done.get_nowait()
+            except queue.Empty:
+                return
+
+    def measured(self, tokens: int, seconds: float) -> None:
+        """The engine's speed in (lane-padded) tokens per second, smoothed over batches."""
+        if seconds <= 0 or tokens <= 0:
+            return
+        rate = tokens / seconds
+        self.tokens_per_s = (
+            rate if self.tokens_per_s is None else 0.7 * self.tokens_per_s + 0.3 * rate
+        )
+
+    def _loop(self) -> None:
+        while True:
+            held = self.ready.get()
+            if held is None:
+                return
+            with self.claim:
+                if held.state != "queued":  # handed back or dropped meanwhile
+                    continue
+                held.state = "running"
+                self.active = time.monotonic()
+            self.faults.reached("before_compute")
+            batch = EngineBatch(
+                held.task, held.tokens, held.lengths, held.max_tokens, held.sampling
+            )
+            try:
+                self.faults.during_batch()
+                began = time.monotonic()
+                self.running = (held.batch_id, began)
+                result = self.engine.run(batch)
+                self.running = None
+                self.active = time.monotonic()
+                self.measured(held.tokens.size, time.monotonic() - began)
+                if len(result.errors) != len(held.items):
+                    raise FabricError(
+                        f"engine {self.engine.name} returned {len(result.errors)} outcomes "
+                        f"for {len(held.items)} items"
+                    )
+                self.prompt_tokens += int(held.lengths.sum())
+                self.done.put(Done(held.batch_id, "ok", result))
+            except TransientEngineError as exc:
+                self.running = None
+                self.done.put(Done(held.batch_id, "transient", reason=str(exc)))
+            except Exception as exc:  # the engine is broken: never retry against it
+                log.exception("engine %s failed", self.engine.name)
+                self.done.put(Done(held.batch_id, "broken", reason=f"{type(exc).__name__}: {exc}"))
+                return

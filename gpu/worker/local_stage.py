@@ -1,0 +1,42 @@
+"""A local worker: one `Worker` that the supervisor runs like a stage (`[workers] local = N`, or
+one of a `[[workers]]` table's `count`), with its options from the broker's config."""
+
+from __future__ import annotations
+
+import time
+
+from gpu.engines.registry import EngineOptionsError, make_engine
+from gpu.worker.options import WorkerOptions
+from gpu.worker.session import Worker
+from pipeline.errors import ConfigError
+
+
+class WorkerStage:
+    name = "worker"
+
+    def __init__(self, settings, index: int) -> None:
+        self.settings = settings
+        self.index = index
+        self.options = options = WorkerOptions.from_settings(settings, index)
+        try:
+            engine = make_engine(options.engine, **options.engine_options)
+        except EngineOptionsError as exc:
+            raise ConfigError(
+                f"{settings.source}: the local workers of model {options.model!r}: {exc}; fix "
+                "their options table"
+            ) from None
+        self.worker = Worker(options, engine)
+
+    def open(self) -> None:
+        self.worker.open()
+
+    def step(self, now: float) -> None:
+        self.worker.step()
+        if self.worker.exit_code is not None:
+            raise SystemExit(self.worker.exit_code)
+
+    def drain(self, deadline: float) -> None:
+        self.worker.drain(time.monotonic() + self.options.drain_s)
+
+    def close(self) -> None:
+        self.worker.close()
