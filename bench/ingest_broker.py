@@ -24,9 +24,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from assembly.stages import stage_specs
 from config import load_settings
 from pipeline.ring import Ring
-from pipeline.topology import ring_specs, run_dir, stage_specs
+from pipeline.topology import ring_specs, run_dir
 
 REPO = Path(__file__).resolve().parent.parent
 STARTED = re.compile(r"started stage (\S+) \(pid (\d+)\)")

@@ -25,7 +25,7 @@ import numpy as np
 
 from ingest.job_record import JobRecordError, read_job_record
 from pipeline.durable import write_whole
-from pipeline.records import _iter as iter_records
+from pipeline.records import iter_records
 
 CHUNKS_CACHED = 16
 

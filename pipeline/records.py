@@ -31,13 +31,15 @@ def read_records(path: Path) -> tuple[list[Any], int]:
     except FileNotFoundError:
         return [], 0
     records, pos = [], 0
-    for record, end in _iter(data):
+    for record, end in iter_records(data):
         records.append(record)
         pos = end
     return records, pos
 
 
-def _iter(data: bytes) -> Iterator[tuple[Any, int]]:
+def iter_records(data: bytes) -> Iterator[tuple[Any, int]]:
+    """Each whole record at the start of `data` and the byte offset just past it; stops at
+    the first torn or damaged one."""
     pos = 0
     while pos + _HEAD.size <= len(data):
         length, crc = _HEAD.unpack_from(data, pos)

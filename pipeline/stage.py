@@ -10,7 +10,6 @@ Tests drive `step(now)` one call at a time.
 from __future__ import annotations
 
 import ctypes
-import importlib
 import logging
 import os
 import signal
@@ -33,11 +32,15 @@ DISK_FULL_EXIT = 75
 
 @dataclass(frozen=True)
 class StageSpec:
-    """What the supervisor starts: stage `name`, instance `index`, class at `target`."""
+    """What the supervisor starts: stage `name`, instance `index`, of class `stage`.
+
+    The stage table (assembly/stages.py) names the classes; the ground floor names none.
+    The class travels to the spawned process by reference (its module is imported there).
+    """
 
     name: str
     index: int
-    target: str  # "package.module:ClassName", importable in a fresh interpreter
+    stage: type[Stage]
     critical: bool = True  # a crash loop of a critical stage stops the broker; others (local
     # workers) are restarted forever, with backoff (pipeline/supervisor.py)
 
@@ -96,11 +99,6 @@ class StopFlags:
         self.stop = True
 
 
-def load_stage_class(target: str) -> type[Stage]:
-    module_name, _, class_name = target.partition(":")
-    return getattr(importlib.import_module(module_name), class_name)
-
-
 def run_stage(spec: StageSpec, settings, drain_s: float = 30.0, ready=None) -> int:
     """Entry point of a stage process: set up, loop until asked to stop, drain, exit 0.
     `ready` (a multiprocessing Event) is set once the stage is open: it is up."""
@@ -112,7 +110,7 @@ def run_stage(spec: StageSpec, settings, drain_s: float = 30.0, ready=None) -> i
         pass
     setup_stage_logging(settings.data_path / "log", spec.label)
     flags = StopFlags()
-    stage = load_stage_class(spec.target)(settings, spec.index)
+    stage = spec.stage(settings, spec.index)
     stage.open()
     log.info("stage %s up", spec.label)
     if ready is not None:

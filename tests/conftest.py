@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from pipeline.check import check_data_dir
+from assembly.check import check_data_dir
 from pipeline.datadir import DataDir
 from pipeline.segment_format import KIND_INPUT, SegmentKey, slot_bytes_for
 from pipeline.segment_log import SegmentAppender, SegmentIds

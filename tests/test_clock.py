@@ -23,9 +23,9 @@ from conftest import make_batch, wait_for
 
 from gpu.dispatch_state import DispatchState
 from pipeline import wire
+from pipeline.heartbeat import Heartbeat
 from pipeline.segment import Segment
 from pipeline.segment_format import KIND_INPUT, SegmentKey, slot_bytes_for
-from pipeline.supervisor import Heartbeat
 
 ROOT = Path(__file__).resolve().parents[1]
 HOURS = 3600.0
