@@ -49,6 +49,7 @@ import numpy as np
 from pipeline.datadir import DataDir
 from pipeline.errors import FabricError
 from pipeline.segment import Segment
+from pipeline.segment_append import SegmentAppender, SegmentIds
 from pipeline.segment_format import (
     DEAD,
     EMPTY,
@@ -59,7 +60,6 @@ from pipeline.segment_format import (
     SegmentKey,
     slot_bytes_for,
 )
-from pipeline.segment_log import SegmentAppender, SegmentIds
 from router.shapes import ShapeTable
 
 log = logging.getLogger("fabric.completion")

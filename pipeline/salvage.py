@@ -42,6 +42,7 @@ from pipeline.durable import fsync_dir
 from pipeline.errors import SegmentFormatError
 from pipeline.scan import SLOT_CHUNK_BYTES, DamagedFile
 from pipeline.segment import Segment
+from pipeline.segment_append import SegmentIds
 from pipeline.segment_format import (
     CHECKSUM_WORD,
     HEADER_BYTES,
@@ -59,7 +60,6 @@ from pipeline.segment_format import (
     segment_file_name,
     slot_checksums,
 )
-from pipeline.segment_log import SegmentIds
 
 log = logging.getLogger("fabric.salvage")
 

@@ -29,8 +29,8 @@ from pipeline.disk_full import FullDisk, probe
 from pipeline.errors import DiskFullError, FabricError
 from pipeline.metrics import FSYNC_BUCKETS_S, Histogram
 from pipeline.ring_port import RingPort
+from pipeline.segment_append import SegmentAppender, SegmentIds
 from pipeline.segment_format import KIND_INPUT, SegmentKey, slot_bytes_for
-from pipeline.segment_log import SegmentAppender, SegmentIds
 from pipeline.stage import Stage
 from pipeline.topology import internal_address, rings_to
 
