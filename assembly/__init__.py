@@ -1,7 +1,7 @@
 """The top floor: the broker composed from the floors below it.
 
-Every folder imports only from the floors beneath it (docs/architecture.md,
-`[tool.importlinter]` in pyproject.toml): pipeline/ (0), config/ (1),
+Every folder imports only from the floors beneath it (the contracts in
+`[tool.importlinter]` of pyproject.toml): pipeline/ (0), config/ (1),
 router/ (2), ingest/ and gpu/ (3), collector/ (4), and on top this package,
 run.py and bench/. What names the stages of several floors at once lives here:
 
