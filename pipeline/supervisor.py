@@ -465,7 +465,8 @@ class Supervisor:
                 )
                 process.kill()
                 process.join(5)
-            log.info("stage %s stopped (%s)", child.spec.label, describe_exit(process.exitcode))
+            child.last_exit = describe_exit(process.exitcode)
+            log.info("stage %s stopped (%s)", child.spec.label, child.last_exit)
             process.close()
             child.process = None
             child.up = False

@@ -28,7 +28,7 @@ last one in place (the supervisor's log says so).
 | `restarts`        | processes started under this label after its first, in this life |
 | `deaths`          | deaths in this life                                              |
 | `deaths_in_a_row` | for a local worker: deaths since it last ran `restart_window_s` without dying |
-| `last_exit`       | how it last ended (`signal SIGKILL`), or "" before any death     |
+| `last_exit`       | how its last process ended (`signal SIGKILL`; `exit code 0` once stopped cleanly), or "" while its first runs |
 | `last_error`      | the last ERROR line (or exception) it logged in its last life, or null |
 | `restart_at_ns`   | wall clock (ns) of its next start while `restarting`, else 0     |
 """
