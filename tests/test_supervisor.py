@@ -66,6 +66,7 @@ def broker(data_dir):
         proc.communicate(timeout=30)
 
 
+@pytest.mark.slow
 def test_a_killed_stage_is_restarted_and_sigterm_stops_everything_cleanly(data_dir, broker):
     proc = broker("idle:2")
     first = wait_for(lambda: pid_of(data_dir, "idle-1"), "idle-1 to start")
@@ -96,6 +97,7 @@ def test_a_killed_stage_is_restarted_and_sigterm_stops_everything_cleanly(data_d
     assert_check_clean(data_dir)
 
 
+@pytest.mark.slow
 def test_a_stage_that_keeps_dying_stops_the_broker_with_one_clear_line(data_dir, broker):
     proc = broker("idle:1", "crash:1")
     _out, err = proc.communicate(timeout=60)
@@ -127,6 +129,7 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+@pytest.mark.slow
 def test_stages_never_outlive_a_killed_supervisor(data_dir, broker):
     proc = broker("idle:2")
     pids = [
