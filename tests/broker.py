@@ -6,11 +6,13 @@ import os
 import signal
 import subprocess
 import sys
+import urllib.request
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 from conftest import wait_for
+from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.datadir import DataDir
 from pipeline.ring import Ring
@@ -170,6 +172,20 @@ class Broker:
         """Every stage of this life is up: each had opened its sockets (so a client finds
         every port listening), and each restarted one is up again."""
         return all_up(self.report(), self.proc.pid)
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of the series of metric `name` whose labels include `labels`, scraped from
+        the supervisor's metrics endpoint now (0 when none)."""
+        with urllib.request.urlopen(
+            f"http://{self.settings.metrics.bind}/metrics", timeout=10
+        ) as r:
+            text = r.read().decode()
+        total = 0.0
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and labels.items() <= sample.labels.items():
+                    total += sample.value
+        return total
 
     def kill_stage(self, label: str) -> int:
         pid = self.pids()[label]
