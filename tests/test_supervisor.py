@@ -158,3 +158,38 @@ def test_the_last_error_said_is_from_the_stages_last_life_only(tmp_path):
         f.write("t INFO worker-0 2 up\nt ERROR worker-0 2 engine failed\n")
         f.write('Traceback (most recent call last):\n  File "x", line 1\nValueError: id 30522\n')
     assert last_error_line(log, started) == "ValueError: id 30522"
+
+
+def test_status_lists_from_the_report_only_local_workers_that_died(tmp_path):
+    from pipeline.stage_restarts import read_restarts
+    from pipeline.supervisor_report import write_report
+
+    def stage(label: str, critical: bool, deaths: int, state: str, at_ns: int = 0) -> dict:
+        return {
+            "stage": label,
+            "pid": 0 if state == "restarting" else 7,
+            "state": state,
+            "critical": critical,
+            "restarts": deaths,
+            "deaths": deaths,
+            "deaths_in_a_row": deaths,
+            "last_exit": "signal SIGKILL" if deaths else "",
+            "last_error": None,
+            "restart_at_ns": at_ns,
+        }
+
+    stages = [
+        stage("writer-0", True, 2, "up"),  # a critical stage: not a local worker
+        stage("worker-0", False, 3, "restarting", at_ns=10 * 10**9),
+        stage("worker-1", False, 0, "up"),  # never died
+        stage("worker-2", False, 1, "up"),
+    ]
+    write_report(tmp_path, {"pid": 1, "running": True, "stages": stages, "deaths": []})
+    found = read_restarts(tmp_path, now_ns=6 * 10**9)
+    assert [(s["stage"], s["state"], s["restart_in_s"]) for s in found] == [
+        ("worker-0", "restarting", 4.0),
+        ("worker-2", "running", 0.0),
+    ]
+    write_report(tmp_path, {"pid": 1, "running": False, "stages": stages, "deaths": []})
+    assert read_restarts(tmp_path) == []  # a stopped broker's report says nothing of now
+    assert read_restarts(tmp_path / "nowhere") == []
