@@ -40,6 +40,7 @@ def appender(
 def assert_check_clean(data_dir: DataDir) -> None:
     """The project's own consistency check must find nothing."""
     from assembly.check import check_data_dir  # the whole top floor: child processes skip it
+
     report = check_data_dir(data_dir)
     assert report.clean, "\n".join(f.line() for f in report.remaining)
 
