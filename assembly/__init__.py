@@ -2,8 +2,8 @@
 
 Every folder imports only from the floors beneath it (the contracts in
 `[tool.importlinter]` of pyproject.toml): pipeline/ (0), config/ (1),
-router/ (2), ingest/ and gpu/ (3), collector/ (4), and on top this package,
-run.py and bench/. What names the stages of several floors at once lives here:
+router/ (2), ingest/ and gpu/ (3), collector/ (4), api/ (5, the HTTP API),
+and on top this package, run.py and bench/ (DESIGN section 7 of the project's design). What names the stages of several floors at once lives here:
 
 | module                 | what                                                         |
 |------------------------|--------------------------------------------------------------|

@@ -370,7 +370,7 @@ class Supervisor:
 
     def _restart_later(self, child: _Child, now: float, how: str) -> None:
         """A local worker died: restart it after a backoff that doubles with each death in a
-        row (capped at WORKER_MAX_BACKOFF_S), never give up, and say so in restarts.json and
+        row (capped at WORKER_MAX_BACKOFF_S), never give up, and say so in the supervisor's report and
         the metrics. Giving up would stop all work silently while dispatch has not yet
         dead-lettered the poison item that kills it (invariant 14)."""
         if now - child.started_at >= self.config.restart_window_s:
