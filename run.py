@@ -34,16 +34,14 @@ COMMANDS += ("batch",)  # collector/oneshot.py
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from pipeline.supervisor import Supervisor
-    from pipeline.topology import ring_specs, stage_specs
+    from assembly.broker import broker_supervisor
 
     settings = load_settings(args.config)
-    supervisor = Supervisor(settings, stage_specs(settings), ring_specs(settings))
-    return supervisor.run()  # says "serving" once its pre-start checks passed
+    return broker_supervisor(settings).run()  # says "serving" once its pre-start checks passed
 
 
 def _check(args: argparse.Namespace) -> int:
-    from pipeline.check import check_data_dir
+    from assembly.check import check_data_dir
     from pipeline.datadir import DataDir
 
     settings = load_settings(args.config)
@@ -390,7 +388,7 @@ def _keys(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from pipeline.demo import run_demo
+    from assembly.demo import run_demo
 
     return run_demo(args.dir, args.workers, args.limit)
 

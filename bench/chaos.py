@@ -1,6 +1,9 @@
 """Chaos: a whole broker under random kills for as long as asked, every outcome checked at the end.
 
     .venv/bin/python -m bench.chaos --minutes 30 [--seed 1] [--items 2000] [--jobs 2]
+        [--damage P] [--root DIR] [--report-json FILE] [--quick]
+
+(tests/test_chaos.py runs it for 45 s, with `--report-json`, and checks the report.)
 
 It starts a broker (bench/chaos_fleet.py: 2 local echo workers), two
 `run.py worker` processes (echo and texty) and a lying echo worker
@@ -101,6 +104,11 @@ class Report:
     def ok(self) -> bool:
         return not (self.lost or self.doubled or self.counter_mismatches or self.problems)
 
+    def as_json(self) -> dict:
+        """Every field, and `ok` and `total_kills`: what `--report-json` writes."""
+        fields = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        return {**fields, "ok": self.ok, "total_kills": self.total_kills}
+
 
 class Chaos:
     def __init__(
@@ -111,8 +119,14 @@ class Chaos:
         jobs: int,
         local_workers: int = 2,
         damage: float = DAMAGE_CHANCE,
+        broker_kill_by_s: float | None = None,
     ) -> None:
+        """`broker_kill_by_s`: if no action killed the whole broker this many seconds into
+        the run, the next action does once an input segment exists (a short run then always
+        has one, with a segment to damage)."""
         self.root = root
+        self.broker_kill_by_s = broker_kill_by_s
+        self.began = time.monotonic()
         self.random = random.Random(seed)
         self.rng = np.random.default_rng(seed)
         self.items, self.jobs_in_flight = items, jobs
@@ -186,7 +200,8 @@ class Chaos:
         self.broker.start()
         for worker in self.workers:
             worker.start()
-        deadline = began + seconds
+        self.began = time.monotonic()  # the chaos starts: the first start is not counted
+        deadline = self.began + seconds
         next_action = time.monotonic() + 1.0
         next_note = time.monotonic() + 30
         try:
@@ -296,6 +311,10 @@ class Chaos:
     def _act(self) -> None:
         roll = self.random.random()
         kills = self.report.kills
+        overdue = self.broker_kill_by_s is not None and not kills["whole broker"]
+        overdue = overdue and time.monotonic() >= self.began + self.broker_kill_by_s
+        if overdue and any((self.root / "data" / "segments").glob("in-*.seg")):  # one to damage
+            roll = 0.7  # a whole-broker kill
         if roll < 0.55:
             pids = {
                 label: pid
@@ -556,8 +575,22 @@ def main() -> int:
     parser.add_argument("--items", type=int, default=2000, help="lines per job")
     parser.add_argument("--jobs", type=int, default=2, help="jobs in flight at once")
     parser.add_argument("--quick", action="store_true", help="do not write docs/RELIABILITY.md")
+    parser.add_argument(
+        "--damage",
+        type=float,
+        default=DAMAGE_CHANCE,
+        help="chance that a whole-broker kill damages one input segment",
+    )
+    parser.add_argument(
+        "--broker-kill-by",
+        type=float,
+        metavar="S",
+        help="kill the whole broker at least once, at the latest S seconds into the run",
+    )
+    parser.add_argument("--root", type=Path, help="a new directory for the run (else var/)")
+    parser.add_argument("--report-json", type=Path, help="also write the report here, as JSON")
     args = parser.parse_args()
-    root = REPO / "var" / f"chaos-{time.strftime('%Y%m%d-%H%M%S')}"
+    root = args.root or REPO / "var" / f"chaos-{time.strftime('%Y%m%d-%H%M%S')}"
     root.mkdir(parents=True)
     facts = machine.describe(root)
 
@@ -568,7 +601,17 @@ def main() -> int:
             flush=True,
         )
 
-    report = Chaos(root, args.seed, args.items, args.jobs).run(args.minutes * 60, progress)
+    chaos = Chaos(
+        root,
+        args.seed,
+        args.items,
+        args.jobs,
+        damage=args.damage,
+        broker_kill_by_s=args.broker_kill_by,
+    )
+    report = chaos.run(args.minutes * 60, progress)
+    if args.report_json is not None:
+        args.report_json.write_text(json.dumps(report.as_json(), indent=1))
     text = summary(report, machine.command_line(), facts)
     print(text)
     if not args.quick:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -25,10 +24,10 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline.supervisor_report import all_up, read_report, stage_pids
 from pipeline.topology import free_loopback_ports
 
 REPO = Path(__file__).resolve().parents[1]
-STARTED = re.compile(r"started stage (\S+) \(pid (\d+)\)")
 POISON_TOKEN = 7  # an echo worker that meets an item starting with it is SIGKILLed (a bad kernel)
 LEASE_S = 4.0
 TEXT_TOKENIZER = REPO / "gpu" / "minilm" / "tokenizer.json"
@@ -136,17 +135,14 @@ def run_py(*args: str) -> list[str]:
 
 
 class BrokerProcess:
-    """`python run.py --config FILE`, its stage pids (from the supervisor's log), kills."""
+    """`python run.py --config FILE`, its stage pids (from the supervisor's report), kills."""
 
     def __init__(self, config: Path, data_dir: Path, env: dict, stages: int) -> None:
         self.config, self.data_dir, self.env = config, data_dir, env
         self.stages = stages  # stage processes it runs, local workers included
         self.proc: subprocess.Popen | None = None
-        self.log_from = 0  # where this life of the broker starts in the supervisor's log
 
     def start(self, timeout_s: float = 90.0) -> None:
-        log = self.data_dir / "log" / "supervisor-0.log"
-        self.log_from = log.stat().st_size if log.exists() else 0
         self.proc = subprocess.Popen(
             run_py("--config", str(self.config)),
             cwd=REPO,
@@ -162,30 +158,21 @@ class BrokerProcess:
                 raise RuntimeError("the broker's stages did not all come up")
             time.sleep(0.1)
 
-    def _log_of_this_life(self) -> str:
-        path = self.data_dir / "log" / "supervisor-0.log"
-        if not path.exists():
-            return ""
-        with open(path, "rb") as log:
-            log.seek(self.log_from)
-            return log.read().decode("utf-8", errors="replace")
+    def report(self) -> dict | None:
+        """The supervisor's report of this broker life (pipeline/supervisor_report.py)."""
+        report = read_report(self.data_dir)
+        if report is None or self.proc is None or report.get("pid") != self.proc.pid:
+            return None
+        return report
 
     def pids(self) -> dict[str, int]:
-        return {label: int(pid) for label, pid in STARTED.findall(self._log_of_this_life())}
+        return stage_pids(self.report())
 
     def all_up(self) -> bool:
-        """The supervisor said every stage of this life is up (each had opened its sockets),
-        and each stage restarted since is up again."""
-        if "every stage is up" not in self._log_of_this_life():
-            return False
-        pids = self.pids()
-        if len(pids) < self.stages:
-            return False
-        for label, pid in pids.items():
-            log = self.data_dir / "log" / f"{label}.log"
-            if not log.exists() or f"{pid} stage {label} up" not in log.read_text():
-                return False
-        return True
+        """Every stage of this life is up (each had opened its sockets), and each stage
+        restarted since is up again."""
+        report = self.report()
+        return all_up(report, self.proc.pid) and len(report["stages"]) >= self.stages
 
     def kill(self) -> None:
         """SIGKILL the supervisor; its stages die with it (PR_SET_PDEATHSIG). Wait for all."""

@@ -3,7 +3,7 @@
     python bench/engine_overhead.py [--repeats 3]
 
 In one run, on the demo corpus (the paragraphs of the Python documentation
-that CPython ships, pipeline/demo.py):
+that CPython ships, assembly/demo.py):
 
 1. the `minilm` engine alone: the corpus tokenised with the model's
    tokenizer, grouped into the demo's lanes (32, 64, 128, 256 tokens),
@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO))
 from bench.machine import command_line, describe, load_average  # noqa: E402
 from bench.report import Row, render_section, write_section  # noqa: E402
 
-LANES = (16, 24, 32, 48, 64, 96, 128, 192, 256)  # as pipeline/demo.py writes them
+LANES = (16, 24, 32, 48, 64, 96, 128, 192, 256)  # as assembly/demo.py writes them
 BATCH = 64
 DOC = REPO / "docs" / "BENCHMARKS.md"
 
@@ -89,10 +89,10 @@ def engine_alone(batches) -> tuple[float, int, int]:
 
 def pipeline(root: Path, texts: list[str]) -> float:
     """Seconds from the first submitted line to the last result delivered (one local worker)."""
+    from assembly.demo import write_config
     from collector.results_client import ResultsClient
     from config import load_settings
     from ingest.submit_client import Producer
-    from pipeline.demo import write_config
 
     root.mkdir(parents=True, exist_ok=True)
     corpus = root / "corpus.jsonl"
@@ -134,7 +134,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=str(REPO / "var" / "bench-engine"))
     args = parser.parse_args()
-    from pipeline.demo import corpus
+    from assembly.demo import corpus
 
     started = time.monotonic()
     bench_dir = Path(args.dir)

@@ -13,7 +13,6 @@ removes the rings and the data.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import signal
 import socket
@@ -24,12 +23,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from assembly.stages import stage_specs
 from config import load_settings
 from pipeline.ring import Ring
-from pipeline.topology import ring_specs, run_dir, stage_specs
+from pipeline.supervisor_report import all_up, read_report, stage_pids
+from pipeline.topology import ring_specs, run_dir
 
 REPO = Path(__file__).resolve().parent.parent
-STARTED = re.compile(r"started stage (\S+) \(pid (\d+)\)")
 SEGMENT_BYTES = 256 << 20
 CHUNK_ITEMS = 4096
 UP_TIMEOUT_S = 90.0
@@ -232,21 +232,18 @@ class BenchBroker:
         self._stderr.seek(0)
         return self._stderr.read()[-2000:]
 
+    def _report(self) -> dict | None:
+        """The supervisor's report of this broker's life (pipeline/supervisor_report.py)."""
+        report = read_report(self.data)
+        return report if report is not None and report.get("pid") == self.proc.pid else None
+
     def pids(self) -> dict[str, int]:
-        """The latest pid of each stage, from the supervisor's log."""
-        path = self.log_dir / "supervisor-0.log"
-        text = path.read_text() if path.exists() else ""
-        return {label: int(pid) for label, pid in STARTED.findall(text)}
+        """The pid of each running stage, from the supervisor's report."""
+        return stage_pids(self._report())
 
     def all_up(self) -> bool:
-        pids = self.pids()
-        if len(pids) < self.stages:
-            return False
-        for label, pid in pids.items():
-            log = self.log_dir / f"{label}.log"
-            if not log.exists() or f"{pid} stage {label} up" not in log.read_text():
-                return False
-        return True
+        report = self._report()
+        return all_up(report, self.proc.pid) and len(report["stages"]) >= self.stages
 
     def stage_log_problems(self) -> list[str]:
         """WARNING, ERROR and traceback lines from every stage log (a clean run has none)."""

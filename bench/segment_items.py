@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.datadir import DataDir
+from pipeline.segment_append import SegmentAppender, SegmentIds
 from pipeline.segment_format import KIND_INPUT, SegmentKey
-from pipeline.segment_log import SegmentAppender, SegmentIds
 
 SEGMENT_BYTES = 256 << 20  # the broker's default segment size
 MIB = 1 << 20

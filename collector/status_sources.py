@@ -5,7 +5,7 @@
 | lanes, in flight, rates, workers, dead letters | BROKER_STATUS to dispatch (`dispatch.bind`) | one request |
 | jobs: progress, rate, time left | JOB_STATUS to completion (`completion.bind`), one per job shown | one request per job |
 | which jobs exist           | each job's record (id, number, created_ns; read once per job) and its `finished` mark (ns; one read per unfinished job), through pipeline/job_files.py | a directory listing |
-| recent restarts            | the last 64 KiB of `<data_dir>/log/supervisor-0.log`: its `stage X died ...` lines | one read |
+| recent restarts            | the supervisor's report, `<data_dir>/supervisor.json` (pipeline/supervisor_report.py): its `deaths` | one read |
 
 The data dir is read only when the dashboard runs where the broker does
 (`--config`, and not `--broker`); elsewhere jobs and restarts are left out,
@@ -14,11 +14,8 @@ with a note saying why. Nothing here writes anything.
 
 from __future__ import annotations
 
-import os
-import re
 import time
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -27,14 +24,11 @@ from collector.results_client import DispatchClient, ResultsClient
 from pipeline.errors import BrokerUnavailableError, FabricError, IngestError
 from pipeline.job_files import JobFiles
 from pipeline.security import ClientCurve
+from pipeline.supervisor_report import read_report
 
 FINISHED_SHOWN_S = 300.0  # a finished job stays on the dashboard this long
 JOBS_SHOWN = 8
 RESTARTS_SHOWN = 5
-LOG_TAIL_BYTES = 64 * 1024
-DIED = re.compile(
-    r"^(?P<at>\S+) (?:WARNING|ERROR) supervisor-0 \d+ (?P<text>stage (?P<stage>\S+) died .*)$"
-)
 
 
 @dataclass(frozen=True)
@@ -47,9 +41,9 @@ class JobEntry:
 
 @dataclass(frozen=True)
 class Restart:
-    at_ns: int  # when the supervisor logged the death (wall clock)
+    at_ns: int  # when the supervisor saw the death (wall clock)
     stage: str
-    text: str  # the log line's message, e.g. "stage worker-0 died (signal SIGKILL); restarting ..."
+    text: str  # e.g. "stage worker-0 died (signal SIGKILL); restarting it in 0.2 s"
 
 
 @dataclass
@@ -114,28 +108,26 @@ class JobDirectory:
         return {e.job_no: e.job_id for e in self._known.values()}
 
 
-def recent_restarts(log_dir: Path, limit: int = RESTARTS_SHOWN) -> list[Restart]:
-    """The supervisor's last `limit` 'stage X died' lines, oldest first (the current file only:
-    after logrotate moves it, deaths before the rotation are no longer shown)."""
-    path = Path(log_dir) / "supervisor-0.log"
+def _read_ns(path: Path) -> int | None:
     try:
-        with open(path, "rb") as f:
-            size = f.seek(0, os.SEEK_END)
-            f.seek(max(0, size - LOG_TAIL_BYTES))
-            tail = f.read().decode("utf-8", "replace")
-    except FileNotFoundError:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def recent_restarts(data_root: Path, limit: int = RESTARTS_SHOWN) -> list[Restart]:
+    """The last `limit` stage deaths of the broker's current life, oldest first, from the
+    supervisor's report; [] when there is none."""
+    report = read_report(data_root)
+    if report is None:
         return []
     found = []
-    for line in tail.splitlines():
-        match = DIED.match(line)
-        if match is None:
-            continue
-        try:
-            at = datetime.strptime(match["at"], "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC)
-        except ValueError:
-            continue
-        found.append(Restart(int(at.timestamp() * 1e9), match["stage"], match["text"]))
-    return found[-limit:]
+    for death in report.get("deaths", [])[-limit:]:
+        wait = death.get("restart_in_s")
+        then = "the broker stops" if wait is None else f"restarting it in {wait:.1f} s"
+        text = f"stage {death['stage']} died ({death['how']}); {then}"
+        found.append(Restart(int(death["at_ns"]), death["stage"], text))
+    return found
 
 
 class Sources:
@@ -157,7 +149,7 @@ class Sources:
         self.completion_address = completion_address
         self.timeout_s = timeout_s
         self.jobs = JobDirectory(data_root) if data_root is not None else None
-        self.log_dir = Path(data_root) / "log" if data_root is not None else None
+        self.data_root = Path(data_root) if data_root is not None else None
         self._dispatch: DispatchClient | None = None
         self._completion: ResultsClient | None = None
 
@@ -171,8 +163,8 @@ class Sources:
         except FabricError as exc:
             snap.broker_error = f"{exc}; retrying"
         self._add_jobs(snap)
-        if self.log_dir is not None:
-            snap.restarts = recent_restarts(self.log_dir)
+        if self.data_root is not None:
+            snap.restarts = recent_restarts(self.data_root)
         else:
             snap.restarts_note = "restarts need the broker's data dir (run with --config there)"
         return snap

@@ -1,20 +1,19 @@
-"""The offline consistency check of a data dir (`python run.py check`).
+"""The consistency check of the logs: what `python run.py check` finds in segment files.
 
-Walks both logs and reports, one line each: files that are not readable
+A finding is one line (`Finding`); a `CheckReport` gathers them. The whole
+check of a data dir, which also reads the jobs, the vector stores and the
+acknowledged items that were lost, is composed on the top floor
+(assembly/check.py), since it spans stores that live on higher floors.
+
+`check_logs` walks both logs and reports, one line each: files that are not readable
 segments (bad magic, newer version, damaged header, wrong size), markers in
 no known state, advisory header counts that disagree with the markers,
 torn tails, LIVE slots whose checksum fails, orphan temporary files and
-stray files; job records that fail their checksum or share a job number
-(ingest/job_check.py); and acknowledged items that have neither a result nor
-a readable LIVE slot (collector/losses.py: a DEAD marker with no result, an
-EMPTY marker over a valid slot, a rotten slot an acknowledged chunk covers).
-With `fix`, it repairs what can be repaired without losing an acknowledged
-item (recount and rewrite headers, cut torn tails, remove orphan temporary
-files, isolate damaged input segments as a broker start does:
-pipeline/salvage.py) and says what it did; a lost item gets a `corrupt_input`
-error result, so its job ends and says why, and the run is not clean.
-Everything else is reported and left alone. Every crash and stress test
-ends by running it.
+stray files. With `fix`, it repairs what can be repaired without losing an
+acknowledged item (recount and rewrite headers, cut torn tails, remove
+orphan temporary files, isolate damaged input segments as a broker start
+does: pipeline/salvage.py) and says what it did. Everything else is
+reported and left alone.
 """
 
 from __future__ import annotations
@@ -156,14 +155,12 @@ def check_segment(path: Path, acknowledged: frozenset = frozenset()) -> list[Fin
     return findings
 
 
-def check_data_dir(data_dir: DataDir, fix: bool = False) -> CheckReport:
-    """Check every file under the data dir's logs; with `fix`, repair what is safe to repair."""
-    from collector.losses import find_lost, record_lost  # spans the logs and the jobs
-    from ingest.job_check import check_job_records
-
-    report = CheckReport()
-    lost = find_lost(data_dir)
-    acknowledged = frozenset((seg, slot) for x in lost for seg, slot, _ in x.slots)
+def check_logs(
+    data_dir: DataDir, report: CheckReport, acknowledged: frozenset, fix: bool = False
+) -> None:
+    """Check every file in both logs into `report`; with `fix`, repair what is safe to repair
+    (isolate a damaged input segment, rewrite header counts, cut torn tails, remove orphan
+    temporary files). `acknowledged` as for `check_segment`."""
     for directory in (data_dir.segments, data_dir.completion):
         if not directory.is_dir():
             continue
@@ -203,28 +200,7 @@ def check_data_dir(data_dir: DataDir, fix: bool = False) -> CheckReport:
                 report.findings.append(
                     Finding(path, "stray-file", "not a segment file; left alone")
                 )
-    from collector.vectors.check import check_vectors  # the vector stores (docs/vectors.md)
-
-    vector_findings, vector_fixed = check_vectors(data_dir.root, fix)
-    report.findings.extend(vector_findings)
-    report.fixed.extend(vector_fixed)
-    report.findings.extend(check_job_records(data_dir.root))
     for path in isolated_files(data_dir):
         report.notes.append(
             f"{path}: damaged input segment, isolated; its unreadable items have (or, with --fix, get) corrupt_input error results"
         )
-    for x in lost:
-        report.findings.append(
-            Finding(data_dir.root / "jobs" / x.job_id, "lost-items", x.line(), True)
-        )
-    if fix and report.fixed:
-        lost = find_lost(data_dir, notes=False)  # isolating a file may have saved some
-    if fix and lost:
-        report.lost = record_lost(data_dir, lost)
-        for x in lost:
-            report.fixed.append(
-                f"job {x.job_id}: {len(x.index)} lost item(s) given corrupt_input error results"
-            )
-    # After repairs, what is left is whatever a fresh read-only pass still finds.
-    report.remaining = check_data_dir(data_dir).findings if report.fixed else report.findings
-    return report

@@ -40,8 +40,11 @@ class SegmentSealedError(SegmentError):
     """An append was attempted on a sealed segment."""
 
 
-class DiskFullError(SegmentError):
-    """The disk under the data dir is full (ENOSPC). Retryable once space is freed."""
+class DiskFullError(FabricError):
+    """The disk under the data dir is full (ENOSPC, EDQUOT): a segment, a job's files, the
+    dispatch file or a mark could not be written. Not a SegmentError: nothing is wrong with
+    any file, and a handler of damaged segments must not take it for one. Retryable once
+    space is freed."""
 
     retryable = True
 

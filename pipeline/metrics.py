@@ -29,6 +29,8 @@ import math
 import os
 from dataclasses import dataclass
 
+from pipeline.topology import internal_address
+
 log = logging.getLogger("fabric.metrics")
 
 COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
@@ -394,7 +396,6 @@ class StatsPusher:
 
         from pipeline import wire
         from pipeline.errors import FabricError
-        from pipeline.topology import internal_address
 
         if self.socket is None:
             self.context = zmq.Context()

@@ -9,7 +9,7 @@ setting, the value and what to do.
 
 | check                 | what                                                          |
 |-----------------------|---------------------------------------------------------------|
-| tokenizers            | every model's `tokenizer` file exists and loads (and its chat template compiles), as the tokenizer stages will load it |
+| files                 | handed in by the composition root (assembly/broker.py): every model's `tokenizer` file exists and loads (and its chat template compiles), as the tokenizer stages will load it |
 | ports                 | every TCP port the broker binds (`ingest.bind`, `dispatch.bind`, `dispatch.heartbeat_bind`, `completion.bind`, `vectors.bind`, `metrics.bind`) can be bound now: bound and closed at once |
 
 A port is free at the check and taken a moment later by someone else is
@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import errno
 import socket
+from collections.abc import Callable
+from typing import Any
 
-from pipeline.errors import ConfigError, FabricError
+from pipeline.errors import ConfigError
 
 # (setting, how the broker binds it): zmq "tcp://HOST:PORT", or HTTP "HOST:PORT"
 PORTS = (
@@ -35,19 +37,12 @@ PORTS = (
 )
 
 
-def preflight(settings) -> None:
-    """Raise ConfigError naming the first thing that would stop a stage at start."""
-    check_tokenizers(settings)
+def preflight(settings, check_files: Callable[[Any], None] | None = None) -> None:
+    """Raise ConfigError naming the first thing that would stop a stage at start:
+    `check_files(settings)` (the files the config names, which upper floors load), then ports."""
+    if check_files is not None:
+        check_files(settings)
     check_ports(settings)
-
-
-def check_tokenizers(settings) -> None:
-    from ingest.tokenize import load_tokenizers
-
-    try:
-        load_tokenizers(settings)
-    except FabricError as exc:
-        raise ConfigError(f"[[models]] tokenizer: {exc}") from None
 
 
 def bound_ports(settings) -> list[tuple[str, str]]:

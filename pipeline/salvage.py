@@ -43,6 +43,7 @@ from pipeline.errors import SegmentFormatError
 from pipeline.item_seq import consistent
 from pipeline.scan import SLOT_CHUNK_BYTES, DamagedFile
 from pipeline.segment import Segment
+from pipeline.segment_append import SegmentIds
 from pipeline.segment_format import (
     CHECKSUM_WORD,
     HEADER_BYTES,
@@ -60,7 +61,6 @@ from pipeline.segment_format import (
     segment_file_name,
     slot_checksums,
 )
-from pipeline.segment_log import SegmentIds
 
 log = logging.getLogger("fabric.salvage")
 

@@ -1,6 +1,7 @@
 """The stage base: one OS process, one `step(now)` loop, flags set by signals.
 
-A stage is created in its own process (spawn), after which `open()` makes
+A stage is created in its own process (forked from the supervisor's fork
+server, which imported the stage modules once), after which `open()` makes
 its sockets, maps and shared-memory handles. `run_stage()` then calls
 `step(now)` until SIGTERM or SIGINT sets the stop flag, calls `drain()` to
 finish what is in flight, and `close()`. Signal handlers only set flags.
@@ -10,7 +11,6 @@ Tests drive `step(now)` one call at a time.
 from __future__ import annotations
 
 import ctypes
-import importlib
 import logging
 import os
 import signal
@@ -33,11 +33,15 @@ DISK_FULL_EXIT = 75
 
 @dataclass(frozen=True)
 class StageSpec:
-    """What the supervisor starts: stage `name`, instance `index`, class at `target`."""
+    """What the supervisor starts: stage `name`, instance `index`, of class `stage`.
+
+    The stage table (assembly/stages.py) names the classes; the ground floor names none.
+    The class travels to the spawned process by reference (its module is imported there).
+    """
 
     name: str
     index: int
-    target: str  # "package.module:ClassName", importable in a fresh interpreter
+    stage: type[Stage]
     critical: bool = True  # a crash loop of a critical stage stops the broker; others (local
     # workers) are restarted forever, with backoff (pipeline/supervisor.py)
 
@@ -96,11 +100,6 @@ class StopFlags:
         self.stop = True
 
 
-def load_stage_class(target: str) -> type[Stage]:
-    module_name, _, class_name = target.partition(":")
-    return getattr(importlib.import_module(module_name), class_name)
-
-
 def run_stage(spec: StageSpec, settings, drain_s: float = 30.0, ready=None) -> int:
     """Entry point of a stage process: set up, loop until asked to stop, drain, exit 0.
     `ready` (a multiprocessing Event) is set once the stage is open: it is up."""
@@ -112,7 +111,7 @@ def run_stage(spec: StageSpec, settings, drain_s: float = 30.0, ready=None) -> i
         pass
     setup_stage_logging(settings.data_path / "log", spec.label)
     flags = StopFlags()
-    stage = load_stage_class(spec.target)(settings, spec.index)
+    stage = spec.stage(settings, spec.index)
     stage.open()
     log.info("stage %s up", spec.label)
     if ready is not None:
@@ -132,17 +131,39 @@ def run_stage(spec: StageSpec, settings, drain_s: float = 30.0, ready=None) -> i
     return 0
 
 
-def die_with_parent(parent_pid: int) -> None:
-    """Have the kernel SIGKILL this process when the supervisor dies (Linux prctl).
+def die_with_parent(supervisor_pid: int) -> None:
+    """Have the kernel SIGKILL this process when its parent dies (Linux prctl).
 
     A stage must never outlive its broker: a new broker on the same data dir
-    would otherwise meet a second writer.
+    would otherwise meet a second writer. Its parent is the supervisor's fork
+    server, which exits once every holder of its "alive" pipe has closed it:
+    the supervisor, and each process it forked, which inherits a copy. So the
+    stage closes its copy here; when the supervisor dies, the fork server sees
+    the pipe end, exits, and the stage dies with it (tests/test_supervisor.py
+    kills a supervisor and checks).
     """
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver  # the module's one ForkServer (CPython 3.8 and later)
+    if server._forkserver_alive_fd is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
+    parent = os.getppid()
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
         log.warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+    if os.getppid() != parent or not _alive(supervisor_pid):  # died before prctl took effect
         os._exit(1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process has taken the pid: ours is gone
+        return False
+    return True
 
 
 def stage_main(

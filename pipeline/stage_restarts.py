@@ -1,22 +1,17 @@
-"""What the supervisor tells `status` about stages that keep dying: `<data_dir>/restarts.json`.
+"""What `status` says about stages that keep dying, from the supervisor's report.
 
 A local worker that crash-loops (an engine that dies on some input) is never
 given up on: the supervisor restarts it after a backoff that doubles with
-each death in a row, and says so here, so that `run.py status` (dispatch
-reads this file for its BROKER_INFO answer) shows why work is not moving
-instead of "(no workers)". The supervisor rewrites the file (atomically)
-whenever a stage dies or starts; it lists only stages that died in this
-broker's life.
+each death in a row, and says so in its report (`<data_dir>/supervisor.json`,
+pipeline/supervisor_report.py), so that `run.py status` (dispatch reads it
+for its BROKER_INFO answer) shows why work is not moving instead of
+"(no workers)". `read_restarts` lists the local workers that died in this
+broker's life, with the report's per-stage fields (`stage`, `state`:
+`running` or `restarting`, `deaths_in_a_row`, `deaths`, `last_exit`,
+`last_error`, `restart_at_ns`) and `restart_in_s`.
 
-| field (per stage)  | meaning                                                           |
-|--------------------|-------------------------------------------------------------------|
-| `stage`            | the stage label, e.g. `worker-0`                                  |
-| `state`            | `running`, or `restarting` (dead, waiting out its backoff)        |
-| `deaths_in_a_row`  | deaths since it last ran `restart_window_s` without dying         |
-| `deaths`           | deaths in this broker's life                                      |
-| `last_exit`        | how it last ended: `signal SIGKILL`, `exit code 1`                |
-| `last_error`       | the last ERROR line (or exception) it logged in its last life, or null |
-| `restart_at_ns`    | wall clock (ns) of the next start while `restarting`, else 0      |
+It also finds, for the supervisor, the last error line a stage logged before
+it died (`last_error_line`): shown to people, never parsed by programs.
 """
 
 from __future__ import annotations
@@ -26,31 +21,29 @@ import time
 from pathlib import Path
 from typing import Any
 
-import orjson
+from pipeline.supervisor_report import read_report
 
-from pipeline.durable import write_whole
-
-RESTARTS_FILE = "restarts.json"
 LOG_TAIL_BYTES = 16 * 1024
 MAX_ERROR_CHARS = 300
-
-
-def write_restarts(data_root: Path, stages: list[dict[str, Any]]) -> None:
-    """Replace the file with `stages` (the fields of the table above)."""
-    write_whole(Path(data_root) / RESTARTS_FILE, orjson.dumps({"stages": stages}))
+FIELDS = ("stage", "deaths_in_a_row", "deaths", "last_exit", "last_error", "restart_at_ns")
 
 
 def read_restarts(data_root: Path, now_ns: int | None = None) -> list[dict[str, Any]]:
-    """The stages in the file, each with `restart_in_s` (seconds until its next start, 0 when
-    running); [] when there is no file or it cannot be read (nothing died yet)."""
-    try:
-        stages = orjson.loads((Path(data_root) / RESTARTS_FILE).read_bytes())["stages"]
-    except (OSError, ValueError, KeyError, TypeError):
+    """The local workers that died in this broker's life, each with `restart_in_s` (seconds
+    until its next start, 0 when running); [] when there is no report or nothing died."""
+    report = read_report(data_root)
+    if report is None or not report.get("running"):
         return []
     now_ns = time.time_ns() if now_ns is None else now_ns
-    for stage in stages:
-        at = int(stage.get("restart_at_ns") or 0)
+    stages = []
+    for entry in report["stages"]:
+        if entry.get("critical", True) or not entry.get("deaths"):
+            continue
+        stage = {key: entry.get(key) for key in FIELDS}
+        stage["state"] = "restarting" if entry["state"] == "restarting" else "running"
+        at = int(entry.get("restart_at_ns") or 0)
         stage["restart_in_s"] = round(max(0.0, (at - now_ns) / 1e9), 1) if at else 0.0
+        stages.append(stage)
     return stages
 
 

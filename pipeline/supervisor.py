@@ -6,12 +6,13 @@
    keys (pipeline/security.py; exit 3); set the umask to 0o077, so every file
    the broker and its stages create is the owner's alone. Take the data dir's
    exclusive lock (a second broker on it exits 4); check what would stop a
-   stage at start (pipeline/preflight.py: tokenizers load, ports are free;
-   exit 3 with the cause); start the heartbeat port and the metrics thread
+   stage at start (pipeline/preflight.py: files the config names load, ports
+   are free; exit 3 with the cause); start the heartbeat port and the metrics thread
    (pipeline/metrics_server.py).
-2. Run recovery (invariant 4) and hand finished segments to the collector.
+2. Run recovery (invariant 4), then `after_recovery` when it found damage,
+   and hand finished segments to the collector.
 3. Create the shared-memory rings between stages, then start every stage
-   as its own process (spawn), in pipeline order, and say on stderr what it
+   as its own process, in pipeline order, and say on stderr what it
    serves (pipeline/announce.py); "ready" once every stage set its ready
    event, and the last error line of one that dies before it was up. A stage that dies has its
    rings replaced before it restarts (what they held is dropped: the front
@@ -23,33 +24,39 @@
    A local worker is never given up on (its engine may die on one poison
    item, which dispatch dead-letters after `max_attempts` deaths): it is
    restarted after a backoff that doubles with each death in a row, up to
-   `WORKER_MAX_BACKOFF_S`, and `<data_dir>/restarts.json`
-   (pipeline/stage_restarts.py) and the metrics say so, for `status`.
+   `WORKER_MAX_BACKOFF_S`, and its report and the metrics say so, for `status`.
 5. On SIGTERM or SIGINT (handlers only set a flag): stop the stages front
    first, so work already accepted drains downstream; each gets
    `stop_timeout_s` before SIGKILL. Say how many items are left queued; exit 0.
+
+Its own report, `<data_dir>/supervisor.json` (pipeline/supervisor_report.py),
+says at every change which process runs each stage, whether it is up, and
+its deaths and restarts: programs and tests read that, never its log.
+
+The supervisor sits on the ground floor and names no upper floor: the stage
+classes (in `StageSpec`) and the housekeeping of upper floors (`Housekeeping`)
+are handed to it by the composition root (assembly/broker.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
 import logging
 import multiprocessing
 import multiprocessing.connection
 import os
 import signal
 import sys
-import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from collector.segments import SegmentCollector
 from pipeline import announce, exitcodes
 from pipeline.datadir import DataDir
 from pipeline.errors import ConfigError, FabricError
+from pipeline.heartbeat import Heartbeat
 from pipeline.logs import setup_stage_logging
 from pipeline.metrics_hub import MetricsHub
 from pipeline.metrics_server import MetricsServer
@@ -57,21 +64,21 @@ from pipeline.preflight import preflight
 from pipeline.recovery import recover
 from pipeline.ring import Ring
 from pipeline.security import (
-    ServerGate,
     ServerKeys,
     check_exposure,
     loose_authorized_keys,
     loose_permissions,
 )
 from pipeline.stage import DISK_FULL_EXIT, EPOCH_ENV, StageSpec, stage_main
-from pipeline.stage_restarts import RESTARTS_FILE, last_error_line, log_size, write_restarts
-from pipeline.topology import AFTER_RECOVERY, RING_BYTES, RingSpec
+from pipeline.stage_restarts import last_error_line, log_size
+from pipeline.supervisor_report import MAX_DEATHS, REPORT_FILE, write_report
+from pipeline.topology import RING_BYTES, RingSpec
 
 log = logging.getLogger("fabric.supervisor")
 MAX_BACKOFF_S = 30.0
 WORKER_MAX_BACKOFF_S = 60.0  # a crash-looping local worker is restarted at least this often
+PRELOADED = {"numpy", "zmq", "orjson", "pipeline.stage", "config"}  # besides the stage modules
 DISK_FULL_BACKOFF_S = 5.0  # a stage that stopped on a full disk (DISK_FULL_EXIT) waits this much
-HEARTBEAT_MAX_MESSAGE_BYTES = 4096  # a PING is about 40 bytes; a bigger frame disconnects the peer
 
 
 def describe_exit(exitcode: int | None) -> str:
@@ -91,6 +98,23 @@ def _fresh_ring(ring: RingSpec) -> None:
     Ring.create(ring.name, RING_BYTES).close()
 
 
+@dataclass(frozen=True)
+class Housekeeping:
+    """What the supervisor runs for the floors above it; each may be left out (tests).
+
+    `check_files(settings)`: before anything binds, raise ConfigError when a file the
+    config names does not load (tokenizers). `after_recovery(data_dir, damaged, torn)`:
+    when recovery found damage, before any stage starts, isolate damaged input segments
+    and give lost items their error results; returns the losses (each with `.line()`).
+    `collector`: removes finished segment files (`offer(summaries)`, `step(now)`,
+    `sweep(data_dir, retention_s)`).
+    """
+
+    check_files: Callable[[Any], None] | None = None
+    after_recovery: Callable[[DataDir, list, int], list] | None = None
+    collector: Any = None
+
+
 @dataclass
 class _Child:
     spec: StageSpec
@@ -104,21 +128,32 @@ class _Child:
     last_exit: str = ""
     last_error: str | None = None
     log_offset: int = 0  # where its log ended when it last started
+    starts: int = 0
+    up: bool = False  # its process set its ready event
 
 
 class Supervisor:
     """Owns the stage processes of one broker."""
 
     def __init__(
-        self, settings, specs: list[StageSpec], rings: list[RingSpec] | None = None
+        self,
+        settings,
+        specs: list[StageSpec],
+        rings: list[RingSpec] | None = None,
+        housekeeping: Housekeeping | None = None,
     ) -> None:
         self.settings = settings
         self.rings = rings or []
         self.config = settings.supervisor
         self.data_dir = DataDir(settings.data_path)
-        self.collector = SegmentCollector(settings.collector.interval_s)
+        self.housekeeping = housekeeping or Housekeeping()
+        self.collector = self.housekeeping.collector
         self._children = [_Child(spec) for spec in specs]
-        self._context = multiprocessing.get_context("spawn")
+        # Stage processes come from a fork server that imported the stage modules once (a
+        # fresh interpreter each, as with spawn, costs about 0.5 s of CPU per stage start).
+        self._context = multiprocessing.get_context("forkserver")
+        modules = {child.spec.stage.__module__ for child in self._children}
+        self._context.set_forkserver_preload(sorted(PRELOADED | modules))
         self._stop = False
         self.failure: str | None = None
         self.next_sweep = 0.0
@@ -127,13 +162,17 @@ class Supervisor:
         self.metrics: MetricsServer | None = None
         self.said_ready = False
         self.said_failures: set[str] = set()  # start failures already printed
+        self.epoch = 0
+        self.running = False
+        self.deaths: deque[dict[str, Any]] = deque(maxlen=MAX_DEATHS)
 
     # ---- lifecycle -------------------------------------------------------
     def _after_recovery(self, report) -> None:
         """Isolate damaged input segments and account for lost items (pipeline/salvage.py,
         collector/losses.py); a failure here is logged and the broker serves what it can."""
-        module, _, name = AFTER_RECOVERY.partition(":")
-        step = getattr(importlib.import_module(module), name)
+        step = self.housekeeping.after_recovery
+        if step is None:
+            return
         try:
             lost = step(self.data_dir, report.damaged, report.torn())
         except (FabricError, OSError) as exc:
@@ -154,7 +193,7 @@ class Supervisor:
         os.umask(0o077)  # inherited by every stage: data dir files are the owner's alone
         self.data_dir.lock()
         try:  # what would stop a stage at start: files named in the config, ports in use
-            preflight(self.settings)
+            preflight(self.settings, self.housekeeping.check_files)
         except ConfigError:
             self.data_dir.unlock()
             raise
@@ -170,6 +209,8 @@ class Supervisor:
                 security.server_key,
                 mode,
             )
+        self.running = True
+        self._write_report()  # what an earlier broker life reported is stale
         self.epoch = time.time_ns()
         os.environ[EPOCH_ENV] = str(self.epoch)  # inherited by every stage: dispatch files
         self.heartbeat = Heartbeat(self.settings.dispatch.heartbeat_bind, self.epoch, security)
@@ -188,17 +229,17 @@ class Supervisor:
         if report.damaged or report.torn():
             self._after_recovery(report)
         # Input segments go at once; completion segments wait for their job's retention (sweep).
-        self.collector.offer(
-            [s for s in report.finished if s.path.parent == self.data_dir.segments]
-        )
+        if self.collector is not None:
+            self.collector.offer(
+                [s for s in report.finished if s.path.parent == self.data_dir.segments]
+            )
         self.heartbeat.recovered = True
-        with contextlib.suppress(OSError):  # what an earlier broker life said is stale
-            (self.data_dir.root / RESTARTS_FILE).unlink()
         for ring in self.rings:
             _fresh_ring(ring)
         now = time.monotonic()
         for child in self._children:
             self._spawn(child, now)
+        self._write_report()
         for line in announce.start_lines(self.settings):
             announce.say(line)
 
@@ -235,14 +276,24 @@ class Supervisor:
     # ---- one step ----------------------------------------------------------
     def step(self, now: float) -> None:
         """Notice dead stages, restart those whose backoff has passed, run the collector."""
+        changed = False
         for child in self._children:
             process = child.process
             if process is not None and process.exitcode is not None:
                 self._on_death(child, now)
+                changed = True
             if child.process is None and child.restart_at is not None and now >= child.restart_at:
                 self._spawn(child, now)
                 log.info("restarted stage %s (pid %d)", child.spec.label, child.process.pid)
+                changed = True
+            if child.process is not None and not child.up and child.ready.is_set():
+                child.up = True
+                changed = True
         self._say_ready()
+        if changed:
+            self._write_report()
+        if self.collector is None:
+            return
         self.collector.step(now)
         if now >= self.next_sweep:
             self.next_sweep = now + self.settings.collector.interval_s
@@ -253,7 +304,7 @@ class Supervisor:
         if self.said_ready:
             return
         waiting = [c for c in self._children if c.process is not None or c.restart_at is not None]
-        if all(c.ready is not None and c.ready.is_set() for c in waiting):
+        if all(c.up for c in waiting):
             self.said_ready = True
             log.info("every stage is up")
             announce.say("ready")
@@ -277,11 +328,16 @@ class Supervisor:
         disk_full = child.process.exitcode == DISK_FULL_EXIT
         child.process.close()
         child.process = None
+        child.up = False
         self.metrics_hub.ended(child.spec.label)
         window = self.config.restart_window_s
         child.total_deaths += 1
         child.last_exit = how
+        death = {"at_ns": time.time_ns(), "stage": child.spec.label, "how": how}
+        death["restart_in_s"] = None  # set below with the backoff, unless the broker gives up
+        self.deaths.append(death)
         if disk_full:  # a restart frees nothing: never a crash loop, and no hurry
+            death["restart_in_s"] = DISK_FULL_BACKOFF_S
             child.restart_at = now + DISK_FULL_BACKOFF_S
             log.error(
                 "stage %s stopped on a full disk (see its log); restarting it in %.1f s",
@@ -291,6 +347,7 @@ class Supervisor:
             return
         if not child.spec.critical:
             self._restart_later(child, now, how)
+            death["restart_in_s"] = round(child.restart_at - now, 3)
             return
         child.deaths.append(now)
         while child.deaths and child.deaths[0] < now - window:
@@ -308,11 +365,12 @@ class Supervisor:
                 _fresh_ring(ring)
         backoff = min(MAX_BACKOFF_S, self.config.restart_backoff_s * 2 ** (len(child.deaths) - 1))
         child.restart_at = now + backoff
+        death["restart_in_s"] = backoff
         log.warning("stage %s died (%s); restarting it in %.1f s", child.spec.label, how, backoff)
 
     def _restart_later(self, child: _Child, now: float, how: str) -> None:
         """A local worker died: restart it after a backoff that doubles with each death in a
-        row (capped at WORKER_MAX_BACKOFF_S), never give up, and say so in restarts.json and
+        row (capped at WORKER_MAX_BACKOFF_S), never give up, and say so in the supervisor's report and
         the metrics. Giving up would stop all work silently while dispatch has not yet
         dead-lettered the poison item that kills it (invariant 14)."""
         if now - child.started_at >= self.config.restart_window_s:
@@ -333,32 +391,47 @@ class Supervisor:
             f"; its log said: {child.last_error}" if child.last_error else "",
         )
         self.metrics_hub.waiting(child.spec.label, child.restart_at, child.in_a_row)
-        self._write_restarts(now)
 
-    def _write_restarts(self, now: float) -> None:
-        """Tell `status` (through dispatch) which stages died and which wait to restart."""
-        now_ns = time.time_ns()
+    def _stage_state(self, child: _Child) -> str:
+        if child.process is not None:
+            return "up" if child.up else "starting"
+        return "restarting" if child.restart_at is not None and self.running else "stopped"
+
+    def _write_report(self) -> None:
+        """Replace `<data_dir>/supervisor.json` (pipeline/supervisor_report.py) with the
+        state of every stage now."""
+        now, now_ns = time.monotonic(), time.time_ns()
         stages = [
             {
                 "stage": c.spec.label,
-                "state": "restarting" if c.process is None else "running",
-                "deaths_in_a_row": c.in_a_row,
+                "pid": c.process.pid if c.process is not None else 0,
+                "state": self._stage_state(c),
+                "critical": c.spec.critical,
+                "restarts": max(0, c.starts - 1),
                 "deaths": c.total_deaths,
+                "deaths_in_a_row": c.in_a_row,
                 "last_exit": c.last_exit,
                 "last_error": c.last_error,
                 "restart_at_ns": (
-                    now_ns + int((c.restart_at - now) * 1e9)
+                    now_ns + int(max(0.0, c.restart_at - now) * 1e9)
                     if c.process is None and c.restart_at is not None
                     else 0
                 ),
             }
             for c in self._children
-            if c.total_deaths and not c.spec.critical
         ]
+        report = {
+            "pid": os.getpid(),
+            "epoch": self.epoch,
+            "running": self.running,
+            "ready": self.said_ready,
+            "stages": stages,
+            "deaths": list(self.deaths),
+        }
         try:
-            write_restarts(self.data_dir.root, stages)
-        except OSError as exc:  # a full disk: the log line above still says it
-            log.warning("cannot write %s: %s", RESTARTS_FILE, exc)
+            write_report(self.data_dir.root, report)
+        except OSError as exc:  # a full disk: the log lines still say it
+            log.warning("cannot write %s: %s", REPORT_FILE, exc)
 
     def _spawn(self, child: _Child, now: float) -> None:
         child.ready = self._context.Event()
@@ -370,13 +443,14 @@ class Supervisor:
         )
         process.start()
         child.process = process
+        child.starts += 1
+        child.up = False
         self.metrics_hub.started(child.spec.label, process.pid)
         child.restart_at = None
         child.started_at = now
         log.info("started stage %s (pid %d)", child.spec.label, process.pid)
         if child.total_deaths and not child.spec.critical:
             self.metrics_hub.waiting(child.spec.label, None, child.in_a_row)
-            self._write_restarts(now)
 
     # ---- stopping ------------------------------------------------------------
     def stop(self) -> None:
@@ -396,10 +470,15 @@ class Supervisor:
                 )
                 process.kill()
                 process.join(5)
-            log.info("stage %s stopped (%s)", child.spec.label, describe_exit(process.exitcode))
+            child.last_exit = describe_exit(process.exitcode)
+            log.info("stage %s stopped (%s)", child.spec.label, child.last_exit)
             process.close()
             child.process = None
+            child.up = False
             self.metrics_hub.ended(child.spec.label)
+        if self.running:
+            self.running = False
+            self._write_report()
         for ring in self.rings:
             Ring.unlink(ring.name)
         if self.heartbeat is not None:
@@ -409,75 +488,3 @@ class Supervisor:
 
     def pids(self) -> dict[str, int]:
         return {c.spec.label: c.process.pid for c in self._children if c.process is not None}
-
-
-class Heartbeat(threading.Thread):
-    """The stateless heartbeat port: answers PING with the broker's epoch and whether it recovered.
-
-    Answered by the supervisor itself, so a worker hears the broker is up even
-    while dispatch is busy or restarting.
-    """
-
-    def __init__(self, address: str, epoch: int, security=None) -> None:
-        super().__init__(name="heartbeat", daemon=True)
-        self.address = address
-        self.epoch = epoch
-        self.security = security  # SecuritySettings: CURVE on this port when it has a server key
-        self.recovered = False
-        self._stop_event = threading.Event()
-        self.started_s = time.monotonic()  # up_s is a duration: a wall-clock step cannot bend it
-
-    def run(self) -> None:
-        import zmq
-
-        from pipeline import wire
-        from pipeline.errors import FabricError, WireError
-
-        context = zmq.Context()
-        socket = context.socket(zmq.ROUTER)
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.SNDTIMEO, 0)
-        socket.setsockopt(zmq.MAXMSGSIZE, HEARTBEAT_MAX_MESSAGE_BYTES)
-        limits = wire.WireLimits(max_frames=1, max_bytes=HEARTBEAT_MAX_MESSAGE_BYTES)
-        gate = None
-        try:
-            if self.security is not None:
-                gate = ServerGate(context, self.security)
-                gate.secure(socket)
-            socket.bind(self.address)
-        except (zmq.ZMQError, FabricError) as exc:
-            log.error("heartbeat port %s: cannot bind: %s", self.address, exc)
-            socket.close(0)
-            if gate is not None:
-                gate.close()
-            context.term()
-            return
-        try:
-            while not self._stop_event.is_set():
-                try:
-                    message = wire.recv(socket, 100, limits=limits)
-                except WireError as exc:
-                    log.warning("heartbeat: dropped a malformed message: %s", exc)
-                    continue
-                if message is None or message.type != wire.MessageType.PING:
-                    continue
-                with contextlib.suppress(FabricError):
-                    wire.send(
-                        socket,
-                        wire.MessageType.PONG,
-                        {
-                            "epoch": self.epoch,
-                            "recovered": self.recovered,
-                            "up_s": round(time.monotonic() - self.started_s, 3),
-                        },
-                        route=message.route,
-                    )
-        finally:
-            socket.close(0)
-            if gate is not None:
-                gate.close()
-            context.term()
-
-    def stop(self) -> None:
-        self._stop_event.set()
-        self.join(timeout=2.0)

@@ -1,4 +1,7 @@
-"""Which stage processes a broker runs, the rings between them, and their internal sockets.
+"""The stage processes a broker runs, the rings between them, and their internal sockets.
+
+The stage classes themselves are named by the stage table on the top floor
+(assembly/stages.py); this module knows the stages by name and count only.
 
 | stage       | count                | reads                                   | writes                                |
 |-------------|----------------------|-----------------------------------------|---------------------------------------|
@@ -28,12 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.ring import ring_name
-from pipeline.stage import StageSpec
 
-# Run by the supervisor after recovery when it found damage, before any stage starts:
-# isolate damaged input segments and give lost items their error results (a function,
-# "package.module:name", composed here like the stages: it spans the logs and the jobs).
-AFTER_RECOVERY = "collector.losses:after_recovery"
 RING_BYTES = 64 << 20  # per ring; records are at most pipeline.ring_records.MAX_RECORD_BYTES
 
 
@@ -78,30 +76,6 @@ def client_address(bind: str) -> str:
 def internal_address(settings, endpoint: str) -> str:
     """`ipc://` address of an internal socket: front, tokenize, router-<r>, writer-<w>."""
     return f"ipc://{run_dir(settings) / endpoint}.ipc"
-
-
-def stage_specs(settings) -> list[StageSpec]:
-    specs = [StageSpec("front", 0, "ingest.front_stage:FrontStage")]
-    specs += [
-        StageSpec("tokenizer", i, "ingest.tokenizer_stage:TokenizerStage")
-        for i in range(settings.ingest.processes)
-    ]
-    specs += [
-        StageSpec("router", i, "router.router_stage:RouterStage")
-        for i in range(settings.router.processes)
-    ]
-    specs += [
-        StageSpec("writer", i, "router.writer_stage:WriterStage")
-        for i in range(settings.writers.processes)
-    ]
-    specs += [
-        StageSpec("worker", i, "gpu.worker.local_stage:WorkerStage", critical=False)
-        for i in range(sum(group.local for group in settings.worker_groups))
-    ]
-    specs.append(StageSpec("dispatch", 0, "gpu.dispatch_stage:DispatchStage"))
-    specs.append(StageSpec("completion", 0, "collector.completion.stage:CompletionStage"))
-    specs.append(StageSpec("vectors", 0, "collector.vectors.vector_stage:VectorStage"))
-    return specs
 
 
 def worker_group(settings, index: int):

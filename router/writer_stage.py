@@ -37,8 +37,8 @@ from pipeline.item_seq import seq_of
 from pipeline.metrics import FSYNC_BUCKETS_S, Histogram
 from pipeline.ring_port import RingPort
 from pipeline.ring_records import KEYED, Keyed, read_keyed
+from pipeline.segment_append import SegmentAppender, SegmentIds
 from pipeline.segment_format import KIND_INPUT, SegmentKey, slot_bytes_for
-from pipeline.segment_log import SegmentAppender, SegmentIds
 from pipeline.stage import Stage
 from pipeline.topology import internal_address, rings_to
 

@@ -1,25 +1,26 @@
-"""A real broker for tests: its config, its processes, and what its log holds."""
+"""A real broker for tests: its config, its processes, and what its supervisor reports."""
 
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
+import urllib.request
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 from conftest import wait_for
+from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.datadir import DataDir
 from pipeline.ring import Ring
 from pipeline.segment import Segment
+from pipeline.supervisor_report import all_up, read_report, stage_pids
 from pipeline.topology import free_loopback_ports, ring_specs
 
 REPO = Path(__file__).resolve().parents[1]
-STARTED = re.compile(r"started stage (\S+) \(pid (\d+)\)")
 
 
 def free_port() -> int:
@@ -130,11 +131,8 @@ class Broker:
         self.data_dir = DataDir(self.settings.data_path)
         self.address = self.settings.ingest.bind
         self.proc: subprocess.Popen | None = None
-        self.log_from = 0  # where the supervisor's log of this broker life starts
 
     def start(self) -> Broker:
-        log = self.data_dir.log / "supervisor-0.log"
-        self.log_from = log.stat().st_size if log.exists() else 0  # where this life's log starts
         path = self.stderr_path
         err = subprocess.PIPE if path is None else open(path, "w")  # noqa: SIM115
         self.proc = subprocess.Popen(
@@ -149,40 +147,52 @@ class Broker:
         wait_for(self.all_up, "every stage to be up", timeout_s=60)
         return self
 
-    def _log_of_this_life(self) -> str:
-        path = self.data_dir.log / "supervisor-0.log"
-        if not path.exists():
-            return ""
-        with open(path, "rb") as log:
-            log.seek(self.log_from)
-            return log.read().decode("utf-8", errors="replace")
-
     def supervisor_log(self) -> str:
+        """For people reading a failure; tests wait on `report()`, never on log text."""
         path = self.data_dir.log / "supervisor-0.log"
         return path.read_text() if path.exists() else ""
 
+    def report(self) -> dict | None:
+        """The supervisor's report of this broker life (pipeline/supervisor_report.py)."""
+        report = read_report(self.data_dir.root)
+        if report is None or self.proc is None or report.get("pid") != self.proc.pid:
+            return None
+        return report
+
     def pids(self) -> dict[str, int]:
-        """The latest pid of each stage, from the supervisor's log."""
-        return {label: int(pid) for label, pid in STARTED.findall(self.supervisor_log())}
+        """The pid of each running stage of this broker life."""
+        return stage_pids(self.report())
+
+    def restarts(self) -> dict[str, int]:
+        """Stage label -> how many times the supervisor restarted it in this broker life."""
+        report = self.report()
+        return {s["stage"]: s["restarts"] for s in report["stages"]} if report else {}
 
     def all_up(self) -> bool:
-        """Every stage of this life is up: the supervisor said so once each had opened its
-        sockets (so a client finds every port listening), and each restarted one is up again."""
-        if "every stage is up" not in self._log_of_this_life():
-            return False
-        pids = self.pids()
-        if len(pids) < 4:
-            return False
-        for label, pid in pids.items():
-            log = self.data_dir.log / f"{label}.log"
-            if not log.exists() or f"{pid} stage {label} up" not in log.read_text():
-                return False
-        return True
+        """Every stage of this life is up: each had opened its sockets (so a client finds
+        every port listening), and each restarted one is up again."""
+        return all_up(self.report(), self.proc.pid)
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of the series of metric `name` whose labels include `labels`, scraped from
+        the supervisor's metrics endpoint now (0 when none)."""
+        with urllib.request.urlopen(
+            f"http://{self.settings.metrics.bind}/metrics", timeout=10
+        ) as r:
+            text = r.read().decode()
+        total = 0.0
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and labels.items() <= sample.labels.items():
+                    total += sample.value
+        return total
 
     def kill_stage(self, label: str) -> int:
         pid = self.pids()[label]
         os.kill(pid, signal.SIGKILL)
-        wait_for(lambda: self.pids()[label] != pid and self.all_up(), f"{label} to be restarted")
+        wait_for(
+            lambda: self.pids().get(label, pid) != pid and self.all_up(), f"{label} to be restarted"
+        )
         return pid
 
     def kill(self) -> None:

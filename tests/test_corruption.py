@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from conftest import appender, assert_check_clean, make_batch
 
-from pipeline.check import check_data_dir
+from assembly.check import check_data_dir
 from pipeline.errors import SegmentFormatError
 from pipeline.recovery import recover
 from pipeline.segment import Segment

@@ -1,6 +1,6 @@
 """Disk use with real processes: a small job leaves a small data dir.
 
-Segments start small and grow with their key's traffic (pipeline/segment_log.py), so a
+Segments start small and grow with their key's traffic (pipeline/segment_append.py), so a
 broker with the default `segment_bytes` (256 MiB) does not reserve 256 MiB per active lane,
 nor 64 MiB per job for its results.
 """
@@ -56,7 +56,7 @@ def test_input_segments_double_up_to_segment_bytes_and_restart_small_when_idle(d
     import numpy as np
     from conftest import KEY, SLOT_BYTES, make_batch
 
-    from pipeline.segment_log import SegmentAppender, SegmentIds
+    from pipeline.segment_append import SegmentAppender, SegmentIds
 
     appender = SegmentAppender(
         data_dir, KEY, SLOT_BYTES, 4 << 20, SegmentIds(data_dir), idle_s=5.0, min_bytes=1 << 20

@@ -201,7 +201,7 @@ def test_a_worker_killed_at_each_phase_loses_and_doubles_nothing(tmp_path, broke
     assert fetch(b, "k", out).returncode == 0
     assert_each_once(out, 1500)
     wait_for(  # the dead session is declared gone (it may end after the job did)
-        lambda: "silent for" in log_of(b, "dispatch-0"), "the dead session to be dropped"
+        lambda: b.metric("fabric_worker_sessions") == 1, "the dead session to be dropped"
     )
     stop_and_check(b)
 
@@ -214,7 +214,7 @@ def test_broker_sigkilled_while_a_fleet_holds_batches_all_re_register(tmp_path, 
     fleet = [
         workers(b, "simulated", "tokens_per_s=20000", batch_items=32, prefetch=3) for _ in range(3)
     ]
-    wait_for(lambda: log_of(b, "dispatch-0").count("holding 0 item") == 3, "the fleet to register")
+    wait_for(lambda: b.metric("fabric_worker_sessions") == 3, "the fleet to register")
     wait_for(lambda: job_info(b, "r")["completed"] > 100, "some progress")
     b.kill()  # the whole broker, with batches out
     b.start()
@@ -321,11 +321,14 @@ def test_a_stopped_worker_loses_its_work_and_resumes_without_doubling(tmp_path, 
     stopped = workers(b, "simulated", "tokens_per_s=20000", batch_items=16)
     wait_for(lambda: job_info(b, "s")["completed"] > 20, "some progress")
     stopped.send_signal(signal.SIGSTOP)
-    wait_for(lambda: "silent for" in log_of(b, "dispatch-0"), "the silent session to be reclaimed")
+    wait_for(
+        lambda: b.metric("fabric_items_reclaimed_total", cause="session_lost") > 0,
+        "the silent session to be reclaimed",
+    )
     workers(b)  # another worker does the reclaimed items
     wait_for(lambda: finished(b, "s"), "the job to finish", timeout_s=90)
     stopped.send_signal(signal.SIGCONT)
-    wait_for(lambda: log_of(b, "dispatch-0").count("registered holding") >= 3, "it to re-register")
+    wait_for(lambda: b.metric("fabric_worker_sessions") == 2, "it to re-register")
     out = tmp_path / "out.jsonl"
     assert fetch(b, "s", out).returncode == 0
     assert_each_once(out, 800)
@@ -382,7 +385,10 @@ def test_a_late_result_after_lease_expiry_is_dropped_once_another_attempt_won(
     workers(
         b, "simulated", "tokens_per_s=2000", batch_items=100, prefetch=1
     )  # slower than its lease
-    wait_for(lambda: "lease expired" in log_of(b, "dispatch-0"), "a lease to expire mid-compute")
+    wait_for(
+        lambda: b.metric("fabric_items_reclaimed_total", cause="lease_expired") > 0,
+        "a lease to expire mid-compute",
+    )
     workers(b)
     wait_for(lambda: finished(b, "l"), "the job to finish", timeout_s=90)
     out = tmp_path / "out.jsonl"

@@ -6,8 +6,9 @@ DEALER and REQ sockets: random frames, truncated and lying headers, many
 frames, frames over the limit, every message type with wrong fields, item
 arrays with wrong dtypes and out-of-range segments and slots, RESULTS for
 items never dispatched, FETCH and CANCEL for unknown or path-like jobs.
-Afterwards no stage has restarted, each port still answers, a normal submit
-and results round trip works, and `run.py check` finds nothing.
+After each barrage no stage has restarted (the supervisor's report), each port
+still answers, and a normal job runs with every line's result exactly once; at
+the end `run.py check` finds nothing.
 """
 
 from __future__ import annotations
@@ -159,7 +160,24 @@ def alive(b: Broker, peers) -> None:
         assert answer is not None and answer.type == want, f"{port} port stopped answering"
         sock.close(0)
     assert b.pids() == b.seed_pids, "a stage was restarted"
-    assert "died" not in b.supervisor_log()
+    assert not any(b.restarts().values()), b.report()["deaths"]
+    assert b.report()["deaths"] == []
+
+
+def still_serves(b: Broker, peers, job_id: str, lines: int = 20) -> None:
+    """After a barrage: every port answers, no stage restarted, and a normal job runs with
+    each line's result exactly once."""
+    alive(b, peers)
+    data = b.tmp / f"{job_id}.jsonl"
+    write_jsonl(data, lines, seed=len(job_id))
+    result = submit(b.config, data, "--job-id", job_id)
+    assert result.returncode == 0, result.stderr
+    out = b.tmp / f"{job_id}.out.jsonl"
+    fetched = cli(b.config, "results", job_id, "-o", str(out), "--follow")
+    assert fetched.returncode == 0, fetched.stderr
+    ids = [json.loads(line)["custom_id"] for line in out.read_text().splitlines()]
+    assert sorted(ids) == sorted(f"r{i}" for i in range(lines))  # each exactly once
+    alive(b, peers)
 
 
 def frame0(msg_type: int, envelope: object, n_arrays: int = 0, meta_bytes: int | None = None):
@@ -192,16 +210,25 @@ json_values = st.recursive(
 msg_types = st.sampled_from([int(t) for t in MT]) | st.integers(0, 0xFFFF)
 
 
-@FUZZ
-@given(st.sampled_from(PORTS), st.lists(st.binary(max_size=64), min_size=1, max_size=6))
-def test_random_frames(broker, peers, port, frames):
-    peers[port].send_multipart(frames)
-    drain(peers[port])
+def test_random_frames(broker, peers):
+    @FUZZ
+    @given(st.sampled_from(PORTS), st.lists(st.binary(max_size=64), min_size=1, max_size=6))
+    def barrage(port, frames):
+        peers[port].send_multipart(frames)
+        drain(peers[port])
+
+    barrage()
+    still_serves(broker, peers, "after-random-frames")
+
+
+def test_plausible_headers_with_lying_lengths(broker, peers):
+    plausible_headers_with_lying_lengths(peers)
+    still_serves(broker, peers, "after-lying-lengths")
 
 
 @FUZZ
 @given(st.sampled_from(PORTS), st.data())
-def test_plausible_headers_with_lying_lengths(broker, peers, port, data):
+def plausible_headers_with_lying_lengths(peers, port, data):
     msg_type = data.draw(msg_types)
     meta = data.draw(
         st.dictionaries(st.sampled_from(["job", "session", "chunk", "model"]), json_values)
@@ -228,12 +255,15 @@ def test_plausible_headers_with_lying_lengths(broker, peers, port, data):
     drain(peers[port])
 
 
+def test_every_type_with_wrong_fields_at_dispatch_as_a_registered_looking_worker(broker, peers):
+    """Valid frames, real message types, and meta or arrays of the wrong kind."""
+    every_type_with_wrong_fields(peers)
+    still_serves(broker, peers, "after-wrong-fields")
+
+
 @FUZZ
 @given(st.data())
-def test_every_type_with_wrong_fields_at_dispatch_as_a_registered_looking_worker(
-    broker, peers, data
-):
-    """Valid frames, real message types, and meta or arrays of the wrong kind."""
+def every_type_with_wrong_fields(peers, data):
     msg_type = data.draw(st.sampled_from(list(MT)))
     meta = {
         "session": SESSION,
@@ -453,9 +483,7 @@ def test_after_the_barrage_a_job_round_trips_and_the_data_dir_checks_clean(broke
     assert cli(broker.config, "results", "seed", "-o", str(seed_out), "--follow").returncode == 0
     assert len(seed_out.read_text().splitlines()) == 40
     logs = "".join(p.read_text() for p in broker.data_dir.log.glob("*.log"))
-    for stage in ("front", "dispatch", "completion"):
-        assert "malformed" in logs, stage
-    assert "Traceback" not in logs
+    assert "Traceback" not in logs  # no exception escaped to a log, caught or not
     assert broker.pids() == broker.seed_pids
     assert broker.stop() == exitcodes.OK, broker.stderr
     check = cli(broker.config, "check")

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from pipeline.check import check_data_dir
+from assembly.check import check_data_dir
 from pipeline.datadir import DataDir
 from pipeline.recovery import recover
 from pipeline.segment import Segment

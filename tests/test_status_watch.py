@@ -36,6 +36,7 @@ from gpu.dispatch_report import idle_fraction
 from gpu.dispatch_stage import DEAD_LETTER, DispatchStage, _Session
 from gpu.work_protocol import ITEM_DTYPE
 from pipeline import exitcodes
+from pipeline.supervisor_report import write_report
 
 ROWS, COLS = 50, 150
 TOKENS = 100  # every item: lane 128
@@ -285,19 +286,17 @@ def test_rich_view_holds_every_section():
     assert "50/200 (25%)" in text and "25%" in text and "poisoned" in text
 
 
-def test_restarts_come_from_the_supervisor_log_and_jobs_from_the_data_dir(tmp_path):
-    log = tmp_path / "log"
-    log.mkdir()
-    (log / "supervisor-0.log").write_text(
-        "2026-01-02T03:04:05.678Z INFO supervisor-0 11 started stage worker-0 (pid 12)\n"
-        "2026-01-02T03:04:06.000Z WARNING supervisor-0 11 stage worker-0 died (exit code 1); "
-        "restarting it in 0.5 s\n"
-        "2026-01-02T03:04:09.000Z ERROR supervisor-0 11 stage dispatch-0 died 6 times within "
-        "60 s (last: signal SIGKILL); see x\n"
-    )
-    found = recent_restarts(log)
+def test_restarts_come_from_the_supervisor_report_and_jobs_from_the_data_dir(tmp_path):
+    deaths = [
+        {"at_ns": 1767323046 * 10**9, "stage": "worker-0", "how": "exit code 1"},
+        {"at_ns": 1767323049 * 10**9, "stage": "dispatch-0", "how": "signal SIGKILL"},
+    ]
+    deaths[0]["restart_in_s"], deaths[1]["restart_in_s"] = 0.5, None  # the broker gave up
+    write_report(tmp_path, {"pid": 11, "running": False, "stages": [], "deaths": deaths})
+    found = recent_restarts(tmp_path)
     assert [r.stage for r in found] == ["worker-0", "dispatch-0"]
     assert found[0].at_ns == 1767323046 * 10**9
+    assert found[0].text == "stage worker-0 died (exit code 1); restarting it in 0.5 s"
     assert recent_restarts(tmp_path / "nowhere") == []
 
     now = time.time_ns()

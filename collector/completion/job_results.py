@@ -13,7 +13,7 @@ import numpy as np
 
 from pipeline.index_bitmap import IndexBitmap
 from pipeline.segment import Segment
-from pipeline.segment_log import SegmentAppender
+from pipeline.segment_append import SegmentAppender
 
 
 class JobResults:

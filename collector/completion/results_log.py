@@ -57,6 +57,7 @@ from pipeline.item_seq import index_of, seq_of
 from pipeline.ragged import offsets_of, pad
 from pipeline.result_kinds import ResultKind, ResultStatus
 from pipeline.segment import Segment
+from pipeline.segment_append import SegmentAppender, SegmentIds
 from pipeline.segment_format import (
     DEAD,
     EMPTY,
@@ -67,7 +68,6 @@ from pipeline.segment_format import (
     SegmentKey,
     slot_bytes_for,
 )
-from pipeline.segment_log import SegmentAppender, SegmentIds
 from router.intern_table import InternTable
 
 

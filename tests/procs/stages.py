@@ -1,4 +1,5 @@
-"""Stages for supervisor tests: one that idles and records its pid, one that crashes."""
+"""Stages for supervisor tests: one that idles and records its pid (`<data>/pids/<label>`)
+and that it drained (`<data>/drained/<label>`), one that crashes."""
 
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ class IdleStage(Stage):
 
     def drain(self, deadline: float) -> None:
         self.log.info("drained idle work")
+        drained = self.settings.data_path / "drained"
+        drained.mkdir(exist_ok=True)
+        (drained / f"{self.name}-{self.index}").touch()
 
 
 class CrashStage(Stage):

@@ -7,27 +7,39 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from stages import CrashStage, IdleStage
+
 from config import load_settings
 from pipeline import exitcodes
 from pipeline.errors import DataDirLockedError
 from pipeline.stage import StageSpec
 from pipeline.supervisor import Supervisor
+from pipeline.topology import free_loopback_ports
 
-TARGETS = {"idle": "stages:IdleStage", "crash": "stages:CrashStage"}
+STAGES = {"idle": IdleStage, "crash": CrashStage}
 
 
 def main() -> int:
+    ports = free_loopback_ports(6)  # never the defaults: other brokers may run on this host
     settings = load_settings(
         None,
         {
             "broker": {"data_dir": sys.argv[1]},
+            "ingest": {"bind": f"tcp://127.0.0.1:{ports[0]}"},
+            "dispatch": {
+                "bind": f"tcp://127.0.0.1:{ports[1]}",
+                "heartbeat_bind": f"tcp://127.0.0.1:{ports[2]}",
+            },
+            "completion": {"bind": f"tcp://127.0.0.1:{ports[3]}"},
+            "vectors": {"bind": f"tcp://127.0.0.1:{ports[4]}"},
+            "metrics": {"bind": f"127.0.0.1:{ports[5]}"},
             "supervisor": {"restart_backoff_s": 0.1, "max_restarts": 3, "restart_window_s": 30.0},
         },
     )
     specs = []
     for arg in sys.argv[2:]:
         name, count = arg.split(":")
-        specs += [StageSpec(name, i, TARGETS[name]) for i in range(int(count))]
+        specs += [StageSpec(name, i, STAGES[name]) for i in range(int(count))]
     try:
         return Supervisor(settings, specs).run()
     except DataDirLockedError as exc:

@@ -143,7 +143,8 @@ def run_demo(root: Path | str = "var/demo", workers: int = 1, limit: int | None 
         )
     for old in ("results.jsonl", "errors.jsonl", "corpus.jsonl"):
         (root / old).unlink(missing_ok=True)
-    texts = corpus()[:limit]
+    paragraphs = corpus()  # the store may hold vectors of an earlier, longer run: all are named
+    texts = paragraphs[:limit]
     with open(root / "corpus.jsonl", "w") as out:
         for i, text in enumerate(texts):
             line = {
@@ -203,7 +204,7 @@ def run_demo(root: Path | str = "var/demo", workers: int = 1, limit: int | None 
             fetched = client.fetch(  # as well as the store: every result, as JSONL
                 job_id, str(root / "results.jsonl"), str(root / "errors.jsonl"), everything=True
             )
-            neighbours = _search(settings, vectors, texts)
+            neighbours = _search(settings, vectors, paragraphs)
     except KeyboardInterrupt:
         print("\ndemo: interrupted; stopping the broker", file=sys.stderr)
         _stop(broker)
@@ -247,7 +248,8 @@ QUESTIONS = (
 
 
 def _search(settings, vectors, texts: list[str]) -> str:
-    """The store's 3 nearest paragraphs to a few questions, embedded by the same model."""
+    """The store's 3 nearest paragraphs to a few questions, embedded by the same model.
+    `texts`: the whole corpus, as the custom_ids (`para-<index>`) of every run name it."""
     from collector.vectors.client import embed_texts
 
     hits = vectors.search("minilm", embed_texts(settings, "minilm", list(QUESTIONS)), 3, "cosine")

@@ -1,4 +1,5 @@
-"""Segment ids, and the rotating appender a writer keeps for each key.
+"""Appending to segments: ids handed out once, and the rotating appender a writer keeps
+for each key (the segment log itself is the files; docs/segment-log.md).
 
 Ids increase and are never reused, across processes and restarts: they come
 from `<data_dir>/next-segment-id` under an exclusive flock, and never below
