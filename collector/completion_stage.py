@@ -49,6 +49,7 @@ from collector.completion_log import (
 )
 from collector.job_view import JobIndex, JobView, write_cancel
 from collector.result_check import CAUSES, HAND_BACK, ResultCheck, expected_for
+from gpu.dispatch import forward
 from gpu.work_protocol import ITEM_DTYPE
 from ingest.jobs import JOB_ID
 from pipeline import wire
@@ -219,7 +220,7 @@ class CompletionStage(Stage):
             self.probe = None  # the disk takes results again, without waiting for a resend
         for _ in range(MAX_MESSAGES_PER_STEP):
             try:
-                message = wire.recv(self.inbox, 0)
+                message = forward.recv(self.inbox, 0)  # RESULTS as the worker sent them
             except WireError as exc:
                 self.log.error("malformed message from dispatch dropped: %s", exc)
                 continue

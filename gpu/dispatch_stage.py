@@ -6,7 +6,7 @@ Sockets (docs/dispatch.md has the message table):
 |------------------|--------|-------------------------------------------------------------|
 | `dispatch.bind`  | ROUTER | workers (WORKER_HELLO, WORK_REQUEST, REPORT, RESULTS, HAND_BACK, BYE) and `status` clients (BROKER_STATUS) |
 | `dispatch` ipc   | PULL   | writers (APPENDED) and the completion stage (RETIRED, CANCEL_JOB) |
-| `completion` ipc | PUSH   | the completion stage: RESULTS forwarded as they came (less the work token), ITEM_ERRORS |
+| `completion` ipc | PUSH   | the completion stage: RESULTS forwarded as they came (gpu/dispatch/forward.py), ITEM_ERRORS |
 
 The owner thread runs `step()`: it reads what arrived, answers workers,
 expires leases and silent sessions (only after loading: invariant 9), sends
@@ -40,6 +40,7 @@ import numpy as np
 import zmq
 
 from gpu.arrivals import Arrivals
+from gpu.dispatch.forward import forwarded
 from gpu.dispatch_files import DispatchFile
 from gpu.dispatch_report import CORRUPT_INPUT, DEAD_LETTER, broker_status, dispatch_metrics
 from gpu.dispatch_stall import StallWatch
@@ -162,7 +163,7 @@ class DispatchStage(Stage):
         self.shapes = ShapeTable(settings.data_path)
         self.sessions: dict[str, _Session] = {}
         self.parked: collections.deque[_Parked] = collections.deque()
-        self.to_completion: collections.deque[tuple[MT, dict, dict]] = collections.deque()
+        self.to_completion: collections.deque[list] = collections.deque()  # frames, in order
         # Item errors (dead letters, quarantined, cancelled) are sent once and nothing else
         # holds them: kept here, [resend at, reason, items not yet seen retired], until
         # completion's RETIRED names them, and sent again if it does not (completion lost
@@ -602,14 +603,15 @@ class DispatchStage(Stage):
             self.stall.answered(session_id, now)
 
     def _forward_results(self, message: wire.Message) -> None:
+        """The worker's frames go to completion as they came: not re-encoded (docs/dispatch.md,
+        "Results pass through dispatch unparsed")."""
         if len(self.to_completion) >= MAX_WAITING_FOR_COMPLETION:
             self.log.warning("completion is not taking results; dropped one batch (resent later)")
             return  # the worker keeps it unacknowledged and sends it again
-        meta = dict(message.meta)
-        meta["route"] = message.route[0].hex()
-        meta.pop("token", None)
-        arrays = {name: a for name, a in message.arrays.items() if name != "issued"}
-        self.to_completion.append((MT.RESULTS, meta, arrays))
+        self.to_completion.append(forwarded(message))
+
+    def _to_completion(self, kind: MT, meta: dict, arrays: dict) -> None:
+        self.to_completion.append(wire.encode(kind, meta, arrays))
 
     def _outcomes(self) -> None:
         outcome = self.state.take_outcomes()
@@ -624,7 +626,7 @@ class DispatchStage(Stage):
             (outcome.cancelled, f"{CANCELLED}: the job was cancelled"),
         ):
             if len(items):
-                self.to_completion.append((MT.ITEM_ERRORS, {"reason": reason}, {"items": items}))
+                self._to_completion(MT.ITEM_ERRORS, {"reason": reason}, {"items": items})
                 due = time.monotonic() + ITEM_ERRORS_RESEND_S
                 self.unretired_errors.append([due, reason, items])
         for items, code in (
@@ -652,10 +654,9 @@ class DispatchStage(Stage):
 
     def _flush_to_completion(self) -> None:
         while self.to_completion:
-            kind, meta, arrays = self.to_completion[0]
             try:
-                wire.send(self.completion, kind, meta, arrays)
-            except FabricError:
+                self.completion.send_multipart(self.to_completion[0], copy=False)
+            except zmq.ZMQError:  # SNDTIMEO 0: zmq.Again
                 return  # completion restarting or busy: keep them, try on the next step
             self.to_completion.popleft()
 
@@ -670,7 +671,7 @@ class DispatchStage(Stage):
                     len(items),
                     ITEM_ERRORS_RESEND_S,
                 )
-                self.to_completion.append((MT.ITEM_ERRORS, {"reason": reason}, {"items": items}))
+                self._to_completion(MT.ITEM_ERRORS, {"reason": reason}, {"items": items})
                 entry[0] = now + ITEM_ERRORS_RESEND_S
 
     # ---- time ----------------------------------------------------------------------------

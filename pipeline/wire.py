@@ -213,6 +213,7 @@ class Message:
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
     flags: Flag = NO_FLAGS
     route: tuple[bytes, ...] = ()
+    frames: tuple = field(default=(), compare=False, repr=False)  # as received, route cut off
 
     @property
     def retryable(self) -> bool:
@@ -464,7 +465,7 @@ def _decode(frames: Sequence[object], limits: WireLimits, route: tuple[bytes, ..
     for index, (spec, view) in enumerate(zip(specs, views[1:], strict=True), start=1):
         key, array = _array(f"{name} frame {index}", spec, view, arrays, limits)
         arrays[key] = array
-    return Message(msg_type, meta, arrays, Flag(raw_flags), route)
+    return Message(msg_type, meta, arrays, Flag(raw_flags), route, tuple(frames))
 
 
 def _array(

@@ -1,0 +1,1 @@
+"""The dispatch stage and what it is made of (docs/dispatch.md)."""
