@@ -121,12 +121,16 @@ class _Session:
     last_seen: float
     handed_out: int = 0
     retired: int = 0
-    started: float = field(default_factory=time.monotonic)
+    started: float = -1.0  # when it registered (monotonic); last_seen when not given
     idle_s: float = 0.0  # the worker's own time waiting for work, from its last REPORT
     idle_marks: collections.deque = field(
         default_factory=lambda: collections.deque(maxlen=11)
     )  # (t, idle_s), one per rescan tick
     reported: dict = field(default_factory=dict)  # the worker's own figures from its last REPORT
+
+    def __post_init__(self) -> None:
+        if self.started < 0:
+            self.started = self.last_seen
 
 
 @dataclass
@@ -176,12 +180,12 @@ class DispatchStage(Stage):
         self._recorded: set[int] = set()  # lease ids written to the dispatch file
         self.samples: collections.deque = collections.deque(maxlen=11)  # (t, out, retired)
         self.dead_letters: collections.deque[dict] = collections.deque(maxlen=RECENT_DEAD_LETTERS)
-        now = time.monotonic()
+        now = time.monotonic()  # the stage's start; after it, time comes from step(now)
         grace_until = now + config.reregister_grace_s
         self._scanned: set[int] = set()
         self.damaged: dict[str, str] = {}  # file name -> what is wrong (status, metrics)
         self._notified: dict[int, float] = {}  # segment -> last APPENDED notice (monotonic)
-        self._rescan(not_before=grace_until)
+        self._rescan(now, not_before=grace_until)
         self.next_rescan = now + RESCAN_S
         (self.data_dir.root / "dispatch").mkdir(exist_ok=True)
         self.file, leases = DispatchFile.open(
@@ -237,7 +241,7 @@ class DispatchStage(Stage):
         )
 
     # ---- segments --------------------------------------------------------------------------
-    def _rescan(self, not_before: float = 0.0) -> None:
+    def _rescan(self, now: float, not_before: float = 0.0) -> None:
         """Open input segments not known yet; refresh the written end of known ones."""
         for path in isolated_files(self.data_dir):  # moved aside at start (pipeline/salvage.py)
             self.damaged.setdefault(path.name, "isolated in damaged/")
@@ -249,7 +253,6 @@ class DispatchStage(Stage):
             if self.state.knows(segment_id) or segment_id in self._scanned:
                 continue
             self._load(path, not_before)
-        now = time.monotonic()
         for segment in self.state.segments():  # a notice lost while this stage was down
             if now - self._notified.get(segment.segment_id, 0.0) > 2 * RESCAN_S:
                 self.state.extend(segment.segment_id, segment.entries)
@@ -279,12 +282,12 @@ class DispatchStage(Stage):
         created_s = segment.header.created_ns / 1e9  # found on disk: as old as its segment
         self.arrivals.seen(segment.segment_id, max(summary.end, segment.entries), created_s)
 
-    def _appended(self, segment_id: int, end: int) -> None:
+    def _appended(self, segment_id: int, end: int, now: float) -> None:
         if not self.state.knows(segment_id):
             for path in self.data_dir.segments.glob(f"in-{segment_id:012d}.*.seg"):
                 self._load(path, 0.0)
         if self.state.knows(segment_id):
-            self._notified[segment_id] = time.monotonic()
+            self._notified[segment_id] = now
             self.state.extend(segment_id, end)
             self.arrivals.seen(segment_id, end, time.time())
             self.counts["appended_notices"] += 1
@@ -296,13 +299,13 @@ class DispatchStage(Stage):
             timeout = min(timeout, 5)
         events = dict(self.poller.poll(timeout))
         if self.inbox in events:
-            self._read_inbox()
+            self._read_inbox(now)
             self.state.sweep_cancelled()  # work that just arrived for a cancelled job
         if self.workers in events:
             self._read_workers(now)
         self._serve_parked(now)
         self._timeouts(now)
-        self._outcomes()
+        self._outcomes(now)
         self._flush_to_completion()
         self._record_ended()
         self.file.maybe_sync(now)
@@ -311,12 +314,12 @@ class DispatchStage(Stage):
             self.samples.append((now, self.counts["handed_out"], self.counts["retired"]))
             for session in self.sessions.values():
                 session.idle_marks.append((now, session.idle_s))
-            self._rescan()
+            self._rescan(now)
             self._resend_item_errors(now)
             self._reclaim_stalled(now)
             self.state.sweep_cancelled()
-            for segment_id, _, _, _, _, floor in self.state.backlog():
-                self.arrivals.forget_below(segment_id, floor)  # marks no slot can need again
+            for q in self.state.queue_depth():
+                self.arrivals.forget_below(q.segment_id, q.floor)  # marks no slot can need again
             for segment in self.state.forget_finished():
                 self.arrivals.forget(segment.segment_id)
                 self.log.info("segment %d finished; released", segment.segment_id)
@@ -324,7 +327,7 @@ class DispatchStage(Stage):
             if self.file.garbage_ratio > 0.75 and self.file.file_bytes > 1 << 20:
                 self.file.compact(self._live_leases())
 
-    def _read_inbox(self) -> None:
+    def _read_inbox(self, now: float) -> None:
         for _ in range(MAX_MESSAGES_PER_STEP):
             try:
                 message = wire.recv(self.inbox, 0)
@@ -335,7 +338,7 @@ class DispatchStage(Stage):
                 return
             meta = message.meta
             if message.type == MT.APPENDED:
-                self._appended(int(meta["segment"]), int(meta["end"]))
+                self._appended(int(meta["segment"]), int(meta["end"]), now)
             elif message.type == MT.RETIRED:
                 self._retired(message)
             elif message.type == MT.CANCEL_JOB:
@@ -613,7 +616,7 @@ class DispatchStage(Stage):
     def _to_completion(self, kind: MT, meta: dict, arrays: dict) -> None:
         self.to_completion.append(wire.encode(kind, meta, arrays))
 
-    def _outcomes(self) -> None:
+    def _outcomes(self, now: float) -> None:
         outcome = self.state.take_outcomes()
         attempts = self.config.max_attempts
         for items, reason in (
@@ -627,7 +630,7 @@ class DispatchStage(Stage):
         ):
             if len(items):
                 self._to_completion(MT.ITEM_ERRORS, {"reason": reason}, {"items": items})
-                due = time.monotonic() + ITEM_ERRORS_RESEND_S
+                due = now + ITEM_ERRORS_RESEND_S
                 self.unretired_errors.append([due, reason, items])
         for items, code in (
             (outcome.dead_letters, DEAD_LETTER),

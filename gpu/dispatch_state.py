@@ -72,6 +72,20 @@ class Batch:
     handed_s: float = 0.0  # monotonic: when it was handed out (or adopted)
 
 
+@dataclass(frozen=True)
+class Queued:
+    """One segment's part of the queue (DispatchState.queue_depth)."""
+
+    segment_id: int
+    model: str
+    shape: int
+    lane: int
+    waiting: int  # items waiting to be handed out
+    cursor: int  # the next slot to look at
+    floor: int  # the lowest slot that may wait again: the cursor or the earliest on lease
+    created_ns: int  # the segment's creation (wall clock): its oldest item is no older
+
+
 @dataclass(eq=False)
 class Outcome:
     """Items that left dispatch other than by a result: for the completion stage."""
@@ -173,33 +187,14 @@ class DispatchState:
     def segments(self) -> list[Segment]:
         return [w.segment for w in self._work.values()]
 
-    def queue_depth(self) -> list[dict]:
-        """Per segment with work: model, shape, lane, queued items (approximate), oldest id."""
-        rows = []
-        for work in self._work.values():
-            queued = work.end - work.cursor
-            if queued <= 0:
-                continue
-            key = work.segment.key
-            rows.append(
-                {
-                    "segment": work.segment.segment_id,
-                    "model": key.name,
-                    "shape": key.shape,
-                    "lane": key.lane,
-                    "queued": queued,
-                    "created_ns": work.segment.header.created_ns,
-                }
-            )
-        return rows
+    def queue_depth(self) -> list[Queued]:
+        """Per known segment: the items waiting to be handed out (the one queue-depth
+        definition: `status`, `status --watch` and the metrics all show it).
 
-    def backlog(self) -> list[tuple[int, str, int, int, int, int]]:
-        """Per known segment: (segment id, model, lane, items waiting, cursor, floor), for metrics.
-
-        Items waiting: slots from the cursor to the written end not out on
-        lease (a slot retired past a rewound cursor counts until the cursor
-        passes it). `floor`: the lowest slot that may wait again, the cursor or
-        the earliest slot out on lease there (a reclaim rewinds to it).
+        Waiting: slots from the cursor to the written end that are not out on
+        lease, quarantined or dead-lettered (after a reclaim rewinds the cursor,
+        the slots still on lease past it are not waiting; a slot retired past a
+        rewound cursor counts until the cursor passes it).
         """
         rows = []
         for segment_id, work in self._work.items():
@@ -211,8 +206,13 @@ class DispatchState:
                 slots = self._leases[batch_id].items["slot"]
                 if len(slots):
                     floor = min(floor, int(slots.min()))
-            key = work.segment.key
-            rows.append((segment_id, key.name, key.lane, waiting, work.cursor, floor))
+            key, created_ns = work.segment.key, work.segment.header.created_ns
+            rows.append(
+                Queued(
+                    segment_id, key.name, key.shape, key.lane, waiting, work.cursor, floor,
+                    created_ns,
+                )
+            )  # fmt: skip
         return rows
 
     def extend(self, segment_id: int, end: int) -> None:
