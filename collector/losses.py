@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from collector.completion_log import CompletionLog
-from gpu.dispatch_report import CORRUPT_INPUT
+from gpu.dispatch.report import CORRUPT_INPUT
 from ingest.job_record import JobRecordError, read_job_record
 from pipeline.datadir import DataDir
 from pipeline.errors import SegmentError

@@ -98,7 +98,7 @@ def stage_specs(settings) -> list[StageSpec]:
         StageSpec("worker", i, "gpu.worker:WorkerStage", critical=False)
         for i in range(sum(group.local for group in settings.worker_groups))
     ]
-    specs.append(StageSpec("dispatch", 0, "gpu.dispatch_stage:DispatchStage"))
+    specs.append(StageSpec("dispatch", 0, "gpu.dispatch.stage:DispatchStage"))
     specs.append(StageSpec("completion", 0, "collector.completion_stage:CompletionStage"))
     specs.append(StageSpec("vectors", 0, "collector.vectors.manager:VectorStage"))
     return specs

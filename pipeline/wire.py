@@ -72,7 +72,7 @@ import zmq
 
 from pipeline.errors import ConfigError, SendTimeoutError, WireError
 
-MAGIC = b"IFW2"  # 2: work tokens on WORK, RESULTS and WORKER_HELLO (gpu/work_token.py)
+MAGIC = b"IFW2"  # 2: work tokens on WORK, RESULTS and WORKER_HELLO (gpu/dispatch/work_token.py)
 HEADER = struct.Struct("<4sHHII")
 ALLOWED_DTYPES = frozenset(
     {"|u1", "<u1", "|i1", "<i1", "<u2", "<i2", "<u4", "<i4", "<u8", "<i8", "<f2", "<f4", "<f8"}

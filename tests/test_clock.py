@@ -21,7 +21,7 @@ import zmq
 from broker import free_port
 from conftest import make_batch, wait_for
 
-from gpu.dispatch_state import DispatchState
+from gpu.dispatch.state import DispatchState
 from pipeline import wire
 from pipeline.segment import Segment
 from pipeline.segment_format import KIND_INPUT, SegmentKey, slot_bytes_for
@@ -136,13 +136,13 @@ def test_heartbeat_up_s_is_a_monotonic_duration(jumpy_wall_clock):
 # Calls of time.time() / time.time_ns() allowed in the modules that run leases, deadlines and
 # timeouts: each one is a timestamp written somewhere or an id, never compared with a deadline.
 WALL_CLOCK_ALLOWED = {
-    "gpu/dispatch_stage.py": "batch ids start from wall-clock microseconds; dead-letter events",
+    "gpu/dispatch/stage.py": "batch ids start from wall-clock microseconds; dead-letter events",
     "pipeline/supervisor.py": "the broker epoch (an id, shared by every stage)",
     "collector/completion_stage.py": "jobs/<job>/finished: when the job finished, for retention",
 }
 TIMED_MODULES = [
-    "gpu/dispatch_state.py",
-    "gpu/dispatch_stage.py",
+    "gpu/dispatch/state.py",
+    "gpu/dispatch/stage.py",
     "gpu/worker.py",
     "ingest/front.py",
     "ingest/tokenizer_stage.py",

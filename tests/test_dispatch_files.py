@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from conftest import small_tmpfs, wait_for
 
-from gpu.dispatch_files import (
+from gpu.dispatch.file import (
     HEADER_BYTES,
     LEASE_DTYPE,
     DispatchFile,

@@ -8,7 +8,7 @@ from conftest import make_batch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpu.dispatch_state import DispatchState
+from gpu.dispatch.state import DispatchState
 from pipeline.segment import Segment
 from pipeline.segment_format import DEAD, KIND_INPUT, SegmentKey, slot_bytes_for
 

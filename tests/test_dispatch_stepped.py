@@ -15,7 +15,7 @@ from dispatch_stepped import JOB_NO, MT, SteppedDispatch, input_segment
 from prometheus_client import CollectorRegistry, generate_latest
 
 from collector.status_watch import lane_rows
-from gpu.dispatch_report import DEAD_LETTER
+from gpu.dispatch.report import DEAD_LETTER
 from pipeline import item_seq
 from pipeline.metrics import encode_samples
 from pipeline.metrics_hub import MetricsHub

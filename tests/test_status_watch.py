@@ -32,8 +32,8 @@ from conftest import assert_check_clean, wait_for
 
 from collector.status_sources import JobDirectory, Restart, Snapshot, recent_restarts
 from collector.status_watch import plain_lines, rich_view
-from gpu.dispatch_report import idle_fraction
-from gpu.dispatch_stage import DEAD_LETTER, DispatchStage, _Session
+from gpu.dispatch.report import idle_fraction
+from gpu.dispatch.stage import DEAD_LETTER, DispatchStage, _Session
 from gpu.work_protocol import ITEM_DTYPE
 from pipeline import exitcodes
 

@@ -28,9 +28,9 @@ from broker import REPO, Broker, submit, write_config
 from conftest import assert_check_clean, wait_for
 
 from collector.client import DispatchClient
+from gpu.dispatch.work_token import SECRET_FILE, WorkTokens
 from gpu.engines import EngineResult
 from gpu.work_protocol import ITEM_DTYPE
-from gpu.work_token import SECRET_FILE, WorkTokens
 from gpu.worker import results_message
 from pipeline import exitcodes, wire
 from pipeline.errors import FabricError

@@ -502,7 +502,7 @@ class DispatchState:
         return sum(self.reclaim(batch_id, count_attempt=False) for batch_id in held)
 
     def reclaim_unanswered(self, session: str) -> int:
-        """A stalled session (gpu/dispatch_stall.py): reclaim its batches whose results have
+        """A stalled session (gpu/dispatch/stall.py): reclaim its batches whose results have
         not come, counting an attempt for each it may have started (as for a lost session)."""
         held = [self._leases[b] for b in sorted(self._by_session.get(session, ()))]
         return sum(

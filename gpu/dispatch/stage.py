@@ -13,7 +13,7 @@ expires leases and silent sessions (only after loading: invariant 9), sends
 dead letters, quarantined and cancelled items to the completion stage as
 error results, and hands the dispatch file its entries. ZeroMQ's own I/O
 thread moves the bytes; the dispatch file is written and synced on its own
-thread (gpu/dispatch_files.py).
+thread (gpu/dispatch/file.py).
 
 Work is learnt three ways: the segment files found at start (every LIVE
 slot, invariant 4), the writers' APPENDED descriptors (after their fsync),
@@ -23,7 +23,7 @@ start are held back for `reregister_grace_s`, so that workers that still
 hold some of their items re-register first (invariant 8); a restarted
 stage also reloads its dispatch file (same epoch, invariant 11).
 
-Each batch goes out with a work token (gpu/work_token.py); RESULTS and the
+Each batch goes out with a work token (gpu/dispatch/work_token.py); RESULTS and the
 claims of a WORKER_HELLO are taken only from a registered session, for
 items a token of this data dir covers.
 """
@@ -39,14 +39,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import zmq
 
-from gpu.arrivals import Arrivals
+from gpu.dispatch.arrivals import Arrivals
+from gpu.dispatch.file import DispatchFile
 from gpu.dispatch.forward import forwarded
-from gpu.dispatch_files import DispatchFile
-from gpu.dispatch_report import CORRUPT_INPUT, DEAD_LETTER, broker_status, dispatch_metrics
-from gpu.dispatch_stall import StallWatch
-from gpu.dispatch_state import Batch, DispatchState
+from gpu.dispatch.report import CORRUPT_INPUT, DEAD_LETTER, broker_status, dispatch_metrics
+from gpu.dispatch.stall import StallWatch
+from gpu.dispatch.state import Batch, DispatchState
+from gpu.dispatch.work_token import Refusals, WorkTokens
 from gpu.work_protocol import ITEM_DTYPE
-from gpu.work_token import Refusals, WorkTokens
 from pipeline import wire
 from pipeline.counter import DurableCounter
 from pipeline.datadir import DataDir
@@ -154,7 +154,7 @@ class DispatchStage(Stage):
         self.data_dir = DataDir(settings.data_path).ensure()
         self.epoch = broker_epoch()
         self.state = DispatchState(config.lease_s, config.max_attempts)
-        self.tokens = WorkTokens.of_data_dir(self.data_dir.root)  # gpu/work_token.py
+        self.tokens = WorkTokens.of_data_dir(self.data_dir.root)  # gpu/dispatch/work_token.py
         self.refused = Refusals(self.log)  # results, claims: refused for want of a token
         self.stall = StallWatch(config.stall_batch_multiple, config.stall_min_s)  # no progress
         # Batch ids grow across restarts and broker lives, so a worker's `seen_batch` from an
@@ -585,7 +585,7 @@ class DispatchStage(Stage):
 
     # ---- results and outcomes -------------------------------------------------------------
     def _results(self, message: wire.Message, session_id: str, now: float) -> None:
-        """Forward a registered session's results if their work token verifies (gpu/work_token.py);
+        """Forward a registered session's results if their work token verifies (gpu/dispatch/work_token.py);
         else refuse them (RESULTS_REFUSED: the worker drops them) and count and log it."""
         meta = message.meta
         problem = self.tokens.results_problem(
@@ -700,7 +700,7 @@ class DispatchStage(Stage):
 
     def _reclaim_stalled(self, now: float) -> None:
         """Sessions that report (renewing their leases) but send no results past their stall
-        limit (gpu/dispatch_stall.py): their unanswered batches go back to the queue."""
+        limit (gpu/dispatch/stall.py): their unanswered batches go back to the queue."""
         holding = {s: self.state.session_batches(s) for s in self.sessions}
         for stall in self.stall.find(holding, now):
             back = self.state.reclaim_unanswered(stall.session)
@@ -724,11 +724,11 @@ class DispatchStage(Stage):
                 self.file.drop(batch_id)
 
     def _live_leases(self):
-        from gpu.dispatch_files import Lease
+        from gpu.dispatch.file import Lease
 
         return [Lease(b.batch_id, b.session, b.items) for b in self.state.leases()]
 
-    # ---- what it reports (gpu/dispatch_report.py) ------------------------------------------
+    # ---- what it reports (gpu/dispatch/report.py) ------------------------------------------
     def stats(self, now: float) -> dict:
         """Queues, queue age, workers, dispatches, reclaims and dead letters (docs/metrics.md)."""
         return dispatch_metrics(self, now)
