@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from collector.completion_stage import results_problem
-from gpu.dispatch.file import parse_header, read_leases
+from gpu.dispatch.file_format import parse_header, read_leases
 from gpu.dispatch.stage import item_array
 from gpu.dispatch.state import DispatchState
 from gpu.work_protocol import ITEM_DTYPE

@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 
+from pipeline import item_seq
 from pipeline.metrics import RECLAIM_CAUSES
 from pipeline.stage_restarts import read_restarts
 
@@ -120,7 +121,7 @@ def in_flight_jobs(stage) -> dict[str, int]:
     """Items handed to workers and not yet retired, per job number (as a str: JSON keys)."""
     jobs: collections.Counter = collections.Counter()
     for batch in stage.state.leases():
-        numbers, counts = np.unique(batch.items["seq"] >> np.uint64(32), return_counts=True)
+        numbers, counts = np.unique(item_seq.job_of(batch.items["seq"]), return_counts=True)
         jobs.update(dict(zip(numbers.tolist(), counts.tolist(), strict=True)))
     return {str(job_no): n for job_no, n in jobs.items()}
 

@@ -40,14 +40,16 @@ import numpy as np
 import zmq
 
 from gpu.dispatch.arrivals import Arrivals
+from gpu.dispatch.batch import Batch
 from gpu.dispatch.file import DispatchFile
+from gpu.dispatch.file_format import Lease
 from gpu.dispatch.forward import forwarded
 from gpu.dispatch.report import CORRUPT_INPUT, DEAD_LETTER, broker_status, dispatch_metrics
 from gpu.dispatch.stall import StallWatch
-from gpu.dispatch.state import Batch, DispatchState
+from gpu.dispatch.state import DispatchState
 from gpu.dispatch.work_token import Refusals, WorkTokens
 from gpu.work_protocol import ITEM_DTYPE
-from pipeline import wire
+from pipeline import item_seq, wire
 from pipeline.counter import DurableCounter
 from pipeline.datadir import DataDir
 from pipeline.disk_full import FullDisk
@@ -642,7 +644,7 @@ class DispatchStage(Stage):
     def _note_dead_letters(self, items: np.ndarray, code: str) -> None:
         """Count dead-lettered or corrupt items and keep one event per job for BROKER_STATUS."""
         self.counts[code] += len(items)
-        jobs = items["seq"] >> np.uint64(32)
+        jobs = item_seq.job_of(items["seq"])
         for job_no in np.unique(jobs).tolist():
             mine = items[jobs == job_no]
             self.dead_letters.append(
@@ -724,8 +726,6 @@ class DispatchStage(Stage):
                 self.file.drop(batch_id)
 
     def _live_leases(self):
-        from gpu.dispatch.file import Lease
-
         return [Lease(b.batch_id, b.session, b.items) for b in self.state.leases()]
 
     # ---- what it reports (gpu/dispatch/report.py) ------------------------------------------

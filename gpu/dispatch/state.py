@@ -32,11 +32,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import numpy as np
 
+from gpu.dispatch.batch import Batch, Outcome, items_of, names_itself, read_rows
+from gpu.dispatch.segment_queue import Queued, SegmentQueue
 from gpu.work_protocol import ITEM_DTYPE
+from pipeline import item_seq
 from pipeline.segment import Segment
 from pipeline.segment_format import (
     CHECKSUM_WORD,
@@ -48,70 +50,6 @@ from pipeline.segment_format import (
 
 log = logging.getLogger("fabric.dispatch")
 
-SCAN_MARKERS = 1 << 16  # markers examined per step when looking for free slots
-
-
-@dataclass(eq=False)
-class Batch:
-    """What a worker gets: one segment's items, ready for the engine."""
-
-    batch_id: int
-    session: str
-    segment_id: int
-    model: str
-    shape: int
-    lane: int
-    items: np.ndarray  # ITEM_DTYPE
-    lengths: np.ndarray  # uint32
-    tokens: np.ndarray  # uint32 [n, lane]: a view of `slots`
-    deadline_s: float
-    slots: np.ndarray | None = None  # uint32 [n, slot words]: the slots as read (sent as is)
-    suspect: bool = False  # one item on its last try: its session gets nothing else meanwhile
-    started: bool = True  # the worker may have started it (False once a report says queued)
-    answered: bool = False  # its results passed through dispatch (retire pending)
-    handed_s: float = 0.0  # monotonic: when it was handed out (or adopted)
-
-
-@dataclass(frozen=True)
-class Queued:
-    """One segment's part of the queue (DispatchState.queue_depth)."""
-
-    segment_id: int
-    model: str
-    shape: int
-    lane: int
-    waiting: int  # items waiting to be handed out
-    cursor: int  # the next slot to look at
-    floor: int  # the lowest slot that may wait again: the cursor or the earliest on lease
-    created_ns: int  # the segment's creation (wall clock): its oldest item is no older
-
-
-@dataclass(eq=False)
-class Outcome:
-    """Items that left dispatch other than by a result: for the completion stage."""
-
-    dead_letters: np.ndarray  # ITEM_DTYPE, reclaimed max_attempts times
-    quarantined: np.ndarray  # ITEM_DTYPE, checksum failed
-    cancelled: np.ndarray  # ITEM_DTYPE, queued items of a cancelled job
-
-
-@dataclass(eq=False)
-class _Work:
-    segment: Segment
-    priority: int
-    cursor: int
-    end: int
-    out: np.ndarray | None = None  # bool per slot: on lease now (or quarantined, dead-lettered)
-    not_before: float = 0.0  # nothing is handed out before this (re-registration grace)
-    batches: set[int] | None = None  # lease ids with items of this segment
-
-    @property
-    def model(self) -> str:
-        return self.segment.key.name
-
-    def has_work(self) -> bool:
-        return self.cursor < self.end
-
 
 class DispatchState:
     """Single-owner dispatch state; drive it with `now` from time.monotonic()."""
@@ -119,7 +57,7 @@ class DispatchState:
     def __init__(self, lease_s: float, max_attempts: int) -> None:
         self.lease_s = lease_s
         self.max_attempts = max_attempts
-        self._work: dict[int, _Work] = {}
+        self._work: dict[int, SegmentQueue] = {}
         self._leases: dict[int, Batch] = {}
         self._by_session: dict[str, set[int]] = {}
         self._next_batch_id = 1
@@ -149,7 +87,7 @@ class DispatchState:
         """
         work = self._work.get(segment.segment_id)
         if work is None:
-            self._work[segment.segment_id] = _Work(
+            self._work[segment.segment_id] = SegmentQueue(
                 segment, priority, max(first_live, 0), end, not_before=not_before
             )
         else:
@@ -198,9 +136,7 @@ class DispatchState:
         """
         rows = []
         for segment_id, work in self._work.items():
-            waiting = max(0, work.end - work.cursor)
-            if waiting and work.out is not None:
-                waiting -= int(np.count_nonzero(work.out[work.cursor : work.end]))
+            waiting = work.waiting()
             floor = work.cursor
             for batch_id in work.batches or ():
                 slots = self._leases[batch_id].items["slot"]
@@ -245,7 +181,7 @@ class DispatchState:
         """Take queued items of cancelled jobs written since the last sweep; returns how many."""
         if not self.cancelled_jobs:
             return 0
-        jobs = np.fromiter(self.cancelled_jobs, np.uint64)
+        jobs = np.fromiter(self.cancelled_jobs, np.int64)
         taken = 0
         for segment_id, work in self._work.items():
             segment = work.segment
@@ -261,10 +197,10 @@ class DispatchState:
             if not len(slots):
                 continue
             seqs = segment.slots["seq"][slots]
-            mine = np.isin(seqs >> np.uint64(32), jobs)
+            mine = np.isin(item_seq.job_of(seqs), jobs)
             if mine.any():
-                self._mark_out(work, slots[mine])
-                self.cancelled.append(_items(segment.segment_id, slots[mine], seqs[mine]))
+                work.mark_out(slots[mine])
+                self.cancelled.append(items_of(segment.segment_id, slots[mine], seqs[mine]))
                 taken += int(mine.sum())
         return taken
 
@@ -297,10 +233,10 @@ class DispatchState:
                 return batch
         return None
 
-    def _take(self, work: _Work, session: str, budget: int, now: float) -> Batch | None:
+    def _take(self, work: SegmentQueue, session: str, budget: int, now: float) -> Batch | None:
         segment = work.segment
         # Phase 1: read, check, decide; nothing changes yet.
-        slots, scanned_to = self._candidates(work, budget)
+        slots, scanned_to = work.candidates(budget)
         if len(slots) == 0:
             work.cursor = max(work.cursor, scanned_to)
             return None
@@ -312,19 +248,19 @@ class DispatchState:
             cut = 1 if suspect else int(np.argmax(last_try))
             slots = slots[:cut]
             scanned_to = int(slots[-1]) + 1
-        words = _read_rows(segment.words, slots)  # the one copy of the slots, checked as read
+        words = read_rows(segment.words, slots)  # the one copy of the slots, checked as read
         segment.release_slots(int(slots[0]), int(slots[-1]))  # copied: not resident here
         ok = slot_checksums(words) == words[:, CHECKSUM_WORD]
         seqs = np.ascontiguousarray(words[:, :2]).view("<u8").reshape(-1)
         if self.cancelled_jobs:
-            jobs = seqs >> np.uint64(32)
-            gone = np.isin(jobs, np.fromiter(self.cancelled_jobs, np.uint64)) & ok
+            jobs = np.fromiter(self.cancelled_jobs, np.int64)
+            gone = np.isin(item_seq.job_of(seqs), jobs) & ok
         else:
             gone = None
         # Phase 2: commit.
         if gone is not None and gone.any():
-            self.cancelled.append(_items(segment.segment_id, slots[gone], seqs[gone]))
-            self._mark_out(work, slots[gone])
+            self.cancelled.append(items_of(segment.segment_id, slots[gone], seqs[gone]))
+            work.mark_out(slots[gone])
             slots, seqs, ok, words = slots[~gone], seqs[~gone], ok[~gone], words[~gone]
         if not ok.all():
             bad = slots[~ok]
@@ -337,8 +273,8 @@ class DispatchState:
             # An error result goes to the item the slot names only if its header agrees with
             # itself (seq = job << 32 | index); else no item is blamed: the loss accounting
             # finds it from the job's journal (collector/losses.py, `run.py check`).
-            said = _names_itself(words[~ok])
-            self.quarantined.append(_items(segment.segment_id, bad[said], seqs[~ok][said]))
+            said = names_itself(words[~ok])
+            self.quarantined.append(items_of(segment.segment_id, bad[said], seqs[~ok][said]))
             if not said.all():
                 log.error(
                     "segment %d: slot(s) %s do not say which item they hold; no error result "
@@ -346,12 +282,12 @@ class DispatchState:
                     segment.segment_id,
                     bad[~said][:10].tolist(),
                 )
-            self._mark_out(work, bad)  # never offered again in this life
+            work.mark_out(bad)  # never offered again in this life
             slots, seqs, words = slots[ok], seqs[ok], words[ok]
         work.cursor = max(work.cursor, scanned_to)
         if len(slots) == 0:
             return None
-        self._mark_out(work, slots)
+        work.mark_out(slots)
         lane = segment.key.lane
         batch = Batch(
             batch_id=self._next_batch_id,
@@ -360,7 +296,7 @@ class DispatchState:
             model=work.model,
             shape=segment.key.shape,
             lane=lane,
-            items=_items(segment.segment_id, slots, seqs),
+            items=items_of(segment.segment_id, slots, seqs),
             lengths=words[:, COUNT_WORD].copy(),
             tokens=words[:, SLOT_HEADER_WORDS : SLOT_HEADER_WORDS + lane],  # a view of `slots`
             slots=words,
@@ -372,7 +308,7 @@ class DispatchState:
         self._add_lease(batch, work)
         return batch
 
-    def _add_lease(self, batch: Batch, work: _Work) -> None:
+    def _add_lease(self, batch: Batch, work: SegmentQueue) -> None:
         self._leases[batch.batch_id] = batch
         if batch.suspect:
             self._suspect[batch.session] = batch.batch_id
@@ -432,7 +368,7 @@ class DispatchState:
             answer[mine[elsewhere]] = 2
             if fresh.any():
                 take = slots[fresh]
-                self._mark_out(work, take)
+                work.mark_out(take)
                 lease_id = batch_id if batch_id is not None else self._next_batch_id
                 self.set_next_batch_id(lease_id)
                 batch = Batch(
@@ -442,7 +378,7 @@ class DispatchState:
                     model=work.model,
                     shape=segment.key.shape,
                     lane=segment.key.lane,
-                    items=_items(int(segment_id), take, segment.slots["seq"][take]),
+                    items=items_of(int(segment_id), take, segment.slots["seq"][take]),
                     lengths=np.zeros(0, np.uint32),
                     tokens=np.zeros((0, 0), np.uint32),
                     deadline_s=now + self.lease_s,
@@ -525,35 +461,6 @@ class DispatchState:
     def sessions(self) -> list[str]:
         return list(self._by_session)
 
-    def _candidates(self, work: _Work, budget: int) -> tuple[np.ndarray, int]:
-        """Up to `budget` LIVE slots not out on lease, from the cursor; and how far that scanned.
-
-        Every slot before the returned position is out, retired or never
-        written, so the cursor may move there once the batch is committed.
-        Markers are read in windows, so a long backlog is never scanned whole.
-        """
-        found_parts: list[np.ndarray] = []
-        need = budget
-        start = work.cursor
-        while start < work.end and need > 0:
-            stop = min(work.end, start + max(SCAN_MARKERS, 2 * need))
-            free = live_markers(work.segment.markers[start:stop])
-            if work.out is not None:
-                free &= ~work.out[start:stop]
-            hits = np.flatnonzero(free)[:need] + start
-            found_parts.append(hits)
-            need -= len(hits)
-            if need == 0:
-                return np.concatenate(found_parts).astype(np.int64), int(hits[-1]) + 1
-            start = stop
-        found = np.concatenate(found_parts) if found_parts else np.zeros(0, np.int64)
-        return found.astype(np.int64), work.end
-
-    def _mark_out(self, work: _Work, slots: np.ndarray) -> None:
-        if work.out is None:
-            work.out = np.zeros(work.segment.capacity, dtype=bool)
-        work.out[slots] = True
-
     # ---- leases --------------------------------------------------------------------------------
     def renew(self, session: str, now: float) -> int:
         """A session reported in: extend all its leases. Returns how many batches it holds."""
@@ -600,9 +507,9 @@ class DispatchState:
             if done.any():
                 dead = back[done]
                 self.dead_letters.append(
-                    _items(segment.segment_id, dead, segment.slots["seq"][dead])
+                    items_of(segment.segment_id, dead, segment.slots["seq"][dead])
                 )
-                self._mark_out(work, dead)  # the completion stage retires them with an error
+                work.mark_out(dead)  # the completion stage retires them with an error
                 log.warning(
                     "segment %d: %d item(s) dead-lettered after %d attempts",
                     segment.segment_id,
@@ -651,27 +558,3 @@ class DispatchState:
     @property
     def in_flight(self) -> int:
         return sum(len(b.items) for b in self._leases.values())
-
-
-def _names_itself(words: np.ndarray) -> np.ndarray:
-    """True for each slot whose header agrees with itself: seq = job << 32 | index, seq != 0."""
-    seq = np.ascontiguousarray(words[:, :2]).view("<u8").reshape(-1)
-    job = np.ascontiguousarray(words[:, 2:4]).view("<u8").reshape(-1)
-    index = words[:, 4].astype(np.uint64)
-    return (seq != 0) & (seq >> np.uint64(32) == job) & (seq & np.uint64(0xFFFFFFFF) == index)
-
-
-def _items(segment_id: int, slots: np.ndarray, seqs: np.ndarray) -> np.ndarray:
-    items = np.zeros(len(slots), ITEM_DTYPE)
-    items["segment"] = segment_id
-    items["slot"] = slots
-    items["seq"] = seqs
-    return items
-
-
-def _read_rows(rows: np.ndarray, index: np.ndarray) -> np.ndarray:
-    """rows[index] as a new array; one memcpy when the index is a contiguous run."""
-    first, last = int(index[0]), int(index[-1])
-    if last - first + 1 == len(index):
-        return rows[first : last + 1].copy()
-    return rows[index]
