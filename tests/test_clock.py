@@ -136,13 +136,18 @@ def test_heartbeat_up_s_is_a_monotonic_duration(jumpy_wall_clock):
 # Calls of time.time() / time.time_ns() allowed in the modules that run leases, deadlines and
 # timeouts: each one is a timestamp written somewhere or an id, never compared with a deadline.
 WALL_CLOCK_ALLOWED = {
-    "gpu/dispatch/stage.py": "batch ids start from wall-clock microseconds; dead-letter events",
+    "gpu/dispatch/batch_ids.py": "batch ids start from wall-clock microseconds",
+    "gpu/dispatch/item_errors.py": "dead-letter events (timestamps for people)",
+    "gpu/dispatch/work_finder.py": "when queued slots arrived (the queue's age, a timestamp)",
     "pipeline/supervisor.py": "the broker epoch (an id, shared by every stage)",
     "collector/completion_stage.py": "jobs/<job>/finished: when the job finished, for retention",
 }
 TIMED_MODULES = [
     "gpu/dispatch/state.py",
     "gpu/dispatch/stage.py",
+    "gpu/dispatch/batch_ids.py",
+    "gpu/dispatch/item_errors.py",
+    "gpu/dispatch/work_finder.py",
     "gpu/worker.py",
     "ingest/front.py",
     "ingest/tokenizer_stage.py",

@@ -7,10 +7,12 @@ segment files, and the test moves its clock past the session timeout.
 
 from __future__ import annotations
 
+import ast
 import time
 
 import numpy as np
 import pytest
+from broker import REPO
 from dispatch_stepped import JOB_NO, MT, SteppedDispatch, input_segment
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -75,7 +77,7 @@ def test_a_poison_item_is_dead_lettered_alone_and_the_rest_of_its_job_completes(
     # a batch answered but not yet retired when its session was lost is computed again
     cause = "session_lost" if failure == "killed" else "handed_back"
     assert d.stage.reclaimed[cause] > 0 and d.stage.counts[DEAD_LETTER] == 1
-    assert d.stage.unretired_errors == []  # completion retired the dead letter
+    assert d.stage.item_errors.unretired == []  # completion retired the dead letter
     assert time.monotonic() - started < 30  # about a second alone; bounded under load
 
 
@@ -111,3 +113,29 @@ def test_status_watch_and_metrics_show_one_queue_depth_after_a_reclaim(stepped):
     watch = sum(row[2] for row in lane_rows(info, time.time_ns()))
     assert (status, watch, metrics_queued(d)) == (40, 40, 40)
     assert info["in_flight"] == 10
+
+
+def test_the_stage_takes_its_time_from_step_only():
+    """No module of gpu/dispatch/ reads the monotonic clock except the stage's open() (its
+    start) and drain() (the run loop's deadline): everything else uses `now` from step(now),
+    which is what lets these tests drive it with a fake clock."""
+    allowed = {("stage.py", "open"), ("stage.py", "drain"), ("file.py", "_write_queued")}
+    # file.py: the dispatch file's own writer thread, which paces its error log
+    found = []
+    for path in sorted((REPO / "gpu" / "dispatch").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        owner = {}  # node -> the innermost function around it
+        for function in ast.walk(tree):
+            if isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+                for node in ast.walk(function):
+                    owner[node] = function.name  # inner functions are walked later: they win
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr in ("monotonic", "monotonic_ns", "perf_counter")
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "time"
+                and (path.name, owner.get(node, "<module>")) not in allowed
+            ):
+                found.append(f"{path.name}:{node.lineno} in {owner.get(node, '<module>')}")
+    assert found == []

@@ -103,7 +103,7 @@ def status_queues(stage) -> list[dict]:
 
 def unretired_item_errors(stage) -> int:
     """Item errors sent to completion and not yet named by its RETIRED (sent again every 5 s)."""
-    return sum(len(entry[2]) for entry in stage.unretired_errors)
+    return stage.item_errors.unretired_items
 
 
 def idle_fraction(session, now: float) -> float:

@@ -86,3 +86,26 @@ class SegmentQueue:
         if waiting and self.out is not None:
             waiting -= int(np.count_nonzero(self.out[self.cursor : self.end]))
         return waiting
+
+    def unsent_from(self, start: int) -> np.ndarray:
+        """LIVE slots from `start` to the written end that are not out."""
+        live = live_markers(self.segment.markers[start : self.end])
+        if self.out is not None:
+            live &= ~self.out[start : self.end]
+        return np.arange(start, self.end)[live]
+
+    def finished(self) -> bool:
+        """Sealed, written to its end, fully handed out, no lease and no LIVE slot left: the
+        segment collector's from now on."""
+        segment = self.segment
+        if self.has_work() or self.batches or not segment.sealed or self.end < segment.entries:
+            return False
+        return not live_markers(segment.markers[: self.end]).any()
+
+    def queued(self, floor: int) -> Queued:
+        """Its row of the queue depth; `floor`: the lowest slot on lease here, or the cursor."""
+        key = self.segment.key
+        return Queued(
+            self.segment.segment_id, key.name, key.shape, key.lane, self.waiting(), self.cursor,
+            floor, self.segment.header.created_ns,
+        )  # fmt: skip

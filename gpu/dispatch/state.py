@@ -35,7 +35,8 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from gpu.dispatch.batch import Batch, Outcome, items_of, names_itself, read_rows
+from gpu.dispatch.batch import Batch, Outcome, items_of, quarantined, read_rows
+from gpu.dispatch.leases import Leases
 from gpu.dispatch.segment_queue import Queued, SegmentQueue
 from gpu.work_protocol import ITEM_DTYPE
 from pipeline import item_seq
@@ -58,18 +59,14 @@ class DispatchState:
         self.lease_s = lease_s
         self.max_attempts = max_attempts
         self._work: dict[int, SegmentQueue] = {}
-        self._leases: dict[int, Batch] = {}
-        self._by_session: dict[str, set[int]] = {}
+        self.table = Leases()  # which batch is out with whom (gpu/dispatch/leases.py)
         self._next_batch_id = 1
         self._loaded = False
         self.dead_letters: list[np.ndarray] = []
         self.quarantined: list[np.ndarray] = []
         self.cancelled_jobs: set[int] = set()
         self.cancelled: list[np.ndarray] = []
-        self._ended: list[int] = []
-        self._dropped: list[tuple[int, np.ndarray]] = []  # (lease, slots) left a lease that goes on
         self._swept: dict[int, int] = {}  # segment -> end already swept for cancelled jobs
-        self._suspect: dict[str, int] = {}  # session -> its lease of one item on its last try
 
     # ---- what there is to do -----------------------------------------------------------------
     def add_segment(
@@ -109,18 +106,10 @@ class DispatchState:
 
         The caller closes them, releasing their shared locks, so the collector can remove them.
         """
-        gone = []
-        for segment_id, work in list(self._work.items()):
-            segment = work.segment
-            if work.has_work() or work.batches or not segment.sealed:
-                continue
-            if work.end < segment.entries:
-                continue
-            if live_markers(segment.markers[: work.end]).any():
-                continue
-            del self._work[segment_id]
-            gone.append(segment)
-        return gone
+        gone = [work for work in self._work.values() if work.finished()]
+        for work in gone:
+            del self._work[work.segment.segment_id]
+        return [work.segment for work in gone]
 
     def segments(self) -> list[Segment]:
         return [w.segment for w in self._work.values()]
@@ -135,20 +124,13 @@ class DispatchState:
         rewound cursor counts until the cursor passes it).
         """
         rows = []
-        for segment_id, work in self._work.items():
-            waiting = work.waiting()
+        for work in self._work.values():
             floor = work.cursor
             for batch_id in work.batches or ():
-                slots = self._leases[batch_id].items["slot"]
+                slots = self.table.by_id[batch_id].items["slot"]
                 if len(slots):
                     floor = min(floor, int(slots.min()))
-            key, created_ns = work.segment.key, work.segment.header.created_ns
-            rows.append(
-                Queued(
-                    segment_id, key.name, key.shape, key.lane, waiting, work.cursor, floor,
-                    created_ns,
-                )
-            )  # fmt: skip
+            rows.append(work.queued(floor))
         return rows
 
     def extend(self, segment_id: int, end: int) -> None:
@@ -188,12 +170,8 @@ class DispatchState:
             start = max(work.cursor, self._swept.get(segment_id, 0))
             if start >= work.end:
                 continue
-            span = np.arange(start, work.end)
-            live = live_markers(segment.markers[start : work.end])
-            if work.out is not None:
-                live &= ~work.out[start : work.end]
             self._swept[segment_id] = work.end
-            slots = span[live]
+            slots = work.unsent_from(start)
             if not len(slots):
                 continue
             seqs = segment.slots["seq"][slots]
@@ -215,7 +193,7 @@ class DispatchState:
         prefer: Iterable[int] = (),
     ) -> Batch | None:
         """A batch for `session`, or None when the model has no dispatchable work for it."""
-        if session in self._suspect:
+        if session in self.table.suspect:
             return None
         candidates = sorted(
             (
@@ -242,7 +220,7 @@ class DispatchState:
             return None
         last_try = segment.attempts(slots) >= max(1, self.max_attempts - 1)
         suspect = bool(last_try[0])
-        if suspect and self._by_session.get(session):
+        if suspect and self.table.holds_any(session):
             return None  # an item on its last try goes to a worker that holds nothing else
         if last_try.any():  # ... and alone: a poison item sinks no healthy batch-mate
             cut = 1 if suspect else int(np.argmax(last_try))
@@ -264,24 +242,7 @@ class DispatchState:
             slots, seqs, ok, words = slots[~gone], seqs[~gone], ok[~gone], words[~gone]
         if not ok.all():
             bad = slots[~ok]
-            log.error(
-                "segment %d: %d slot(s) fail their checksum and are quarantined: %s",
-                segment.segment_id,
-                len(bad),
-                bad[:10].tolist(),
-            )
-            # An error result goes to the item the slot names only if its header agrees with
-            # itself (seq = job << 32 | index); else no item is blamed: the loss accounting
-            # finds it from the job's journal (collector/losses.py, `run.py check`).
-            said = names_itself(words[~ok])
-            self.quarantined.append(items_of(segment.segment_id, bad[said], seqs[~ok][said]))
-            if not said.all():
-                log.error(
-                    "segment %d: slot(s) %s do not say which item they hold; no error result "
-                    "sent (run.py check lists the lost items)",
-                    segment.segment_id,
-                    bad[~said][:10].tolist(),
-                )
+            self.quarantined.append(quarantined(segment.segment_id, bad, words[~ok], seqs[~ok]))
             work.mark_out(bad)  # never offered again in this life
             slots, seqs, words = slots[ok], seqs[ok], words[ok]
         work.cursor = max(work.cursor, scanned_to)
@@ -309,24 +270,13 @@ class DispatchState:
         return batch
 
     def _add_lease(self, batch: Batch, work: SegmentQueue) -> None:
-        self._leases[batch.batch_id] = batch
-        if batch.suspect:
-            self._suspect[batch.session] = batch.batch_id
-        self._by_session.setdefault(batch.session, set()).add(batch.batch_id)
+        self.table.add(batch)
         if work.batches is None:
             work.batches = set()
         work.batches.add(batch.batch_id)
 
     def _remove_lease(self, batch: Batch) -> None:
-        self._leases.pop(batch.batch_id, None)
-        self._ended.append(batch.batch_id)
-        if batch.suspect and self._suspect.get(batch.session) == batch.batch_id:
-            del self._suspect[batch.session]
-        held = self._by_session.get(batch.session)
-        if held is not None:
-            held.discard(batch.batch_id)
-            if not held:
-                del self._by_session[batch.session]
+        self.table.remove(batch)
         work = self._work.get(batch.segment_id)
         if work is not None and work.batches is not None:
             work.batches.discard(batch.batch_id)
@@ -354,8 +304,8 @@ class DispatchState:
                 segment.slots["seq"][slots[inside]] == items["seq"][mine][inside]
             )
             held_by_me = np.zeros(len(mine), bool)
-            for held in self._by_session.get(session, set()):
-                batch = self._leases[held]
+            for held in self.table.by_session.get(session, set()):
+                batch = self.table.by_id[held]
                 if batch.segment_id == segment_id:
                     held_by_me |= np.isin(slots, batch.items["slot"])
             elsewhere = ok & ~held_by_me
@@ -403,8 +353,8 @@ class DispatchState:
         """
         reclaimed = 0
         not_started = set(queued)
-        for batch_id in sorted(self._by_session.get(session, set())):
-            batch = self._leases[batch_id]
+        for batch_id in sorted(self.table.by_session.get(session, set())):
+            batch = self.table.by_id[batch_id]
             batch.deadline_s = now + self.lease_s
             if batch_id > seen_batch:
                 continue
@@ -423,68 +373,55 @@ class DispatchState:
         return reclaimed
 
     def take_ended(self) -> list[int]:
-        """Ids of leases that ended (all their items retired or reclaimed) since the last call."""
-        ended, self._ended = self._ended, []
-        return ended
+        return self.table.take_ended()
 
     def take_dropped(self) -> list[tuple[int, np.ndarray]]:
-        """(lease id, slots) reclaimed from leases that go on, since the last call."""
-        dropped, self._dropped = self._dropped, []
-        return dropped
+        return self.table.take_dropped()
 
     def drop_session_quietly(self, session: str) -> int:
         """A session left cleanly: hand back whatever it still holds without counting attempts."""
-        held = sorted(self._by_session.get(session, ()))
+        held = [b.batch_id for b in self.table.of(session)]
         return sum(self.reclaim(batch_id, count_attempt=False) for batch_id in held)
 
     def reclaim_unanswered(self, session: str) -> int:
         """A stalled session (gpu/dispatch/stall.py): reclaim its batches whose results have
         not come, counting an attempt for each it may have started (as for a lost session)."""
-        held = [self._leases[b] for b in sorted(self._by_session.get(session, ()))]
+        held = self.table.of(session)
         return sum(
             self.reclaim(b.batch_id, count_attempt=b.started) for b in held if not b.answered
         )
 
     def session_batches(self, session: str) -> int:
         """Batches the session holds whose results have not come back yet."""
-        return sum(1 for b in self._by_session.get(session, ()) if not self._leases[b].answered)
+        return self.table.unanswered(session)
 
     def answered(self, session: str, batch_id: int) -> None:
-        """The session sent the results of `batch_id`: it no longer counts against its budget,
-        and if it was the session's last-try item, the worker lived through it."""
-        batch = self._leases.get(batch_id)
-        if batch is not None and batch.session == session:
-            batch.answered = True
-            if self._suspect.get(session) == batch_id:
-                del self._suspect[session]
+        self.table.answered(session, batch_id)
 
     def sessions(self) -> list[str]:
-        return list(self._by_session)
+        return list(self.table.by_session)
 
     # ---- leases --------------------------------------------------------------------------------
     def renew(self, session: str, now: float) -> int:
         """A session reported in: extend all its leases. Returns how many batches it holds."""
-        held = [self._leases[b] for b in self._by_session.get(session, ())]
-        for batch in held:
-            batch.deadline_s = now + self.lease_s
-        return len(held)
+        return self.table.renew(session, now + self.lease_s)
 
     def expire(self, now: float) -> int:
         """Reclaim every lease past its deadline (after `loaded()` only); returns items reclaimed."""
         if not self._loaded:
             return 0
-        expired = [b for b in self._leases.values() if b.deadline_s < now]
+        expired = [b for b in self.table.by_id.values() if b.deadline_s < now]
         return sum(self.reclaim(b.batch_id, count_attempt=b.started) for b in expired)
 
     def drop_session(self, session: str) -> int:
         """A session is gone: reclaim all it held, counting an attempt for each item it may
         have started (its last report said which batches were still queued, untouched)."""
-        held = [self._leases[b] for b in sorted(self._by_session.get(session, ()))]
+        held = self.table.of(session)
         return sum(self.reclaim(b.batch_id, count_attempt=b.started) for b in held)
 
     def reclaim(self, batch_id: int, count_attempt: bool, slots: np.ndarray | None = None) -> int:
         """Hand a batch (or some of its slots) back. Rewinds only its segment (invariant 7)."""
-        batch = self._leases.get(batch_id)
+        batch = self.table.by_id.get(batch_id)
         if batch is None:
             return 0
         work = self._work[batch.segment_id]
@@ -493,7 +430,7 @@ class DispatchState:
         rest = np.setdiff1d(all_slots, back)
         if len(rest):
             batch.items = batch.items[np.isin(all_slots, rest)]
-            self._dropped.append((batch_id, back))
+            self.table.dropped.append((batch_id, back))
         else:
             self._remove_lease(batch)
         segment = work.segment
@@ -529,7 +466,7 @@ class DispatchState:
         if work.out is not None:
             work.out[slots] = False
         for batch_id in sorted(work.batches or ()):
-            batch = self._leases[batch_id]
+            batch = self.table.by_id[batch_id]
             keep = ~np.isin(batch.items["slot"], slots)
             if not keep.all():
                 batch.items = batch.items[keep]
@@ -548,13 +485,11 @@ class DispatchState:
         return outcome
 
     def leases(self, session: str | None = None) -> list[Batch]:
-        if session is None:
-            return list(self._leases.values())
-        return [self._leases[b] for b in sorted(self._by_session.get(session, ()))]
+        return list(self.table.by_id.values()) if session is None else self.table.of(session)
 
     def lease(self, batch_id: int) -> Batch | None:
-        return self._leases.get(batch_id)
+        return self.table.by_id.get(batch_id)
 
     @property
     def in_flight(self) -> int:
-        return sum(len(b.items) for b in self._leases.values())
+        return self.table.in_flight
