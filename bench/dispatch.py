@@ -6,7 +6,12 @@ Run from the repository root (about six minutes on two cores; writes up to
     .venv/bin/python bench/dispatch.py [--items N] [--large-items N] [--repeat K]
                                        [--fed-workers W] [--fed-tokens-per-s T] [--fed-seconds S]
                                        [--memory-items N] [--dir PATH] [--steps 123]
-                                       [--profile on|off] [--no-docs]
+                                       [--profile on|off] [--cases all|headline] [--no-docs]
+
+`--cases headline --steps 1 --items 250000 --repeat 3 --profile off --no-docs` is
+the short form (about a minute): only the headline case (64-token items, batch
+1024, one worker, session_max_batches 64), to compare dispatch's CPU per result
+before and after a change.
 
 In one run, each step on a fresh broker (`run.py --config`, free loopback
 ports, data dir under the bench dir, default var/bench-dispatch):
@@ -63,6 +68,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dir", type=Path, default=REPO / "var" / "bench-dispatch")
     parser.add_argument("--steps", default="123", help="which steps to run, e.g. 13")
     parser.add_argument("--profile", choices=("on", "off"), default="on")
+    parser.add_argument(
+        "--cases", choices=("all", "headline"), default="all", help="step 1: every case or one"
+    )
     parser.add_argument("--no-docs", action="store_true", help="do not rewrite the docs")
     args = parser.parse_args(argv)
     if min(args.items, args.large_items, args.memory_items) < 1_000_000 // 4 or args.repeat < 1:
@@ -74,6 +82,8 @@ def throughput_cases(args: argparse.Namespace) -> dict[int, list[Case]]:
     """Per session_max_batches: the cases of step 1. The slow default-limit cases run fewer
     items (their rate is set by the limit, not by the backlog)."""
     small = max(250_000, args.items // 4)
+    if args.cases == "headline":
+        return {RAISED_MAX_BATCHES: [Case(64, args.items, 1024, 1, args.repeat, headline=True)]}
     return {
         DEFAULT_MAX_BATCHES: [
             Case(64, small, 256, 1),

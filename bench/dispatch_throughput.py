@@ -284,6 +284,14 @@ def rows_for(results: list[tuple[int, Case, list[Timing]]]) -> list[Row]:
                 ),
                 Row(STEP, f"{tag}: peak items in flight", tuple(t.peak_in_flight for t in timings)),
             ]
+            for label in CPU_OF:
+                out.append(
+                    Row(
+                        STEP,
+                        f"{tag}: CPU of {label} per result, µs (worker start -> job completed)",
+                        tuple(1e6 * t.cpu[label] / t.items for t in timings),
+                    )
+                )
             for label in timings[0].cpu:
                 out.append(
                     Row(

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from collector.completion.results_log import CompletionLog
-from gpu.dispatch_report import CORRUPT_INPUT
+from gpu.dispatch.report import CORRUPT_INPUT
 from pipeline.datadir import DataDir
 from pipeline.errors import SegmentError
 from pipeline.item_seq import job_of, seq_of

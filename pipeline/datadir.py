@@ -8,7 +8,7 @@
 | `<data_dir>/completion/`     | the completion log: `out-<id>.<job>.s0.l<size class>.seg` (collector/completion/results_log.py) |
 | `<data_dir>/next-segment-id` | the lowest id not yet handed out (text)         |
 | `<data_dir>/next-batch-id`   | dispatch's batch ids: the lowest not yet reserved (text, blocks of 2^20) |
-| `<data_dir>/work-token.key`  | the secret of dispatch's work tokens (gpu/work_token.py); 0600, never replaced |
+| `<data_dir>/work-token.key`  | the secret of dispatch's work tokens (gpu/dispatch/work_token.py); 0600, never replaced |
 | `<data_dir>/log/`            | one log file per stage process                  |
 """
 

@@ -43,7 +43,7 @@ RECLAIM_CAUSES = (
     "handed_back",  # the worker handed it back (transient failure, drain)
     "worker_left",  # the worker said BYE holding it
     "result_refused",  # completion refused its result (collector/completion/result_check.py)
-    "stalled",  # its session held it with no results past the stall limit (dispatch_stall.py)
+    "stalled",  # its session held it with no results past the stall limit (gpu/dispatch/stall.py)
 )
 RESULT_REFUSALS = ("bad_status", "wrong_kind", "wrong_size", "wrong_dimension", "not_finite")
 

@@ -21,7 +21,7 @@ import zmq
 from broker import free_port
 from conftest import make_batch, wait_for
 
-from gpu.dispatch_state import DispatchState
+from gpu.dispatch.state import DispatchState
 from pipeline import wire
 from pipeline.heartbeat import Heartbeat
 from pipeline.segment import Segment
@@ -145,17 +145,16 @@ WALL_CLOCK_ALLOWED = {
     "pipeline/stage_restarts.py": "seconds until a restart_at_ns of the supervisor's report",
     "pipeline/supervisor.py": "the broker epoch (an id shared by every stage); report times",
     "ingest/jobs.py": "a job's created_ns and its chunks' ns",
-    "gpu/dispatch_files.py": "the dispatch file header's written_ns",
-    "gpu/dispatch_report.py": "the wall time of a status answer",
-    "gpu/dispatch_stage.py": "batch ids start from wall-clock microseconds; arrival times of "
-    "segments; dead-letter events",
-    "collector/completion_log.py": "a job's last_result_ns",
-    "collector/completion_stage.py": "jobs/<job>/finished: when the job finished, for retention",
+    "gpu/dispatch/batch_ids.py": "batch ids start from wall-clock microseconds",
+    "gpu/dispatch/item_errors.py": "dead-letter events (timestamps for people)",
+    "gpu/dispatch/work_finder.py": "when queued slots arrived (the queue's age, a timestamp)",
     "collector/job_view.py": "the cancel mark's time",
     "collector/segments.py": "retention: a job finished that long ago (its finished mark)",
     "collector/status_sources.py": "when a dashboard snapshot was taken",
     "collector/status_view.py": "a job's age from its created_ns",
-    "collector/vectors/stores.py": "a vector store's created_ns",
+    "collector/vectors/store_catalog.py": "a vector store's created_ns",
+    "gpu/dispatch/file.py": "the dispatch file header's written_ns",
+    "gpu/dispatch/report.py": "the wall time of a status answer",
 }
 
 

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 from conftest import small_tmpfs, wait_for
 
-from gpu.dispatch_files import (
+from gpu.dispatch.file import DispatchFile
+from gpu.dispatch.file_format import (
     HEADER_BYTES,
     LEASE_DTYPE,
-    DispatchFile,
     DispatchFileError,
     Lease,
     check_dispatch_file,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from test_dispatch_state import segment, state
 
-from gpu.dispatch_stall import StallWatch
+from gpu.dispatch.stall import StallWatch
 
 
 def hand(s, watch: StallWatch, session: str, now: float, n: int = 4):

@@ -8,7 +8,8 @@ from conftest import make_batch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpu.dispatch_state import DispatchState
+from gpu.dispatch.state import DispatchState
+from pipeline import item_seq
 from pipeline.segment import Segment
 from pipeline.segment_format import DEAD, KIND_INPUT, SegmentKey, slot_bytes_for
 
@@ -28,7 +29,7 @@ def job_segment(data_dir, segment_id: int, n: int, job_no: int = 9) -> Segment:
     seg = Segment.create(data_dir.segments, segment_id, key, slot_bytes_for(LANE * 4), 1000)
     _, _, _, counts, tokens = make_batch(np.random.default_rng(segment_id), n, 1)
     index = np.arange(n, dtype=np.uint32)
-    seq = (np.uint64(job_no) << np.uint64(32)) | index.astype(np.uint64)
+    seq = item_seq.seq_of(job_no, index)
     seg.append(seq, np.full(n, job_no, np.uint64), index, counts, tokens)
     return seg
 

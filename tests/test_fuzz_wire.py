@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from collector.completion.intake import results_problem
-from gpu.dispatch_files import parse_header, read_leases
-from gpu.dispatch_stage import item_array
-from gpu.dispatch_state import DispatchState
+from gpu.dispatch.batch import item_array
+from gpu.dispatch.file_format import parse_header, read_leases
+from gpu.dispatch.state import DispatchState
 from gpu.work_protocol import ITEM_DTYPE
 from ingest.chunk_wire import chunk_from_wire, chunk_to_wire
 from ingest.input_chunk import InputChunk

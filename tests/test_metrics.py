@@ -22,7 +22,7 @@ from broker import REPO, Broker, submit, write_config, write_jsonl
 from conftest import wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpu.arrivals import Arrivals
+from gpu.dispatch.arrivals import Arrivals
 from pipeline import exitcodes
 from pipeline.metrics import COUNTER, FSYNC_BUCKETS_S, METRICS, Histogram, encode_samples
 from pipeline.metrics_hub import MetricsHub

@@ -32,8 +32,9 @@ from conftest import assert_check_clean, wait_for
 
 from collector.status_sources import JobDirectory, Restart, Snapshot, recent_restarts
 from collector.status_watch import plain_lines, rich_view
-from gpu.dispatch_report import idle_fraction
-from gpu.dispatch_stage import DEAD_LETTER, DispatchStage, _Session
+from gpu.dispatch.item_errors import ItemErrors
+from gpu.dispatch.report import DEAD_LETTER, idle_fraction
+from gpu.dispatch.sessions import Session
 from gpu.work_protocol import ITEM_DTYPE
 from pipeline import exitcodes
 from pipeline.supervisor_report import write_report
@@ -314,21 +315,19 @@ def test_restarts_come_from_the_supervisor_report_and_jobs_from_the_data_dir(tmp
 
 
 def test_dispatch_reports_idle_share_and_dead_letters_per_job():
-    session = _Session(b"s", "m", last_seen=0.0, started=0.0)
+    session = Session(b"s", "m", last_seen=0.0, started=0.0)
     session.idle_marks.extend([(10.0, 2.0), (20.0, 4.5)])
     assert idle_fraction(session, 20.0) == 0.25
-    fresh = _Session(b"t", "m", last_seen=0.0, started=0.0, idle_s=1.0)
+    fresh = Session(b"t", "m", last_seen=0.0, started=0.0, idle_s=1.0)
     assert idle_fraction(fresh, 4.0) == 0.25  # no marks yet: over its life
 
-    stage = DispatchStage.__new__(DispatchStage)  # only what _note_dead_letters touches
-    stage.counts = collections.Counter()
-    stage.dead_letters = collections.deque(maxlen=20)
+    errors = ItemErrors(3, lambda reason, items: None, collections.Counter(), None)
     items = np.zeros(3, ITEM_DTYPE)
     items["segment"] = [4, 4, 5]
     items["seq"] = [(2 << 32) | 1, (2 << 32) | 7, (3 << 32) | 0]
-    stage._note_dead_letters(items, DEAD_LETTER)
-    assert stage.counts[DEAD_LETTER] == 3
-    events = [(e["job_no"], e["items"], e["segments"]) for e in stage.dead_letters]
+    errors.note(items, DEAD_LETTER)
+    assert errors.counts[DEAD_LETTER] == 3
+    events = [(e["job_no"], e["items"], e["segments"]) for e in errors.dead_letters]
     assert events == [(2, 2, [4]), (3, 1, [5])]
 
 

@@ -28,11 +28,11 @@ from broker import REPO, Broker, submit, write_config
 from conftest import assert_check_clean, wait_for
 
 from collector.results_client import DispatchClient
+from gpu.dispatch.work_token import SECRET_FILE, WorkTokens
 from gpu.engines.base import EngineResult
 from gpu.work_protocol import ITEM_DTYPE
-from gpu.work_token import SECRET_FILE, WorkTokens
 from gpu.worker.results import results_message
-from pipeline import exitcodes, wire
+from pipeline import exitcodes, item_seq, wire
 from pipeline.errors import FabricError
 from pipeline.segment import Segment
 
@@ -297,7 +297,7 @@ def test_a_worker_that_survives_its_data_dir_being_made_again_is_refused(tmp_pat
         batch = wait_for(work, "a batch of the old job")
         token, batch_id = batch.meta.get("token", ""), batch.meta["batch_id"]
         held = np.array(batch.arrays["items"])
-        mine = old_prompts[(held["seq"] & 0xFFFFFFFF).astype(np.int64)]  # what it computed
+        mine = old_prompts[item_seq.index_of(held["seq"])]  # what it computed
         computed = embeddings(held, np.pad(mine, ((0, 0), (0, LANE - PROMPT_TOKENS))))
         first.kill()  # SIGKILL: every stage dies with the supervisor
     finally:
@@ -334,7 +334,7 @@ def test_the_secret_is_made_once_owner_only_and_never_replaced(tmp_path):
     path = root / SECRET_FILE
     assert oct(path.stat().st_mode & 0o777) == oct(0o600)
     items = np.zeros(3, ITEM_DTYPE)
-    items["segment"], items["slot"], items["seq"] = 2, [4, 5, 6], [(1 << 32) + i for i in range(3)]
+    items["segment"], items["slot"], items["seq"] = 2, [4, 5, 6], item_seq.seq_of(1, np.arange(3))
     token = tokens.token(9, "s1", items)
     again = WorkTokens.of_data_dir(root)  # read back, not made anew
     assert again.verify(9, "s1", token, items)

@@ -50,6 +50,7 @@ from collector.completion.job_status import JobStatus
 from collector.completion.result_check import CAUSES
 from collector.completion.results_log import CompletionLog
 from collector.job_view import JobIndex, JobView
+from gpu.dispatch import forward
 from gpu.work_protocol import ITEM_DTYPE
 from ingest.jobs import JOB_ID
 from pipeline import wire
@@ -210,7 +211,7 @@ class CompletionStage(Stage):
             self.probe = None  # the disk takes results again, without waiting for a resend
         for _ in range(MAX_MESSAGES_PER_STEP):
             try:
-                message = wire.recv(self.inbox, 0)
+                message = forward.recv(self.inbox, 0)
             except WireError as exc:
                 self.log.error("malformed message from dispatch dropped: %s", exc)
                 continue

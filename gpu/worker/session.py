@@ -19,7 +19,7 @@ leases), and hands back what it cannot do.
 | results not acknowledged (completion away, a full disk) | keeps them and resends every `RESEND_S`; asks for no more work while it holds 32 such batches, so its memory stays bounded |
 | broker back (any restart)         | re-registers with the (segment, slot, seq) of all it holds and each batch's work token (invariant 8); drops items the broker says are retired or unknown |
 | no answer at all while registering | after `NO_ANSWER_WARN_S` says so once, naming the address: keys are the usual cause |
-| RESULTS_REFUSED                   | drops those results: not work this broker's data dir handed out (gpu/work_token.py) |
+| RESULTS_REFUSED                   | drops those results: not work this broker's data dir handed out (gpu/dispatch/work_token.py) |
 | an item's own error               | that item's error result, at once (invariant 14)           |
 | TransientEngineError (out of memory in any engine: `Engine.run`) | hands the batch back without an attempt; backs off |
 | any other engine failure          | hands back what it holds (the failing batch counting an attempt) and exits 7 |

@@ -201,7 +201,7 @@ def _decode(frames: Sequence[object], limits: WireLimits, route: tuple[bytes, ..
     for index, (spec, view) in enumerate(zip(specs, views[1:], strict=True), start=1):
         key, array = _array(f"{name} frame {index}", spec, view, arrays, limits)
         arrays[key] = array
-    return Message(msg_type, meta, arrays, Flag(raw_flags), route)
+    return Message(msg_type, meta, arrays, Flag(raw_flags), route, tuple(frames))
 
 
 def _array(

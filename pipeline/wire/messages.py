@@ -64,7 +64,7 @@ import numpy as np
 
 from pipeline.errors import ConfigError
 
-MAGIC = b"IFW2"  # 2: work tokens on WORK, RESULTS and WORKER_HELLO (gpu/work_token.py)
+MAGIC = b"IFW2"  # 2: work tokens on WORK, RESULTS and WORKER_HELLO (gpu/dispatch/work_token.py)
 HEADER = struct.Struct("<4sHHII")
 MAX_NAME_CHARS = 64  # an array's name, a structured dtype's field name
 U64_LIMIT = 1 << 64
@@ -201,6 +201,7 @@ class Message:
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
     flags: Flag = NO_FLAGS
     route: tuple[bytes, ...] = ()
+    frames: tuple = field(default=(), compare=False, repr=False)  # as received, route cut off
 
     @property
     def retryable(self) -> bool:

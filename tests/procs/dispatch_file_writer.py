@@ -21,7 +21,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from gpu.dispatch_files import LEASE_DTYPE, DispatchFile, Lease
+from gpu.dispatch.file import DispatchFile
+from gpu.dispatch.file_format import LEASE_DTYPE, Lease
 
 
 def batch_items(batch_id: int, n: int) -> np.ndarray:

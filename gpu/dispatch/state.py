@@ -32,11 +32,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import numpy as np
 
+from gpu.dispatch.batch import Batch, Outcome, items_of, quarantined, read_rows
+from gpu.dispatch.leases import Leases
+from gpu.dispatch.segment_queue import Queued, SegmentQueue
 from gpu.work_protocol import ITEM_DTYPE
+from pipeline import item_seq
 from pipeline.segment import Segment
 from pipeline.segment_format import (
     CHECKSUM_WORD,
@@ -48,56 +51,6 @@ from pipeline.segment_format import (
 
 log = logging.getLogger("fabric.dispatch")
 
-SCAN_MARKERS = 1 << 16  # markers examined per step when looking for free slots
-
-
-@dataclass(eq=False)
-class Batch:
-    """What a worker gets: one segment's items, ready for the engine."""
-
-    batch_id: int
-    session: str
-    segment_id: int
-    model: str
-    shape: int
-    lane: int
-    items: np.ndarray  # ITEM_DTYPE
-    lengths: np.ndarray  # uint32
-    tokens: np.ndarray  # uint32 [n, lane]: a view of `slots`
-    deadline_s: float
-    slots: np.ndarray | None = None  # uint32 [n, slot words]: the slots as read (sent as is)
-    suspect: bool = False  # one item on its last try: its session gets nothing else meanwhile
-    started: bool = True  # the worker may have started it (False once a report says queued)
-    answered: bool = False  # its results passed through dispatch (retire pending)
-    handed_s: float = 0.0  # monotonic: when it was handed out (or adopted)
-
-
-@dataclass(eq=False)
-class Outcome:
-    """Items that left dispatch other than by a result: for the completion stage."""
-
-    dead_letters: np.ndarray  # ITEM_DTYPE, reclaimed max_attempts times
-    quarantined: np.ndarray  # ITEM_DTYPE, checksum failed
-    cancelled: np.ndarray  # ITEM_DTYPE, queued items of a cancelled job
-
-
-@dataclass(eq=False)
-class _Work:
-    segment: Segment
-    priority: int
-    cursor: int
-    end: int
-    out: np.ndarray | None = None  # bool per slot: on lease now (or quarantined, dead-lettered)
-    not_before: float = 0.0  # nothing is handed out before this (re-registration grace)
-    batches: set[int] | None = None  # lease ids with items of this segment
-
-    @property
-    def model(self) -> str:
-        return self.segment.key.name
-
-    def has_work(self) -> bool:
-        return self.cursor < self.end
-
 
 class DispatchState:
     """Single-owner dispatch state; drive it with `now` from time.monotonic()."""
@@ -105,19 +58,15 @@ class DispatchState:
     def __init__(self, lease_s: float, max_attempts: int) -> None:
         self.lease_s = lease_s
         self.max_attempts = max_attempts
-        self._work: dict[int, _Work] = {}
-        self._leases: dict[int, Batch] = {}
-        self._by_session: dict[str, set[int]] = {}
+        self._work: dict[int, SegmentQueue] = {}
+        self.table = Leases()  # which batch is out with whom (gpu/dispatch/leases.py)
         self._next_batch_id = 1
         self._loaded = False
         self.dead_letters: list[np.ndarray] = []
         self.quarantined: list[np.ndarray] = []
         self.cancelled_jobs: set[int] = set()
         self.cancelled: list[np.ndarray] = []
-        self._ended: list[int] = []
-        self._dropped: list[tuple[int, np.ndarray]] = []  # (lease, slots) left a lease that goes on
         self._swept: dict[int, int] = {}  # segment -> end already swept for cancelled jobs
-        self._suspect: dict[str, int] = {}  # session -> its lease of one item on its last try
 
     # ---- what there is to do -----------------------------------------------------------------
     def add_segment(
@@ -135,7 +84,7 @@ class DispatchState:
         """
         work = self._work.get(segment.segment_id)
         if work is None:
-            self._work[segment.segment_id] = _Work(
+            self._work[segment.segment_id] = SegmentQueue(
                 segment, priority, max(first_live, 0), end, not_before=not_before
             )
         else:
@@ -157,62 +106,31 @@ class DispatchState:
 
         The caller closes them, releasing their shared locks, so the collector can remove them.
         """
-        gone = []
-        for segment_id, work in list(self._work.items()):
-            segment = work.segment
-            if work.has_work() or work.batches or not segment.sealed:
-                continue
-            if work.end < segment.entries:
-                continue
-            if live_markers(segment.markers[: work.end]).any():
-                continue
-            del self._work[segment_id]
-            gone.append(segment)
-        return gone
+        gone = [work for work in self._work.values() if work.finished()]
+        for work in gone:
+            del self._work[work.segment.segment_id]
+        return [work.segment for work in gone]
 
     def segments(self) -> list[Segment]:
         return [w.segment for w in self._work.values()]
 
-    def queue_depth(self) -> list[dict]:
-        """Per segment with work: model, shape, lane, queued items (approximate), oldest id."""
-        rows = []
-        for work in self._work.values():
-            queued = work.end - work.cursor
-            if queued <= 0:
-                continue
-            key = work.segment.key
-            rows.append(
-                {
-                    "segment": work.segment.segment_id,
-                    "model": key.name,
-                    "shape": key.shape,
-                    "lane": key.lane,
-                    "queued": queued,
-                    "created_ns": work.segment.header.created_ns,
-                }
-            )
-        return rows
+    def queue_depth(self) -> list[Queued]:
+        """Per known segment: the items waiting to be handed out (the one queue-depth
+        definition: `status`, `status --watch` and the metrics all show it).
 
-    def backlog(self) -> list[tuple[int, str, int, int, int, int]]:
-        """Per known segment: (segment id, model, lane, items waiting, cursor, floor), for metrics.
-
-        Items waiting: slots from the cursor to the written end not out on
-        lease (a slot retired past a rewound cursor counts until the cursor
-        passes it). `floor`: the lowest slot that may wait again, the cursor or
-        the earliest slot out on lease there (a reclaim rewinds to it).
+        Waiting: slots from the cursor to the written end that are not out on
+        lease, quarantined or dead-lettered (after a reclaim rewinds the cursor,
+        the slots still on lease past it are not waiting; a slot retired past a
+        rewound cursor counts until the cursor passes it).
         """
         rows = []
-        for segment_id, work in self._work.items():
-            waiting = max(0, work.end - work.cursor)
-            if waiting and work.out is not None:
-                waiting -= int(np.count_nonzero(work.out[work.cursor : work.end]))
+        for work in self._work.values():
             floor = work.cursor
             for batch_id in work.batches or ():
-                slots = self._leases[batch_id].items["slot"]
+                slots = self.table.by_id[batch_id].items["slot"]
                 if len(slots):
                     floor = min(floor, int(slots.min()))
-            key = work.segment.key
-            rows.append((segment_id, key.name, key.lane, waiting, work.cursor, floor))
+            rows.append(work.queued(floor))
         return rows
 
     def extend(self, segment_id: int, end: int) -> None:
@@ -245,26 +163,22 @@ class DispatchState:
         """Take queued items of cancelled jobs written since the last sweep; returns how many."""
         if not self.cancelled_jobs:
             return 0
-        jobs = np.fromiter(self.cancelled_jobs, np.uint64)
+        jobs = np.fromiter(self.cancelled_jobs, np.int64)
         taken = 0
         for segment_id, work in self._work.items():
             segment = work.segment
             start = max(work.cursor, self._swept.get(segment_id, 0))
             if start >= work.end:
                 continue
-            span = np.arange(start, work.end)
-            live = live_markers(segment.markers[start : work.end])
-            if work.out is not None:
-                live &= ~work.out[start : work.end]
             self._swept[segment_id] = work.end
-            slots = span[live]
+            slots = work.unsent_from(start)
             if not len(slots):
                 continue
             seqs = segment.slots["seq"][slots]
-            mine = np.isin(seqs >> np.uint64(32), jobs)
+            mine = np.isin(item_seq.job_of(seqs), jobs)
             if mine.any():
-                self._mark_out(work, slots[mine])
-                self.cancelled.append(_items(segment.segment_id, slots[mine], seqs[mine]))
+                work.mark_out(slots[mine])
+                self.cancelled.append(items_of(segment.segment_id, slots[mine], seqs[mine]))
                 taken += int(mine.sum())
         return taken
 
@@ -279,7 +193,7 @@ class DispatchState:
         prefer: Iterable[int] = (),
     ) -> Batch | None:
         """A batch for `session`, or None when the model has no dispatchable work for it."""
-        if session in self._suspect:
+        if session in self.table.suspect:
             return None
         candidates = sorted(
             (
@@ -297,61 +211,44 @@ class DispatchState:
                 return batch
         return None
 
-    def _take(self, work: _Work, session: str, budget: int, now: float) -> Batch | None:
+    def _take(self, work: SegmentQueue, session: str, budget: int, now: float) -> Batch | None:
         segment = work.segment
         # Phase 1: read, check, decide; nothing changes yet.
-        slots, scanned_to = self._candidates(work, budget)
+        slots, scanned_to = work.candidates(budget)
         if len(slots) == 0:
             work.cursor = max(work.cursor, scanned_to)
             return None
         last_try = segment.attempts(slots) >= max(1, self.max_attempts - 1)
         suspect = bool(last_try[0])
-        if suspect and self._by_session.get(session):
+        if suspect and self.table.holds_any(session):
             return None  # an item on its last try goes to a worker that holds nothing else
         if last_try.any():  # ... and alone: a poison item sinks no healthy batch-mate
             cut = 1 if suspect else int(np.argmax(last_try))
             slots = slots[:cut]
             scanned_to = int(slots[-1]) + 1
-        words = _read_rows(segment.words, slots)  # the one copy of the slots, checked as read
+        words = read_rows(segment.words, slots)  # the one copy of the slots, checked as read
         segment.release_slots(int(slots[0]), int(slots[-1]))  # copied: not resident here
         ok = slot_checksums(words) == words[:, CHECKSUM_WORD]
         seqs = np.ascontiguousarray(words[:, :2]).view("<u8").reshape(-1)
         if self.cancelled_jobs:
-            jobs = seqs >> np.uint64(32)
-            gone = np.isin(jobs, np.fromiter(self.cancelled_jobs, np.uint64)) & ok
+            jobs = np.fromiter(self.cancelled_jobs, np.int64)
+            gone = np.isin(item_seq.job_of(seqs), jobs) & ok
         else:
             gone = None
         # Phase 2: commit.
         if gone is not None and gone.any():
-            self.cancelled.append(_items(segment.segment_id, slots[gone], seqs[gone]))
-            self._mark_out(work, slots[gone])
+            self.cancelled.append(items_of(segment.segment_id, slots[gone], seqs[gone]))
+            work.mark_out(slots[gone])
             slots, seqs, ok, words = slots[~gone], seqs[~gone], ok[~gone], words[~gone]
         if not ok.all():
             bad = slots[~ok]
-            log.error(
-                "segment %d: %d slot(s) fail their checksum and are quarantined: %s",
-                segment.segment_id,
-                len(bad),
-                bad[:10].tolist(),
-            )
-            # An error result goes to the item the slot names only if its header agrees with
-            # itself (seq = job << 32 | index); else no item is blamed: the loss accounting
-            # finds it from the job's journal (collector/losses.py, `run.py check`).
-            said = _names_itself(words[~ok])
-            self.quarantined.append(_items(segment.segment_id, bad[said], seqs[~ok][said]))
-            if not said.all():
-                log.error(
-                    "segment %d: slot(s) %s do not say which item they hold; no error result "
-                    "sent (run.py check lists the lost items)",
-                    segment.segment_id,
-                    bad[~said][:10].tolist(),
-                )
-            self._mark_out(work, bad)  # never offered again in this life
+            self.quarantined.append(quarantined(segment.segment_id, bad, words[~ok], seqs[~ok]))
+            work.mark_out(bad)  # never offered again in this life
             slots, seqs, words = slots[ok], seqs[ok], words[ok]
         work.cursor = max(work.cursor, scanned_to)
         if len(slots) == 0:
             return None
-        self._mark_out(work, slots)
+        work.mark_out(slots)
         lane = segment.key.lane
         batch = Batch(
             batch_id=self._next_batch_id,
@@ -360,7 +257,7 @@ class DispatchState:
             model=work.model,
             shape=segment.key.shape,
             lane=lane,
-            items=_items(segment.segment_id, slots, seqs),
+            items=items_of(segment.segment_id, slots, seqs),
             lengths=words[:, COUNT_WORD].copy(),
             tokens=words[:, SLOT_HEADER_WORDS : SLOT_HEADER_WORDS + lane],  # a view of `slots`
             slots=words,
@@ -372,25 +269,14 @@ class DispatchState:
         self._add_lease(batch, work)
         return batch
 
-    def _add_lease(self, batch: Batch, work: _Work) -> None:
-        self._leases[batch.batch_id] = batch
-        if batch.suspect:
-            self._suspect[batch.session] = batch.batch_id
-        self._by_session.setdefault(batch.session, set()).add(batch.batch_id)
+    def _add_lease(self, batch: Batch, work: SegmentQueue) -> None:
+        self.table.add(batch)
         if work.batches is None:
             work.batches = set()
         work.batches.add(batch.batch_id)
 
     def _remove_lease(self, batch: Batch) -> None:
-        self._leases.pop(batch.batch_id, None)
-        self._ended.append(batch.batch_id)
-        if batch.suspect and self._suspect.get(batch.session) == batch.batch_id:
-            del self._suspect[batch.session]
-        held = self._by_session.get(batch.session)
-        if held is not None:
-            held.discard(batch.batch_id)
-            if not held:
-                del self._by_session[batch.session]
+        self.table.remove(batch)
         work = self._work.get(batch.segment_id)
         if work is not None and work.batches is not None:
             work.batches.discard(batch.batch_id)
@@ -418,8 +304,8 @@ class DispatchState:
                 segment.slots["seq"][slots[inside]] == items["seq"][mine][inside]
             )
             held_by_me = np.zeros(len(mine), bool)
-            for held in self._by_session.get(session, set()):
-                batch = self._leases[held]
+            for held in self.table.by_session.get(session, set()):
+                batch = self.table.by_id[held]
                 if batch.segment_id == segment_id:
                     held_by_me |= np.isin(slots, batch.items["slot"])
             elsewhere = ok & ~held_by_me
@@ -432,7 +318,7 @@ class DispatchState:
             answer[mine[elsewhere]] = 2
             if fresh.any():
                 take = slots[fresh]
-                self._mark_out(work, take)
+                work.mark_out(take)
                 lease_id = batch_id if batch_id is not None else self._next_batch_id
                 self.set_next_batch_id(lease_id)
                 batch = Batch(
@@ -442,7 +328,7 @@ class DispatchState:
                     model=work.model,
                     shape=segment.key.shape,
                     lane=segment.key.lane,
-                    items=_items(int(segment_id), take, segment.slots["seq"][take]),
+                    items=items_of(int(segment_id), take, segment.slots["seq"][take]),
                     lengths=np.zeros(0, np.uint32),
                     tokens=np.zeros((0, 0), np.uint32),
                     deadline_s=now + self.lease_s,
@@ -467,8 +353,8 @@ class DispatchState:
         """
         reclaimed = 0
         not_started = set(queued)
-        for batch_id in sorted(self._by_session.get(session, set())):
-            batch = self._leases[batch_id]
+        for batch_id in sorted(self.table.by_session.get(session, set())):
+            batch = self.table.by_id[batch_id]
             batch.deadline_s = now + self.lease_s
             if batch_id > seen_batch:
                 continue
@@ -487,97 +373,55 @@ class DispatchState:
         return reclaimed
 
     def take_ended(self) -> list[int]:
-        """Ids of leases that ended (all their items retired or reclaimed) since the last call."""
-        ended, self._ended = self._ended, []
-        return ended
+        return self.table.take_ended()
 
     def take_dropped(self) -> list[tuple[int, np.ndarray]]:
-        """(lease id, slots) reclaimed from leases that go on, since the last call."""
-        dropped, self._dropped = self._dropped, []
-        return dropped
+        return self.table.take_dropped()
 
     def drop_session_quietly(self, session: str) -> int:
         """A session left cleanly: hand back whatever it still holds without counting attempts."""
-        held = sorted(self._by_session.get(session, ()))
+        held = [b.batch_id for b in self.table.of(session)]
         return sum(self.reclaim(batch_id, count_attempt=False) for batch_id in held)
 
     def reclaim_unanswered(self, session: str) -> int:
-        """A stalled session (gpu/dispatch_stall.py): reclaim its batches whose results have
+        """A stalled session (gpu/dispatch/stall.py): reclaim its batches whose results have
         not come, counting an attempt for each it may have started (as for a lost session)."""
-        held = [self._leases[b] for b in sorted(self._by_session.get(session, ()))]
+        held = self.table.of(session)
         return sum(
             self.reclaim(b.batch_id, count_attempt=b.started) for b in held if not b.answered
         )
 
     def session_batches(self, session: str) -> int:
         """Batches the session holds whose results have not come back yet."""
-        return sum(1 for b in self._by_session.get(session, ()) if not self._leases[b].answered)
+        return self.table.unanswered(session)
 
     def answered(self, session: str, batch_id: int) -> None:
-        """The session sent the results of `batch_id`: it no longer counts against its budget,
-        and if it was the session's last-try item, the worker lived through it."""
-        batch = self._leases.get(batch_id)
-        if batch is not None and batch.session == session:
-            batch.answered = True
-            if self._suspect.get(session) == batch_id:
-                del self._suspect[session]
+        self.table.answered(session, batch_id)
 
     def sessions(self) -> list[str]:
-        return list(self._by_session)
-
-    def _candidates(self, work: _Work, budget: int) -> tuple[np.ndarray, int]:
-        """Up to `budget` LIVE slots not out on lease, from the cursor; and how far that scanned.
-
-        Every slot before the returned position is out, retired or never
-        written, so the cursor may move there once the batch is committed.
-        Markers are read in windows, so a long backlog is never scanned whole.
-        """
-        found_parts: list[np.ndarray] = []
-        need = budget
-        start = work.cursor
-        while start < work.end and need > 0:
-            stop = min(work.end, start + max(SCAN_MARKERS, 2 * need))
-            free = live_markers(work.segment.markers[start:stop])
-            if work.out is not None:
-                free &= ~work.out[start:stop]
-            hits = np.flatnonzero(free)[:need] + start
-            found_parts.append(hits)
-            need -= len(hits)
-            if need == 0:
-                return np.concatenate(found_parts).astype(np.int64), int(hits[-1]) + 1
-            start = stop
-        found = np.concatenate(found_parts) if found_parts else np.zeros(0, np.int64)
-        return found.astype(np.int64), work.end
-
-    def _mark_out(self, work: _Work, slots: np.ndarray) -> None:
-        if work.out is None:
-            work.out = np.zeros(work.segment.capacity, dtype=bool)
-        work.out[slots] = True
+        return list(self.table.by_session)
 
     # ---- leases --------------------------------------------------------------------------------
     def renew(self, session: str, now: float) -> int:
         """A session reported in: extend all its leases. Returns how many batches it holds."""
-        held = [self._leases[b] for b in self._by_session.get(session, ())]
-        for batch in held:
-            batch.deadline_s = now + self.lease_s
-        return len(held)
+        return self.table.renew(session, now + self.lease_s)
 
     def expire(self, now: float) -> int:
         """Reclaim every lease past its deadline (after `loaded()` only); returns items reclaimed."""
         if not self._loaded:
             return 0
-        expired = [b for b in self._leases.values() if b.deadline_s < now]
+        expired = [b for b in self.table.by_id.values() if b.deadline_s < now]
         return sum(self.reclaim(b.batch_id, count_attempt=b.started) for b in expired)
 
     def drop_session(self, session: str) -> int:
         """A session is gone: reclaim all it held, counting an attempt for each item it may
         have started (its last report said which batches were still queued, untouched)."""
-        held = [self._leases[b] for b in sorted(self._by_session.get(session, ()))]
+        held = self.table.of(session)
         return sum(self.reclaim(b.batch_id, count_attempt=b.started) for b in held)
 
     def reclaim(self, batch_id: int, count_attempt: bool, slots: np.ndarray | None = None) -> int:
         """Hand a batch (or some of its slots) back. Rewinds only its segment (invariant 7)."""
-        batch = self._leases.get(batch_id)
+        batch = self.table.by_id.get(batch_id)
         if batch is None:
             return 0
         work = self._work[batch.segment_id]
@@ -586,7 +430,7 @@ class DispatchState:
         rest = np.setdiff1d(all_slots, back)
         if len(rest):
             batch.items = batch.items[np.isin(all_slots, rest)]
-            self._dropped.append((batch_id, back))
+            self.table.dropped.append((batch_id, back))
         else:
             self._remove_lease(batch)
         segment = work.segment
@@ -600,9 +444,9 @@ class DispatchState:
             if done.any():
                 dead = back[done]
                 self.dead_letters.append(
-                    _items(segment.segment_id, dead, segment.slots["seq"][dead])
+                    items_of(segment.segment_id, dead, segment.slots["seq"][dead])
                 )
-                self._mark_out(work, dead)  # the completion stage retires them with an error
+                work.mark_out(dead)  # the completion stage retires them with an error
                 log.warning(
                     "segment %d: %d item(s) dead-lettered after %d attempts",
                     segment.segment_id,
@@ -622,7 +466,7 @@ class DispatchState:
         if work.out is not None:
             work.out[slots] = False
         for batch_id in sorted(work.batches or ()):
-            batch = self._leases[batch_id]
+            batch = self.table.by_id[batch_id]
             keep = ~np.isin(batch.items["slot"], slots)
             if not keep.all():
                 batch.items = batch.items[keep]
@@ -641,37 +485,11 @@ class DispatchState:
         return outcome
 
     def leases(self, session: str | None = None) -> list[Batch]:
-        if session is None:
-            return list(self._leases.values())
-        return [self._leases[b] for b in sorted(self._by_session.get(session, ()))]
+        return list(self.table.by_id.values()) if session is None else self.table.of(session)
 
     def lease(self, batch_id: int) -> Batch | None:
-        return self._leases.get(batch_id)
+        return self.table.by_id.get(batch_id)
 
     @property
     def in_flight(self) -> int:
-        return sum(len(b.items) for b in self._leases.values())
-
-
-def _names_itself(words: np.ndarray) -> np.ndarray:
-    """True for each slot whose header agrees with itself: seq = job << 32 | index, seq != 0."""
-    seq = np.ascontiguousarray(words[:, :2]).view("<u8").reshape(-1)
-    job = np.ascontiguousarray(words[:, 2:4]).view("<u8").reshape(-1)
-    index = words[:, 4].astype(np.uint64)
-    return (seq != 0) & (seq >> np.uint64(32) == job) & (seq & np.uint64(0xFFFFFFFF) == index)
-
-
-def _items(segment_id: int, slots: np.ndarray, seqs: np.ndarray) -> np.ndarray:
-    items = np.zeros(len(slots), ITEM_DTYPE)
-    items["segment"] = segment_id
-    items["slot"] = slots
-    items["seq"] = seqs
-    return items
-
-
-def _read_rows(rows: np.ndarray, index: np.ndarray) -> np.ndarray:
-    """rows[index] as a new array; one memcpy when the index is a contiguous run."""
-    first, last = int(index[0]), int(index[-1])
-    if last - first + 1 == len(index):
-        return rows[first : last + 1].copy()
-    return rows[index]
+        return self.table.in_flight

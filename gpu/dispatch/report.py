@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 
+from pipeline import item_seq
 from pipeline.metrics import RECLAIM_CAUSES
 from pipeline.stage_restarts import read_restarts
 
@@ -27,12 +28,12 @@ def dispatch_metrics(stage, now: float) -> dict:
     queued: collections.Counter = collections.Counter()
     tokens: collections.Counter = collections.Counter()
     oldest = dict.fromkeys(models, 0.0)
-    for segment_id, model, lane, waiting, cursor, _floor in stage.state.backlog():
-        queued[(model, str(lane))] += waiting
-        tokens[(model, str(lane))] += waiting * lane
-        arrived = stage.arrivals.arrived(segment_id, cursor) if waiting else None
+    for q in stage.state.queue_depth():
+        queued[(q.model, str(q.lane))] += q.waiting
+        tokens[(q.model, str(q.lane))] += q.waiting * q.lane
+        arrived = stage.arrivals.arrived(q.segment_id, q.cursor) if q.waiting else None
         if arrived is not None:
-            oldest[model] = max(oldest.get(model, 0.0), wall_s - arrived)
+            oldest[q.model] = max(oldest.get(q.model, 0.0), wall_s - arrived)
     sessions = collections.Counter(dict.fromkeys(models, 0))
     in_flight: collections.Counter = collections.Counter()
     leases: collections.Counter = collections.Counter()
@@ -82,9 +83,27 @@ def dispatch_metrics(stage, now: float) -> dict:
     }
 
 
+def status_queues(stage) -> list[dict]:
+    """BROKER_INFO's `queues`: per segment with items waiting, the same count as the metric
+    fabric_queued_items (DispatchState.queue_depth), and the segment's model, shape, lane and
+    creation time."""
+    return [
+        {
+            "segment": q.segment_id,
+            "model": q.model,
+            "shape": q.shape,
+            "lane": q.lane,
+            "queued": q.waiting,
+            "created_ns": q.created_ns,
+        }
+        for q in stage.state.queue_depth()
+        if q.waiting > 0
+    ]
+
+
 def unretired_item_errors(stage) -> int:
     """Item errors sent to completion and not yet named by its RETIRED (sent again every 5 s)."""
-    return sum(len(entry[2]) for entry in stage.unretired_errors)
+    return stage.item_errors.unretired_items
 
 
 def idle_fraction(session, now: float) -> float:
@@ -102,7 +121,7 @@ def in_flight_jobs(stage) -> dict[str, int]:
     """Items handed to workers and not yet retired, per job number (as a str: JSON keys)."""
     jobs: collections.Counter = collections.Counter()
     for batch in stage.state.leases():
-        numbers, counts = np.unique(batch.items["seq"] >> np.uint64(32), return_counts=True)
+        numbers, counts = np.unique(item_seq.job_of(batch.items["seq"]), return_counts=True)
         jobs.update(dict(zip(numbers.tolist(), counts.tolist(), strict=True)))
     return {str(job_no): n for job_no, n in jobs.items()}
 
@@ -118,7 +137,7 @@ def broker_status(stage, now: float) -> dict:
         "rate_in": rate_in,
         "rate_out": rate_out,
         "epoch": stage.epoch,
-        "queues": stage.state.queue_depth(),
+        "queues": status_queues(stage),
         "in_flight": stage.state.in_flight,
         "in_flight_jobs": in_flight_jobs(stage),
         "handed_out": stage.counts["handed_out"],

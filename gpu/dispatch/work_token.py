@@ -36,7 +36,6 @@ import logging
 import os
 import secrets
 import struct
-import time
 from pathlib import Path
 
 import numpy as np
@@ -160,9 +159,9 @@ class Refusals:
         self.counts: collections.Counter = collections.Counter()
         self._logged: dict[str, tuple[float, int]] = {}  # kind -> (when, count then)
 
-    def add(self, kind: str, session: str, reason: str) -> None:
+    def add(self, kind: str, session: str, reason: str, now: float) -> None:
+        """Count one refusal at monotonic `now` (the stage's step clock)."""
         self.counts[kind] += 1
-        now = time.monotonic()
         when, count = self._logged.get(kind, (float("-inf"), 0))
         if now - when >= REFUSED_LOG_EVERY_S:
             self._logged[kind] = (now, self.counts[kind])
