@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collector.completion.stage import CompletionStage
 from collector.vectors.vector_stage import VectorStage
-from gpu.dispatch_stage import DispatchStage
+from gpu.dispatch.stage import DispatchStage
 from gpu.worker.local_stage import WorkerStage
 from ingest.front_stage import FrontStage
 from ingest.tokenizer_stage import TokenizerStage
