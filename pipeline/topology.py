@@ -9,6 +9,7 @@
 | `worker`    | workers.local, or each [[workers]] count | dispatch.bind (a client, like any worker) | dispatch.bind                          |
 | `dispatch`  | 1                    | segments, dispatch.bind, `dispatch` socket | dispatch.bind, `completion` socket     |
 | `completion`| 1                    | `completion` socket, completion.bind     | completion log, input markers, `dispatch` socket |
+| `api`       | api.processes if api.enabled | HTTP clients (api.bind), its files under `api/` | the front (as a producer), completion.bind (as a results client) |
 | `vectors`   | 1                    | vector stores (recovered first), vectors.bind, completion.bind (as a sink) | vector shards |
 
 Stages are listed front first: the supervisor stops them in this order, so
@@ -101,7 +102,14 @@ def stage_specs(settings) -> list[StageSpec]:
     specs.append(StageSpec("dispatch", 0, "gpu.dispatch_stage:DispatchStage"))
     specs.append(StageSpec("completion", 0, "collector.completion_stage:CompletionStage"))
     specs.append(StageSpec("vectors", 0, "collector.vectors.manager:VectorStage"))
+    specs[:0] = [StageSpec("api", i, "api.stage:ApiStage") for i in range(api_count(settings))]
     return specs
+
+
+def api_count(settings) -> int:
+    """Processes of the `api` stage (api/stage.py): [api] processes when enabled, else none.
+    Listed first: stopped first, like any producer."""
+    return settings.api.processes if settings.api.enabled else 0
 
 
 def worker_group(settings, index: int):
