@@ -16,6 +16,7 @@ from api.app import PARTIAL_HEADER, make_app, parse_window
 from api.batch_store import BatchStore
 from api.errors import ApiError
 from api.file_store import FileStore
+from api.upload import JsonlChecker
 from config import load_settings
 from pipeline.errors import ConfigError
 from pipeline.security import check_exposure
@@ -337,3 +338,17 @@ def test_sweep_removes_what_a_crash_left_half_way(root):
     (store.files / "file-orphan.data").write_bytes(b"x")  # renamed, record never written
     assert store.sweep() == 2
     assert sorted(os.listdir(store.files)) == [f"{kept.id}.data", f"{kept.id}.json"]
+
+
+def test_only_the_head_of_an_upload_is_parsed_and_a_line_cut_by_its_end_is_no_error():
+    """Lines past the first MiB are not parsed as they arrive (batch validation names them)."""
+    data = jsonl(12000) + b"{not json past the head\n"  # about 1.1 MiB
+    checker = JsonlChecker()
+    for start in range(0, len(data), 65536):  # as a socket delivers it
+        checker.feed(data[start : start + 65536])
+    checker.finish()
+    assert 0 < checker.number < 12000
+    with pytest.raises(ApiError):
+        whole = JsonlChecker(check_bytes=len(data))
+        whole.feed(data)
+        whole.finish()
