@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import orjson
 
 from api.batch_store import (
@@ -55,14 +57,27 @@ class BatchDriver:
     """Advances every unfinished batch one step per `step()`; each step is idempotent."""
 
     def __init__(
-        self, files: FileStore, batches: BatchStore, producer: Producer, results: ResultsClient
+        self,
+        files: FileStore,
+        batches: BatchStore,
+        producers: tuple[Producer, Producer],
+        results: ResultsClient,
     ) -> None:
+        """`producers`: one for the broker's catalog on this thread, one for submissions on
+        the submit thread (a ZeroMQ socket is used by one thread only)."""
         self.files = files
         self.batches = batches
-        self.producer = producer
+        self.catalog, self.producer = producers
         self.results = results
         self._fetched: dict[str, float] = {}  # batch id -> last fetch (monotonic)
         self._done: set[str] = set()  # batches seen ended: not read again
+        # One submission at a time, on its own thread, so results keep being fetched and
+        # counted meanwhile; the producer is used on that thread only.
+        self._submitter = ThreadPoolExecutor(1, thread_name_prefix="submit")
+        self._submitting: dict[str, Future] = {}
+
+    def close(self) -> None:
+        self._submitter.shutdown(wait=True, cancel_futures=True)
 
     def step(self) -> int:
         """One pass over the unfinished batches; returns how many are unfinished."""
@@ -110,26 +125,60 @@ class BatchDriver:
             self._fail(record, [_error("file_not_found", None, "the input file was deleted")])
             return
         path = self.files.content_path(source)
-        catalog = self.producer.catalog()
-        settings = self.producer.settings(int(catalog["chunk_items"]))
+        catalog = self.catalog.catalog()
+        settings = self.catalog.settings(int(catalog["chunk_items"]))
         errors, lines, wrong_url = _check_lines(path, record["endpoint"], settings)
         partial = str((record.get("metadata") or {}).get(ACCEPT_PARTIAL_KEY, "")).lower()
         if errors and partial not in ("true", "1", "yes"):
             self._fail(record, errors)
             return
+        source_path = str(path)
         if wrong_url:  # kept out of the job: their error lines are written here, blank lines sent
-            path = self._without_lines(record, path, wrong_url, errors)
-        report = self.producer.submit_file(path, batch_id)
+            source_path = str(self._without_lines(record, path, wrong_url, errors))
         record.update(
             status="in_progress",
             in_progress_at=int(time.time()),
             output_file_id=output_file_id(batch_id, "output"),
             local_errors=len(wrong_url),
-            request_counts={"total": lines, "completed": 0, "failed": report.rejected},
+            submit_path=source_path,
+            submitted=False,
+            request_counts={"total": lines, "completed": 0, "failed": len(errors)},
         )
         self._register(record, "output", OUTPUT)
         self.batches.put(record)
-        log.info("batch %s: %d lines submitted as job %s", batch_id, lines, batch_id)
+        self._submit(record)
+
+    def _submit(self, record: dict[str, Any]) -> None:
+        """Start (or, after a restart, resume) sending the input as the batch's job."""
+        batch_id = record["id"]
+        if batch_id not in self._submitting:
+            path = record["submit_path"]
+            self._submitting[batch_id] = self._submitter.submit(
+                self.producer.submit_file, path, batch_id
+            )
+            log.info("batch %s: submitting %s as job %s", batch_id, path, batch_id)
+
+    def _submitted(self, record: dict[str, Any]) -> bool:
+        """Whether every line of the batch is in its job (the submission ended well)."""
+        if record.get("submitted", True):
+            return True
+        batch_id = record["id"]
+        future = self._submitting.get(batch_id)
+        if future is None:
+            self._submit(record)
+            return False
+        if not future.done():
+            return False
+        del self._submitting[batch_id]
+        try:
+            future.result()
+        except FabricError as exc:  # the broker is restarting: resumed on the next pass
+            log.warning("batch %s: submission stopped (%s); resuming it", batch_id, exc)
+            return False
+        record["submitted"] = True
+        self.batches.put(record)
+        log.info("batch %s: every line is in job %s", batch_id, batch_id)
+        return True
 
     def _without_lines(
         self, record: dict[str, Any], path: Path, drop: dict[int, str | None], errors: list
@@ -186,13 +235,20 @@ class BatchDriver:
     def _follow(self, record: dict[str, Any], now: int) -> None:
         """Fetch new results; once the job ended and everything is here, finish the batch."""
         batch_id = record["id"]
-        info = self.results.job_status(batch_id)
+        submitted = self._submitted(record)
+        try:
+            info = self.results.job_status(batch_id)
+        except FabricError:
+            if submitted:
+                raise
+            return  # no chunk of the job committed yet
         finished = info["state"] in ("completed", "cancelled") and not info["undelivered"]
         due = time.monotonic() - self._fetched.get(batch_id, 0.0) >= FETCH_EVERY_S
         if info["undelivered"] and (due or info["state"] in ("completed", "cancelled")):
             self._fetch(batch_id)
             info = self.results.job_status(batch_id)
             finished = info["state"] in ("completed", "cancelled") and not info["undelivered"]
+        finished = finished and submitted
         counts = _counts(info, record)
         if counts != record["request_counts"]:
             record["request_counts"] = counts
@@ -308,37 +364,30 @@ def _custom_ids(path: Path):
 
 def _check_lines(path: Path, endpoint: str, settings) -> tuple[list, int, dict[int, str | None]]:
     """(errors in OpenAI's {code, line, message, param}, non-blank lines, {line: custom_id} of
-    lines whose url is not the batch's endpoint): the broker's own line checks
+    lines whose url is not the batch's endpoint), in one pass of the broker's own line checks
     (`iter_batch_input`, as `run.py submit` runs them) plus the batch's endpoint."""
     errors: list[dict[str, Any]] = []
     wrong_url: dict[int, str | None] = {}
     lines = 0
-    with open(path, "rb") as source:
-        for number, line in enumerate(source, 1):
-            if not line.strip():
-                continue
-            lines += 1
-            try:
-                request = orjson.loads(line)
-            except orjson.JSONDecodeError:
-                continue  # the broker's checks below name it
-            url = request.get("url") if isinstance(request, dict) else None
-            if isinstance(url, str) and url != endpoint:
-                custom_id = request.get("custom_id")
-                wrong_url[number] = custom_id if isinstance(custom_id, str) else None
-                errors.append(
-                    _error(
-                        "invalid_url",
-                        number,
-                        f"line {number}: url {url!r} is not the batch's endpoint {endpoint!r}; "
-                        "every request of a batch uses its endpoint",
-                        "url",
-                    )
-                )
     for chunk in iter_batch_input(path, settings):
-        for e in chunk.errors:
-            if e.line not in wrong_url:
-                errors.append(_error(e.code, e.line, e.message))
+        lines += len(chunk.custom_ids) + len(chunk.errors)
+        errors += [_error(e.code, e.line, e.message) for e in chunk.errors]
+        off = [k for k, shape in enumerate(chunk.shapes) if shape.endpoint != endpoint]
+        if not off:
+            continue
+        for item in np.flatnonzero(np.isin(chunk.shape_index, off)).tolist():
+            number = int(chunk.line[item])
+            url = chunk.shapes[int(chunk.shape_index[item])].endpoint
+            wrong_url[number] = chunk.custom_ids[item]
+            errors.append(
+                _error(
+                    "invalid_url",
+                    number,
+                    f"line {number}: url {url!r} is not the batch's endpoint {endpoint!r}; "
+                    "every request of a batch uses its endpoint",
+                    "url",
+                )
+            )
     errors.sort(key=lambda e: e["line"] or 0)
     return errors, lines, wrong_url
 

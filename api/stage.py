@@ -87,13 +87,15 @@ class ApiStage(Stage):
         self.driver = None
         if self.index == 0:
             curve = client_curve(settings.security)
-            self.producer = Producer(
-                client_address(settings.ingest.bind), curve=curve, patient=True
+            ingest = client_address(settings.ingest.bind)
+            self.producers = (
+                Producer(ingest, curve=curve, patient=True),
+                Producer(ingest, curve=curve, patient=True),
             )
             self.results = ResultsClient(
                 client_address(settings.completion.bind), curve=curve, patient=True
             )
-            self.driver = BatchDriver(self.files, self.batches, self.producer, self.results)
+            self.driver = BatchDriver(self.files, self.batches, self.producers, self.results)
         self.next_drive = 0.0
         self.next_expiry = 0.0
         self.unfinished = 0
@@ -123,7 +125,9 @@ class ApiStage(Stage):
 
     def close(self) -> None:
         if getattr(self, "driver", None) is not None:
-            self.producer.close()
+            self.driver.close()
+            for producer in self.producers:
+                producer.close()
             self.results.close()
         if getattr(self, "sock", None) is not None:
             self.sock.close()
