@@ -25,9 +25,9 @@ BODY_TYPES = {
 }
 
 
-def api_broker(tmp_path: Path, worker_keys: str = "") -> tuple[Broker, str]:
+def api_broker(tmp_path: Path, worker_keys: str = "", processes: int = 1) -> tuple[Broker, str]:
     port = free_port()
-    extra = f'[api]\nenabled = true\nbind = "127.0.0.1:{port}"\n'
+    extra = f'[api]\nenabled = true\nbind = "127.0.0.1:{port}"\nprocesses = {processes}\n'
     config = write_config(tmp_path, extra=extra, workers=1, worker_keys=worker_keys)
     # the echo model also serves chat and text completions (token ids in, token ids out)
     text = config.read_text().replace(
@@ -40,7 +40,8 @@ def api_broker(tmp_path: Path, worker_keys: str = "") -> tuple[Broker, str]:
 
 @pytest.fixture(scope="module")
 def fast(tmp_path_factory):
-    broker, url = api_broker(tmp_path_factory.mktemp("api-fast"))
+    """Two api processes on one port: requests land on either; api-0 drives the batches."""
+    broker, url = api_broker(tmp_path_factory.mktemp("api-fast"), processes=2)
     try:
         yield broker, openai.OpenAI(base_url=url, api_key="any", max_retries=0)
     finally:
@@ -308,7 +309,7 @@ def test_a_short_window_expires_keeping_results_made(slow, tmp_path):
 
 def test_the_stage_is_in_the_broker_and_keeps_serving_after_bad_input(fast):
     broker, client = fast
-    assert "api-0" in broker.pids()
+    assert {"api-0", "api-1"} <= set(broker.pids())
     with pytest.raises(openai.BadRequestError) as caught:
         client.files.create(file=("a.jsonl", b"not json\n"), purpose="batch")
     assert caught.value.body["code"] == "invalid_file_format"
