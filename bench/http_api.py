@@ -49,9 +49,10 @@ def progress(text: str) -> None:
 
 
 def broker_for(root: Path, workers: int) -> tuple[BenchBroker, str]:
-    port = free_loopback_ports(1)[0]
+    port, vectors = free_loopback_ports(2)
     sections = {
         "api": {"enabled": True, "bind": f"127.0.0.1:{port}"},
+        "vectors": {"bind": f"tcp://127.0.0.1:{vectors}"},
         "workers": {"local": workers},
         "metrics": {"bind": ""},
     }
@@ -263,7 +264,9 @@ def main(argv: list[str] | None = None) -> int:
         f"End to end: {args.lines:,} echo /v1/completions lines of 16 token ids, one local echo "
         "worker, a fresh broker each; HTTP polls batches.retrieve every 0.2 s and downloads the "
         "output file; the CLI runs `submit`, then `results --follow` (one after the other, as a "
-        "user would).",
+        "user would). HTTP also runs OpenAI's validation first (every line checked before "
+        "any is queued, so a bad line fails the batch with nothing run), a pass over the file "
+        "that `submit` without --strict does not make.",
     ]
     body = render_section(
         "OpenAI Batch API over HTTP (bench/http_api.py)",
