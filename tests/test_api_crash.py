@@ -147,7 +147,7 @@ def test_api_stage_killed_over_and_over_while_batches_run(tmp_path):
         broker.close()
 
 
-def test_an_upload_cut_by_a_killed_stage_leaves_nothing(tmp_path):
+def test_an_upload_cut_by_its_client_or_a_killed_stage_leaves_nothing(tmp_path):
     broker, client, port = start(tmp_path)
     try:
         head = (
@@ -155,6 +155,21 @@ def test_an_upload_cut_by_a_killed_stage_leaves_nothing(tmp_path):
             b'--B\r\nContent-Disposition: form-data; name="file"; filename="a.jsonl"\r\n\r\n'
         )
         body = head + b'{"custom_id": "a"}\n' * 1000
+        files = broker.data_dir.root / "api" / "files"
+
+        def arriving() -> bool:
+            return any(p.name.startswith(".upload-") for p in files.iterdir())
+
+        with socket.create_connection(("127.0.0.1", port)) as conn:  # the client goes away
+            conn.sendall(
+                b"POST /v1/files HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\n"
+                b"Content-Type: multipart/form-data; boundary=B\r\n"
+                + f"Content-Length: {len(body) + 10_000_000}\r\n\r\n".encode()
+                + body
+            )
+            wait_for(arriving, "the upload to reach the disk")
+        wait_for(lambda: not arriving(), "the cut upload to be removed")
+        assert [p.name for p in files.iterdir()] == []
         with socket.create_connection(("127.0.0.1", port)) as conn:
             conn.sendall(
                 b"POST /v1/files HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\n"
@@ -162,11 +177,7 @@ def test_an_upload_cut_by_a_killed_stage_leaves_nothing(tmp_path):
                 + f"Content-Length: {len(body) + 10_000_000}\r\n\r\n".encode()
                 + body
             )
-            files = broker.data_dir.root / "api" / "files"
-            wait_for(
-                lambda: any(p.name.startswith(".upload-") for p in files.iterdir()),
-                "the upload to reach the disk",
-            )
+            wait_for(arriving, "the upload to reach the disk")
             broker.kill_stage("api-0")  # mid-upload
         assert [p.name for p in files.iterdir()] == []  # swept at start; no id was made
         assert client.files.list().data == []
