@@ -36,6 +36,7 @@ from api.batch_store import (
     ACCEPT_PARTIAL_KEY,
     ERRORS,
     OUTPUT,
+    STATUSES,
     TERMINAL,
     BatchStore,
 )
@@ -71,6 +72,7 @@ class BatchDriver:
         self.results = results
         self._fetched: dict[str, float] = {}  # batch id -> last fetch (monotonic)
         self._done: set[str] = set()  # batches seen ended: not read again
+        self._ended: dict[str, int] = {}  # of those, how many in each end state
         # One submission at a time, on its own thread, so results keep being fetched and
         # counted meanwhile; the producer is used on that thread only.
         self._submitter = ThreadPoolExecutor(1, thread_name_prefix="submit")
@@ -79,19 +81,23 @@ class BatchDriver:
     def close(self) -> None:
         self._submitter.shutdown(wait=True, cancel_futures=True)
 
-    def step(self) -> int:
-        """One pass over the unfinished batches; returns how many are unfinished."""
-        busy = 0
+    def step(self) -> dict[str, int]:
+        """One pass over the unfinished batches; returns how many batches are in each status."""
+        counts = dict.fromkeys(STATUSES, 0)
         for record in self.batches.all(skip=self._done):
             if record["status"] in TERMINAL:
                 self._done.add(record["id"])
+                self._ended[record["status"]] = self._ended.get(record["status"], 0) + 1
                 continue
-            busy += 1
             try:
                 self.advance(record)
             except FabricError as exc:  # the broker is restarting: the next pass tries again
                 log.warning("batch %s: %s; trying again", record["id"], exc)
-        return busy
+            status = record["status"]
+            counts[status] = counts.get(status, 0) + 1
+        for status, n in self._ended.items():
+            counts[status] += n
+        return counts
 
     def advance(self, record: dict[str, Any]) -> None:
         now = int(time.time())

@@ -38,6 +38,7 @@ CANCEL = "cancel"
 OUTPUT = "output.jsonl"
 ERRORS = "error.jsonl"
 TERMINAL = ("failed", "completed", "expired", "cancelled")
+STATUSES = ("validating", "in_progress", "finalizing", "cancelling", *TERMINAL)  # OpenAI's
 ACCEPT_PARTIAL_KEY = "fabric_accept_partial"  # metadata extension: keep the good lines
 TIMESTAMPS = (
     "in_progress_at",

@@ -72,6 +72,7 @@ class ApiStage(Stage):
             self.batches.sweep()
         endpoints = tuple(sorted({e for m in settings.models for e in m.endpoints}))
         app = make_app(settings, root, endpoints)
+        self.route_stats = app.state.route_stats
         self.sock = listening_socket(settings.api.bind, settings.api.processes > 1)
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
         self.server = uvicorn.Server(config)
@@ -98,13 +99,13 @@ class ApiStage(Stage):
             self.driver = BatchDriver(self.files, self.batches, self.producers, self.results)
         self.next_drive = 0.0
         self.next_expiry = 0.0
-        self.unfinished = 0
+        self.by_status: dict[str, int] = {}
         self.wake = threading.Event()
         self.log.info("serving the OpenAI Batch API on http://%s/v1", settings.api.bind)
 
     def step(self, now: float) -> None:
         if self.driver is not None and now >= self.next_drive:
-            self.unfinished = self.driver.step()
+            self.by_status = self.driver.step()
             self.next_drive = time.monotonic() + DRIVE_EVERY_S
         if self.driver is not None and now >= self.next_expiry:
             self.next_expiry = now + EXPIRE_EVERY_S
@@ -131,3 +132,9 @@ class ApiStage(Stage):
             self.results.close()
         if getattr(self, "sock", None) is not None:
             self.sock.close()
+
+    def stats(self, now: float) -> dict | None:
+        figures = self.route_stats.stats()
+        if self.driver is not None:
+            figures["fabric_api_batches"] = {(k,): v for k, v in self.by_status.items()}
+        return figures

@@ -352,3 +352,18 @@ def test_only_the_head_of_an_upload_is_parsed_and_a_line_cut_by_its_end_is_no_er
         whole = JsonlChecker(check_bytes=len(data))
         whole.feed(data)
         whole.finish()
+
+
+def test_requests_are_counted_per_route_template(client):
+    file_id = upload(client, jsonl(2)).json()["id"]
+    client.get(f"/v1/files/{file_id}", headers=auth())
+    client.get("/v1/files/file-nope", headers=auth())
+    stats = client.app.state.route_stats.stats()
+    requests = stats["fabric_api_requests_total"]
+    assert requests[("/v1/files", "POST", "200")] == 1
+    assert requests[("/v1/files/{file_id}", "GET", "200")] == 1
+    assert requests[("/v1/files/{file_id}", "GET", "404")] == 1
+    assert stats["fabric_api_request_seconds_total"][("/v1/files/{file_id}", "GET")] > 0
+    from pipeline.metrics import encode_samples
+
+    assert encode_samples(stats)  # the catalogue takes them

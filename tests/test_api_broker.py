@@ -5,6 +5,7 @@ and error files. Cancel, expiry and partial downloads run on a broker with a slo
 
 from __future__ import annotations
 
+import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -318,3 +319,12 @@ def test_the_stage_is_in_the_broker_and_keeps_serving_after_bad_input(fast):
             input_file_id="file-x", endpoint="/v1/moderations", completion_window="24h"
         )
     assert client.files.list().data is not None
+
+    def scraped():
+        url = f"http://{broker.settings.metrics.bind}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as answer:
+            text = answer.read().decode()
+        return text if 'fabric_api_batches{status="completed"}' in text else None
+
+    text = wait_for(scraped, "the api stage's metrics", timeout_s=30, interval_s=0.5)
+    assert 'fabric_api_requests_total{method="POST",route="/v1/files",status="400"}' in text
