@@ -102,14 +102,9 @@ def stage_specs(settings) -> list[StageSpec]:
     specs.append(StageSpec("dispatch", 0, "gpu.dispatch_stage:DispatchStage"))
     specs.append(StageSpec("completion", 0, "collector.completion_stage:CompletionStage"))
     specs.append(StageSpec("vectors", 0, "collector.vectors.manager:VectorStage"))
-    specs[:0] = [StageSpec("api", i, "api.stage:ApiStage") for i in range(api_count(settings))]
+    api = settings.api.processes if settings.api.enabled else 0  # listed first: stopped first
+    specs[:0] = [StageSpec("api", i, "api.stage:ApiStage") for i in range(api)]
     return specs
-
-
-def api_count(settings) -> int:
-    """Processes of the `api` stage (api/stage.py): [api] processes when enabled, else none.
-    Listed first: stopped first, like any producer."""
-    return settings.api.processes if settings.api.enabled else 0
 
 
 def worker_group(settings, index: int):
