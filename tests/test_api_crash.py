@@ -189,3 +189,38 @@ def test_an_upload_cut_by_its_client_or_a_killed_stage_leaves_nothing(tmp_path):
         assert_check_clean(broker.data_dir)
     finally:
         broker.close()
+
+
+def test_a_batch_left_finalizing_by_a_kill_finishes_after_restart(tmp_path):
+    """A kill between the `finalizing` record and the end leaves the record at `finalizing`
+    (made here exactly so, on a killed broker): the restarted driver finishes it, with the
+    same output file, each custom_id once."""
+    broker, client, _ = start(tmp_path)
+    try:
+        n = 60
+        path = tmp_path / "in.jsonl"
+        write_jsonl(path, n, seed=9)
+        file = client.files.create(file=(path.name, path.read_bytes()), purpose="batch")
+        made = client.batches.create(
+            input_file_id=file.id, endpoint="/v1/embeddings", completion_window="24h"
+        )
+        done = finish(client, made.id)
+        assert_exactly_once(client, done, n)
+        output = client.files.content(done.output_file_id).content
+        broker.kill()
+        record_path = broker.data_dir.root / "api" / "batches" / made.id / "batch.json"
+        record = orjson.loads(record_path.read_bytes())
+        record["status"] = "finalizing"
+        del record["completed_at"]
+        record_path.write_bytes(orjson.dumps(record))
+        (broker.data_dir.root / "api" / "files" / f"{done.output_file_id}.json").unlink()
+        broker.start()
+        assert retrieve(client, made.id).status in ("finalizing", "completed")
+        again = finish(client, made.id)
+        assert_exactly_once(client, again, n)
+        assert again.output_file_id == done.output_file_id
+        assert client.files.content(again.output_file_id).content == output
+        broker.stop()
+        assert_check_clean(broker.data_dir)
+    finally:
+        broker.close()
