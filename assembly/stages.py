@@ -9,6 +9,7 @@ what they hold while dispatch and completion still run.
 
 from __future__ import annotations
 
+from api.stage import ApiStage
 from collector.completion.stage import CompletionStage
 from collector.vectors.vector_stage import VectorStage
 from gpu.dispatch.stage import DispatchStage
@@ -31,4 +32,6 @@ def stage_specs(settings) -> list[StageSpec]:
     specs.append(StageSpec("dispatch", 0, DispatchStage))
     specs.append(StageSpec("completion", 0, CompletionStage))
     specs.append(StageSpec("vectors", 0, VectorStage))
+    api = settings.api.processes if settings.api.enabled else 0  # listed first: stopped first
+    specs[:0] = [StageSpec("api", i, ApiStage) for i in range(api)]
     return specs

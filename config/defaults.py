@@ -191,6 +191,21 @@ DEFAULTS: Final[dict[str, Any]] = {
         # Stages send their statistics to the supervisor this often.
         "interval_s": 1.0,
     },
+    "api": {
+        # Run the OpenAI-compatible HTTP API stage (api/, docs/http-api.md). Off by default,
+        # so private brokers (tests, `run.py batch`, the demo) never contend for its port.
+        "enabled": False,
+        # HOST:PORT the HTTP API listens on; beyond loopback it requires keys_file.
+        "bind": "127.0.0.1:8000",
+        # HTTP server processes sharing the port (SO_REUSEPORT); api-0 also drives batches.
+        "processes": 1,
+        # File of API keys: one "SHA256-HEX-OF-KEY OWNER" per line; "" = no keys (loopback only).
+        "keys_file": "",
+        # Uploaded input files are deleted this long after upload (OpenAI: 30 days).
+        "input_file_expiry_s": 30 * 24 * 3600.0,
+        # Largest upload accepted, in bytes (8 GiB).
+        "max_upload_bytes": 8 * 1024 * 1024 * 1024,
+    },
     "security": {
         # Path of the broker's secret key file (NAME.key_secret from `run.py keys new`);
         # set, every ZeroMQ port the broker binds needs CURVE; "" = no authentication.

@@ -230,6 +230,18 @@ RULES: Final[dict[str, Rule]] = {
     "supervisor.stop_timeout_s": interval("seconds", zero_ok=False),
     "metrics.bind": HTTP_ADDRESS,
     "metrics.interval_s": interval("seconds", zero_ok=False),
+    "api.enabled": Rule("boolean", "true or false", lambda v: None),
+    "api.bind": Rule(
+        "string",
+        "HOST:PORT (PORT 1-65535)",
+        lambda v: "is empty" if not v else _http_address_problem(v),
+    ),
+    "api.processes": count(1),
+    "api.keys_file": Rule(
+        "string", 'a path to a file of "SHA256-HEX OWNER" lines, or "" for none', lambda v: None
+    ),
+    "api.input_file_expiry_s": interval("seconds", zero_ok=False),
+    "api.max_upload_bytes": count(1),
     "security.server_key": Rule(
         "string", 'a path to the broker\'s NAME.key_secret, or "" for none', lambda v: None
     ),

@@ -161,6 +161,18 @@ class MetricsSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class ApiSettings:
+    """[api]: the OpenAI-compatible HTTP API stage (api/, docs/http-api.md)."""
+
+    enabled: bool
+    bind: str
+    processes: int
+    keys_file: str
+    input_file_expiry_s: float
+    max_upload_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
 class SecuritySettings:
     """[security]: CURVE keys of the broker and its clients (pipeline/security.py uses them)."""
 
@@ -209,6 +221,7 @@ class Settings:
     workers: WorkerSettings  # [workers], or the first [[workers]] table
     supervisor: SupervisorSettings
     metrics: MetricsSettings
+    api: ApiSettings
     security: SecuritySettings
     models: tuple[ModelSettings, ...]
     data_path: Path
@@ -239,6 +252,7 @@ _SECTION_TYPES: dict[str, type] = {
     "workers": WorkerSettings,
     "supervisor": SupervisorSettings,
     "metrics": MetricsSettings,
+    "api": ApiSettings,
     "security": SecuritySettings,
 }
 

@@ -312,6 +312,28 @@ METRICS: dict[str, Metric] = _catalogue(
         "Free space on the file system of the data directory (for unprivileged users)",
         "supervisor",
     ),
+    # the api stage (api/, docs/http-api.md)
+    Metric(
+        "fabric_api_requests_total",
+        COUNTER,
+        ("route", "method", "status"),
+        "HTTP requests the api stage answered, by route template and status code",
+        "api",
+    ),
+    Metric(
+        "fabric_api_request_seconds_total",
+        COUNTER,
+        ("route", "method"),
+        "Seconds the api stage spent answering requests, by route template",
+        "api",
+    ),
+    Metric(
+        "fabric_api_batches",
+        GAUGE,
+        ("status",),
+        "Batches of the HTTP API by status (OpenAI's states)",
+        "api",
+    ),
 )
 
 

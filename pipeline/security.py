@@ -370,6 +370,9 @@ def exposed_binds(settings) -> list[tuple[str, str]]:
         host = settings.metrics.bind.rpartition(":")[0]
         if not is_loopback(host):
             exposed.append(("metrics.bind", settings.metrics.bind))
+    api = settings.api
+    if api.enabled and not api.keys_file and not is_loopback(api.bind.rpartition(":")[0]):
+        exposed.append(("api.bind", api.bind))  # HTTP: guarded by api.keys_file, not CURVE
     return exposed
 
 
@@ -380,7 +383,9 @@ def check_exposure(settings) -> list[str]:
         return []
     if not settings.security.allow_insecure:
         key, address = exposed[0]
-        if key == "metrics.bind":
+        if key == "api.bind":
+            fix = "set api.keys_file to require API keys (docs/http-api.md), or bind to 127.0.0.1"
+        elif key == "metrics.bind":
             fix = (
                 "the metrics endpoint is plain HTTP with no authentication: bind it to "
                 '127.0.0.1 (scrape through a tunnel or a local agent) or set it to ""'

@@ -12,6 +12,7 @@ The stage classes themselves are named by the stage table on the top floor
 | `worker`    | workers.local, or each [[workers]] count | dispatch.bind (a client, like any worker) | dispatch.bind                          |
 | `dispatch`  | 1                    | segments, dispatch.bind, `dispatch` socket | dispatch.bind, `completion` socket     |
 | `completion`| 1                    | `completion` socket, completion.bind     | completion log, input markers, `dispatch` socket |
+| `api`       | api.processes if api.enabled | HTTP clients (api.bind), its files under `api/` | the front (as a producer), completion.bind (as a results client) |
 | `vectors`   | 1                    | vector stores (recovered first), vectors.bind, completion.bind (as a sink) | vector shards |
 
 Stages are listed front first: the supervisor stops them in this order, so

@@ -1,0 +1,16 @@
+"""The OpenAI Files and Batches API over HTTP (docs/http-api.md).
+
+| module            | what                                                               |
+|-------------------|--------------------------------------------------------------------|
+| `stage.py`        | the `api` stage: uvicorn serving `app.py`, and (api-0) the batch driver |
+| `app.py`          | the FastAPI routes: /v1/files and /v1/batches                      |
+| `errors.py`       | OpenAI's error body and status codes                              |
+| `keys.py`         | API keys (stored hashed) and their owners                          |
+| `file_store.py`   | files on disk: records, content, ids that exist only once durable  |
+| `upload.py`       | a multipart upload streamed to disk with bounded memory           |
+| `batch_store.py`  | batch records on disk, the OpenAI Batch object                     |
+| `batch_driver.py` | moves each batch through its states over the ingest and completion paths |
+
+The stage is the top floor beside collector/: it imports pipeline, config,
+ingest and collector, and nothing imports it but the stage table.
+"""

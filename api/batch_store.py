@@ -1,0 +1,165 @@
+"""Batch records on disk and the OpenAI Batch object.
+
+| path (under `<data_dir>/api/`)      | what                                                |
+|-------------------------------------|-----------------------------------------------------|
+| `batches/<batch_id>/batch.json`     | the record: the create request, its owner, status, timestamps, counts, errors; replaced whole, atomically, by the driver (api-0) only |
+| `batches/<batch_id>/cancel`         | a cancel request (its time), written by whichever process took it |
+| `batches/<batch_id>/output.jsonl`   | result lines, appended by the driver as completion delivers them |
+| `batches/<batch_id>/error.jsonl`    | error lines, likewise                                |
+
+A batch is created by renaming a fully written, fsynced directory into
+place: the rename is the commit point, and it fails if the directory exists.
+With an `Idempotency-Key` the batch id is a digest of (owner, key), so a
+retried create, even one racing the first or following a crash, finds the
+batch the first one made and returns it. The batch id is also the id of
+the broker job that carries its items (`run.py status <batch_id>` works).
+
+After creation one writer owns the record (the driver in api-0); request
+handlers only read it and drop `cancel` marks, so several api processes
+never race on a record.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from pipeline.durable import fsync_dir, write_whole
+
+RECORD = "batch.json"
+CANCEL = "cancel"
+OUTPUT = "output.jsonl"
+ERRORS = "error.jsonl"
+TERMINAL = ("failed", "completed", "expired", "cancelled")
+STATUSES = ("validating", "in_progress", "finalizing", "cancelling", *TERMINAL)  # OpenAI's
+ACCEPT_PARTIAL_KEY = "fabric_accept_partial"  # metadata extension: keep the good lines
+TIMESTAMPS = (
+    "in_progress_at",
+    "finalizing_at",
+    "completed_at",
+    "failed_at",
+    "expired_at",
+    "cancelling_at",
+    "cancelled_at",
+)
+
+
+def idempotent_batch_id(owner: str, key: str) -> str:
+    return "batch_" + hashlib.sha256(f"{owner}\0{key}".encode()).hexdigest()[:24]
+
+
+def new_batch_id() -> str:
+    return "batch_" + secrets.token_hex(12)
+
+
+class BatchStore:
+    """The batches of one data dir (`<data_dir>/api/batches`)."""
+
+    def __init__(self, root: Path) -> None:
+        self.dir = Path(root) / "batches"
+        new = not self.dir.exists()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if new:
+            fsync_dir(self.dir.parent)
+
+    def path(self, batch_id: str, name: str = "") -> Path:
+        return self.dir / batch_id / name if name else self.dir / batch_id
+
+    def sweep(self) -> None:
+        """Remove creates a crash left before their rename (never committed)."""
+        for path in self.dir.glob(".new-*"):
+            shutil.rmtree(path, ignore_errors=True)
+
+    def create(self, record: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        """Commit a new batch record; (the record, True), or (the existing one, False) when a
+        batch with this id exists (a retried idempotent create)."""
+        batch_id = record["id"]
+        final = self.path(batch_id)
+        if final.exists():
+            return self.get(batch_id), False
+        tmp = self.dir / f".new-{secrets.token_hex(8)}"
+        tmp.mkdir()
+        write_whole(tmp / RECORD, orjson.dumps(record))
+        try:
+            os.rename(tmp, final)
+        except OSError:  # exists now: a create racing ours won
+            shutil.rmtree(tmp, ignore_errors=True)
+            existing = self.get(batch_id)
+            if existing is None:
+                raise
+            return existing, False
+        fsync_dir(self.dir)
+        return record, True
+
+    def get(self, batch_id: str, owner: str | None = None) -> dict[str, Any] | None:
+        if not batch_id.startswith("batch_") or "/" in batch_id or len(batch_id) > 64:
+            return None
+        try:
+            record = orjson.loads(self.path(batch_id, RECORD).read_bytes())
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        if owner is not None and record["owner"] != owner:
+            return None
+        return record
+
+    def put(self, record: dict[str, Any]) -> None:
+        """Replace a record (the driver only)."""
+        write_whole(self.path(record["id"], RECORD), orjson.dumps(record))
+
+    def all(self, skip: set[str] | frozenset = frozenset()) -> list[dict[str, Any]]:
+        """Every batch record but those in `skip`."""
+        records = []
+        for path in self.dir.iterdir():
+            if path.name.startswith("batch_") and path.name not in skip:
+                record = self.get(path.name)
+                if record is not None:
+                    records.append(record)
+        return records
+
+    def request_cancel(self, batch_id: str) -> None:
+        path = self.path(batch_id, CANCEL)
+        if not path.exists():
+            write_whole(path, str(int(time.time())).encode())
+
+    def cancel_requested(self, batch_id: str) -> int | None:
+        """When a cancel was asked for (unix seconds), or None."""
+        try:
+            return int(self.path(batch_id, CANCEL).read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+
+
+def to_openai(record: dict[str, Any], cancel_at: int | None = None) -> dict[str, Any]:
+    """OpenAI's Batch object of a record. `cancel_at`: a cancel asked for that the driver has
+    not taken up yet (the batch shows `cancelling` at once, as OpenAI's does)."""
+    status = record["status"]
+    stamps = {name: record.get(name) for name in TIMESTAMPS}
+    if cancel_at is not None and status not in TERMINAL and status != "cancelling":
+        status = "cancelling"
+        stamps["cancelling_at"] = stamps["cancelling_at"] or cancel_at
+    errors = record.get("errors")
+    return {
+        "id": record["id"],
+        "object": "batch",
+        "endpoint": record["endpoint"],
+        "model": record.get("model"),
+        "errors": None if errors is None else {"object": "list", "data": errors},
+        "input_file_id": record["input_file_id"],
+        "completion_window": record["completion_window"],
+        "status": status,
+        "output_file_id": record.get("output_file_id"),
+        "error_file_id": record.get("error_file_id"),
+        "created_at": record["created_at"],
+        **stamps,
+        "expires_at": record.get("expires_at"),
+        "request_counts": dict(record["request_counts"]),
+        "usage": None,
+        "metadata": record.get("metadata"),
+    }

@@ -1,0 +1,369 @@
+"""The HTTP API's routes in process (FastAPI's TestClient, no broker): files, batch records,
+keys and owners, OpenAI's error bodies, bad input. tests/test_api_broker.py runs the whole
+flow against a real broker with the openai client; tests/test_api_crash.py kills it."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import orjson
+import pytest
+from fastapi.testclient import TestClient
+
+from api.app import PARTIAL_HEADER, make_app, parse_window
+from api.batch_store import BatchStore
+from api.errors import ApiError
+from api.file_store import FileStore
+from api.upload import JsonlChecker
+from config import load_settings
+from pipeline.errors import ConfigError
+from pipeline.security import check_exposure
+
+ENDPOINTS = ("/v1/chat/completions", "/v1/embeddings")
+KEYS = {"key-a": "team-a", "key-b": "team-b"}
+
+
+def settings_for(tmp_path: Path, api: dict | None = None):
+    return load_settings(
+        None,
+        {
+            "broker": {"data_dir": str(tmp_path / "data")},
+            "api": {"enabled": True, **(api or {})},
+            "models": [{"name": "echo", "engine": "echo"}],
+        },
+    )
+
+
+def keys_file(tmp_path: Path) -> Path:
+    path = tmp_path / "api_keys"
+    lines = [f"{hashlib.sha256(k.encode()).hexdigest()} {o}" for k, o in KEYS.items()]
+    path.write_text("# test keys\n" + "\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture
+def root(tmp_path) -> Path:
+    return tmp_path / "data" / "api"
+
+
+@pytest.fixture
+def client(tmp_path, root) -> TestClient:
+    settings = settings_for(tmp_path, {"keys_file": str(keys_file(tmp_path))})
+    return TestClient(make_app(settings, root, ENDPOINTS), raise_server_exceptions=False)
+
+
+def auth(key: str = "key-a") -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def line(i: int, url: str = "/v1/embeddings") -> bytes:
+    body = {"model": "echo", "prompt_token_ids": [1, 2, i + 3]}
+    return orjson.dumps({"custom_id": f"r{i}", "method": "POST", "url": url, "body": body})
+
+
+def jsonl(n: int) -> bytes:
+    return b"".join(line(i) + b"\n" for i in range(n))
+
+
+def upload(client, data: bytes, key: str = "key-a", purpose: str = "batch"):
+    return client.post(
+        "/v1/files",
+        headers=auth(key),
+        data={"purpose": purpose},
+        files={"file": ("in.jsonl", data, "application/jsonl")},
+    )
+
+
+def assert_openai_error(response, status: int, param: str | None = "unset") -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    if param != "unset":
+        assert error["param"] == param
+    return error
+
+
+def stored(root: Path) -> list[str]:
+    """Every name in the file store (records, bytes, uploads under way)."""
+    files = root / "files"
+    return sorted(p.name for p in files.iterdir()) if files.exists() else []
+
+
+def test_upload_is_an_openai_file_object_and_its_content_is_byte_identical(client, root):
+    from openai.types import FileObject
+
+    data = jsonl(50)
+    answer = upload(client, data)
+    assert answer.status_code == 200, answer.text
+    file = FileObject.model_validate(answer.json())
+    assert set(answer.json()) == set(FileObject.model_fields)
+    assert (file.bytes, file.purpose, file.filename, file.object) == (
+        len(data),
+        "batch",
+        "in.jsonl",
+        "file",
+    )
+    assert file.expires_at == file.created_at + 30 * 24 * 3600
+    for _ in range(2):
+        content = client.get(f"/v1/files/{file.id}/content", headers=auth())
+        assert content.content == data
+        assert content.headers[PARTIAL_HEADER] == "false"
+    assert client.get(f"/v1/files/{file.id}", headers=auth()).json() == answer.json()
+    assert stored(root) == [f"{file.id}.data", f"{file.id}.json"]
+
+
+def test_files_list_pages_filters_and_orders(client):
+    ids = [upload(client, jsonl(2)).json()["id"] for _ in range(5)]
+    upload(client, jsonl(2), key="key-b")  # another owner's: never listed
+    listed = client.get("/v1/files", headers=auth(), params={"order": "asc"}).json()
+    assert [f["id"] for f in listed["data"]] == sorted(
+        ids, key=lambda i: (client.get(f"/v1/files/{i}", headers=auth()).json()["created_at"], i)
+    )
+    seen, after = [], None
+    while True:
+        params = {"limit": 2, **({"after": after} if after else {})}
+        page = client.get("/v1/files", headers=auth(), params=params).json()
+        seen += [f["id"] for f in page["data"]]
+        if not page["has_more"]:
+            break
+        after = page["last_id"]
+    assert sorted(seen) == sorted(ids) and len(seen) == 5
+    assert (
+        client.get("/v1/files", headers=auth(), params={"purpose": "batch_output"}).json()["data"]
+        == []
+    )
+    assert_openai_error(client.get("/v1/files", headers=auth(), params={"limit": 0}), 400, "limit")
+    assert_openai_error(
+        client.get("/v1/files", headers=auth(), params={"order": "up"}), 400, "order"
+    )
+
+
+def test_delete_removes_the_file_and_its_bytes(client, root):
+    file_id = upload(client, jsonl(3)).json()["id"]
+    answer = client.delete(f"/v1/files/{file_id}", headers=auth())
+    assert answer.json() == {"id": file_id, "object": "file", "deleted": True}
+    assert_openai_error(client.get(f"/v1/files/{file_id}", headers=auth()), 404)
+    assert stored(root) == []
+
+
+@pytest.mark.parametrize(
+    ("data", "purpose", "param"),
+    [
+        (b"this is not json\n", "batch", "file"),
+        (b"[1, 2]\n", "batch", "file"),
+        (jsonl(3) + b"{broken\n", "batch", "file"),
+        (b"", "batch", "file"),
+        (b"\n\n", "batch", "file"),
+        (jsonl(3), "fine-tune", "purpose"),
+        (jsonl(3), "", "purpose"),
+    ],
+    ids=["not-json", "not-object", "bad-last-line", "empty", "blank", "purpose", "no-purpose"],
+)
+def test_bad_uploads_are_refused_and_nothing_is_stored(client, root, data, purpose, param):
+    assert_openai_error(upload(client, data, purpose=purpose), 400, param)
+    assert stored(root) == []
+    assert upload(client, jsonl(1)).status_code == 200  # and it keeps serving
+
+
+def test_a_body_that_is_not_multipart_or_cut_off_is_refused(client, root):
+    answer = client.post(
+        "/v1/files", headers={**auth(), "Content-Type": "application/json"}, content=b"{}"
+    )
+    assert assert_openai_error(answer, 400)["code"] == "invalid_multipart"
+    whole = (
+        b'--XyZ\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+        b'--XyZ\r\nContent-Disposition: form-data; name="file"; filename="a.jsonl"\r\n'
+        b"Content-Type: application/jsonl\r\n\r\n" + jsonl(20) + b"\r\n--XyZ--\r\n"
+    )
+    headers = {**auth(), "Content-Type": "multipart/form-data; boundary=XyZ"}
+    cut = client.post("/v1/files", headers=headers, content=whole[: len(whole) // 2])
+    assert assert_openai_error(cut, 400)["code"] == "invalid_multipart"
+    assert stored(root) == []
+    assert client.post("/v1/files", headers=headers, content=whole).status_code == 200
+
+
+def test_an_upload_over_the_limit_answers_413(tmp_path, root):
+    settings = settings_for(tmp_path, {"max_upload_bytes": 1000})
+    client = TestClient(make_app(settings, root, ENDPOINTS))
+    assert upload(client, jsonl(5)).status_code == 200
+    assert assert_openai_error(upload(client, jsonl(100)), 413)["code"] == "file_too_large"
+    assert len(stored(root)) == 2
+
+
+def test_keys_and_owners(client):
+    file_id = upload(client, jsonl(2)).json()["id"]
+    assert assert_openai_error(client.get("/v1/files"), 401)["code"] == "invalid_api_key"
+    assert_openai_error(client.get("/v1/files", headers=auth("wrong")), 401)
+    assert_openai_error(client.get(f"/v1/files/{file_id}", headers=auth("key-b")), 404)
+    assert_openai_error(client.get(f"/v1/files/{file_id}/content", headers=auth("key-b")), 404)
+    assert_openai_error(client.delete(f"/v1/files/{file_id}", headers=auth("key-b")), 404)
+    other = client.post(
+        "/v1/batches",
+        headers=auth("key-b"),
+        json={"input_file_id": file_id, "endpoint": "/v1/embeddings", "completion_window": "24h"},
+    )
+    assert_openai_error(other, 404, "input_file_id")
+    batch = create(client, file_id)
+    assert_openai_error(client.get(f"/v1/batches/{batch['id']}", headers=auth("key-b")), 404)
+    assert_openai_error(
+        client.post(f"/v1/batches/{batch['id']}/cancel", headers=auth("key-b")), 404
+    )
+    assert client.get("/v1/batches", headers=auth("key-b")).json()["data"] == []
+
+
+def test_loopback_without_a_keys_file_serves_everyone_as_one_owner(tmp_path, root):
+    client = TestClient(make_app(settings_for(tmp_path), root, ENDPOINTS))
+    file_id = client.post(
+        "/v1/files", data={"purpose": "batch"}, files={"file": ("a.jsonl", jsonl(2))}
+    ).json()["id"]
+    assert client.get(f"/v1/files/{file_id}", headers=auth("anything")).status_code == 200
+
+
+def test_binding_beyond_loopback_without_keys_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"api\.bind"):
+        check_exposure(settings_for(tmp_path, {"bind": "0.0.0.0:8000"}))
+    keyed = {"bind": "0.0.0.0:8000", "keys_file": str(keys_file(tmp_path))}
+    assert check_exposure(settings_for(tmp_path, keyed)) == []
+    assert check_exposure(settings_for(tmp_path, {"bind": "127.0.0.1:8000"})) == []
+
+
+def create(client, file_id: str, key: str = "key-a", headers: dict | None = None, **extra):
+    body = {"input_file_id": file_id, "endpoint": "/v1/embeddings", "completion_window": "24h"}
+    answer = client.post("/v1/batches", headers={**auth(key), **(headers or {})}, json=body | extra)
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def test_a_created_batch_is_an_openai_batch_validating_with_its_deadline(client):
+    from openai.types import Batch
+
+    file_id = upload(client, jsonl(2)).json()["id"]
+    batch = create(client, file_id, metadata={"project": "x"})
+    assert set(batch) == set(Batch.model_fields)
+    parsed = Batch.model_validate(batch)
+    assert parsed.status == "validating"
+    assert parsed.expires_at == parsed.created_at + 24 * 3600
+    assert parsed.metadata == {"project": "x"}
+    short = create(client, file_id, completion_window="90s")
+    assert short["expires_at"] == short["created_at"] + 90
+    assert client.get(f"/v1/batches/{batch['id']}", headers=auth()).json() == batch
+
+
+def test_idempotency_key_returns_the_same_batch_and_survives_a_new_app(client, tmp_path, root):
+    file_id = upload(client, jsonl(2)).json()["id"]
+    first = create(client, file_id, headers={"Idempotency-Key": "k1"})
+    assert create(client, file_id, headers={"Idempotency-Key": "k1"}) == first
+    settings = settings_for(tmp_path, {"keys_file": str(keys_file(tmp_path))})
+    again = TestClient(make_app(settings, root, ENDPOINTS))  # a restarted stage
+    assert create(again, file_id, headers={"Idempotency-Key": "k1"}) == first
+    assert create(again, file_id, headers={"Idempotency-Key": "k2"})["id"] != first["id"]
+    other_file = upload(client, jsonl(3)).json()["id"]
+    reused = client.post(
+        "/v1/batches",
+        headers={**auth(), "Idempotency-Key": "k1"},
+        json={"input_file_id": other_file, "endpoint": "/v1/embeddings"},
+    )
+    assert assert_openai_error(reused, 409)["code"] == "idempotency_key_reused"
+    assert len(client.get("/v1/batches", headers=auth()).json()["data"]) == 2
+
+
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [
+        ({"endpoint": "/v1/images"}, "endpoint"),
+        ({"completion_window": "soon"}, "completion_window"),
+        ({"completion_window": "0h"}, "completion_window"),
+        ({"input_file_id": "file-nope"}, "input_file_id"),
+        ({"metadata": {"a": 1}}, "metadata"),
+    ],
+)
+def test_bad_batch_requests(client, change, param):
+    file_id = upload(client, jsonl(2)).json()["id"]
+    body = {"input_file_id": file_id, "endpoint": "/v1/embeddings", "completion_window": "24h"}
+    answer = client.post("/v1/batches", headers=auth(), json=body | change)
+    assert_openai_error(answer, 404 if param == "input_file_id" else 400, param)
+    assert client.get("/v1/batches", headers=auth()).json()["data"] == []
+    bad_json = client.post("/v1/batches", headers=auth(), content=b"not json")
+    assert_openai_error(bad_json, 400)
+
+
+def test_batches_list_pages_newest_first(client):
+    file_id = upload(client, jsonl(2)).json()["id"]
+    ids = [create(client, file_id)["id"] for _ in range(5)]
+    seen, after = [], None
+    while True:
+        params = {"limit": 2, **({"after": after} if after else {})}
+        page = client.get("/v1/batches", headers=auth(), params=params).json()
+        seen += [b["id"] for b in page["data"]]
+        if not page["has_more"]:
+            break
+        after = page["last_id"]
+    assert sorted(seen) == sorted(ids)
+
+
+def test_cancel_shows_cancelling_at_once_and_a_finished_batch_refuses(client, root):
+    file_id = upload(client, jsonl(2)).json()["id"]
+    batch = create(client, file_id)
+    answer = client.post(f"/v1/batches/{batch['id']}/cancel", headers=auth()).json()
+    assert answer["status"] == "cancelling" and answer["cancelling_at"]
+    store = BatchStore(root)
+    record = store.get(batch["id"])
+    record.update(status="completed", completed_at=1)
+    store.put(record)
+    refused = client.post(f"/v1/batches/{batch['id']}/cancel", headers=auth())
+    assert_openai_error(refused, 409)
+
+
+def test_unknown_routes_answer_in_openai_shape(client):
+    assert_openai_error(client.get("/v1/nothing", headers=auth()), 404)
+
+
+def test_window_parsing():
+    assert parse_window("24h") == 86400
+    assert parse_window("30s") == 30 and parse_window("10m") == 600 and parse_window("2d") == 172800
+    for bad in ("24", "h", "1.5h", "-1h", 24, None, "0s"):
+        with pytest.raises(ApiError):
+            parse_window(bad)
+
+
+def test_sweep_removes_what_a_crash_left_half_way(root):
+    store = FileStore(root)
+    ok = store.upload_path()
+    ok.write_bytes(jsonl(1))
+    kept = store.commit_upload(ok, "o", "a.jsonl", len(jsonl(1)), 10)
+    store.upload_path().write_bytes(b"half an upload")  # killed while it arrived
+    (store.files / "file-orphan.data").write_bytes(b"x")  # renamed, record never written
+    assert store.sweep() == 2
+    assert sorted(os.listdir(store.files)) == [f"{kept.id}.data", f"{kept.id}.json"]
+
+
+def test_only_the_head_of_an_upload_is_parsed_and_a_line_cut_by_its_end_is_no_error():
+    """Lines past the first MiB are not parsed as they arrive (batch validation names them)."""
+    data = jsonl(12000) + b"{not json past the head\n"  # about 1.1 MiB
+    checker = JsonlChecker()
+    for start in range(0, len(data), 65536):  # as a socket delivers it
+        checker.feed(data[start : start + 65536])
+    checker.finish()
+    assert 0 < checker.number < 12000
+    with pytest.raises(ApiError):
+        whole = JsonlChecker(check_bytes=len(data))
+        whole.feed(data)
+        whole.finish()
+
+
+def test_requests_are_counted_per_route_template(client):
+    file_id = upload(client, jsonl(2)).json()["id"]
+    client.get(f"/v1/files/{file_id}", headers=auth())
+    client.get("/v1/files/file-nope", headers=auth())
+    stats = client.app.state.route_stats.stats()
+    requests = stats["fabric_api_requests_total"]
+    assert requests[("/v1/files", "POST", "200")] == 1
+    assert requests[("/v1/files/{file_id}", "GET", "200")] == 1
+    assert requests[("/v1/files/{file_id}", "GET", "404")] == 1
+    assert stats["fabric_api_request_seconds_total"][("/v1/files/{file_id}", "GET")] > 0
+    from pipeline.metrics import encode_samples
+
+    assert encode_samples(stats)  # the catalogue takes them

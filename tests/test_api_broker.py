@@ -1,0 +1,332 @@
+"""The OpenAI Batch API against a real broker, driven by the official openai client unchanged:
+files.create -> batches.create -> batches.retrieve until done -> files.content; every output
+body validates with openai's own types; each custom_id ends exactly once across the output
+and error files. Cancel, expiry and partial downloads run on a broker with a slow worker."""
+
+from __future__ import annotations
+
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+import openai
+import orjson
+import pytest
+from broker import Broker, free_port, write_config, write_jsonl
+from conftest import wait_for
+from openai.types import Batch, Completion, CreateEmbeddingResponse
+from openai.types.chat import ChatCompletion
+
+GENERATE = '["/v1/embeddings", "/v1/chat/completions", "/v1/completions"]'
+DONE = ("completed", "failed", "expired", "cancelled")
+BODY_TYPES = {
+    "/v1/embeddings": CreateEmbeddingResponse,
+    "/v1/chat/completions": ChatCompletion,
+    "/v1/completions": Completion,
+}
+
+
+def api_broker(tmp_path: Path, worker_keys: str = "", processes: int = 1) -> tuple[Broker, str]:
+    port = free_port()
+    extra = f'[api]\nenabled = true\nbind = "127.0.0.1:{port}"\nprocesses = {processes}\n'
+    config = write_config(tmp_path, extra=extra, workers=1, worker_keys=worker_keys)
+    # the echo model also serves chat and text completions (token ids in, token ids out)
+    text = config.read_text().replace(
+        'endpoints = ["/v1/embeddings"]', f"endpoints = {GENERATE}", 1
+    )
+    config.write_text(text)
+    broker = Broker(config, stderr_path=tmp_path / "broker.err").start()
+    return broker, f"http://127.0.0.1:{port}/v1"
+
+
+@pytest.fixture(scope="module")
+def fast(tmp_path_factory):
+    """Two api processes on one port: requests land on either; api-0 drives the batches."""
+    broker, url = api_broker(tmp_path_factory.mktemp("api-fast"), processes=2)
+    try:
+        yield broker, openai.OpenAI(base_url=url, api_key="any", max_retries=0)
+    finally:
+        broker.close()
+
+
+@pytest.fixture(scope="module")
+def slow(tmp_path_factory):
+    """A worker at 3,000 tokens/s: a few hundred lines take tens of seconds."""
+    keys = 'engine = "simulated"\noptions = {tokens_per_s = 3000.0}'
+    broker, url = api_broker(tmp_path_factory.mktemp("api-slow"), worker_keys=keys)
+    try:
+        yield broker, openai.OpenAI(base_url=url, api_key="any", max_retries=0)
+    finally:
+        broker.close()
+
+
+def finish(client: openai.OpenAI, batch_id: str, timeout_s: float = 120) -> Batch:
+    def done():
+        batch = client.batches.retrieve(batch_id)
+        return batch if batch.status in DONE else None
+
+    return wait_for(done, f"batch {batch_id} to end", timeout_s=timeout_s, interval_s=0.3)
+
+
+def upload(client: openai.OpenAI, path: Path):
+    return client.files.create(file=(path.name, path.read_bytes()), purpose="batch")
+
+
+def lines_of(client: openai.OpenAI, file_id: str | None) -> list[dict]:
+    if file_id is None:
+        return []
+    return [orjson.loads(x) for x in client.files.content(file_id).content.splitlines()]
+
+
+def assert_each_once(out: list[dict], err: list[dict], custom_ids: set[str]) -> None:
+    counts = Counter(x["custom_id"] for x in out + err)
+    assert set(counts) == custom_ids
+    assert max(counts.values()) == 1
+
+
+def requests_file(path: Path, n: int, url: str) -> set[str]:
+    with open(path, "wb") as out:
+        for i in range(n):
+            body = {"model": "echo", "prompt_token_ids": [1 + i % 50, 2, 3]}
+            if url != "/v1/embeddings":
+                body["max_tokens"] = 4
+            line = {"custom_id": f"q{i}", "method": "POST", "url": url, "body": body}
+            out.write(orjson.dumps(line) + b"\n")
+    return {f"q{i}" for i in range(n)}
+
+
+def test_the_openai_client_runs_a_batch_end_to_end(fast, tmp_path):
+    _, client = fast
+    path = tmp_path / "in.jsonl"
+    write_jsonl(path, 600)
+    custom_ids = {f"r{i}" for i in range(600)}
+    file = upload(client, path)
+    batch = client.batches.create(
+        input_file_id=file.id,
+        endpoint="/v1/embeddings",
+        completion_window="24h",
+        metadata={"project": "test"},
+    )
+    assert batch.status == "validating" and batch.metadata == {"project": "test"}
+    batch = finish(client, batch.id)
+    assert batch.status == "completed", batch
+    assert batch.in_progress_at and batch.finalizing_at and batch.completed_at
+    assert batch.created_at <= batch.in_progress_at <= batch.finalizing_at <= batch.completed_at
+    out, err = lines_of(client, batch.output_file_id), lines_of(client, batch.error_file_id)
+    assert_each_once(out, err, custom_ids)
+    assert batch.request_counts.model_dump() == {
+        "total": 600,
+        "completed": len(out),
+        "failed": len(err),
+    }
+    assert err == [] and batch.error_file_id is None
+    for line in out:
+        assert line["response"]["status_code"] == 200
+        CreateEmbeddingResponse.model_validate(line["response"]["body"])
+    first = client.files.content(batch.output_file_id).content
+    assert client.files.content(batch.output_file_id).content == first  # byte-identical
+    outputs = client.files.list(purpose="batch_output")
+    assert batch.output_file_id in {f.id for f in outputs}
+    assert client.files.retrieve(batch.output_file_id).bytes == len(first)
+    assert batch.id in {b.id for b in client.batches.list()}
+
+
+@pytest.mark.parametrize("url", ["/v1/chat/completions", "/v1/completions"])
+def test_generated_bodies_validate_with_openai_types(fast, tmp_path, url):
+    _, client = fast
+    path = tmp_path / "gen.jsonl"
+    custom_ids = requests_file(path, 40, url)
+    file = upload(client, path)
+    batch = finish(
+        client,
+        client.batches.create(input_file_id=file.id, endpoint=url, completion_window="24h").id,
+    )
+    assert batch.status == "completed"
+    out = lines_of(client, batch.output_file_id)
+    assert_each_once(out, [], custom_ids)
+    for line in out:
+        BODY_TYPES[url].model_validate(line["response"]["body"])
+
+
+def bad_file(path: Path) -> tuple[set[str], dict[int, str]]:
+    """Ten good lines and four bad ones; (good custom_ids, {bad line number: code})."""
+    good = {f"g{i}" for i in range(10)}
+    lines = [
+        {
+            "custom_id": f"g{i}",
+            "method": "POST",
+            "url": "/v1/embeddings",
+            "body": {"model": "echo", "prompt_token_ids": [1, 2, 3]},
+        }
+        for i in range(10)
+    ]
+    lines.insert(
+        2,
+        {
+            "custom_id": "b1",
+            "method": "POST",
+            "url": "/v1/embeddings",
+            "body": {"model": "nope", "prompt_token_ids": [1]},
+        },
+    )
+    lines.insert(
+        5,
+        {
+            "custom_id": "b2",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": "echo", "prompt_token_ids": [1]},
+        },
+    )
+    lines.insert(
+        8,
+        {
+            "method": "POST",
+            "url": "/v1/embeddings",
+            "body": {"model": "echo", "prompt_token_ids": [1]},
+        },
+    )
+    lines.append(
+        {
+            "custom_id": "g0",
+            "method": "POST",
+            "url": "/v1/embeddings",
+            "body": {"model": "echo", "prompt_token_ids": [1]},
+        }
+    )
+    path.write_bytes(b"".join(orjson.dumps(x) + b"\n" for x in lines))
+    return good, {3: "", 6: "invalid_url", 9: "", 14: ""}
+
+
+def test_a_file_with_bad_lines_fails_listing_every_one(fast, tmp_path):
+    _, client = fast
+    _, bad = bad_file(tmp_path / "bad.jsonl")
+    file = upload(client, (tmp_path / "bad.jsonl"))
+    batch = finish(
+        client,
+        client.batches.create(
+            input_file_id=file.id, endpoint="/v1/embeddings", completion_window="24h"
+        ).id,
+    )
+    assert batch.status == "failed" and batch.failed_at
+    assert [e.line for e in batch.errors.data] == sorted(bad)
+    assert all(e.code and e.message for e in batch.errors.data)
+    assert batch.errors.data[1].code == "invalid_url" and batch.errors.data[1].param == "url"
+    assert batch.output_file_id is None and batch.error_file_id is None
+
+
+def test_accept_partial_keeps_good_lines_and_reports_bad_ones_as_error_lines(fast, tmp_path):
+    _, client = fast
+    good, bad = bad_file(tmp_path / "bad.jsonl")
+    file = upload(client, (tmp_path / "bad.jsonl"))
+    batch = finish(
+        client,
+        client.batches.create(
+            input_file_id=file.id,
+            endpoint="/v1/embeddings",
+            completion_window="24h",
+            metadata={"fabric_accept_partial": "true"},
+        ).id,
+    )
+    assert batch.status == "completed", batch
+    out, err = lines_of(client, batch.output_file_id), lines_of(client, batch.error_file_id)
+    assert {x["custom_id"] for x in out} == good
+    assert len(err) == len(bad)
+    assert {e["error"]["code"] for e in err} >= {"invalid_url"}
+    assert batch.request_counts.model_dump() == {"total": 14, "completed": 10, "failed": 4}
+
+
+def test_idempotency_key_retry_returns_the_same_batch_and_runs_it_once(fast, tmp_path):
+    _, client = fast
+    path = tmp_path / "in.jsonl"
+    custom_ids = requests_file(path, 30, "/v1/embeddings")
+    file = upload(client, path)
+    headers = {"Idempotency-Key": "retry-me"}
+    made = [
+        client.batches.create(
+            input_file_id=file.id,
+            endpoint="/v1/embeddings",
+            completion_window="24h",
+            extra_headers=headers,
+        )
+        for _ in range(3)
+    ]
+    assert len({b.id for b in made}) == 1
+    batch = finish(client, made[0].id)
+    assert batch.status == "completed", batch
+    assert_each_once(lines_of(client, batch.output_file_id), [], custom_ids)
+
+
+def test_partial_output_while_in_progress_then_cancel_keeps_results(slow, tmp_path):
+    _, client = slow
+    path = tmp_path / "in.jsonl"
+    write_jsonl(path, 500, seed=3)
+    custom_ids = {f"r{i}" for i in range(500)}
+    file = upload(client, path)
+    batch = client.batches.create(
+        input_file_id=file.id, endpoint="/v1/embeddings", completion_window="24h"
+    )
+
+    def some_done():
+        b = client.batches.retrieve(batch.id)
+        return b if b.status == "in_progress" and b.request_counts.completed >= 20 else None
+
+    running = wait_for(some_done, "some results", timeout_s=90, interval_s=0.3)
+    raw = client.files.with_raw_response.content(running.output_file_id)
+    assert raw.headers["X-Fabric-Partial"] == "true"
+    partial = [orjson.loads(x) for x in raw.content.splitlines()]
+    assert partial and raw.content.endswith(b"\n")
+    cancelling = client.batches.cancel(batch.id)
+    assert cancelling.status == "cancelling"
+    ended = finish(client, batch.id)
+    assert ended.status == "cancelled" and ended.cancelling_at and ended.cancelled_at
+    out, err = lines_of(client, ended.output_file_id), lines_of(client, ended.error_file_id)
+    assert_each_once(out, err, custom_ids)
+    assert {x["custom_id"] for x in partial} <= {x["custom_id"] for x in out}
+    assert out and err and {e["error"]["code"] for e in err} == {"cancelled"}
+    final = client.files.with_raw_response.content(ended.output_file_id)
+    assert final.headers["X-Fabric-Partial"] == "false"
+
+
+def test_a_short_window_expires_keeping_results_made(slow, tmp_path):
+    _, client = slow
+    path = tmp_path / "in.jsonl"
+    write_jsonl(path, 500, seed=4)
+    custom_ids = {f"r{i}" for i in range(500)}
+    file = upload(client, path)
+    batch = client.batches.create(
+        input_file_id=file.id, endpoint="/v1/embeddings", completion_window="8s"
+    )
+    assert batch.expires_at == batch.created_at + 8
+    ended = finish(client, batch.id)
+    assert ended.status == "expired" and ended.expired_at >= ended.expires_at
+    out, err = lines_of(client, ended.output_file_id), lines_of(client, ended.error_file_id)
+    assert_each_once(out, err, custom_ids)
+    assert err and {e["error"]["code"] for e in err} == {"batch_expired"}
+    assert ended.request_counts.failed == len(err)
+    for line in out:
+        CreateEmbeddingResponse.model_validate(line["response"]["body"])
+
+
+def test_the_stage_is_in_the_broker_and_keeps_serving_after_bad_input(fast):
+    broker, client = fast
+    assert {"api-0", "api-1"} <= set(broker.pids())
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.files.create(file=("a.jsonl", b"not json\n"), purpose="batch")
+    assert caught.value.body["code"] == "invalid_file_format"
+    with pytest.raises(openai.BadRequestError):
+        client.batches.create(
+            input_file_id="file-x", endpoint="/v1/moderations", completion_window="24h"
+        )
+    assert client.files.list().data is not None
+
+    refused = 'fabric_api_requests_total{method="POST",route="/v1/files",status="400"}'
+
+    def scraped():
+        """Both figures: api-0 drives the batches, either process may have refused the file."""
+        url = f"http://{broker.settings.metrics.bind}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as answer:
+            text = answer.read().decode()
+        return 'fabric_api_batches{status="completed"}' in text and refused in text
+
+    wait_for(scraped, "the api stage's metrics", timeout_s=30, interval_s=0.5)
