@@ -2,7 +2,7 @@
 
 | module            | what                                                               |
 |-------------------|--------------------------------------------------------------------|
-| `stage.py`        | the `api` stage: uvicorn serving `app.py`, and (api-0) the batch driver |
+| `api_stage.py`    | the `api` stage: uvicorn serving `app.py`, and (api-0) the batch driver |
 | `app.py`          | the FastAPI routes: /v1/files and /v1/batches                      |
 | `errors.py`       | OpenAI's error body and status codes                              |
 | `keys.py`         | API keys (stored hashed) and their owners                          |

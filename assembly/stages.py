@@ -9,11 +9,11 @@ what they hold while dispatch and completion still run.
 
 from __future__ import annotations
 
-from api.stage import ApiStage
-from collector.completion.stage import CompletionStage
+from api.api_stage import ApiStage
+from collector.completion.completion_stage import CompletionStage
 from collector.vectors.vector_stage import VectorStage
-from gpu.dispatch.stage import DispatchStage
-from gpu.worker.local_stage import WorkerStage
+from gpu.dispatch.dispatch_stage import DispatchStage
+from gpu.worker.worker_stage import WorkerStage
 from ingest.front_stage import FrontStage
 from ingest.tokenizer_stage import TokenizerStage
 from pipeline.stage import StageSpec

@@ -22,7 +22,7 @@ from conftest import make_batch
 
 from config import load_settings
 from gpu.dispatch import forward
-from gpu.dispatch.stage import DispatchStage
+from gpu.dispatch.dispatch_stage import DispatchStage
 from gpu.work_protocol import ITEM_DTYPE
 from pipeline import item_seq, wire
 from pipeline.datadir import DataDir

@@ -14,7 +14,7 @@ import zmq
 from broker import write_config
 from conftest import appender, make_batch
 
-from collector.completion.stage import CompletionStage
+from collector.completion.completion_stage import CompletionStage
 from collector.segments import SegmentCollector
 from config import load_settings
 from gpu.work_protocol import ITEM_DTYPE

@@ -2,7 +2,7 @@
 
 | module | the one idea it holds |
 |--------|-----------------------|
-| `stage.py` | the stage: its sockets, its `step(now)` loop, the group commit and RETIRED, request routing, tidying |
+| `completion_stage.py` | the stage: its sockets, its `step(now)` loop, the group commit and RETIRED, request routing, tidying |
 | `intake.py` | result intake: RESULTS and ITEM_ERRORS checked and recorded, rejected lines as error results |
 | `result_check.py` | every worker result checked against its item |
 | `results_log.py` | `CompletionLog`: the durable path, output then tombstone then count |

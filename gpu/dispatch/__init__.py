@@ -2,7 +2,7 @@
 
 | module            | one idea                                                                |
 |-------------------|-------------------------------------------------------------------------|
-| `stage.py`        | DispatchStage: sockets, the step loop, worker messages, hand-outs       |
+| `dispatch_stage.py` | DispatchStage: sockets, the step loop, worker messages, hand-outs       |
 | `state.py`        | DispatchState: what is queued, taking a batch, reclaims, attempts        |
 | `segment_queue.py`| one input segment's queue: cursor, written end, slots out, the scan     |
 | `leases.py`       | the lease table: which batch is out with which session                  |

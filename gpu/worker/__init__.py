@@ -16,7 +16,7 @@ dispatch's modules.
 | `results`       | the RESULTS arrays built from an engine's result                 |
 | `options`       | `WorkerOptions`: the flags, the config, the argv of a worker     |
 | `faults`        | fault injection for tests (`FABRIC_WORKER_FAULT`)                |
-| `local_stage`   | `WorkerStage`: a local worker run by the supervisor              |
+| `worker_stage`  | `WorkerStage`: a local worker run by the supervisor              |
 
 This package imports nothing itself: import the module you need.
 """

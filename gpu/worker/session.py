@@ -2,7 +2,7 @@
 
 `python run.py worker --broker ADDR --model M --engine E` runs one `Worker`
 (`run_worker`); the supervisor runs `[workers] local = N` of them as
-`WorkerStage`s (gpu/worker/local_stage.py).
+`WorkerStage`s (gpu/worker/worker_stage.py).
 
 Two threads. The engine thread (gpu/worker/engine_thread.py) takes batches
 from a queue and runs them. The network thread (the caller of `step`, this
