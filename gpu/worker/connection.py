@@ -20,7 +20,9 @@ from pipeline.errors import FabricError, WireError
 from pipeline.security import ClientCurve, secure_client
 
 MT = wire.MessageType
-MAX_RECONNECT_S = 5.0  # zmq's reconnect backoff ceiling (the session's own backoff matches it)
+# zmq's reconnect backoff ceiling, and the longest wait between hellos (gpu/worker/session.py):
+# a worker is back within about 2 s of its broker, inside the default reregister_grace_s (5 s).
+MAX_RECONNECT_S = 1.0
 
 
 class Connection:

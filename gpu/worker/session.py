@@ -61,7 +61,8 @@ from pipeline.stage import StopFlags
 
 MT = wire.MessageType
 log = logging.getLogger("fabric.worker")
-MAX_BACKOFF_S = MAX_RECONNECT_S  # registering again: at most this long between tries
+HELLO_MAX_S = MAX_RECONNECT_S  # registering again: at most this long between tries, jitter included
+MAX_BACKOFF_S = 5.0  # after a transient engine failure: the longest pause
 RESEND_S = 10.0  # results unacknowledged this long are sent again
 MAX_UNACKNOWLEDGED_BATCHES = 32  # results held for completion past this: the worker stops asking
 FIRST_BATCH_TOKENS = 4096  # the first request's token budget, before the engine is measured
@@ -203,9 +204,11 @@ class Worker:
         if self.unanswered_since is None:
             self.unanswered_since = now
         self.hello_sent = now
-        delay = self.backoff * (0.5 + random.random())  # jitter: a fleet does not stampede
+        # jitter, so a fleet does not stampede; never past HELLO_MAX_S, so a worker is back
+        # within a reregister_grace_s of its broker's return
+        delay = min(HELLO_MAX_S, self.backoff * (0.5 + random.random()))
         self.next_try = now + delay
-        self.backoff = min(MAX_BACKOFF_S, self.backoff * 2)
+        self.backoff = min(HELLO_MAX_S, self.backoff * 2)
         if not sent:
             log.debug("broker not reachable; next try in %.2f s", delay)
 
