@@ -31,6 +31,7 @@ from config.settings import ModelSettings, Settings
 EMBEDDINGS = "/v1/embeddings"
 CHAT_COMPLETIONS = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+RESPONSES = "/v1/responses"
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,10 +14,15 @@ each distinct `Shape` to an id in the shape table; items carry only that id.
 | `seed`        | completions, chat  | none    | integer 0 .. 2**63 - 1                     |
 | `stop`        | completions, chat  | none    | a string, or a list of 1 .. 4 strings      |
 | `priority`    | all                | 0       | integer 0 .. 9; higher is served first     |
+| `encoding_format` | embeddings     | "float" | "float" or "base64" (how delivery writes the vector) |
 
 Chat also takes `max_completion_tokens` as another name for `max_tokens`
-(not both). Embeddings take only `priority` (and `encoding_format: "float"`,
-checked by the line parser).
+(not both); `/v1/responses` takes `max_output_tokens` for it, and only
+`temperature`, `top_p` and `priority` besides. Embeddings take only
+`priority` and `encoding_format`. `encoding_format` changes only how
+delivery renders the vector, but it is part of the shape because the shape
+table is what delivery reads per item; `None` (float) is left out of
+`as_dict()`, so shapes stored before the field existed keep their ids.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Final
 
-from ingest.catalog import CHAT_COMPLETIONS, EMBEDDINGS
+from ingest.catalog import CHAT_COMPLETIONS, EMBEDDINGS, RESPONSES
 from ingest.line_errors import CONFLICTING_FIELDS, INVALID_VALUE, WRONG_TYPE, Rejected, show
 
 DEFAULT_MAX_TOKENS: Final = 256
@@ -37,13 +42,15 @@ DEFAULT_PRIORITY: Final = 0
 MAX_PRIORITY: Final = 9
 MAX_SEED: Final = 2**63 - 1
 MAX_STOP_SEQUENCES: Final = 4
+ENCODING_FORMATS: Final = ("float", "base64")
 
 # Body keys that are shape parameters, per endpoint.
 GENERATE_PARAMETERS: Final = ("max_tokens", "temperature", "top_p", "seed", "stop", "priority")
 SHAPE_PARAMETERS: Final[dict[str, tuple[str, ...]]] = {
-    EMBEDDINGS: ("priority",),
+    EMBEDDINGS: ("priority", "encoding_format"),
     CHAT_COMPLETIONS: (*GENERATE_PARAMETERS, "max_completion_tokens"),
     "/v1/completions": GENERATE_PARAMETERS,
+    RESPONSES: ("max_output_tokens", "temperature", "top_p", "priority"),
 }
 
 
@@ -58,6 +65,7 @@ class Shape:
     seed: int | None
     stop: tuple[str, ...]
     priority: int
+    encoding_format: str | None = None  # embeddings: "base64", or None for float
 
     @property
     def task(self) -> str:
@@ -68,6 +76,8 @@ class Shape:
         """A plain dict (stop as a list) for the shape table and for JSON."""
         values = asdict(self)
         values["stop"] = list(self.stop)
+        if values["encoding_format"] is None:
+            del values["encoding_format"]  # the shapes stored before it existed keep their ids
         return values
 
 
@@ -78,8 +88,10 @@ def parse_shape(body: Mapping[str, Any], endpoint: str) -> Shape:
     """
     priority = _integer(body, "priority", DEFAULT_PRIORITY, 0, MAX_PRIORITY)
     if endpoint == EMBEDDINGS:
-        return Shape(endpoint, None, None, None, None, (), priority)
-    if "max_completion_tokens" in body and body["max_completion_tokens"] is not None:
+        return Shape(endpoint, None, None, None, None, (), priority, _encoding(body))
+    if endpoint == RESPONSES and body.get("max_output_tokens") is not None:
+        name = "max_output_tokens"  # from a request body; a stored shape says max_tokens
+    elif "max_completion_tokens" in body and body["max_completion_tokens"] is not None:
         if body.get("max_tokens") is not None:
             raise Rejected(
                 CONFLICTING_FIELDS,
@@ -97,6 +109,19 @@ def parse_shape(body: Mapping[str, Any], endpoint: str) -> Shape:
         seed=_integer(body, "seed", None, 0, MAX_SEED),
         stop=_stop(body.get("stop")),
         priority=priority,
+    )
+
+
+def _encoding(body: Mapping[str, Any]) -> str | None:
+    value = body.get("encoding_format")
+    if value is None or value == "float":
+        return None
+    if value == "base64":
+        return value
+    raise Rejected(
+        INVALID_VALUE,
+        f"body.encoding_format = {show(value)}; use \"float\" (the default) or \"base64\" "
+        "(little-endian float32, base64-encoded)",
     )
 
 

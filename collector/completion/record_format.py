@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from pipeline.result_kinds import ResultKind, ResultStatus
+
 PROMPT_HEADER = 4
 SIZE_CLASSES = (256, 1024, 4096, 16384, 65536, 262144, 1 << 20)  # stored bytes per result
 # A job's completion segment of one size class: the first holds FIRST_SEGMENT_BYTES' worth of
@@ -59,3 +61,15 @@ def split_flags(flags: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, 
         ((flags >> 8) & 0xFF).astype(np.uint8),
         (flags >> 16).astype(np.uint16),
     )
+
+
+def result_tokens(
+    flags: np.ndarray, prompt: np.ndarray, payload_bytes: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """(prompt tokens, generated tokens) per stored result: both 0 for an error result; the
+    generated tokens are the payload's u4 words for a TOKENS result, 0 for any other kind."""
+    status, kind, _, _ = split_flags(np.asarray(flags, np.uint32))
+    ok = status == ResultStatus.RESULT
+    prompt = np.where(ok, np.asarray(prompt, np.int64), 0)
+    generated = np.where(ok & (kind == ResultKind.TOKENS), np.asarray(payload_bytes) // 4, 0)
+    return prompt, generated

@@ -49,6 +49,7 @@ from collector.completion.record_format import (
     SIZE_CLASSES,
     TOO_LARGE,
     flags_of,
+    result_tokens,
     status_of,
 )
 from pipeline.datadir import DataDir
@@ -132,15 +133,31 @@ class CompletionLog:
                 written = np.flatnonzero(seg.states() != EMPTY)
                 good = written[seg.verify(written)]
                 flags = seg.slots["flags"][good]
-                job.mark(
-                    seg.slots["index"][good].astype(np.int64),
-                    status_of(flags) == ResultStatus.ERROR,
+                index = seg.slots["index"][good].astype(np.int64)
+                fresh = ~job.seen(index)
+                _, first = np.unique(index, return_index=True)
+                once = np.zeros(len(good), bool)
+                once[first] = True
+                once &= fresh  # each item's tokens once, whatever the log holds
+                prompt = np.ascontiguousarray(seg.bodies[good[once], :PROMPT_HEADER])
+                job.add_tokens(
+                    *result_tokens(
+                        flags[once],
+                        prompt.view("<u4").reshape(-1),
+                        seg.slots["count"][good[once]].astype(np.int64) - PROMPT_HEADER,
+                    )
                 )
+                job.mark(index, status_of(flags) == ResultStatus.ERROR)
         self._jobs[job_id] = job
         return job
 
     def known_jobs(self) -> list[str]:
         return list(self._jobs)
+
+    def tokens(self, job_id: str) -> tuple[int, int]:
+        """(prompt tokens, generated tokens) over the job's results, each result once."""
+        job = self.load_job(job_id)
+        return job.prompt_tokens, job.completion_tokens
 
     def completed(self, job_id: str) -> int:
         """Distinct items of the job with a result (or an error result)."""
@@ -307,6 +324,7 @@ class CompletionLog:
             self._dirty.add(appender)
             # Marked per class: if a later class fails, a resend finds these as duplicates.
             job.mark(index[pick], status_of(flags[pick]) == ResultStatus.ERROR)
+            job.add_tokens(*result_tokens(flags[pick], prompt[pick], sizes[pick]))
             job.segments_changed = True
 
     @property

@@ -37,6 +37,11 @@ re-fetch writes identical bytes; error lines are rendered by
 | `/v1/embeddings`       | `{"object": "list", "data": [{"object": "embedding", "index": 0, "embedding": [f, ...]}], "model": M, "usage": {"prompt_tokens": P, "total_tokens": P}}` |
 | `/v1/chat/completions` | `{"id": "chatcmpl-<request_id>", "object": "chat.completion", "created": T, "model": M, "choices": [{"index": 0, "message": {"role": "assistant", "content": TEXT}, "logprobs": null, "finish_reason": F, "token_ids": [t, ...]}], "usage": U}` |
 | `/v1/completions`      | `{"id": "cmpl-<request_id>", "object": "text_completion", "created": T, "model": M, "choices": [{"index": 0, "text": TEXT, "logprobs": null, "finish_reason": F, "token_ids": [t, ...]}], "usage": U}` |
+| `/v1/responses`        | OpenAI's Response object (collector/delivery/responses.py), `usage` with input/output/total tokens |
+
+An embedding whose shape has `encoding_format: "base64"` is written as one
+string instead of the list: base64 of its little-endian float32 values,
+what OpenAI sends and the openai package decodes.
 
 U is `{"prompt_tokens": P, "completion_tokens": K, "total_tokens": P + K}`
 with K the number of generated tokens; F is "length" when K reaches the
@@ -51,6 +56,7 @@ ever being taken for one.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import re
 from collections.abc import Callable, Mapping
@@ -60,7 +66,8 @@ from typing import Any, Final
 import numpy as np
 import orjson
 
-from ingest.catalog import CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS
+from collector.delivery.responses import response_body
+from ingest.catalog import CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS, RESPONSES
 from ingest.line_errors import LineError
 from pipeline.errors import FabricError
 from pipeline.ragged import offsets_problem, ranges
@@ -183,21 +190,31 @@ def _format_results(page: ResultPage, context: ExportContext, checked: _Checked)
     model, decode, custom_ids = context.model, context.decode, page.custom_ids
     prompts, counts_l = page.prompt_tokens[results].tolist(), counts.tolist()
     float_at, token_at = word_starts.tolist(), token_starts.tolist()
+    shape_ids = page.shape[results].tolist()
     lines = []
     for j, i in enumerate(results.tolist()):
         endpoint, max_tokens = endpoints[j]
         count, prompt = counts_l[j], prompts[j]
         if endpoint == EMBEDDINGS:
             start = float_at[j]
-            body = _embedding_body(floats[start : start + count], model, prompt)
+            shape = context.shapes.get(shape_ids[j]) or {}
+            body = _embedding_body(
+                floats[start : start + count], model, prompt, shape.get("encoding_format")
+            )
         else:
             start = token_at[j]
             token_ids = tokens[start : start + count]
             text = decode(token_ids) if decode is not None else ""
             finish = "length" if count >= max_tokens else "stop"
-            body = _generated_body(
-                endpoint, request_ids[j], created, model, text, token_ids, finish, prompt
-            )
+            if endpoint == RESPONSES:
+                shape = context.shapes.get(shape_ids[j]) or {}
+                body = response_body(
+                    request_ids[j], created, model, text, token_ids, finish, prompt, shape
+                )
+            else:
+                body = _generated_body(
+                    endpoint, request_ids[j], created, model, text, token_ids, finish, prompt
+                )
         line = {
             "id": "batch_req_" + ids[j],
             "custom_id": custom_ids[i],
@@ -208,10 +225,16 @@ def _format_results(page: ResultPage, context: ExportContext, checked: _Checked)
     return lines
 
 
-def _embedding_body(embedding: np.ndarray, model: str, prompt: int) -> dict[str, Any]:
+def _embedding_body(
+    embedding: np.ndarray, model: str, prompt: int, encoding: str | None = None
+) -> dict[str, Any]:
+    if encoding == "base64":  # little-endian float32, as OpenAI sends it
+        value: Any = base64.b64encode(embedding.astype("<f4", copy=False).tobytes()).decode()
+    else:
+        value = embedding
     return {
         "object": "list",
-        "data": [{"object": "embedding", "index": 0, "embedding": embedding}],
+        "data": [{"object": "embedding", "index": 0, "embedding": value}],
         "model": model,
         "usage": {"prompt_tokens": prompt, "total_tokens": prompt},
     }
@@ -344,7 +367,7 @@ def _endpoints(
         problem = ""
         if not shape:
             problem = f"names shape {shape_id}, which the job's shape table does not hold"
-        elif endpoint not in (EMBEDDINGS, CHAT_COMPLETIONS, COMPLETIONS):
+        elif endpoint not in (EMBEDDINGS, CHAT_COMPLETIONS, COMPLETIONS, RESPONSES):
             problem = f"has shape {shape_id} with endpoint {endpoint!r}"
         elif endpoint != EMBEDDINGS and (not isinstance(max_tokens, int) or max_tokens < 1):
             problem = (
