@@ -120,7 +120,7 @@ def _encoding(body: Mapping[str, Any]) -> str | None:
         return value
     raise Rejected(
         INVALID_VALUE,
-        f"body.encoding_format = {show(value)}; use \"float\" (the default) or \"base64\" "
+        f'body.encoding_format = {show(value)}; use "float" (the default) or "base64" '
         "(little-endian float32, base64-encoded)",
     )
 

@@ -217,7 +217,9 @@ BAD_LINES = [
         'body.messages[0].content[0] has type "image_url"; model "chat" takes text only',
     ),
     (
-        request(url="/v1/responses", input=[{"role": "user", "content": [{"type": "input_audio"}]}]),
+        request(
+            url="/v1/responses", input=[{"role": "user", "content": [{"type": "input_audio"}]}]
+        ),
         "unsupported_content",
         'body.input[0].content[0] has type "input_audio"',
     ),
