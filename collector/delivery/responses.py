@@ -7,7 +7,8 @@
                  "content": [{"type": "output_text", "text": TEXT, "annotations": [],
                               "logprobs": []}]}],
      "parallel_tool_calls": false, "tool_choice": "none", "tools": [],
-     "usage": {"input_tokens": P, "input_tokens_details": {"cached_tokens": 0},
+     "usage": {"input_tokens": P,
+               "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
                "output_tokens": K, "output_tokens_details": {"reasoning_tokens": 0},
                "total_tokens": P + K},
      "token_ids": [t, ...]}
@@ -67,7 +68,7 @@ def response_body(
         "tools": [],
         "usage": {
             "input_tokens": prompt,
-            "input_tokens_details": {"cached_tokens": 0},
+            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
             "output_tokens": completion,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": prompt + completion,
