@@ -161,7 +161,19 @@ def _request(obj: dict[str, Any], custom_id: str, catalog: ModelCatalog) -> Pars
         text = responses_messages(body, model_name)
     else:
         text = _text(body[text_field], text_field)
-    return ParsedLine(custom_id, model_name, parse_shape(body, url), text, token_ids)
+    shape = parse_shape(body, url)
+    if shape.top_logprobs is not None and not model.logprobs:
+        raise Rejected(UNSUPPORTED_PARAMETER, no_logprobs(model_name, model.engine))
+    return ParsedLine(custom_id, model_name, shape, text, token_ids)
+
+
+def no_logprobs(model: str, engine: str) -> str:
+    """The reason for logprobs asked of a model whose engine gives none."""
+    return (
+        f"body.logprobs: model {show(model)} runs on engine {engine or 'unknown'}, which gives "
+        "no token log probabilities; remove logprobs and top_logprobs, or send the request "
+        "to a model on the transformers engine"
+    )
 
 
 def _not_json(raw: bytes, exc: orjson.JSONDecodeError) -> Rejected:
