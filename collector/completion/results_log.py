@@ -48,6 +48,7 @@ from collector.completion.record_format import (
     PROMPT_HEADER,
     SIZE_CLASSES,
     TOO_LARGE,
+    first_words,
     flags_of,
     result_tokens,
     status_of,
@@ -139,12 +140,14 @@ class CompletionLog:
                 once = np.zeros(len(good), bool)
                 once[first] = True
                 once &= fresh  # each item's tokens once, whatever the log holds
-                prompt = np.ascontiguousarray(seg.bodies[good[once], :PROMPT_HEADER])
+                heads = np.ascontiguousarray(seg.bodies[good[once], : PROMPT_HEADER + 4])
+                heads = heads.view("<u4").reshape(-1, 2)  # [prompt tokens, first payload word]
                 job.add_tokens(
                     *result_tokens(
                         flags[once],
-                        prompt.view("<u4").reshape(-1),
+                        heads[:, 0],
                         seg.slots["count"][good[once]].astype(np.int64) - PROMPT_HEADER,
+                        heads[:, 1],
                     )
                 )
                 job.mark(index, status_of(flags) == ResultStatus.ERROR)
@@ -324,7 +327,8 @@ class CompletionLog:
             self._dirty.add(appender)
             # Marked per class: if a later class fails, a resend finds these as duplicates.
             job.mark(index[pick], status_of(flags[pick]) == ResultStatus.ERROR)
-            job.add_tokens(*result_tokens(flags[pick], prompt[pick], sizes[pick]))
+            first = first_words(payload, starts[pick], sizes[pick])
+            job.add_tokens(*result_tokens(flags[pick], prompt[pick], sizes[pick], first))
             job.segments_changed = True
 
     @property
