@@ -36,8 +36,8 @@ EMBEDDINGS = "/v1/embeddings"
 CHAT_COMPLETIONS = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 RESPONSES = "/v1/responses"
-# Engines that return per-token log probabilities (gpu/engines/transformers.py).
-LOGPROB_ENGINES = frozenset({"transformers"})
+# Engines that return per-token log probabilities (gpu/engines/transformers.py, vllm.py).
+LOGPROB_ENGINES = frozenset({"transformers", "vllm"})
 
 
 @dataclass(frozen=True, slots=True)

@@ -319,3 +319,47 @@ def test_logprobs_come_back_through_a_real_broker(tmp_path):
             worker.wait(timeout=30)
         b.close()
     assert_check_clean(b.data_dir)
+
+
+def test_the_vllm_engine_turns_vllms_logprobs_into_the_same_arrays(monkeypatch):
+    from dataclasses import dataclass
+    from types import SimpleNamespace
+
+    from test_vllm_engine import FakeLLM, FakeParams
+
+    import gpu.engines.vllm as ve
+
+    @dataclass
+    class Params(FakeParams):
+        logprobs: int | None = None
+
+    def step(chosen: int, ranked: list[tuple[int, float]]) -> dict:
+        found = {t: SimpleNamespace(logprob=v, rank=r + 1) for r, (t, v) in enumerate(ranked)}
+        found.setdefault(chosen, SimpleNamespace(logprob=-5.0, rank=9))  # sampled, not in top
+        return found
+
+    class Scored(FakeLLM):
+        def generate(self, prompts, params, use_tqdm):
+            self.sent.append((prompts, params))
+            steps = [
+                step(7, [(7, -0.1), (3, -2.5)]),
+                step(8, [(4, -0.2), (6, -1.0)]),
+                step(2, [(2, -0.3), (1, -4.0)]),
+            ]
+            done = SimpleNamespace(
+                token_ids=[7, 8, 2], finish_reason="stop", stop_reason=None, logprobs=steps
+            )
+            return [SimpleNamespace(outputs=[done]) for _ in prompts]
+
+    monkeypatch.setattr(ve, "vllm_installed", lambda: True)
+    engine = ve.VllmEngine(model="stand-in")
+    llm = Scored()
+    engine.attach(llm, Params)
+    result = engine.run(batch_of([[1, 2]], lane=4, max_tokens=3, top_logprobs=2))
+    assert llm.sent[-1][1].logprobs == 2
+    assert outputs(result) == [[7, 8]]  # the EOS goes, and its logprob with it
+    assert result.logprobs.tolist() == pytest.approx([-0.1, -5.0])
+    assert result.top_ids.tolist() == [[7, 3], [4, 6]]
+    assert np.allclose(result.top_logprobs, [[-0.1, -2.5], [-0.2, -1.0]])
+    plain = engine.run(batch_of([[1, 2]], lane=4, max_tokens=3))
+    assert plain.logprobs is None and llm.sent[-1][1].logprobs is None

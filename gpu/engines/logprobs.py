@@ -75,3 +75,20 @@ def pack_logprobs(outputs: list[tuple | None], top: int) -> tuple[np.ndarray, ..
         np.concatenate([p[1] for p in parts]).astype(np.uint32).reshape(-1, top),
         np.concatenate([p[2] for p in parts]).astype(np.float32).reshape(-1, top),
     )
+
+
+def from_vllm(steps, tokens: np.ndarray, top: int) -> tuple[np.ndarray, ...]:
+    """(logprobs [m], top ids [m, top], top logprobs) of the m kept `tokens` from vLLM's
+    `CompletionOutput.logprobs`: per step a dict token id -> Logprob(logprob, rank, ...) that
+    holds the sampled token and the `top` best (rank 1 .. top)."""
+    m = len(tokens)
+    chosen = np.zeros(m, np.float32)
+    ids = np.zeros((m, top), np.uint32)
+    values = np.full((m, top), -9999.0, np.float32)  # finite, should vLLM ever give fewer
+    for t, (token, step) in enumerate(zip(np.asarray(tokens).tolist(), steps, strict=False)):
+        chosen[t] = step[token].logprob
+        best = sorted(step.items(), key=lambda item: -item[1].logprob)
+        ranked = [item for item in best if getattr(item[1], "rank", 1) <= top][:top]
+        for j, (other, value) in enumerate(ranked):
+            ids[t, j], values[t, j] = other, value.logprob
+    return chosen, ids, values
