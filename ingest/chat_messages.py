@@ -81,18 +81,18 @@ def _messages(
         at = f"{where}[{i}]"
         if not isinstance(message, dict):
             raise Rejected(WRONG_TYPE, f"{at} = {show(message)} is not an object; set {wanted}")
+        if message.get("type", "message") != "message":
+            raise Rejected(
+                UNSUPPORTED_CONTENT,
+                f"{at}.type = {show(message['type'])}: only messages are served here "
+                '(no tool calls or their outputs); send {"role": ..., "content": ...}',
+            )
         unknown = message.keys() - keys
         if unknown:
             raise Rejected(
                 UNSUPPORTED_PARAMETER,
                 f"{at}.{sorted(unknown)[0]} is not supported in a message; remove it "
                 f"(accepted: {', '.join(sorted(keys))})",
-            )
-        if message.get("type", "message") != "message":
-            raise Rejected(
-                UNSUPPORTED_CONTENT,
-                f"{at}.type = {show(message['type'])}: only messages are served here "
-                '(no tool calls or their outputs); send {"role": ..., "content": ...}',
             )
         role = _required(message, "role", at)
         if not isinstance(role, str) or role not in CHAT_ROLES:

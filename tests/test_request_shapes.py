@@ -9,6 +9,7 @@ embeddings); the output lines are validated with `openai.types`, and
 
 from __future__ import annotations
 
+import io
 import json
 
 import numpy as np
@@ -165,3 +166,51 @@ def test_every_shape_comes_back_in_openais_types_and_the_job_counts_its_tokens(t
     finally:
         b.close()
     assert_check_clean(b.data_dir)
+
+
+# ---- the same, without a broker ---------------------------------------------------------------
+def parsed(url: str, **body):
+    from test_input_format import SETTINGS
+
+    from ingest.batch_input import iter_batch_input
+
+    data = line("x", url, model="chat", **body) + b"\n"
+    [chunk] = iter_batch_input(io.BytesIO(data), SETTINGS)
+    return chunk
+
+
+def test_content_parts_are_the_joined_string_and_responses_input_is_messages():
+    chunk = parsed(CHAT, messages=[{"role": "user", "content": PARTS}])
+    assert not chunk.errors and chunk.texts[0] == (("user", "w1 w2\nw3"),)
+    chunk = parsed("/v1/responses", input="hi", instructions="be terse", max_output_tokens=9)
+    assert chunk.texts[0] == (("system", "be terse"), ("user", "hi"))
+    assert (chunk.shapes[0].endpoint, chunk.shapes[0].max_tokens) == ("/v1/responses", 9)
+    messages = [
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "a"}]}
+    ]
+    chunk = parsed("/v1/responses", input=[*messages, {"role": "user", "content": "b"}])
+    assert chunk.texts[0] == (("assistant", "a"), ("user", "b"))
+    [error] = parsed(
+        "/v1/responses", input=[{"type": "function_call_output", "output": "x"}]
+    ).errors
+    assert error.code == "unsupported_content"
+
+
+def test_new_shape_fields_leave_old_shapes_as_they_were():
+    from ingest.request_shape import parse_shape
+
+    old = {
+        "endpoint": "/v1/embeddings",
+        "max_tokens": None,
+        "temperature": None,
+        "top_p": None,
+        "seed": None,
+        "stop": [],
+        "priority": 0,
+    }
+    assert parse_shape(old, "/v1/embeddings").as_dict() == old  # same dict, same shape id
+    assert (
+        parse_shape({"encoding_format": "base64"}, "/v1/embeddings").as_dict()["encoding_format"]
+        == "base64"
+    )
+    assert "top_logprobs" not in parse_shape({}, CHAT).as_dict()
