@@ -44,6 +44,8 @@ An embedding whose shape has `encoding_format: "base64"` is written as one
 string instead of the list: base64 of its little-endian float32 values,
 what OpenAI sends and the openai package decodes.
 
+A choice's `logprobs` is null unless the shape asked for them (`top_logprobs`,
+result kind 3): then OpenAI's logprobs object (collector/delivery/logprobs.py).
 U is `{"prompt_tokens": P, "completion_tokens": K, "total_tokens": P + K}`
 with K the number of generated tokens; F is "length" when K reaches the
 shape's `max_tokens`, else "stop"; T is the job's creation time in seconds;
