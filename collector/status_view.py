@@ -83,6 +83,12 @@ def render_job(info: dict[str, Any]) -> str:
         f"  undelivered results  {info['undelivered']}",
         f"  rate       {info['rate']:.0f} items/s completed",
     ]
+    usage = info.get("usage")
+    if usage:  # a completion process older than the field sends none
+        lines.append(
+            f"  tokens     {usage['prompt_tokens']} prompt + {usage['completion_tokens']} "
+            f"generated = {usage['total_tokens']}"
+        )
     if info.get("deliver", "file") != "file":
         lines.append(f"  delivered to  {info['deliver']} (python run.py vectors stats)")
     if info.get("eta_s"):

@@ -247,7 +247,7 @@ MODEL_DEFAULTS: Final[dict[str, Any]] = {
 }
 
 _EMBEDDINGS: Final = ["/v1/embeddings"]
-_COMPLETIONS: Final = ["/v1/chat/completions", "/v1/completions"]
+_COMPLETIONS: Final = ["/v1/chat/completions", "/v1/completions", "/v1/responses"]
 
 # Every engine, and the endpoints a model on it serves unless it sets `endpoints`.
 ENGINE_ENDPOINTS: Final[dict[str, list[str]]] = {

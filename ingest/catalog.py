@@ -16,6 +16,10 @@ instead of reaching an engine:
 
 The broker sends the figure it resolved in its catalog (HELLO), and the
 producer's SDK checks lines with it, so both refuse the same ids.
+
+`logprobs` says whether the model's engine returns each generated token's
+log probability (`LOGPROB_ENGINES`); a request that asks for them from any
+other model is refused per line at ingest (`unsupported_parameter`).
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ from config.settings import ModelSettings, Settings
 EMBEDDINGS = "/v1/embeddings"
 CHAT_COMPLETIONS = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+RESPONSES = "/v1/responses"
+# Engines that return per-token log probabilities (gpu/engines/transformers.py, vllm.py).
+LOGPROB_ENGINES = frozenset({"transformers", "vllm"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +49,8 @@ class ModelEntry:
     takes_text: bool
     prompt_limit_tokens: int
     vocab_size: int | None  # token ids are 0 .. vocab_size - 1; None: any uint32
+    engine: str = ""
+    logprobs: bool = False  # its engine returns per-token log probabilities
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,4 +107,6 @@ def _entry(model: ModelSettings, largest_lane: int) -> ModelEntry:
         takes_text=bool(model.tokenizer),
         prompt_limit_tokens=prompt_limit_tokens(model, largest_lane),
         vocab_size=vocab_size(model),
+        engine=model.engine,
+        logprobs=model.engine in LOGPROB_ENGINES,
     )

@@ -24,6 +24,7 @@ MISSING_FIELD: Final = "missing_field"
 WRONG_TYPE: Final = "wrong_type"
 INVALID_VALUE: Final = "invalid_value"
 UNSUPPORTED_PARAMETER: Final = "unsupported_parameter"
+UNSUPPORTED_CONTENT: Final = "unsupported_content"  # a content part the model cannot take
 CONFLICTING_FIELDS: Final = "conflicting_fields"
 WRONG_METHOD: Final = "wrong_method"
 UNKNOWN_URL: Final = "unknown_url"
@@ -52,6 +53,7 @@ CODES: Final[tuple[str, ...]] = (
     ENDPOINT_NOT_SERVED,
     TEXT_NOT_ACCEPTED,
     DUPLICATE_CUSTOM_ID,
+    UNSUPPORTED_CONTENT,
     EMPTY_PROMPT,
     TOKEN_OUT_OF_RANGE,
     PROMPT_TOO_LONG,
@@ -117,6 +119,21 @@ def show(value: Any, limit: int = 60) -> str:
     except (TypeError, orjson.JSONEncodeError):  # an integer beyond 64 bits, or deep nesting
         text = str(value) if isinstance(value, int) else _opening(value, limit)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def json_type(value: Any) -> str:
+    """The JSON type of a parsed value with its article ("a list", "null"), for messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "a list"
+    return "an object"
 
 
 def _opening(value: Any, limit: int) -> str:

@@ -21,7 +21,8 @@ from typing import Any, Final
 import numpy as np
 import orjson
 
-from ingest.catalog import CHAT_COMPLETIONS, EMBEDDINGS, ModelCatalog, ModelEntry
+from ingest.catalog import CHAT_COMPLETIONS, EMBEDDINGS, RESPONSES, ModelCatalog, ModelEntry
+from ingest.chat_messages import ChatMessage, chat_messages, responses_messages
 from ingest.line_errors import (
     CONFLICTING_FIELDS,
     EMPTY_PROMPT,
@@ -42,31 +43,32 @@ from ingest.line_errors import (
     Rejected,
     show,
 )
+from ingest.line_errors import json_type as _json_type
 from ingest.request_shape import SHAPE_PARAMETERS, Shape, parse_shape
 
 MAX_CUSTOM_ID_CHARS: Final = 512
 TOKEN_ID_LIMIT: Final = 2**32
-CHAT_ROLES: Final = ("system", "developer", "user", "assistant")
 LINE_KEYS: Final = frozenset({"custom_id", "method", "url", "body"})
 # The body key holding text input, per endpoint.
 TEXT_FIELD: Final[dict[str, str]] = {
     EMBEDDINGS: "input",
     CHAT_COMPLETIONS: "messages",
     "/v1/completions": "prompt",
+    RESPONSES: "input",
 }
-# Body keys accepted but not part of the shape: `user` is ignored; for
-# embeddings `encoding_format` may only be "float".
+# Body keys accepted but not part of the shape: `user` is ignored; `instructions` is part of
+# a /v1/responses prompt (ingest/chat_messages.py).
 _OTHER_KEYS: Final[dict[str, tuple[str, ...]]] = {
-    EMBEDDINGS: ("model", "prompt_token_ids", "user", "encoding_format"),
+    EMBEDDINGS: ("model", "prompt_token_ids", "user"),
     CHAT_COMPLETIONS: ("model", "prompt_token_ids", "user"),
     "/v1/completions": ("model", "prompt_token_ids", "user"),
+    RESPONSES: ("model", "prompt_token_ids", "user", "instructions"),
 }
 BODY_KEYS: Final[dict[str, frozenset[str]]] = {
     url: frozenset((*_OTHER_KEYS[url], TEXT_FIELD[url], *SHAPE_PARAMETERS[url]))
     for url in TEXT_FIELD
 }
 
-ChatMessage = tuple[str, str]  # (role, content)
 TextPrompt = str | tuple[ChatMessage, ...]
 
 
@@ -130,12 +132,6 @@ def _request(obj: dict[str, Any], custom_id: str, catalog: ModelCatalog) -> Pars
             f"{', '.join(sorted(model.endpoints))}: change url, or pick a model that serves it",
         )
     _refuse_unknown(body, BODY_KEYS[url], f"{url} body", "body.")
-    if body.get("encoding_format") not in (None, "float"):
-        raise Rejected(
-            UNSUPPORTED_PARAMETER,
-            f'body.encoding_format = {show(body["encoding_format"])}; only "float" is '
-            "supported: leave it out",
-        )
     text_field = TEXT_FIELD[url]
     has_text = body.get(text_field) is not None
     has_ids = body.get("prompt_token_ids") is not None
@@ -160,10 +156,24 @@ def _request(obj: dict[str, Any], custom_id: str, catalog: ModelCatalog) -> Pars
             "for the model in the configuration",
         )
     elif url == CHAT_COMPLETIONS:
-        text = _messages(body["messages"])
+        text = chat_messages(body["messages"], model_name)
+    elif url == RESPONSES:
+        text = responses_messages(body, model_name)
     else:
         text = _text(body[text_field], text_field)
-    return ParsedLine(custom_id, model_name, parse_shape(body, url), text, token_ids)
+    shape = parse_shape(body, url)
+    if shape.top_logprobs is not None and not model.logprobs:
+        raise Rejected(UNSUPPORTED_PARAMETER, no_logprobs(model_name, model.engine))
+    return ParsedLine(custom_id, model_name, shape, text, token_ids)
+
+
+def no_logprobs(model: str, engine: str) -> str:
+    """The reason for logprobs asked of a model whose engine gives none."""
+    return (
+        f"body.logprobs: model {show(model)} runs on engine {engine or 'unknown'}, which gives "
+        "no token log probabilities; remove logprobs and top_logprobs, or send the request "
+        "to a model on the transformers engine"
+    )
 
 
 def _not_json(raw: bytes, exc: orjson.JSONDecodeError) -> Rejected:
@@ -301,50 +311,3 @@ def _text(value: Any, field: str) -> str:
     if not value:
         raise Rejected(EMPTY_PROMPT, f"body.{field} is an empty string; send some text")
     return value
-
-
-def _messages(value: Any) -> tuple[ChatMessage, ...]:
-    wanted = 'a list of {"role": ..., "content": "..."} objects'
-    if not isinstance(value, list):
-        raise Rejected(
-            WRONG_TYPE, f"body.messages = {show(value)} is {_json_type(value)}; set {wanted}"
-        )
-    if not value:
-        raise Rejected(EMPTY_PROMPT, "body.messages is empty; send at least one message")
-    messages = []
-    for i, message in enumerate(value):
-        where = f"body.messages[{i}]"
-        if not isinstance(message, dict):
-            raise Rejected(WRONG_TYPE, f"{where} = {show(message)} is not an object; set {wanted}")
-        _refuse_unknown(message, frozenset({"role", "content"}), "a message", f"{where}.")
-        role = _field(message, "role", str, f"{where}.", f"one of {', '.join(CHAT_ROLES)}")
-        if role not in CHAT_ROLES:
-            raise Rejected(
-                INVALID_VALUE, f"{where}.role = {show(role)}; use one of {', '.join(CHAT_ROLES)}"
-            )
-        content = _field(message, "content", object, f"{where}.", "a string")
-        if not isinstance(content, str):
-            raise Rejected(
-                WRONG_TYPE,
-                f"{where}.content = {show(content)} is {_json_type(content)}; set a string "
-                "(content parts are not supported yet: join their text into one string)",
-            )
-        messages.append((role, content))
-    if not any(content for _, content in messages):
-        raise Rejected(EMPTY_PROMPT, "every message in body.messages has empty content")
-    return tuple(messages)
-
-
-def _json_type(value: Any) -> str:
-    """The JSON type of a parsed value with its article ("a list", "null"), for messages."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int | float):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "a list"
-    return "an object"

@@ -14,10 +14,23 @@ each distinct `Shape` to an id in the shape table; items carry only that id.
 | `seed`        | completions, chat  | none    | integer 0 .. 2**63 - 1                     |
 | `stop`        | completions, chat  | none    | a string, or a list of 1 .. 4 strings      |
 | `priority`    | all                | 0       | integer 0 .. 9; higher is served first     |
+| `encoding_format` | embeddings     | "float" | "float" or "base64" (how delivery writes the vector) |
+| `logprobs`    | chat               | false   | true: each generated token's log probability |
+| `top_logprobs`| chat               | 0       | integer 0 .. 20: the most likely alternatives per token (turns `logprobs` on) |
+| `logprobs`    | completions        | none    | integer 0 .. 5: log probabilities with that many alternatives per token |
 
 Chat also takes `max_completion_tokens` as another name for `max_tokens`
-(not both). Embeddings take only `priority` (and `encoding_format: "float"`,
-checked by the line parser).
+(not both); `/v1/responses` takes `max_output_tokens` for it, and only
+`temperature`, `top_p` and `priority` besides. Embeddings take only
+`priority` and `encoding_format`. Logprobs are one shape field,
+`top_logprobs`: None when not asked for, else the number of alternatives
+(chat's `logprobs: true` alone is 0; a stored shape carries `top_logprobs`
+alone, which is why `top_logprobs` without `logprobs` turns them on, where
+OpenAI would refuse it). `encoding_format` changes only how
+delivery renders the vector, but it is part of the shape because the shape
+table is what delivery reads per item; `None` (float) is left out of
+`as_dict()`, so shapes stored before the field existed keep their ids; so is
+`top_logprobs` None.
 """
 
 from __future__ import annotations
@@ -26,7 +39,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Final
 
-from ingest.catalog import CHAT_COMPLETIONS, EMBEDDINGS
+from ingest.catalog import CHAT_COMPLETIONS, EMBEDDINGS, RESPONSES
 from ingest.line_errors import CONFLICTING_FIELDS, INVALID_VALUE, WRONG_TYPE, Rejected, show
 
 DEFAULT_MAX_TOKENS: Final = 256
@@ -37,13 +50,16 @@ DEFAULT_PRIORITY: Final = 0
 MAX_PRIORITY: Final = 9
 MAX_SEED: Final = 2**63 - 1
 MAX_STOP_SEQUENCES: Final = 4
+ENCODING_FORMATS: Final = ("float", "base64")
+MAX_TOP_LOGPROBS: Final = {CHAT_COMPLETIONS: 20, "/v1/completions": 5}
 
 # Body keys that are shape parameters, per endpoint.
 GENERATE_PARAMETERS: Final = ("max_tokens", "temperature", "top_p", "seed", "stop", "priority")
 SHAPE_PARAMETERS: Final[dict[str, tuple[str, ...]]] = {
-    EMBEDDINGS: ("priority",),
-    CHAT_COMPLETIONS: (*GENERATE_PARAMETERS, "max_completion_tokens"),
-    "/v1/completions": GENERATE_PARAMETERS,
+    EMBEDDINGS: ("priority", "encoding_format"),
+    CHAT_COMPLETIONS: (*GENERATE_PARAMETERS, "max_completion_tokens", "logprobs", "top_logprobs"),
+    "/v1/completions": (*GENERATE_PARAMETERS, "logprobs"),
+    RESPONSES: ("max_output_tokens", "temperature", "top_p", "priority"),
 }
 
 
@@ -58,6 +74,8 @@ class Shape:
     seed: int | None
     stop: tuple[str, ...]
     priority: int
+    encoding_format: str | None = None  # embeddings: "base64", or None for float
+    top_logprobs: int | None = None  # generation: alternatives per token; None: no logprobs
 
     @property
     def task(self) -> str:
@@ -68,6 +86,9 @@ class Shape:
         """A plain dict (stop as a list) for the shape table and for JSON."""
         values = asdict(self)
         values["stop"] = list(self.stop)
+        for key in ("encoding_format", "top_logprobs"):
+            if values[key] is None:
+                del values[key]  # the shapes stored before the field existed keep their ids
         return values
 
 
@@ -78,8 +99,10 @@ def parse_shape(body: Mapping[str, Any], endpoint: str) -> Shape:
     """
     priority = _integer(body, "priority", DEFAULT_PRIORITY, 0, MAX_PRIORITY)
     if endpoint == EMBEDDINGS:
-        return Shape(endpoint, None, None, None, None, (), priority)
-    if "max_completion_tokens" in body and body["max_completion_tokens"] is not None:
+        return Shape(endpoint, None, None, None, None, (), priority, _encoding(body))
+    if endpoint == RESPONSES and body.get("max_output_tokens") is not None:
+        name = "max_output_tokens"  # from a request body; a stored shape says max_tokens
+    elif "max_completion_tokens" in body and body["max_completion_tokens"] is not None:
         if body.get("max_tokens") is not None:
             raise Rejected(
                 CONFLICTING_FIELDS,
@@ -97,6 +120,45 @@ def parse_shape(body: Mapping[str, Any], endpoint: str) -> Shape:
         seed=_integer(body, "seed", None, 0, MAX_SEED),
         stop=_stop(body.get("stop")),
         priority=priority,
+        top_logprobs=_logprobs(body, endpoint),
+    )
+
+
+def _logprobs(body: Mapping[str, Any], endpoint: str) -> int | None:
+    """The shape's `top_logprobs` (see the module docstring): None for no logprobs."""
+    if endpoint not in MAX_TOP_LOGPROBS:
+        return None
+    most = MAX_TOP_LOGPROBS[endpoint]
+    if endpoint != CHAT_COMPLETIONS:  # completions: logprobs is the count (a stored shape:
+        key = "logprobs" if body.get("logprobs") is not None else "top_logprobs"  # top_logprobs)
+        return _integer(body, key, None, 0, most)
+    wanted = body.get("logprobs")
+    if wanted is not None and type(wanted) is not bool:
+        raise Rejected(
+            WRONG_TYPE, f"body.logprobs = {show(wanted)} is not a boolean; set true or false"
+        )
+    top = _integer(body, "top_logprobs", None, 0, most)
+    if wanted is False and top is not None:
+        raise Rejected(
+            CONFLICTING_FIELDS,
+            "body sets top_logprobs with logprobs = false; set logprobs to true, or leave "
+            "top_logprobs out",
+        )
+    if top is None:
+        return 0 if wanted else None
+    return top
+
+
+def _encoding(body: Mapping[str, Any]) -> str | None:
+    value = body.get("encoding_format")
+    if value is None or value == "float":
+        return None
+    if value == "base64":
+        return value
+    raise Rejected(
+        INVALID_VALUE,
+        f'body.encoding_format = {show(value)}; use "float" (the default) or "base64" '
+        "(little-endian float32, base64-encoded)",
     )
 
 

@@ -29,7 +29,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from config.settings import ModelSettings, Settings
-from ingest.catalog import CHAT_COMPLETIONS, prompt_limit_tokens
+from ingest.catalog import CHAT_COMPLETIONS, RESPONSES, prompt_limit_tokens
 from ingest.chat_template import NativeTemplate, render_role_tags
 from ingest.input_chunk import InputChunk, TokenGroup
 from ingest.line_errors import EMPTY_PROMPT, PROMPT_TOO_LONG, LineError, show
@@ -78,7 +78,7 @@ class ModelTokenizer:
                 f"model {model.name!r}: cannot load tokenizer file {path} ({exc}); {fix}"
             ) from exc
         render = render_role_tags
-        if CHAT_COMPLETIONS in model.endpoints:
+        if CHAT_COMPLETIONS in model.endpoints or RESPONSES in model.endpoints:
             render = _chat_renderer(model.name, path)
         return cls(model.name, tokenizer, path, render)
 

@@ -83,7 +83,7 @@ def test_int_is_accepted_where_a_float_is_allowed(tmp_path):
 def test_endpoints_default_follows_the_engine(tmp_path):
     text = '[[models]]\nname = "gen"\nengine = "vllm"\n'
     model = load_settings(write(tmp_path, text)).model("gen")
-    assert model.endpoints == ("/v1/chat/completions", "/v1/completions")
+    assert model.endpoints == ("/v1/chat/completions", "/v1/completions", "/v1/responses")
     assert (model.tokenizer, model.max_tokens) == ("", 32768)
 
 

@@ -89,7 +89,7 @@ BAD_FILE_ERRORS = [  # (line, custom_id, code) of tests/data/batch_bad.jsonl
     (7, "bad-param", "unsupported_parameter"),
     (8, "both", "conflicting_fields"),
     (9, "get", "wrong_method"),
-    (10, "responses", "unknown_url"),
+    (10, "speech", "unknown_url"),
     (11, "gpt", "unknown_model"),
     (12, "emb-chat", "endpoint_not_served"),
     (13, "text-to-ids", "text_not_accepted"),
@@ -166,8 +166,8 @@ BAD_LINES = [
         request(
             url="/v1/chat/completions", messages=[{"role": "user", "content": [{"type": "text"}]}]
         ),
-        "wrong_type",
-        "content parts",
+        "missing_field",
+        "body.messages[0].content[0].text is missing",
     ),
     (request(url="/v1/chat/completions", messages=["hi"]), "wrong_type", 'body.messages[0] = "hi"'),
     (request(prompt_token_ids="1 2"), "wrong_type", "set a list of integers"),
@@ -204,9 +204,29 @@ BAD_LINES = [
         "body.temperature",
     ),
     (
-        request(url="/v1/embeddings", model="embedder", input="x", encoding_format="base64"),
+        request(url="/v1/embeddings", model="embedder", input="x", encoding_format="int8"),
+        "invalid_value",
+        'encoding_format = "int8"; use "float" (the default) or "base64"',
+    ),
+    (
+        request(
+            url="/v1/chat/completions",
+            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+        ),
+        "unsupported_content",
+        'body.messages[0].content[0] has type "image_url"; model "chat" takes text only',
+    ),
+    (
+        request(
+            url="/v1/responses", input=[{"role": "user", "content": [{"type": "input_audio"}]}]
+        ),
+        "unsupported_content",
+        'body.input[0].content[0] has type "input_audio"',
+    ),
+    (
+        request(url="/v1/responses", input="x", stop="a"),
         "unsupported_parameter",
-        'encoding_format = "base64"',
+        "body.stop is not supported in /v1/responses body",
     ),
     (
         request(
@@ -232,7 +252,7 @@ BAD_LINES = [
     ),
     (request() | {"method": "GET"}, "wrong_method", 'method = "GET"'),
     (request() | {"method": None}, "wrong_type", "method is null; set it to"),
-    (request(url="/v1/responses"), "unknown_url", "/v1/responses"),
+    (request(url="/v1/audio/speech"), "unknown_url", "/v1/audio/speech"),
     (request(model="gpt-4o"), "unknown_model", UNKNOWN_MODEL_MESSAGE),
     (request(url="/v1/embeddings"), "endpoint_not_served", "does not serve /v1/embeddings"),
     (request(model="ids-only"), "text_not_accepted", "send body.prompt_token_ids"),

@@ -15,6 +15,9 @@ a job finishes where it finishes (collector/completion/finishing.py).
 | `expired`    | finished, fewer items done than its total and nothing undelivered: its delivered results were past retention and removed |
 
 `done` is the number of distinct items with a result or an error result.
+`usage` is the job's token totals over its results (error results count
+nothing), each result counted once (collector/completion/job_results.py):
+`prompt_tokens`, `completion_tokens` (generated) and `total_tokens`.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class JobStatus:
         elapsed = now - first[0]
         rate = max(0, done - failed - first[1]) / elapsed if elapsed > 1 else 0.0
         pending = None if total is None else max(0, total - done)
+        prompt_tokens, completion_tokens = log.tokens(job_id)
         return {
             "job": job_id,
             "job_no": view.job_no,
@@ -72,4 +76,9 @@ class JobStatus:
             "deliver": view.deliver,
             "rate": round(rate, 1),
             "eta_s": round(pending / rate, 1) if rate > 0 and pending else None,
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            },
         }

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from pipeline.result_kinds import ResultKind, ResultStatus
+
 PROMPT_HEADER = 4
 SIZE_CLASSES = (256, 1024, 4096, 16384, 65536, 262144, 1 << 20)  # stored bytes per result
 # A job's completion segment of one size class: the first holds FIRST_SEGMENT_BYTES' worth of
@@ -59,3 +61,29 @@ def split_flags(flags: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, 
         ((flags >> 8) & 0xFF).astype(np.uint8),
         (flags >> 16).astype(np.uint16),
     )
+
+
+def result_tokens(
+    flags: np.ndarray, prompt: np.ndarray, payload_bytes: np.ndarray, first_word: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """(prompt tokens, generated tokens) per stored result: both 0 for an error result; the
+    generated tokens are the payload's u4 words for a TOKENS result, its first word (m,
+    pipeline/token_logprobs.py) for a TOKEN_LOGPROBS one, 0 for any other kind."""
+    status, kind, _, _ = split_flags(np.asarray(flags, np.uint32))
+    ok = status == ResultStatus.RESULT
+    prompt = np.where(ok, np.asarray(prompt, np.int64), 0)
+    generated = np.where(ok & (kind == ResultKind.TOKENS), np.asarray(payload_bytes) // 4, 0)
+    logprobs = ok & (kind == ResultKind.TOKEN_LOGPROBS)
+    generated = np.where(logprobs, np.asarray(first_word, np.int64), generated)
+    return prompt, generated
+
+
+def first_words(payload: np.ndarray, starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """The first u4 word of each payload (0 for one shorter than 4 bytes)."""
+    buffer = np.ascontiguousarray(payload, dtype=np.uint8)
+    whole = np.asarray(sizes) >= 4
+    at = np.where(whole, np.asarray(starts, np.int64), 0)[:, None] + np.arange(4)[None, :]
+    if not len(buffer):
+        return np.zeros(len(at), np.int64)
+    words = np.ascontiguousarray(buffer[np.minimum(at, len(buffer) - 1)]).view("<u4")
+    return np.where(whole, words.reshape(-1).astype(np.int64), 0)

@@ -9,8 +9,8 @@ item's input segment names its model and shape, the shape names its endpoint
 | cause             | the result                                                               | completion                      |
 |-------------------|--------------------------------------------------------------------------|---------------------------------|
 | `bad_status`      | status is neither 0 (result) nor 1 (error)                               | hands the item back             |
-| `wrong_kind`      | a result (status 0) whose kind is not its endpoint's: 1 (vector) for `/v1/embeddings`, 0 (tokens) otherwise | hands the item back |
-| `wrong_size`      | a payload that is not a whole number of 4-byte values, an empty embedding, or more tokens than the shape's `max_tokens` | hands the item back |
+| `wrong_kind`      | a result (status 0) whose kind is not its endpoint's: 1 (vector) for `/v1/embeddings`, 3 (tokens with logprobs) for a shape with `top_logprobs`, 0 (tokens) otherwise | hands the item back |
+| `wrong_size`      | a payload that is not a whole number of 4-byte values, an empty embedding, more tokens than the shape's `max_tokens`, or a logprobs payload whose size is not what its header says (pipeline/token_logprobs.py) | hands the item back |
 | `wrong_dimension` | an embedding whose number of values is not the model's (below)           | hands the item back             |
 | `not_finite`      | an embedding holding NaN or an infinity                                  | stores error `invalid_result` at once |
 
@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ingest.catalog import EMBEDDINGS
+from pipeline import token_logprobs
 from pipeline.errors import FabricError
 from pipeline.metrics import RESULT_REFUSALS
 from pipeline.result_kinds import ResultKind, ResultStatus
@@ -130,11 +131,15 @@ class ResultCheck:
             lambda i: f"kind {kind[i]} where the item's endpoint gives kind {want[i]}",
         )
         refuse(
-            result & (kind != ResultKind.TOKENS) & (kind != ResultKind.VECTOR),
+            result
+            & (kind != ResultKind.TOKENS)
+            & (kind != ResultKind.VECTOR)
+            & (kind != ResultKind.TOKEN_LOGPROBS),
             WRONG_KIND,
             lambda i: (
-                f"kind {kind[i]}, not {int(ResultKind.TOKENS)} (tokens) or "
-                f"{int(ResultKind.VECTOR)} (vector)"
+                f"kind {kind[i]}, not {int(ResultKind.TOKENS)} (tokens), "
+                f"{int(ResultKind.VECTOR)} (vector) or {int(ResultKind.TOKEN_LOGPROBS)} "
+                "(tokens with logprobs)"
             ),
         )
         refuse(
@@ -150,11 +155,40 @@ class ResultCheck:
             WRONG_SIZE,
             lambda i: f"{sizes[i] // 4} tokens where the shape's max_tokens is {budget[i]}",
         )
+        self._logprob_sizes(
+            result & (kind == ResultKind.TOKEN_LOGPROBS), payload, offsets, budget, refuse, cause
+        )
         vectors &= cause == OK
         broken = _not_finite(payload, offsets, vectors) if vectors.any() else vectors
         self._dimensions(expected, vectors, vectors & ~broken, sizes // 4, refuse)
         refuse(broken, NOT_FINITE, lambda i: "NaN or infinite values")  # worker's faults first
         return Verdict(cause, detail)
+
+    @staticmethod
+    def _logprob_sizes(mine, payload, offsets, budget, refuse, cause) -> None:
+        """Refuse TOKEN_LOGPROBS payloads shorter than their header, of another size than it
+        says, or with more tokens than the shape's max_tokens."""
+        mine = mine & (cause == OK)
+        if not mine.any():
+            return
+        sizes = np.diff(offsets)
+        refuse(mine & (sizes < 8), WRONG_SIZE, lambda i: f"a {sizes[i]}-byte logprobs payload")
+        mine = mine & (cause == OK)
+        where = np.flatnonzero(mine)
+        m = np.zeros(len(sizes), np.int64)
+        k = np.zeros(len(sizes), np.int64)
+        m[where], k[where] = token_logprobs.headers(payload, offsets[:-1][where])
+        words = token_logprobs.HEADER_WORDS + m * (2 + 2 * k)
+        refuse(
+            mine & (sizes != 4 * words),
+            WRONG_SIZE,
+            lambda i: f"a {sizes[i]}-byte logprobs payload whose header says {m[i]} x {k[i]}",
+        )
+        refuse(
+            mine & (budget > 0) & (m > budget),
+            WRONG_SIZE,
+            lambda i: f"{m[i]} tokens where the shape's max_tokens is {budget[i]}",
+        )
 
     def _dimensions(self, expected: Expected, vectors, finite, dims, refuse) -> None:
         """Refuse embeddings whose length is not their (model, lane)'s, learning it from the
@@ -179,11 +213,15 @@ class ResultCheck:
 
 
 def expected_kind(shape: dict | None) -> int:
-    """The result kind an item of `shape` gets: VECTOR for embeddings, TOKENS otherwise;
-    0xFF when the shape is unknown."""
+    """The result kind an item of `shape` gets: VECTOR for embeddings, TOKEN_LOGPROBS for a
+    shape with top_logprobs, TOKENS otherwise; 0xFF when the shape is unknown."""
     if not shape or "endpoint" not in shape:
         return 0xFF
-    return ResultKind.VECTOR if shape["endpoint"] == EMBEDDINGS else ResultKind.TOKENS
+    if shape["endpoint"] == EMBEDDINGS:
+        return ResultKind.VECTOR
+    if shape.get("top_logprobs") is not None:
+        return ResultKind.TOKEN_LOGPROBS
+    return ResultKind.TOKENS
 
 
 def _not_finite(payload: np.ndarray, offsets: np.ndarray, pick: np.ndarray) -> np.ndarray:

@@ -48,7 +48,9 @@ from collector.completion.record_format import (
     PROMPT_HEADER,
     SIZE_CLASSES,
     TOO_LARGE,
+    first_words,
     flags_of,
+    result_tokens,
     status_of,
 )
 from pipeline.datadir import DataDir
@@ -132,15 +134,33 @@ class CompletionLog:
                 written = np.flatnonzero(seg.states() != EMPTY)
                 good = written[seg.verify(written)]
                 flags = seg.slots["flags"][good]
-                job.mark(
-                    seg.slots["index"][good].astype(np.int64),
-                    status_of(flags) == ResultStatus.ERROR,
+                index = seg.slots["index"][good].astype(np.int64)
+                fresh = ~job.seen(index)
+                _, first = np.unique(index, return_index=True)
+                once = np.zeros(len(good), bool)
+                once[first] = True
+                once &= fresh  # each item's tokens once, whatever the log holds
+                heads = np.ascontiguousarray(seg.bodies[good[once], : PROMPT_HEADER + 4])
+                heads = heads.view("<u4").reshape(-1, 2)  # [prompt tokens, first payload word]
+                job.add_tokens(
+                    *result_tokens(
+                        flags[once],
+                        heads[:, 0],
+                        seg.slots["count"][good[once]].astype(np.int64) - PROMPT_HEADER,
+                        heads[:, 1],
+                    )
                 )
+                job.mark(index, status_of(flags) == ResultStatus.ERROR)
         self._jobs[job_id] = job
         return job
 
     def known_jobs(self) -> list[str]:
         return list(self._jobs)
+
+    def tokens(self, job_id: str) -> tuple[int, int]:
+        """(prompt tokens, generated tokens) over the job's results, each result once."""
+        job = self.load_job(job_id)
+        return job.prompt_tokens, job.completion_tokens
 
     def completed(self, job_id: str) -> int:
         """Distinct items of the job with a result (or an error result)."""
@@ -307,6 +327,8 @@ class CompletionLog:
             self._dirty.add(appender)
             # Marked per class: if a later class fails, a resend finds these as duplicates.
             job.mark(index[pick], status_of(flags[pick]) == ResultStatus.ERROR)
+            first = first_words(payload, starts[pick], sizes[pick])
+            job.add_tokens(*result_tokens(flags[pick], prompt[pick], sizes[pick], first))
             job.segments_changed = True
 
     @property

@@ -22,6 +22,7 @@ Payload, by `kind` and `status` (pipeline/result_kinds.py):
 | 0 `TOKENS` | 0 RESULT | generated token ids, little-endian u4 | a chat.completion or text_completion line |
 | 1 `VECTOR` | 0 RESULT | embedding, little-endian f4           | an embedding line (shortest f32 decimals) |
 | 2 `TEXT`   | 1 ERROR  | UTF-8 `code: message`, or a message   | an error line; code `item_failed` unless the text starts with a bare identifier and ": " |
+| 3 `TOKEN_LOGPROBS` | 0 RESULT | tokens with log probabilities (pipeline/token_logprobs.py) | a chat.completion or text_completion line whose choice has `logprobs` (collector/delivery/logprobs.py) |
 
 Line forms (`id` and `request_id` depend only on (job_id, index), so a
 re-fetch writes identical bytes; error lines are rendered by
@@ -37,7 +38,14 @@ re-fetch writes identical bytes; error lines are rendered by
 | `/v1/embeddings`       | `{"object": "list", "data": [{"object": "embedding", "index": 0, "embedding": [f, ...]}], "model": M, "usage": {"prompt_tokens": P, "total_tokens": P}}` |
 | `/v1/chat/completions` | `{"id": "chatcmpl-<request_id>", "object": "chat.completion", "created": T, "model": M, "choices": [{"index": 0, "message": {"role": "assistant", "content": TEXT}, "logprobs": null, "finish_reason": F, "token_ids": [t, ...]}], "usage": U}` |
 | `/v1/completions`      | `{"id": "cmpl-<request_id>", "object": "text_completion", "created": T, "model": M, "choices": [{"index": 0, "text": TEXT, "logprobs": null, "finish_reason": F, "token_ids": [t, ...]}], "usage": U}` |
+| `/v1/responses`        | OpenAI's Response object (collector/delivery/responses.py), `usage` with input/output/total tokens |
 
+An embedding whose shape has `encoding_format: "base64"` is written as one
+string instead of the list: base64 of its little-endian float32 values,
+what OpenAI sends and the openai package decodes.
+
+A choice's `logprobs` is null unless the shape asked for them (`top_logprobs`,
+result kind 3): then OpenAI's logprobs object (collector/delivery/logprobs.py).
 U is `{"prompt_tokens": P, "completion_tokens": K, "total_tokens": P + K}`
 with K the number of generated tokens; F is "length" when K reaches the
 shape's `max_tokens`, else "stop"; T is the job's creation time in seconds;
@@ -51,6 +59,7 @@ ever being taken for one.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import re
 from collections.abc import Callable, Mapping
@@ -60,11 +69,14 @@ from typing import Any, Final
 import numpy as np
 import orjson
 
-from ingest.catalog import CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS
+from collector.delivery.logprobs import TokenTexts, chat_logprobs, completion_logprobs
+from collector.delivery.responses import response_body
+from ingest.catalog import CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS, RESPONSES
 from ingest.line_errors import LineError
 from pipeline.errors import FabricError
 from pipeline.ragged import offsets_problem, ranges
 from pipeline.result_kinds import ResultKind, ResultStatus
+from pipeline.token_logprobs import HEADER_WORDS, headers, unpack
 
 ITEM_FAILED: Final = "item_failed"
 INVALID_RESULT: Final = "invalid_result"  # a stored result that cannot be rendered
@@ -183,21 +195,41 @@ def _format_results(page: ResultPage, context: ExportContext, checked: _Checked)
     model, decode, custom_ids = context.model, context.decode, page.custom_ids
     prompts, counts_l = page.prompt_tokens[results].tolist(), counts.tolist()
     float_at, token_at = word_starts.tolist(), token_starts.tolist()
+    shape_ids = page.shape[results].tolist()
+    scored_kind = (kind == ResultKind.TOKEN_LOGPROBS).tolist()
+    texts = TokenTexts(decode)
     lines = []
     for j, i in enumerate(results.tolist()):
         endpoint, max_tokens = endpoints[j]
         count, prompt = counts_l[j], prompts[j]
         if endpoint == EMBEDDINGS:
             start = float_at[j]
-            body = _embedding_body(floats[start : start + count], model, prompt)
-        else:
-            start = token_at[j]
-            token_ids = tokens[start : start + count]
-            text = decode(token_ids) if decode is not None else ""
-            finish = "length" if count >= max_tokens else "stop"
-            body = _generated_body(
-                endpoint, request_ids[j], created, model, text, token_ids, finish, prompt
+            shape = context.shapes.get(shape_ids[j]) or {}
+            body = _embedding_body(
+                floats[start : start + count], model, prompt, shape.get("encoding_format")
             )
+        else:
+            scored = None
+            if scored_kind[j]:
+                scored = unpack(words[float_at[j] : float_at[j] + count])
+                token_ids = scored.tokens
+            else:
+                start = token_at[j]
+                token_ids = tokens[start : start + count]
+            text = decode(token_ids) if decode is not None else ""
+            finish = "length" if len(token_ids) >= max_tokens else "stop"
+            if endpoint == RESPONSES:
+                shape = context.shapes.get(shape_ids[j]) or {}
+                body = response_body(
+                    request_ids[j], created, model, text, token_ids, finish, prompt, shape
+                )
+            else:
+                body = _generated_body(
+                    endpoint, request_ids[j], created, model, text, token_ids, finish, prompt
+                )
+                if scored is not None:
+                    render = chat_logprobs if endpoint == CHAT_COMPLETIONS else completion_logprobs
+                    body["choices"][0]["logprobs"] = render(scored, texts)
         line = {
             "id": "batch_req_" + ids[j],
             "custom_id": custom_ids[i],
@@ -208,10 +240,16 @@ def _format_results(page: ResultPage, context: ExportContext, checked: _Checked)
     return lines
 
 
-def _embedding_body(embedding: np.ndarray, model: str, prompt: int) -> dict[str, Any]:
+def _embedding_body(
+    embedding: np.ndarray, model: str, prompt: int, encoding: str | None = None
+) -> dict[str, Any]:
+    if encoding == "base64":  # little-endian float32, as OpenAI sends it
+        value: Any = base64.b64encode(embedding.astype("<f4", copy=False).tobytes()).decode()
+    else:
+        value = embedding
     return {
         "object": "list",
-        "data": [{"object": "embedding", "index": 0, "embedding": embedding}],
+        "data": [{"object": "embedding", "index": 0, "embedding": value}],
         "model": model,
         "usage": {"prompt_tokens": prompt, "total_tokens": prompt},
     }
@@ -306,6 +344,15 @@ def _check_page(page: ResultPage, context: ExportContext) -> _Checked:
         )
     for i in np.flatnonzero(results & (sizes % 4 != 0)).tolist():
         invalid[i] = f"has a {int(sizes[i])}-byte payload, not a whole number of u4/f4 values"
+    scored = np.flatnonzero(results & (kind == ResultKind.TOKEN_LOGPROBS))
+    for i in scored[sizes[scored] < 8].tolist():
+        invalid[i] = f"is a {int(sizes[i])}-byte logprobs payload, shorter than its header"
+    scored = scored[sizes[scored] >= 8]
+    if len(scored):
+        m, k = headers(page.payload, offsets[scored])
+        wrong = sizes[scored] != 4 * (HEADER_WORDS + m * (2 + 2 * k))
+        for i in scored[wrong].tolist():
+            invalid.setdefault(i, f"is a {int(sizes[i])}-byte logprobs payload its header denies")
     endpoints = _endpoints(context, page.shape, kind, results, invalid)
     embeds = np.flatnonzero(results & (kind == ResultKind.VECTOR))
     embeds = embeds[[i not in invalid for i in embeds.tolist()]] if invalid else embeds
@@ -341,10 +388,12 @@ def _endpoints(
         endpoint = shape.get("endpoint")
         max_tokens = shape.get("max_tokens")
         want = ResultKind.VECTOR if endpoint == EMBEDDINGS else ResultKind.TOKENS
+        if endpoint != EMBEDDINGS and shape.get("top_logprobs") is not None:
+            want = ResultKind.TOKEN_LOGPROBS
         problem = ""
         if not shape:
             problem = f"names shape {shape_id}, which the job's shape table does not hold"
-        elif endpoint not in (EMBEDDINGS, CHAT_COMPLETIONS, COMPLETIONS):
+        elif endpoint not in (EMBEDDINGS, CHAT_COMPLETIONS, COMPLETIONS, RESPONSES):
             problem = f"has shape {shape_id} with endpoint {endpoint!r}"
         elif endpoint != EMBEDDINGS and (not isinstance(max_tokens, int) or max_tokens < 1):
             problem = (

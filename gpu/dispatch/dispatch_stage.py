@@ -357,7 +357,9 @@ class DispatchStage(Stage):
             "model": batch.model,
             "shape": batch.shape,
             "max_tokens": int(shape.get("max_tokens") or 16),
-            "sampling": {k: shape.get(k) for k in ("temperature", "top_p", "seed", "stop")},
+            "sampling": {
+                k: shape.get(k) for k in ("temperature", "top_p", "seed", "stop", "top_logprobs")
+            },
             "lease_s": self.config.lease_s,
             "token": self.tokens.token(batch.batch_id, batch.session, batch.items),
         }

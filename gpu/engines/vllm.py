@@ -36,6 +36,7 @@ import numpy as np
 
 from gpu.engines.base import EMBED, GENERATE, Engine, EngineBatch, EngineError, EngineResult
 from gpu.engines.generation import Sampling, item_errors, kept_before_stop, pack
+from gpu.engines.logprobs import from_vllm, pack_logprobs
 
 MODEL_ENV = "FABRIC_VLLM_MODEL"  # the model when the engine is given none (local workers)
 RUNNERS = {"generate": GENERATE, "pooling": EMBED}
@@ -171,8 +172,11 @@ class VllmEngine(Engine):
                 vectors[good] = got
             return EngineResult(errors, embeddings=vectors)
         outputs: list[np.ndarray | None] = [None] * n
+        scored: list[tuple | None] = [None] * n
+        top = (getattr(batch, "shape", None) or {}).get("top_logprobs")
         if prompts:
             sampling = Sampling.of(batch)
+            extra = {} if top is None else {"logprobs": top}  # per token: the chosen + top k
             params = self._sampling_params(
                 n=1,
                 temperature=sampling.temperature,
@@ -182,12 +186,25 @@ class VllmEngine(Engine):
                 stop=list(sampling.stop) or None,
                 stop_token_ids=list(sampling.stop_token_ids) or None,
                 detokenize=bool(sampling.stop),  # vLLM matches stop strings on text
+                **extra,
             )
             outs = self._llm.generate(prompts, params, use_tqdm=False)
             for i, out in zip(good, outs, strict=True):
                 outputs[i] = self._generated(out.outputs[0])
+                if top is not None:
+                    scored[i] = from_vllm(out.outputs[0].logprobs, outputs[i], top)
         tokens, offsets = pack(outputs)
-        return EngineResult(errors, tokens=tokens, offsets=offsets)
+        if top is None:
+            return EngineResult(errors, tokens=tokens, offsets=offsets)
+        logprobs, top_ids, top_logprobs = pack_logprobs(scored, top)
+        return EngineResult(
+            errors,
+            tokens=tokens,
+            offsets=offsets,
+            logprobs=logprobs,
+            top_ids=top_ids,
+            top_logprobs=top_logprobs,
+        )
 
     def _generated(self, completion) -> np.ndarray:
         """One completion's ids as this broker returns them (see the module docstring)."""

@@ -4,7 +4,7 @@
 |-----------------|-------|------------------------------------------------------------|
 | `items`         | `ITEM_DTYPE` | the item (gpu/work_protocol.py)                     |
 | `status`        | u1    | `ResultStatus`: RESULT, or ERROR for an item's own error   |
-| `kind`          | u1    | `ResultKind`: VECTOR (f32), TOKENS (u32), or TEXT (an error) |
+| `kind`          | u1    | `ResultKind`: VECTOR (f32), TOKENS (u32), TOKEN_LOGPROBS (pipeline/token_logprobs.py), or TEXT (an error) |
 | `prompt_tokens` | u4    | the prompt's length                                        |
 | `payload`       | u1    | every item's bytes, back to back                           |
 | `offsets`       | i8    | `n + 1` byte offsets into `payload`                        |
@@ -12,9 +12,12 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import numpy as np
 
 from gpu.engines.base import EngineResult
+from pipeline import token_logprobs
 from pipeline.result_kinds import ResultKind, ResultStatus
 
 
@@ -28,6 +31,9 @@ def results_message(items: np.ndarray, lengths: np.ndarray, result: EngineResult
         kind = np.full(n, ResultKind.VECTOR, np.uint8)
         payload = vectors.view(np.uint8).reshape(-1)
         offsets = np.arange(n + 1, dtype=np.int64) * vectors.shape[1] * 4
+    elif result.logprobs is not None:
+        kind = np.full(n, ResultKind.TOKEN_LOGPROBS, np.uint8)
+        payload, offsets = _with_logprobs(result)
     else:
         tokens = np.ascontiguousarray(result.tokens, dtype="<u4")
         kind = np.full(n, ResultKind.TOKENS, np.uint8)
@@ -54,6 +60,20 @@ def results_message(items: np.ndarray, lengths: np.ndarray, result: EngineResult
         "payload": payload,
         "offsets": offsets,
     }
+
+
+def _with_logprobs(result: EngineResult) -> tuple[np.ndarray, np.ndarray]:
+    """Every item's TOKEN_LOGPROBS payload back to back, and their byte offsets."""
+    bounds = np.asarray(result.offsets, np.int64).tolist()
+    parts = [
+        token_logprobs.pack(
+            result.tokens[a:b], result.logprobs[a:b], result.top_ids[a:b], result.top_logprobs[a:b]
+        )
+        for a, b in pairwise(bounds)
+    ]
+    sizes = np.fromiter(map(len, parts), np.int64, len(parts))
+    offsets = np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
+    return np.frombuffer(b"".join(parts), np.uint8), offsets
 
 
 def keep_results(arrays: dict, keep: np.ndarray) -> dict:

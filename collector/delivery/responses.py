@@ -1,0 +1,77 @@
+"""The body of a `/v1/responses` output line: OpenAI's Response object for generated text.
+
+    {"id": "resp_<request_id>", "object": "response", "created_at": T, "status": S,
+     "incomplete_details": I, "error": null, "model": M, "instructions": null,
+     "max_output_tokens": B, "temperature": t, "top_p": p,
+     "output": [{"type": "message", "id": "msg_<request_id>", "status": S, "role": "assistant",
+                 "content": [{"type": "output_text", "text": TEXT, "annotations": [],
+                              "logprobs": []}]}],
+     "parallel_tool_calls": false, "tool_choice": "none", "tools": [],
+     "usage": {"input_tokens": P,
+               "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+               "output_tokens": K, "output_tokens_details": {"reasoning_tokens": 0},
+               "total_tokens": P + K},
+     "token_ids": [t, ...]}
+
+S is "completed" when the model stopped by itself (F "stop" in
+collector/delivery/lines.py), else "incomplete" with I
+`{"reason": "max_output_tokens"}` (I is null when completed). `token_ids`
+is an extension, as in the chat and completion bodies, so nothing is lost
+without a tokenizer. The instructions are part of the prompt (rendered into
+it at ingest) and not stored with the result, so `instructions` is null.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+
+def response_body(
+    request_id: str,
+    created: int,
+    model: str,
+    text: str,
+    token_ids: list[int],
+    finish: str,
+    prompt: int,
+    shape: Mapping[str, Any],
+) -> dict[str, Any]:
+    """The Response object for one generated item (see the module docstring)."""
+    status = "completed" if finish == "stop" else "incomplete"
+    completion = len(token_ids)
+    return {
+        "id": "resp_" + request_id,
+        "object": "response",
+        "created_at": created,
+        "status": status,
+        "incomplete_details": None if finish == "stop" else {"reason": "max_output_tokens"},
+        "error": None,
+        "model": model,
+        "instructions": None,
+        "max_output_tokens": shape.get("max_tokens"),
+        "temperature": shape.get("temperature"),
+        "top_p": shape.get("top_p"),
+        "output": [
+            {
+                "type": "message",
+                "id": "msg_" + request_id,
+                "status": status,
+                "role": "assistant",
+                "content": [
+                    {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+                ],
+            }
+        ],
+        "parallel_tool_calls": False,
+        "tool_choice": "none",
+        "tools": [],
+        "usage": {
+            "input_tokens": prompt,
+            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "output_tokens": completion,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt + completion,
+        },
+        "token_ids": token_ids,
+    }
