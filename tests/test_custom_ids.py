@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from ingest.chunk_check import chunk_digests
-from ingest.chunk_wire import chunk_to_wire
+from ingest.chunk_wire import _strings, chunk_to_wire
 from ingest.custom_ids import CustomIdSet
 from ingest.id_digest import blob_digests, str_digests
 from ingest.input_chunk import InputChunk
@@ -67,6 +68,16 @@ def test_the_front_hashes_the_wire_blob_as_the_journal_replay_hashes_the_strs():
     )
     _, arrays = chunk_to_wire(chunk)
     assert pairs(chunk_digests(arrays)) == pairs(str_digests(ODD))
+
+
+def test_the_wire_decodes_every_id_whole_with_or_without_a_nul_among_them():
+    for ids in ([], [""], ["", "a", ""], ["é", "日本", "x"], ["x\x00y", "", "z"]):
+        encoded = [cid.encode() for cid in ids]
+        offsets = np.zeros(len(ids) + 1, np.int64)
+        np.cumsum([len(e) for e in encoded], out=offsets[1:])
+        assert _strings(b"".join(encoded), offsets) == tuple(ids)
+    with pytest.raises(UnicodeDecodeError):  # an offset inside a character: bad UTF-8
+        _strings("é".encode(), np.array([0, 1, 2]))
 
 
 def test_no_two_of_a_million_sequential_ids_share_a_digest_or_its_high_half():
