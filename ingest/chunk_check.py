@@ -64,7 +64,9 @@ def recheck(
     lengths = chunk.lengths.astype(np.int64)
     is_text = np.zeros(n, dtype=bool)
     is_text[chunk.text_items] = True
-    largest = item_max(chunk.tokens, chunk.offsets)
+    token_ids = chunk.tokens[: int(chunk.offsets[-1])] if n else chunk.tokens[:0]
+    top = int(token_ids.max()) if len(token_ids) else -1  # one pass, no per-item max
+    largest = None  # each item's largest id: only when some id is beyond some vocabulary
     for m, name in enumerate(chunk.models):
         of_model = chunk.model_index == m
         entry = catalog.models.get(name)
@@ -95,7 +97,9 @@ def recheck(
             ),
         )
         vocab = entry.vocab_size
-        if vocab is not None:
+        if vocab is not None and top >= vocab:
+            if largest is None:
+                largest = item_max(chunk.tokens, chunk.offsets)
             reject(
                 of_model & ~is_text & (largest >= vocab),
                 TOKEN_OUT_OF_RANGE,
