@@ -71,7 +71,7 @@ def write_config(
     an ingest benchmark measures a log that nothing consumes. `sections` is
     merged over the base, key by key.
     """
-    sockets = [socket.socket() for _ in range(4)]  # all bound at once: four distinct ports
+    sockets = [socket.socket() for _ in range(5)]  # all bound at once: five distinct ports
     for s in sockets:
         s.bind(("127.0.0.1", 0))
     ports = [s.getsockname()[1] for s in sockets]
@@ -89,6 +89,7 @@ def write_config(
             "heartbeat_bind": f"tcp://127.0.0.1:{ports[2]}",
         },
         "completion": {"bind": f"tcp://127.0.0.1:{ports[3]}"},
+        "vectors": {"bind": f"tcp://127.0.0.1:{ports[4]}"},
         "workers": {"local": 0},
     }
     for name, keys in (sections or {}).items():

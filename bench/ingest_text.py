@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import os
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -29,6 +31,7 @@ from bench.report import Row
 from ingest.submit_client import Producer
 from pipeline.errors import BrokerUnavailableError
 
+REPO = Path(__file__).resolve().parent.parent
 VOCAB_WORDS = 30_000
 WORDS_PER_LINE = (20, 40)  # inclusive
 MODEL = "texty"
@@ -92,6 +95,17 @@ def bench_text(plan: Plan, outcome: Outcome) -> list[Row]:
     source = root / "requests.jsonl"
     n, n_tokens = plan.text_lines, write_batch_file(source, plan.text_lines, MODEL, words, rng)
     rows = _alone(root, tokenizer, source, n, n_tokens)
+    cores = len(os.sched_getaffinity(0))
+    for processes in (1, 2):
+        threads = max(1, cores // processes)  # as each tokeniser process gets (share_cores)
+        rows.append(
+            Row(
+                STEP,
+                f"alone: tokenize_chunk on {threads} thread(s) (one tokeniser's share with "
+                f"{_processes(processes)}), lines/s",
+                (_tokenize_alone(root, tokenizer, source, threads),),
+            )
+        )
     for processes in (1, 2):
         broker = BenchBroker(
             root / f"broker-{processes}", [Model(MODEL, str(tokenizer))], processes
@@ -125,9 +139,12 @@ def bench_text(plan: Plan, outcome: Outcome) -> list[Row]:
         f"({n_tokens / n:.1f} tokens per line on average) from a WordLevel vocabulary of "
         f"{len(words):,} random words (one token per word, whitespace pre-tokenizer, built "
         "here with the tokenizers library; nothing downloaded). The tokenizers library "
-        "encodes on its own thread pool (RAYON_NUM_THREADS unset: one thread per core) in "
-        "every process. 'Alone' rows run one half of the work in this process, without a "
-        "broker: the SDK's parse and check of the whole file, then tokenize_chunk on its chunks."
+        "encodes on its own thread pool; each tokeniser process sizes it to its share of "
+        "the cores (RAYON_NUM_THREADS = cores / processes, ingest/tokenize.py share_cores). "
+        "'Alone' rows run one half of the work without a broker: the SDK's parse and check "
+        "of the whole file, then tokenize_chunk on its chunks (in this process, on the "
+        "library's default pool; and in a fresh process per thread count, as a tokeniser "
+        "process with 1 or 2 siblings would run it)."
     )
     return rows
 
@@ -175,6 +192,38 @@ def _crash_line(broker: BenchBroker) -> str:
                 rest = [x for x in lines[i + 1 :] if x and not x.startswith((" ", "Traceback"))]
                 return rest[0] if rest else line
     return ""
+
+
+ALONE = """
+import sys, time
+from bench.ingest_common import CHUNK_ITEMS
+from config import load_settings
+from ingest.batch_input import iter_batch_input
+from ingest.tokenize import load_tokenizers, tokenize_chunk
+settings = load_settings(sys.argv[1])
+tokenizers = load_tokenizers(settings)
+chunks = list(iter_batch_input(sys.argv[2], settings, chunk_lines=CHUNK_ITEMS))
+started = time.perf_counter()
+lines = sum(tokenize_chunk(chunk, tokenizers, settings).n_items for chunk in chunks)
+print(lines / (time.perf_counter() - started))
+"""
+
+
+def _tokenize_alone(root: Path, tokenizer: Path, source: Path, threads: int) -> float:
+    """tokenize_chunk's lines/s over the file in a fresh process with a pool of `threads`."""
+    home = root / f"alone-{threads}"
+    home.mkdir(exist_ok=True)
+    config = write_config(home, [Model(MODEL, str(tokenizer))])
+    env = {**os.environ, "RAYON_NUM_THREADS": str(threads), "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, "-c", ALONE, str(config), str(source)],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return float(done.stdout.split()[-1])
 
 
 def _alone(root: Path, tokenizer: Path, source: Path, n: int, n_tokens: int) -> list[Row]:

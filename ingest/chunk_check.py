@@ -19,6 +19,7 @@ import numpy as np
 
 from ingest.catalog import ModelCatalog
 from ingest.custom_ids import CustomIdSet, Digests, digests
+from ingest.id_digest import blob_digests
 from ingest.input_chunk import InputChunk
 from ingest.line_errors import (
     DUPLICATE_CUSTOM_ID,
@@ -46,9 +47,11 @@ def recheck(
     committed: CustomIdSet,
     in_flight: list[np.ndarray],
     stored: np.ndarray | None,
+    hashed: Digests | None = None,
 ) -> Checked:
     """Check `chunk`; `in_flight` holds the digest highs of the job's other chunks in flight,
-    `stored` the item indexes of this chunk already in the log (None on a first attempt)."""
+    `stored` the item indexes of this chunk already in the log (None on a first attempt),
+    `hashed` the digests of its custom_ids when known (from the wire: `chunk_digests`)."""
     n = chunk.n_items
     drop = np.zeros(n, dtype=bool)
     errors: list[LineError] = []
@@ -61,7 +64,9 @@ def recheck(
     lengths = chunk.lengths.astype(np.int64)
     is_text = np.zeros(n, dtype=bool)
     is_text[chunk.text_items] = True
-    largest = item_max(chunk.tokens, chunk.offsets)
+    token_ids = chunk.tokens[: int(chunk.offsets[-1])] if n else chunk.tokens[:0]
+    top = int(token_ids.max()) if len(token_ids) else -1  # one pass, no per-item max
+    largest = None  # each item's largest id: only when some id is beyond some vocabulary
     for m, name in enumerate(chunk.models):
         of_model = chunk.model_index == m
         entry = catalog.models.get(name)
@@ -92,14 +97,17 @@ def recheck(
             ),
         )
         vocab = entry.vocab_size
-        if vocab is not None:
+        if vocab is not None and top >= vocab:
+            if largest is None:
+                largest = item_max(chunk.tokens, chunk.offsets)
             reject(
                 of_model & ~is_text & (largest >= vocab),
                 TOKEN_OUT_OF_RANGE,
                 lambda i, name=name, vocab=vocab: _beyond(chunk, i, name, vocab),
             )
     reject(~is_text & (lengths == 0), EMPTY_PROMPT, lambda i: "prompt has no tokens")
-    hashed = digests(chunk.custom_ids)
+    if hashed is None:
+        hashed = digests(chunk.custom_ids)
     repeated = committed.contains((), digests=hashed) | repeats_within(hashed[0])
     if in_flight:  # high 64 bits only: a false match is about n**2 / 2**64
         repeated |= members_of(hashed[0], np.sort(np.concatenate(in_flight)))
@@ -114,6 +122,12 @@ def recheck(
         ]
         drop |= in_log
     return Checked(chunk.without(drop, errors), already, (hashed[0][~drop], hashed[1][~drop]))
+
+
+def chunk_digests(arrays: dict[str, np.ndarray]) -> Digests:
+    """The custom_id digests of a chunk straight from its wire arrays (`ids`, `ids_offsets`,
+    checked by `chunk_from_wire`): the same as `digests(chunk.custom_ids)`, without the strs."""
+    return blob_digests(arrays["ids"].view(np.uint8), arrays["ids_offsets"])
 
 
 def item_max(tokens: np.ndarray, offsets: np.ndarray) -> np.ndarray:

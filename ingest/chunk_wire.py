@@ -46,6 +46,10 @@ ARRAYS = (
 
 
 def _blob(strings: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    joined = "".join(strings)
+    if joined.isascii():  # one byte a character: one encode for all
+        offsets = offsets_of(np.fromiter(map(len, strings), np.int64, len(strings)))
+        return np.frombuffer(joined.encode("ascii"), dtype=np.uint8), offsets
     encoded = [s.encode() for s in strings]
     offsets = offsets_of(np.fromiter(map(len, encoded), np.int64, len(encoded)))
     return np.frombuffer(b"".join(encoded), dtype=np.uint8), offsets
@@ -101,11 +105,7 @@ def chunk_from_wire(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> Inpu
         shapes = tuple(_shape(s) for s in meta["shapes"])
         _check(n == 0 or int(arrays["model_index"].max()) < len(models), "model_index out of range")
         _check(n == 0 or int(arrays["shape_index"].max()) < len(shapes), "shape_index out of range")
-        blob = arrays["ids"].tobytes()
-        custom_ids = tuple(
-            blob[a:b].decode()
-            for a, b in zip(ids_offsets[:-1].tolist(), ids_offsets[1:].tolist(), strict=True)
-        )
+        custom_ids = _strings(arrays["ids"].tobytes(), ids_offsets)
         texts = tuple(
             t if isinstance(t, str) else tuple((str(r), str(c)) for r, c in t)
             for t in orjson.loads(arrays["texts"].tobytes())
@@ -152,6 +152,25 @@ def chunk_from_wire(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> Inpu
         raise
     except (KeyError, TypeError, ValueError, UnicodeDecodeError, orjson.JSONDecodeError) as exc:
         raise WireError(f"chunk message is malformed: {type(exc).__name__}: {exc}") from None
+
+
+def _strings(blob: bytes, offsets: np.ndarray) -> tuple[str, ...]:
+    """The UTF-8 strings blob[offsets[i]:offsets[i + 1]], without a decode per string.
+
+    When no string holds a NUL (custom_ids about never do), a NUL goes between
+    each two, and one decode and one split make them all; a multi-byte
+    character cut by an offset is then invalid UTF-8, as a decode per string
+    would find. Raises UnicodeDecodeError on bad UTF-8.
+    """
+    n = len(offsets) - 1
+    if n <= 0:
+        return ()
+    data = np.frombuffer(blob, dtype=np.uint8)
+    if not (data == 0).any():
+        joined = np.insert(data, offsets[1:-1], 0).tobytes().decode()
+        return tuple(joined.split("\x00"))
+    starts, ends = offsets[:-1].tolist(), offsets[1:].tolist()
+    return tuple(blob[a:b].decode() for a, b in zip(starts, ends, strict=True))
 
 
 def _offsets(raw: np.ndarray, n: int, blob: int, what: str) -> np.ndarray:

@@ -47,9 +47,10 @@ import zmq
 
 from ingest import front_answers
 from ingest.catalog import ModelCatalog
-from ingest.chunk_check import Checked, recheck
+from ingest.chunk_check import Checked, chunk_digests, recheck
 from ingest.chunk_items import items_of, router_for
 from ingest.chunk_wire import chunk_from_wire, chunk_to_wire
+from ingest.custom_ids import Digests
 from ingest.error_wire import errors_from_wire
 from ingest.inflight import DEADLINE_MARGIN_S, Inflight, InflightChunks
 from ingest.input_chunk import InputChunk
@@ -232,7 +233,7 @@ class FrontStage(Stage):
                 f"chunk {number} of job {job_id} must cover lines {first}..{first + job.chunk_lines - 1}, "
                 f"not {chunk.first_line}..{chunk.last_line}"
             )
-        checked = self._check(job, chunk, state)
+        checked = self._check(job, chunk, state, chunk_digests(message.arrays))
         chunk = checked.chunk
         deadline_ns = round((now + self.chunk_timeout_s) * 1e9)  # `now` is CLOCK_MONOTONIC
         flight = Inflight(
@@ -253,7 +254,7 @@ class FrontStage(Stage):
         self.inflight.add(flight)
         return flight
 
-    def _check(self, job: Job, chunk: InputChunk, earlier) -> Checked:
+    def _check(self, job: Job, chunk: InputChunk, earlier, hashed: Digests) -> Checked:
         """Check the chunk again, and find what an earlier attempt already stored."""
         stored = None
         if earlier is not None:  # accepted before and never committed: some items may be stored
@@ -265,7 +266,7 @@ class FrontStage(Stage):
                 earlier.accepted_ns,
             )
         in_flight = self.inflight.digests_of_job(job, chunk.index)
-        checked = recheck(chunk, self.catalog, job.custom_ids, in_flight, stored)
+        checked = recheck(chunk, self.catalog, job.custom_ids, in_flight, stored, hashed)
         if checked.already:
             self.log.info(
                 "job %s chunk %d: %d items already in the log from an earlier attempt",

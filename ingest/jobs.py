@@ -89,7 +89,10 @@ class Job:
         if self.progress.apply(record):
             # Kept in memory: counts and bad lines only. The custom_ids live in the digest
             # set; the journal has the rest.
-            self.custom_ids.add(record["ids"], digests=digests)
+            if digests is None:
+                self.custom_ids.add(record["ids"])
+            else:  # the front's commit: checked for repeats already (CustomIdSet.add_new)
+                self.custom_ids.add_new(digests)
 
     def accept(self, chunk: int, first: int, last: int, now_ns: int | None = None) -> None:
         """Record that chunk `chunk` may start landing in the log (durable at flush)."""
@@ -115,7 +118,8 @@ class Job:
     ) -> None:
         """Record that every item of `chunk` is durable (durable at flush).
 
-        `digests` are those of `ids` (ingest.custom_ids.digests), if known.
+        `digests` are those of `ids` (ingest.custom_ids.digests), if known; passing them
+        says the ids were checked for repeats in the job already (the front's recheck).
         """
         state = self.chunks[chunk]
         record = {

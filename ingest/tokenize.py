@@ -12,9 +12,14 @@ offsets. Chat messages are rendered with the model's own chat template when its
 tokenizer_config.json has one, else with the role-tag template (ingest/chat_template.py).
 
 `encode_batch_fast` runs on the tokenizers library's own thread pool
-(RAYON_NUM_THREADS threads, default one per core); with several tokeniser
-processes, set RAYON_NUM_THREADS so processes x threads fits the cores.
-Load tokenizers in the process that uses them (after a fork, not before).
+(RAYON_NUM_THREADS threads; the library's default is one per core). Each
+tokeniser process calls `share_cores(processes)` before its first encode,
+which sets RAYON_NUM_THREADS (unless the environment already does) to its
+share of the usable cores, so `[ingest] processes` tokenisers together run
+one encoding thread per core: with the library's default, every process ran
+a pool as large as the machine, one process already filled the cores and a
+second only added contention. Load tokenizers in the process that uses them
+(after a fork, not before).
 """
 
 from __future__ import annotations
@@ -94,6 +99,19 @@ class ModelTokenizer:
     def encode_prompts(self, prompts: Sequence[TextPrompt]) -> tuple[np.ndarray, np.ndarray]:
         """`encode` for parsed prompts: strings as they are, chat messages rendered first."""
         return self.encode([p if isinstance(p, str) else self.render(p) for p in prompts])
+
+
+def share_cores(processes: int, cores: int | None = None) -> int:
+    """Set RAYON_NUM_THREADS to this process's share of the cores (at least 1); return it.
+
+    A RAYON_NUM_THREADS already in the environment (set by the operator) is
+    kept. Call before the first encode: the library sizes its pool then.
+    """
+    if cores is None:
+        cores = len(os.sched_getaffinity(0))
+    threads = max(1, cores // max(1, processes))
+    os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
+    return int(os.environ["RAYON_NUM_THREADS"])
 
 
 def load_tokenizers(settings: Settings, base_dir: Path | None = None) -> dict[str, ModelTokenizer]:

@@ -5,8 +5,10 @@ ingest.chunk_wire plus its job number and deadline). A tokenizer runs
 `tokenize_chunk` (over-long and empty prompts become error records), writes
 every remaining item into its ring to the chunk's router as one ITEMS
 record, and reports to the front how many items it forwarded and which
-lines it rejected (TOKENIZED). It waits for room when the ring is full, so
-a slow router pushes back on the front.
+lines it rejected (TOKENIZED). Each of the `[ingest] processes` tokenizers
+encodes on its share of the cores (`share_cores`, ingest/tokenize.py). It
+waits for room when the ring is full, so a slow router pushes back on the
+front.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from config.settings import Settings
 from ingest.chunk_items import items_of, router_for
 from ingest.chunk_wire import chunk_from_wire
 from ingest.error_wire import errors_to_wire
-from ingest.tokenize import load_tokenizers, tokenize_chunk
+from ingest.tokenize import load_tokenizers, share_cores, tokenize_chunk
 from pipeline import wire
 from pipeline.errors import FabricError
 from pipeline.outlet import Outlet
@@ -45,6 +47,8 @@ class TokenizerStage(Stage):
 
     def open(self) -> None:
         settings: Settings = self.settings
+        threads = share_cores(settings.ingest.processes)  # before the library's pool starts
+        self.log.info("encoding on %d thread(s)", threads)
         self.tokenizers = load_tokenizers(settings)
         self.context = zmq.Context()
         inbox = wire.open_socket(

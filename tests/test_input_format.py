@@ -467,7 +467,8 @@ def test_custom_id_set_matches_a_python_set():
             reference.add(cid)
         assert repeated.tolist() == expected
     assert len(seen) == len(reference)
-    assert seen.nbytes == 16 * len(reference)
+    # 16 bytes of digest per id, and each run's bucket index: 8 bytes per 8 ids or more
+    assert 16 * len(reference) <= seen.nbytes <= 17 * len(reference) + 8 * 24
 
 
 def test_custom_id_set_is_exact_when_ids_share_the_high_half_of_their_digest(monkeypatch):
@@ -494,7 +495,7 @@ def test_custom_id_set_stays_compact_with_few_runs():
     seen = CustomIdSet()
     for start in range(0, 200_000, 4096):
         assert not seen.add([f"req-{i}" for i in range(start, min(start + 4096, 200_000))]).any()
-    assert len(seen) == 200_000 and seen.nbytes == 3_200_000
+    assert len(seen) == 200_000 and 3_200_000 <= seen.nbytes <= 17 * 200_000  # digests + index
     assert len(seen._runs) <= 8
     assert seen.add(["req-0", "req-199999", "new"]).tolist() == [True, True, False]
 

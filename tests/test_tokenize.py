@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,7 @@ from tokenizers.processors import TemplateProcessing
 from config import load_settings
 from ingest.batch_input import iter_batch_input
 from ingest.chat_template import render_role_tags
-from ingest.tokenize import ModelTokenizer, load_tokenizers, tokenize_chunk
+from ingest.tokenize import ModelTokenizer, load_tokenizers, share_cores, tokenize_chunk
 from pipeline.errors import InputLineError, TokenizerError
 
 WORDS = (
@@ -297,3 +298,12 @@ def test_tokenize_chunk_needs_a_tokenizer_for_each_text_model(settings, tokenize
     chunk = chunk_of(settings, line("e", "/v1/embeddings", "embedder", input="the"))
     with pytest.raises(TokenizerError, match="no tokenizer loaded for model 'embedder'"):
         tokenize_chunk(chunk, {"chat": tokenizers["chat"]}, settings)
+
+
+def test_tokeniser_processes_share_the_cores_instead_of_each_taking_them_all(monkeypatch):
+    monkeypatch.delenv("RAYON_NUM_THREADS", raising=False)
+    assert share_cores(2, cores=8) == 4 and os.environ["RAYON_NUM_THREADS"] == "4"
+    monkeypatch.delenv("RAYON_NUM_THREADS")
+    assert share_cores(3, cores=2) == 1  # never fewer than one thread
+    monkeypatch.setenv("RAYON_NUM_THREADS", "6")  # the operator's choice is kept
+    assert share_cores(2, cores=8) == 6
