@@ -55,7 +55,6 @@ from gpu.worker.options import WorkerOptions
 from gpu.worker.results import keep_results, results_message
 from gpu.worker.watchdog import Watchdog
 from pipeline import exitcodes, wire
-from pipeline.errors import WireError
 from pipeline.segment_format import SLOT_HEADER_WORDS
 from pipeline.stage import StopFlags
 
@@ -153,17 +152,11 @@ class Worker:
             if now - self.last_report >= self.report_s:
                 self._report(now)
             self._resend(now)
-        try:
-            if self.connection.poll(timeout_ms):
-                for _ in range(64):
-                    message = self.connection.recv()
-                    if message is None:
-                        break
-                    self.last_heard = self.now()
-                    self.unanswered_since = None
-                    self._handle(message, self.last_heard)
-        except WireError as exc:
-            log.warning("malformed message from the broker dropped: %s", exc)
+        if self.connection.poll(timeout_ms):
+            for message in self.connection.messages(64):
+                self.last_heard = self.now()
+                self.unanswered_since = None
+                self._handle(message, self.last_heard)
         self._read_pings()
         self._track_idle(now)
 
