@@ -46,11 +46,11 @@ from collections.abc import Callable
 import numpy as np
 
 from gpu.engines.base import Engine
-from gpu.work_protocol import ITEM_DTYPE
+from gpu.work_protocol import ITEM_DTYPE, slot_key
 from gpu.worker.connection import MAX_RECONNECT_S, Connection, no_answer_advice
 from gpu.worker.engine_thread import EngineThread
 from gpu.worker.faults import Faults
-from gpu.worker.held import Held, item_keys
+from gpu.worker.held import Held
 from gpu.worker.options import WorkerOptions
 from gpu.worker.results import keep_results, results_message
 from gpu.worker.watchdog import Watchdog
@@ -316,9 +316,9 @@ class Worker:
             # Never change a batch under the engine: mark what is gone; a batch the engine
             # has not started and that holds nothing live is skipped; results for gone items
             # are dropped when they come back (_take_done).
-            gone = item_keys(held[known == 0])
+            gone = slot_key(held[known == 0])
             for h in list(self.held.values()):
-                drop = np.isin(item_keys(h.items), gone)
+                drop = np.isin(slot_key(h.items), gone)
                 if not drop.any():
                     continue
                 h.gone = drop if h.gone is None else h.gone | drop
