@@ -48,11 +48,13 @@ from ingest.batch_input import iter_batch_input
 from ingest.submit_client import Producer
 from pipeline.durable import write_whole
 from pipeline.errors import FabricError
+from pipeline.job_states import JobState
 
 log = logging.getLogger("fabric.api")
 EXPIRED_CODE = "batch_expired"
 CANCELLED_CODE = "cancelled"  # the code completion gives a cancelled item's error line
 FETCH_EVERY_S = 1.0  # a running batch's results are fetched this often (and when it ends)
+ENDED = (JobState.COMPLETED, JobState.CANCELLED)  # broker job states whose results are all in
 
 
 class BatchDriver:
@@ -249,12 +251,12 @@ class BatchDriver:
             if submitted:
                 raise
             return  # no chunk of the job committed yet
-        finished = info["state"] in ("completed", "cancelled") and not info["undelivered"]
+        finished = info["state"] in ENDED and not info["undelivered"]
         due = time.monotonic() - self._fetched.get(batch_id, 0.0) >= FETCH_EVERY_S
-        if info["undelivered"] and (due or info["state"] in ("completed", "cancelled")):
+        if info["undelivered"] and (due or info["state"] in ENDED):
             self._fetch(batch_id)
             info = self.results.job_status(batch_id)
-            finished = info["state"] in ("completed", "cancelled") and not info["undelivered"]
+            finished = info["state"] in ENDED and not info["undelivered"]
         finished = finished and submitted
         counts = _counts(info, record)
         if counts != record["request_counts"]:

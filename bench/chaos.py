@@ -63,6 +63,7 @@ from bench.chaos_fleet import (
     write_job,
 )
 from bench.report import write_section
+from gpu.worker.options import WorkerOptions
 
 DOC = REPO / "docs" / "RELIABILITY.md"
 LYING_WORKER = REPO / "tests" / "procs" / "lying_worker.py"
@@ -139,20 +140,15 @@ class Chaos:
                 f"remote {model} worker",
                 run_py(
                     "worker",
-                    "--broker",
-                    _address(self.config, "dispatch", "bind"),
-                    "--heartbeat",
-                    _address(self.config, "dispatch", "heartbeat_bind"),
-                    "--model",
-                    model,
-                    "--engine",
-                    "echo",
-                    "--batch-items",
-                    "64",
-                    "--drain-s",
-                    "5",
-                    "--target-batch-s",
-                    "0",
+                    *WorkerOptions(
+                        broker=_address(self.config, "dispatch", "bind"),
+                        model=model,
+                        heartbeat=_address(self.config, "dispatch", "heartbeat_bind"),
+                        engine="echo",
+                        batch_items=64,
+                        drain_s=5,
+                        target_batch_s=0,
+                    ).argv(),
                 ),
                 self.env,
                 root / f"worker-{model}.log",
@@ -168,18 +164,14 @@ class Chaos:
                 str(LYING_WORKER),
                 *run_py(
                     "worker",
-                    "--broker",
-                    _address(self.config, "dispatch", "bind"),
-                    "--heartbeat",
-                    _address(self.config, "dispatch", "heartbeat_bind"),
-                    "--model",
-                    "echo",
-                    "--engine",
-                    "echo",
-                    "--batch-items",
-                    "16",
-                    "--target-batch-s",
-                    "0",
+                    *WorkerOptions(
+                        broker=_address(self.config, "dispatch", "bind"),
+                        model="echo",
+                        heartbeat=_address(self.config, "dispatch", "heartbeat_bind"),
+                        engine="echo",
+                        batch_items=16,
+                        target_batch_s=0,
+                    ).argv(),
                 )[2:],
             ],
             self.env,

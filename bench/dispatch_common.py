@@ -22,6 +22,7 @@ import numpy as np
 
 from bench.ingest_broker import REPO, BenchBroker, Model
 from collector.results_client import DispatchClient, ResultsClient
+from gpu.worker.options import WorkerOptions
 from ingest.submit_client import Producer
 
 MODEL = Model("echo", endpoints=("/v1/completions",))
@@ -146,25 +147,16 @@ class Workers:
         for _ in range(self.count):
             log = open(self.broker.root / f"worker-{len(self.procs)}.log", "w")  # noqa: SIM115
             self.logs.append(log)
-            command = [
-                sys.executable,
-                str(REPO / "run.py"),
-                "worker",
-                "--broker",
-                settings.dispatch.bind,
-                "--heartbeat",
-                settings.dispatch.heartbeat_bind,
-                "--model",
-                MODEL.name,
-                "--engine",
-                self.engine,
-                "--batch-items",
-                str(self.batch_items),
-                "--batch-tokens",
-                str(self.batch_tokens),
-                "--prefetch",
-                str(self.prefetch),
-            ]
+            options = WorkerOptions(
+                broker=settings.dispatch.bind,
+                model=MODEL.name,
+                heartbeat=settings.dispatch.heartbeat_bind,
+                engine=self.engine,
+                batch_items=self.batch_items,
+                batch_tokens=self.batch_tokens,
+                prefetch=self.prefetch,
+            )
+            command = [sys.executable, str(REPO / "run.py"), "worker", *options.argv()]
             for option in self.options:
                 command += ["--option", option]
             self.procs.append(

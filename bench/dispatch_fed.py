@@ -30,6 +30,7 @@ from bench.dispatch_common import MAX_TOKENS, MODEL, Status, make_rows, submit, 
 from bench.ingest_broker import REPO, BenchBroker
 from bench.ingest_common import Outcome, progress
 from bench.report import Row
+from gpu.worker.options import WorkerOptions
 
 STEP = "2 fed"
 TOKENS = 512
@@ -106,20 +107,16 @@ def _run_fleet(broker: BenchBroker, status: Status, fleet: Fleet):
                 [
                     sys.executable,
                     str(REPO / "bench" / "dispatch_worker.py"),
-                    "--broker",
-                    settings.dispatch.bind,
-                    "--heartbeat",
-                    settings.dispatch.heartbeat_bind,
-                    "--model",
-                    MODEL.name,
-                    "--engine",
-                    "simulated",
+                    *WorkerOptions(
+                        broker=settings.dispatch.bind,
+                        model=MODEL.name,
+                        heartbeat=settings.dispatch.heartbeat_bind,
+                        engine="simulated",
+                        batch_items=BATCH_ITEMS,
+                        prefetch=PREFETCH,
+                    ).argv(),
                     "--tokens-per-s",
                     str(fleet.tokens_per_s),
-                    "--batch-items",
-                    str(BATCH_ITEMS),
-                    "--prefetch",
-                    str(PREFETCH),
                     "--stats",
                     str(broker.root / f"fed-worker-{k}.json"),
                 ],

@@ -13,6 +13,10 @@ messages: where its slot lies and its seq (`pipeline/item_seq.py`).
 | `segment` | u8   | the input segment's id                   |
 | `slot`    | u4   | the slot's number in that segment        |
 | `seq`     | u8   | the item's seq, `job_no << 32 \\| index`  |
+
+`slot_key` names an item's slot by one u64, `segment << 32 | slot`: how a worker
+matches the held items a WELCOME says are gone, and dispatch a RETIRED item (seqs are
+not compared: the broker checked them when it handed the work out).
 """
 
 from __future__ import annotations
@@ -20,3 +24,8 @@ from __future__ import annotations
 import numpy as np
 
 ITEM_DTYPE = np.dtype([("segment", "<u8"), ("slot", "<u4"), ("seq", "<u8")])
+
+
+def slot_key(items: np.ndarray) -> np.ndarray:
+    """One u64 per item of `items` (ITEM_DTYPE): its slot, `segment << 32 | slot`."""
+    return (items["segment"].astype(np.uint64) << np.uint64(32)) | items["slot"].astype(np.uint64)

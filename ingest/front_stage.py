@@ -63,6 +63,7 @@ from pipeline.datadir import DataDir
 from pipeline.disk_full import FullDisk
 from pipeline.errors import DiskFullError, FabricError, IngestError, WireError
 from pipeline.job_files import check_job_id
+from pipeline.job_states import JobState
 from pipeline.outlet import Outlet
 from pipeline.ring_records import put_items, split_items
 from pipeline.security import ServerGate
@@ -202,7 +203,7 @@ class FrontStage(Stage):
                 f"job {job_id} was started with chunks of {job.chunk_lines} lines, this chunk says "
                 f"{chunk_lines}; resume it with the same chunk size"
             )
-        if job.state not in ("validating", "queued"):
+        if job.state not in (JobState.VALIDATING, JobState.QUEUED):
             raise IngestError(f"job {job_id} is {job.state}; it takes no more input")
         state = job.chunks.get(number)
         if state is not None and state.committed is not None:
@@ -398,7 +399,11 @@ class FrontStage(Stage):
             return
         busy = self.inflight.job_numbers()
         for job_no, job in list(self.jobs_by_no.items()):
-            if job.state != "validating" and job_no not in busy and self.registry.unload(job):
+            if (
+                job.state != JobState.VALIDATING
+                and job_no not in busy
+                and self.registry.unload(job)
+            ):
                 del self.jobs_by_no[job_no]
 
     # ---- answers ----------------------------------------------------------------------------

@@ -80,11 +80,12 @@ class BrokerClient:
     def _connect(self) -> None:
         if self.socket is not None:
             self.socket.close(0)
-        self.socket = self.context.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.SNDTIMEO, self.send_timeout_ms)
-        if self.send_hwm is not None:
-            self.socket.setsockopt(zmq.SNDHWM, self.send_hwm)
+        self.socket = wire.open_socket(
+            self.context,
+            zmq.DEALER,
+            send_timeout_ms=self.send_timeout_ms,
+            send_hwm=self.send_hwm,
+        )
         secure_client(self.socket, self.curve)
         self.socket.connect(self.address)
 

@@ -38,12 +38,10 @@ class Heartbeat(threading.Thread):
         import zmq
 
         from pipeline import wire
-        from pipeline.errors import FabricError, WireError
+        from pipeline.errors import FabricError
 
         context = zmq.Context()
-        socket = context.socket(zmq.ROUTER)
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.SNDTIMEO, 0)
+        socket = wire.open_socket(context, zmq.ROUTER)
         socket.setsockopt(zmq.MAXMSGSIZE, HEARTBEAT_MAX_MESSAGE_BYTES)
         limits = wire.WireLimits(max_frames=1, max_bytes=HEARTBEAT_MAX_MESSAGE_BYTES)
         gate = None
@@ -61,24 +59,22 @@ class Heartbeat(threading.Thread):
             return
         try:
             while not self._stop_event.is_set():
-                try:
-                    message = wire.recv(socket, 100, limits=limits)
-                except WireError as exc:
-                    log.warning("heartbeat: dropped a malformed message: %s", exc)
+                if not socket.poll(100, zmq.POLLIN):
                     continue
-                if message is None or message.type != wire.MessageType.PING:
-                    continue
-                with contextlib.suppress(FabricError):
-                    wire.send(
-                        socket,
-                        wire.MessageType.PONG,
-                        {
-                            "epoch": self.epoch,
-                            "recovered": self.recovered,
-                            "up_s": round(time.monotonic() - self.started_s, 3),
-                        },
-                        route=message.route,
-                    )
+                for message in wire.requests(socket, 64, limits, log, "heartbeat peer", _no_answer):
+                    if message.type != wire.MessageType.PING:
+                        continue
+                    with contextlib.suppress(FabricError):
+                        wire.send(
+                            socket,
+                            wire.MessageType.PONG,
+                            {
+                                "epoch": self.epoch,
+                                "recovered": self.recovered,
+                                "up_s": round(time.monotonic() - self.started_s, 3),
+                            },
+                            route=message.route,
+                        )
         finally:
             socket.close(0)
             if gate is not None:
@@ -88,3 +84,7 @@ class Heartbeat(threading.Thread):
     def stop(self) -> None:
         self._stop_event.set()
         self.join(timeout=2.0)
+
+
+def _no_answer(route: tuple[bytes, ...], reason: str) -> None:
+    """A malformed message on the heartbeat port gets no answer (it is logged and skipped)."""

@@ -421,11 +421,12 @@ class StatsPusher:
 
         if self.socket is None:
             self.context = zmq.Context()
-            self.socket = self.context.socket(zmq.PUSH)
-            self.socket.setsockopt(zmq.LINGER, 0)
-            self.socket.setsockopt(zmq.SNDTIMEO, 0)
-            self.socket.setsockopt(zmq.SNDHWM, 2)
-            self.socket.connect(internal_address(self.settings, "metrics"))
+            self.socket = wire.open_socket(
+                self.context,
+                zmq.PUSH,
+                send_hwm=2,
+                connect=internal_address(self.settings, "metrics"),
+            )
         try:
             wire.send(
                 self.socket,

@@ -183,9 +183,7 @@ class MetricsServer(threading.Thread):
         from pipeline.errors import WireError
 
         context = zmq.Context()
-        socket = context.socket(zmq.PULL)
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.RCVHWM, 1000)
+        socket = wire.open_socket(context, zmq.PULL, recv_hwm=1000)
         try:
             socket.bind(internal_address(self.settings, "metrics"))
             while not self._stop_event.is_set():

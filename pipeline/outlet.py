@@ -26,11 +26,9 @@ class Outlet:
         self.ports = [RingPort(r.name) for r in specs]
         self.wakeups = []
         for spec in specs:
-            sock = context.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, 16)
-            sock.setsockopt(zmq.SNDTIMEO, 0)
-            sock.connect(internal_address(settings, spec.dst))
+            sock = wire.open_socket(
+                context, zmq.PUSH, send_hwm=16, connect=internal_address(settings, spec.dst)
+            )
             self.wakeups.append(sock)
 
     def __len__(self) -> int:

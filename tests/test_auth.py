@@ -29,6 +29,7 @@ from conftest import assert_check_clean, wait_for
 from config import load_settings
 from config.settings import SecuritySettings
 from gpu.work_protocol import ITEM_DTYPE
+from gpu.worker.options import WorkerOptions
 from pipeline import exitcodes, wire
 from pipeline.errors import ConfigError
 from pipeline.security import ClientCurve, client_curve, read_key_pair, read_public_key
@@ -208,9 +209,16 @@ def test_an_authorized_producer_worker_and_client_run_a_job_end_to_end(broker, k
     assert done.returncode == 0, done.stderr
     worker = subprocess.Popen(
         [
-            *(sys.executable, str(REPO / "run.py"), "worker", "--broker", s.dispatch.bind),
-            *("--heartbeat", s.dispatch.heartbeat_bind, "--model", "echo", "--engine", "echo"),
-            *("--target-batch-s", "0", "--drain-s", "5", *key_args(keys, "producer")),
+            *(sys.executable, str(REPO / "run.py"), "worker"),
+            *WorkerOptions(
+                broker=s.dispatch.bind,
+                model="echo",
+                heartbeat=s.dispatch.heartbeat_bind,
+                engine="echo",
+                target_batch_s=0,
+                drain_s=5,
+            ).argv(),
+            *key_args(keys, "producer"),
         ],
         cwd=REPO,
         stdout=subprocess.DEVNULL,
@@ -329,8 +337,9 @@ def test_a_worker_nobody_answers_says_so_and_the_broker_logs_and_warns(tmp_path,
         for who, args in (("no key", []), ("wrong key", key_args(keys, "intruder"))):
             said[who] = Stderr(
                 [
-                    *(sys.executable, str(REPO / "run.py"), "worker", "--broker", address),
-                    *("--model", "echo", "--engine", "echo", "--drain-s", "1", *args),
+                    *(sys.executable, str(REPO / "run.py"), "worker"),
+                    *WorkerOptions(broker=address, model="echo", engine="echo", drain_s=1).argv(),
+                    *args,
                 ]
             )
         try:

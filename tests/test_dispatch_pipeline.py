@@ -22,6 +22,7 @@ import pytest
 from broker import REPO, Broker, submit, write_config, write_jsonl
 from conftest import assert_check_clean, wait_for
 
+from gpu.worker.options import WorkerOptions
 from pipeline import exitcodes
 
 FAST = """lease_s = 6.0
@@ -60,27 +61,17 @@ def workers():
     procs: list[subprocess.Popen] = []
 
     def start(b: Broker, engine: str = "echo", *options: str, env: dict | None = None, **kw):
-        args = [
-            sys.executable,
-            str(REPO / "run.py"),
-            "worker",
-            "--broker",
-            b.settings.dispatch.bind,
-            "--heartbeat",
-            b.settings.dispatch.heartbeat_bind,
-            "--model",
-            "echo",
-            "--engine",
-            engine,
-            "--batch-items",
-            str(kw.get("batch_items", 64)),
-            "--prefetch",
-            str(kw.get("prefetch", 2)),
-            "--drain-s",
-            str(kw.get("drain_s", 10)),
-            "--target-batch-s",
-            "0",  # the batch sizes these tests ask for, not ones measured from the engine
-        ]
+        worker = WorkerOptions(
+            broker=b.settings.dispatch.bind,
+            model="echo",
+            heartbeat=b.settings.dispatch.heartbeat_bind,
+            engine=engine,
+            batch_items=kw.get("batch_items", 64),
+            prefetch=kw.get("prefetch", 2),
+            drain_s=kw.get("drain_s", 10),
+            target_batch_s=0,  # the batch sizes these tests ask for, not ones measured
+        )
+        args = [sys.executable, str(REPO / "run.py"), "worker", *worker.argv()]
         for option in options:
             args += ["--option", option]
         proc = subprocess.Popen(

@@ -21,6 +21,7 @@ import pytest
 from broker import REPO, Broker, submit, write_config, write_jsonl
 from conftest import wait_for
 
+from gpu.worker.options import WorkerOptions
 from pipeline import exitcodes
 
 
@@ -194,19 +195,14 @@ def test_a_job_whose_items_are_all_with_workers_is_in_progress(broker, tmp_path)
     settings = broker.settings
     worker = subprocess.Popen(  # 1 token/s: its one batch of 60 tokens stays with it a minute
         [
-            sys.executable,
-            str(REPO / "run.py"),
-            "worker",
-            "--broker",
-            settings.dispatch.bind,
-            "--heartbeat",
-            settings.dispatch.heartbeat_bind,
-            "--model",
-            "sim",
-            "--engine",
-            "simulated",
-            "--option",
-            "tokens_per_s=1.0",
+            *(sys.executable, str(REPO / "run.py"), "worker"),
+            *WorkerOptions(
+                broker=settings.dispatch.bind,
+                model="sim",
+                heartbeat=settings.dispatch.heartbeat_bind,
+                engine="simulated",
+                engine_options={"tokens_per_s": 1.0},
+            ).argv(),
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -23,6 +23,7 @@ from conftest import wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpu.dispatch.arrivals import Arrivals
+from gpu.worker.options import WorkerOptions
 from pipeline import exitcodes
 from pipeline.metrics import COUNTER, FSYNC_BUCKETS_S, METRICS, Histogram, encode_samples
 from pipeline.metrics_hub import MetricsHub
@@ -188,9 +189,11 @@ def test_a_scrape_during_and_after_a_run_matches_what_was_submitted_and_retired(
 
         # A worker works through it.
         dispatch = b.settings.dispatch
-        addresses = ["--broker", dispatch.bind, "--heartbeat", dispatch.heartbeat_bind]
+        options = WorkerOptions(
+            broker=dispatch.bind, model="echo", heartbeat=dispatch.heartbeat_bind, engine="echo"
+        )
         worker = subprocess.Popen(
-            [sys.executable, "run.py", "worker", "--model", "echo", "--engine", "echo", *addresses],
+            [sys.executable, "run.py", "worker", *options.argv()],
             cwd=REPO,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

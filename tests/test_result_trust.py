@@ -31,6 +31,7 @@ from test_dispatch_pipeline import (
 from test_metrics import scrape_when, value
 
 from collector.results_client import DispatchClient
+from gpu.worker.options import WorkerOptions
 
 broker = test_dispatch_pipeline.broker  # the fixture: a real broker, fast dispatch timeouts
 
@@ -61,25 +62,17 @@ def write_embeddings(path: Path, n: int) -> None:
 
 
 def lying_worker(b, tmp_path: Path, lies: int = -1) -> subprocess.Popen:
-    args = [
-        sys.executable,
-        str(REPO / "tests" / "procs" / "lying_worker.py"),
-        "worker",
-        "--broker",
-        b.settings.dispatch.bind,
-        "--heartbeat",
-        b.settings.dispatch.heartbeat_bind,
-        "--model",
-        "echo",
-        "--engine",
-        "echo",
-        "--batch-items",
-        "16",
-        "--prefetch",
-        "1",
-        "--target-batch-s",
-        "0",
-    ]
+    options = WorkerOptions(
+        broker=b.settings.dispatch.bind,
+        model="echo",
+        heartbeat=b.settings.dispatch.heartbeat_bind,
+        engine="echo",
+        batch_items=16,
+        prefetch=1,
+        target_batch_s=0,
+    )
+    args = [sys.executable, str(REPO / "tests" / "procs" / "lying_worker.py"), "worker"]
+    args += options.argv()
     env = {**os.environ, "FABRIC_LIES": str(lies)}
     with open(tmp_path / "liar.log", "w") as log:  # the child keeps its own copy
         return subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log)

@@ -24,6 +24,7 @@ import pytest
 from broker import REPO, Broker, write_config, write_jsonl
 from conftest import assert_check_clean, skip_or_fail, wait_for
 
+from gpu.worker.options import WorkerOptions
 from pipeline import exitcodes
 
 HOSTS = 3  # authorized worker hosts; one more host holds a key nobody authorized
@@ -113,18 +114,14 @@ def test_workers_on_other_hosts_join_with_their_keys(tmp_path, hosts):
                             sys.executable,
                             str(REPO / "run.py"),
                             "worker",
-                            "--broker",
-                            f"tcp://{broker_ip}:{dispatch_port}",
-                            "--heartbeat",
-                            f"tcp://{broker_ip}:{heartbeat_port}",
-                            "--model",
-                            "echo",
-                            "--engine",
-                            "echo",
-                            "--batch-items",
-                            "16",
-                            "--target-batch-s",
-                            "0",
+                            *WorkerOptions(
+                                broker=f"tcp://{broker_ip}:{dispatch_port}",
+                                model="echo",
+                                heartbeat=f"tcp://{broker_ip}:{heartbeat_port}",
+                                engine="echo",
+                                batch_items=16,
+                                target_batch_s=0,
+                            ).argv(),
                             "--key",
                             str(keys / f"host{i}.key_secret"),
                             "--server-key",

@@ -512,3 +512,35 @@ def test_an_inbox_logs_counts_and_skips_a_malformed_message_and_reads_on(context
     finally:
         push.close(0)
         pull.close(0)
+
+
+def test_an_inbox_reads_through_the_receive_function_it_is_given(context, ipc_dir):
+    """Completion's inbox reads with gpu.dispatch.forward.recv: an inbox given `receive`
+    reads every message through it, and what that function refuses is counted and skipped."""
+    address = f"ipc://{ipc_dir}/inbox.sock"
+    pull = open_socket(context, zmq.PULL, bind=address)
+    push = open_socket(context, zmq.PUSH, send_timeout_ms=5000, connect=address)
+    calls = []
+
+    def receive(socket, timeout_ms, *, limits):
+        message = recv(socket, timeout_ms, limits=limits)
+        if message is not None:
+            calls.append(message.meta["n"])
+            if message.meta["n"] == 2:
+                raise WireError("the reader refuses n=2")
+        return message
+
+    try:
+        log = SimpleNamespace(error=lambda text, *args: None)
+        inbox = Inbox(pull, log, "dispatch", receive=receive)
+        for n in (1, 2, 3):
+            send(push, MessageType.PING, {"n": n})
+        got = []
+        deadline = time.monotonic() + 10
+        while len(got) < 2 and time.monotonic() < deadline:
+            got += [m.meta["n"] for m in inbox.read(10, wait_ms=100)]
+        assert got == [1, 3] and calls == [1, 2, 3]
+        assert inbox.dropped == 1
+    finally:
+        push.close(0)
+        pull.close(0)

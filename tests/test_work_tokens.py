@@ -31,6 +31,7 @@ from collector.results_client import DispatchClient
 from gpu.dispatch.work_token import SECRET_FILE, WorkTokens
 from gpu.engines.base import EngineResult
 from gpu.work_protocol import ITEM_DTYPE
+from gpu.worker.options import WorkerOptions
 from gpu.worker.results import results_message
 from pipeline import exitcodes, item_seq, wire
 from pipeline.errors import FabricError
@@ -69,9 +70,15 @@ def honest(tmp_path):
         s = b.settings
         proc = subprocess.Popen(
             [
-                *(sys.executable, str(REPO / "run.py"), "worker", "--broker", s.dispatch.bind),
-                *("--heartbeat", s.dispatch.heartbeat_bind, "--model", "echo"),
-                *("--engine", "echo", "--target-batch-s", "0", "--drain-s", "5"),
+                *(sys.executable, str(REPO / "run.py"), "worker"),
+                *WorkerOptions(
+                    broker=s.dispatch.bind,
+                    model="echo",
+                    heartbeat=s.dispatch.heartbeat_bind,
+                    engine="echo",
+                    target_batch_s=0,
+                    drain_s=5,
+                ).argv(),
             ],
             cwd=REPO,
             stdout=subprocess.DEVNULL,

@@ -56,7 +56,7 @@ from ingest.jobs import JOB_ID
 from pipeline import wire
 from pipeline.datadir import DataDir
 from pipeline.disk_full import FullDisk
-from pipeline.errors import DiskFullError, FabricError, SegmentError, WireError
+from pipeline.errors import DiskFullError, FabricError, SegmentError
 from pipeline.security import ServerGate
 from pipeline.segment import Segment
 from pipeline.stage import Stage
@@ -108,22 +108,25 @@ class CompletionStage(Stage):
         self.probe: wire.Message | None = None  # the latest RESULTS refused: tried each second
         self.context = zmq.Context()
         self.gate = ServerGate(self.context, settings.security)  # CURVE, when keys are set
-        self.inbox = self.context.socket(zmq.PULL)
-        self.inbox.setsockopt(zmq.LINGER, 0)
-        self.inbox.bind(internal_address(settings, "completion"))
-        self.dispatch = self.context.socket(zmq.PUSH)
-        self.dispatch.setsockopt(zmq.LINGER, 2000)
-        self.dispatch.setsockopt(zmq.SNDTIMEO, 1000)
-        self.dispatch.connect(internal_address(settings, "dispatch"))
-        self.clients = self.context.socket(zmq.ROUTER)
-        self.clients.setsockopt(zmq.LINGER, 0)
-        self.clients.setsockopt(zmq.SNDTIMEO, 0)
+        inbox = wire.open_socket(
+            self.context, zmq.PULL, bind=internal_address(settings, "completion")
+        )
+        # forwarded RESULTS come as the worker sent them (gpu/dispatch/forward.py)
+        self.inbox = wire.Inbox(inbox, self.log, "dispatch", receive=forward.recv)
+        self.dispatch = wire.open_socket(
+            self.context,
+            zmq.PUSH,
+            linger_ms=2000,
+            send_timeout_ms=1000,
+            connect=internal_address(settings, "dispatch"),
+        )
+        self.clients = wire.open_socket(self.context, zmq.ROUTER)
         self.clients.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)  # bigger: dropped
         self.limits = wire.WireLimits(max_bytes=self.config.max_message_bytes)
         self.gate.secure(self.clients)
         self.clients.bind(self.config.bind)
         self.poller = zmq.Poller()
-        self.poller.register(self.inbox, zmq.POLLIN)
+        self.poller.register(inbox, zmq.POLLIN)
         self.poller.register(self.clients, zmq.POLLIN)
 
     def _input(self, segment_id: int) -> Segment:
@@ -147,7 +150,7 @@ class CompletionStage(Stage):
             self.next_flush = now + self.flush_s
         wait_ms = max(0, min(self.poll_ms, int((self.next_flush - now) * 1000)))
         events = dict(self.poller.poll(wait_ms))
-        if self.inbox in events or self.deferred or self.probe is not None:
+        if self.inbox.socket in events or self.deferred or self.probe is not None:
             self._read_inbox(now)
         self._sync_outputs(now)  # outputs durable, then their tombstones written
         if now >= self.next_flush:
@@ -209,14 +212,7 @@ class CompletionStage(Stage):
             self.deferred.popleft()
         if self.probe is not None and self._store(self.probe, now):
             self.probe = None  # the disk takes results again, without waiting for a resend
-        for _ in range(MAX_MESSAGES_PER_STEP):
-            try:
-                message = forward.recv(self.inbox, 0)
-            except WireError as exc:
-                self.log.error("malformed message from dispatch dropped: %s", exc)
-                continue
-            if message is None:
-                return
+        for message in self.inbox.read(MAX_MESSAGES_PER_STEP):
             if message.type == MT.ITEM_ERRORS and self.deferred:
                 self.deferred.append(message)  # in order, after those waiting for the disk
             elif message.type == MT.ITEM_ERRORS:
@@ -386,7 +382,7 @@ class CompletionStage(Stage):
     def drain(self, deadline: float) -> None:
         while time.monotonic() < deadline:
             events = dict(self.poller.poll(20))
-            if self.inbox not in events:
+            if self.inbox.socket not in events:
                 break
             now = time.monotonic()
             self._read_inbox(now)
@@ -410,7 +406,7 @@ class CompletionStage(Stage):
             self.log.error("closing the completion log: %s", exc)
         for segment in self.inputs.values():
             segment.close()
-        self.inbox.close(0)
+        self.inbox.socket.close(0)
         self.dispatch.close()
         self.clients.close(0)
         self.gate.close()

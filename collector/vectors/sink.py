@@ -39,6 +39,7 @@ from collector.delivery_client import Delivery
 from collector.vectors.store_catalog import StoreSet
 from ingest.jobs import DELIVER_FILE, DELIVER_VECTORS
 from pipeline.errors import FabricError, IngestError
+from pipeline.index_bitmap import IndexBitmap
 from pipeline.item_seq import index_of, job_of, seq_of
 from pipeline.job_files import JobFiles
 from pipeline.ragged import Ragged
@@ -57,24 +58,11 @@ class SinkJob:
     job_no: int
     deliver: str  # "vectors" or "vectors:STORE"
     delivery: Delivery  # FETCH, the req echo, ack once the stores are flushed
-    have: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))  # indexes stored
+    have: IndexBitmap = field(default_factory=IndexBitmap)  # the item indexes stored
     stored: int = 0
     skipped: int = 0
     errors: int = 0
     error_file: ResultFile | None = None  # opened at the first error line, kept until the end
-
-    def mark(self, index: np.ndarray) -> None:
-        if len(index) and int(index.max()) >= len(self.have):
-            grown = np.zeros(max(int(index.max()) + 1, 2 * len(self.have)), bool)
-            grown[: len(self.have)] = self.have
-            self.have = grown
-        self.have[index] = True
-
-    def stored_already(self, index: np.ndarray) -> np.ndarray:
-        inside = index < len(self.have)
-        out = np.zeros(len(index), bool)
-        out[inside] = self.have[index[inside]]
-        return out
 
 
 class VectorSink:
@@ -139,7 +127,7 @@ class VectorSink:
                     continue
                 for job_no in np.unique(job_nos[mine]).tolist():
                     index = index_of(ids[job_nos == job_no])
-                    by_no[job_no].mark(index)
+                    by_no[job_no].have.add(index)
                     by_no[job_no].stored += len(index)
 
     # ---- fetching --------------------------------------------------------------------
@@ -232,7 +220,7 @@ class VectorSink:
                     f"dim {store_meta.dim}"
                 )
             rows = rows[fits]
-            already = job.stored_already(index[rows])
+            already = job.have.has(index[rows])
             job.skipped += int(already.sum())
             rows = rows[~already]
             if not len(rows):
@@ -249,11 +237,11 @@ class VectorSink:
                 store.append(ids, vectors, copy=False)  # `vectors`: this page's gathered copy
             except FabricError as exc:  # a failed rotation: the rows queued before it stay
                 queued = getattr(exc, "rows_queued", 0)
-                job.mark(index[rows[:queued]])
+                job.have.add(index[rows[:queued]])
                 job.stored += queued
                 self.rows_stored += queued
                 raise
-            job.mark(index[rows])
+            job.have.add(index[rows])
             job.stored += len(rows)
             self.rows_stored += len(rows)
             appended += len(rows)

@@ -27,7 +27,7 @@ from collector.vectors.shard import VectorError, VectorInputError
 from collector.vectors.sink import VectorSink
 from collector.vectors.store_catalog import StoreSet, stores_root
 from pipeline import wire
-from pipeline.errors import FabricError, WireError
+from pipeline.errors import FabricError
 from pipeline.item_seq import index_of, job_of
 from pipeline.job_files import JOB_ID
 from pipeline.security import ServerGate, internal_curve, secure_client
@@ -74,14 +74,11 @@ class VectorStage(Stage):
         self.searches = 0
         self.context = zmq.Context()
         self.gate = ServerGate(self.context, settings.security)  # CURVE, when keys are set
-        self.completion = self.context.socket(zmq.DEALER)
-        self.completion.setsockopt(zmq.LINGER, 0)
-        self.completion.setsockopt(zmq.SNDTIMEO, 0)
+        self.completion = wire.open_socket(self.context, zmq.DEALER)
         secure_client(self.completion, internal_curve(settings))  # the broker's own key
         self.completion.connect(client_address(settings.completion.bind))
-        self.users = self.context.socket(zmq.ROUTER)
-        self.users.setsockopt(zmq.LINGER, 0)
-        self.users.setsockopt(zmq.SNDTIMEO, 0)
+        self.pages = wire.Inbox(self.completion, self.log, "completion")  # its RESULT_PAGEs
+        self.users = wire.open_socket(self.context, zmq.ROUTER)
         self.users.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)  # bigger frames: disconnected
         self.limits = wire.WireLimits(max_bytes=MAX_REQUEST_BYTES)
         self.gate.secure(self.users)
@@ -130,14 +127,7 @@ class VectorStage(Stage):
         self.sink.flushed(now)
 
     def _read_pages(self, now: float) -> None:
-        for _ in range(64):
-            try:
-                message = wire.recv(self.completion, 0)
-            except WireError as exc:
-                self.log.error("malformed answer from completion dropped: %s", exc)
-                continue
-            if message is None:
-                return
+        for message in self.pages.read(64):
             if message.type == MT.RESULT_PAGE:
                 try:
                     self.sink.on_page(message.meta, message.arrays, now)

@@ -52,7 +52,7 @@ from gpu.dispatch.work_finder import RESCAN_S, WorkFinder
 from gpu.dispatch.work_token import Refusals, WorkTokens
 from pipeline import wire
 from pipeline.datadir import DataDir
-from pipeline.errors import FabricError, WireError
+from pipeline.errors import FabricError
 from pipeline.job_files import JobFiles
 from pipeline.security import ServerGate
 from pipeline.stage import EPOCH_ENV, Stage
@@ -132,26 +132,27 @@ class DispatchStage(Stage):
         self.state.loaded()  # lease and session timeouts count from here (invariant 9)
         self.context = zmq.Context()
         self.gate = ServerGate(self.context, settings.security)  # CURVE, when keys are set
-        self.workers = self.context.socket(zmq.ROUTER)
-        self.workers.setsockopt(zmq.LINGER, 0)
-        self.workers.setsockopt(zmq.SNDTIMEO, 0)
+        self.workers = wire.open_socket(self.context, zmq.ROUTER)
         self.workers.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting session takes its id back
         self.workers.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)  # bigger: disconnected
         self.limits = wire.WireLimits(max_bytes=config.max_message_bytes)
         self.gate.secure(self.workers)
         self.workers.bind(settings.dispatch.bind)
-        self.inbox = self.context.socket(zmq.PULL)
-        self.inbox.setsockopt(zmq.LINGER, 0)
-        self.inbox.bind(internal_address(settings, "dispatch"))
-        self.completion = self.context.socket(zmq.PUSH)
-        self.completion.setsockopt(zmq.LINGER, 2000)
-        self.completion.setsockopt(zmq.SNDTIMEO, 0)
-        self.completion.setsockopt(zmq.SNDHWM, 10_000)
-        self.completion.connect(internal_address(settings, "completion"))
+        inbox = wire.open_socket(
+            self.context, zmq.PULL, bind=internal_address(settings, "dispatch")
+        )
+        self.inbox = wire.Inbox(inbox, self.log, "a writer or completion")
+        self.completion = wire.open_socket(
+            self.context,
+            zmq.PUSH,
+            linger_ms=2000,
+            send_hwm=10_000,
+            connect=internal_address(settings, "completion"),
+        )
         self.to_completion = ToCompletion(self.completion, self.log)  # gpu/dispatch/forward.py
         self.poller = zmq.Poller()
         self.poller.register(self.workers, zmq.POLLIN)
-        self.poller.register(self.inbox, zmq.POLLIN)
+        self.poller.register(inbox, zmq.POLLIN)
         self.log.info(
             "dispatch up: %d segment(s) with work, epoch %d, grace %.1f s",
             len(self.state.queued_segments()),
@@ -165,7 +166,7 @@ class DispatchStage(Stage):
         if self.parked:
             timeout = min(timeout, 5)
         events = dict(self.poller.poll(timeout))
-        if self.inbox in events:
+        if self.inbox.socket in events:
             self._read_inbox(now)
             self.state.sweep_cancelled()  # work that just arrived for a cancelled job
         if self.workers in events:
@@ -194,14 +195,7 @@ class DispatchStage(Stage):
             self.leases.maybe_compact()
 
     def _read_inbox(self, now: float) -> None:
-        for _ in range(MAX_MESSAGES_PER_STEP):
-            try:
-                message = wire.recv(self.inbox, 0)
-            except WireError as exc:
-                self.log.error("malformed internal message dropped: %s", exc)
-                continue
-            if message is None:
-                return
+        for message in self.inbox.read(MAX_MESSAGES_PER_STEP):
             meta = message.meta
             if message.type == MT.APPENDED:
                 self.finder.appended(int(meta["segment"]), int(meta["end"]), now)
@@ -475,7 +469,7 @@ class DispatchStage(Stage):
         for segment in self.state.segments():
             segment.close()
         self.workers.close(0)
-        self.inbox.close(0)
+        self.inbox.socket.close(0)
         self.completion.close()
         self.gate.close()
         self.context.term()

@@ -20,16 +20,12 @@ import numpy as np
 
 from gpu.dispatch.batch import Outcome
 from gpu.dispatch.report import CORRUPT_INPUT, DEAD_LETTER
+from gpu.work_protocol import slot_key
 from pipeline import item_seq
 
 ITEM_ERRORS_RESEND_S = 5.0  # item errors not seen retired this long after sending go again
 RECENT_DEAD_LETTERS = 20  # dead-letter events kept for BROKER_STATUS
 CANCELLED = "cancelled"
-
-
-def slot_keys(items: np.ndarray) -> np.ndarray:
-    """One u8 per item naming its (segment, slot): what a RETIRED item is matched by."""
-    return (items["segment"].astype(np.uint64) << np.uint64(32)) | items["slot"].astype(np.uint64)
 
 
 class ItemErrors:
@@ -90,9 +86,9 @@ class ItemErrors:
     def retired(self, items: np.ndarray) -> None:
         """Completion retired these slots (RETIRED names slots, its seqs are 0): match by slot;
         segment ids are never reused."""
-        retired = slot_keys(items)
+        retired = slot_key(items)
         for entry in self.unretired:
-            entry[2] = entry[2][~np.isin(slot_keys(entry[2]), retired)]
+            entry[2] = entry[2][~np.isin(slot_key(entry[2]), retired)]
         self.unretired = [e for e in self.unretired if len(e[2])]
 
     def resend(self, now: float) -> None:

@@ -11,22 +11,25 @@ it has them (pipeline/security.py).
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 
 import zmq
 
 from pipeline import wire
-from pipeline.errors import FabricError, WireError
+from pipeline.errors import FabricError
 from pipeline.security import ClientCurve, secure_client
 
 MT = wire.MessageType
 # zmq's reconnect backoff ceiling, and the longest wait between hellos (gpu/worker/session.py):
 # a worker is back within about 2 s of its broker, inside the default reregister_grace_s (5 s).
 MAX_RECONNECT_S = 1.0
+MAX_PONGS_PER_READ = 1024  # heartbeat answers read at once (a few arrive per second)
+log = logging.getLogger("fabric.worker")
 
 
 class Connection:
-    """Open with `open()`; `send`, `poll`, `recv`, `ping`, `pongs`; then `close()`."""
+    """Open with `open()`; `send`, `poll`, `messages`, `ping`, `pongs`; then `close()`."""
 
     def __init__(self, broker: str, heartbeat: str | None, curve: ClientCurve | None, session: str):
         self.broker = broker
@@ -37,22 +40,20 @@ class Connection:
 
     def open(self) -> None:
         self.context = zmq.Context()
-        self.socket = self.context.socket(zmq.DEALER)
+        self.socket = wire.open_socket(self.context, zmq.DEALER)
         self.socket.setsockopt(zmq.IDENTITY, self.session.encode())
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.SNDTIMEO, 0)
         self.socket.setsockopt(zmq.IMMEDIATE, 1)  # nothing queues for a broker that is not there
         self.socket.setsockopt(zmq.RECONNECT_IVL, 100)
         self.socket.setsockopt(zmq.RECONNECT_IVL_MAX, int(MAX_RECONNECT_S * 1000))
         secure_client(self.socket, self.curve)
         self.socket.connect(self.broker)
+        self.inbox = wire.Inbox(self.socket, log, "the broker")
         if self.heartbeat:
-            self.pinger = self.context.socket(zmq.DEALER)
-            self.pinger.setsockopt(zmq.LINGER, 0)
-            self.pinger.setsockopt(zmq.SNDTIMEO, 0)
+            self.pinger = wire.open_socket(self.context, zmq.DEALER)
             self.pinger.setsockopt(zmq.IMMEDIATE, 1)
             secure_client(self.pinger, self.curve)
             self.pinger.connect(self.heartbeat)
+            self.pong_inbox = wire.Inbox(self.pinger, log, "the heartbeat endpoint")
 
     def close(self) -> None:
         self.socket.close(0)
@@ -72,9 +73,9 @@ class Connection:
         """Whether dispatch sent something, waiting at most `timeout_ms`."""
         return bool(self.socket.poll(timeout_ms, zmq.POLLIN))
 
-    def recv(self) -> wire.Message | None:
-        """The next message from dispatch, or None; WireError when it is malformed."""
-        return wire.recv(self.socket, 0)
+    def messages(self, most: int) -> Iterator[wire.Message]:
+        """Up to `most` waiting messages from dispatch (a malformed one logged and skipped)."""
+        return self.inbox.read(most)
 
     def ping(self) -> None:
         """A PING on the heartbeat socket (nothing when there is none, or it cannot go)."""
@@ -83,17 +84,10 @@ class Connection:
                 wire.send(self.pinger, MT.PING, {})
 
     def pongs(self) -> Iterator[wire.Message]:
-        """The heartbeat answers that arrived (malformed ones skipped)."""
+        """The heartbeat answers that arrived (malformed ones logged and skipped)."""
         if self.pinger is None:
             return
-        while True:
-            try:
-                message = wire.recv(self.pinger, 0)
-            except WireError:
-                continue
-            if message is None:
-                return
-            yield message
+        yield from self.pong_inbox.read(MAX_PONGS_PER_READ)
 
 
 def no_answer_advice(broker: str, curve: ClientCurve | None, seconds: float) -> str:

@@ -48,8 +48,3 @@ class Done:
     outcome: str  # ok, transient, broken
     result: EngineResult | None = None
     reason: str = ""
-
-
-def item_keys(items: np.ndarray) -> np.ndarray:
-    """One u64 per item: (segment, slot); seqs are not compared, the broker checked them."""
-    return (items["segment"].astype(np.uint64) << np.uint64(32)) | items["slot"].astype(np.uint64)

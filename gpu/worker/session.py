@@ -46,16 +46,15 @@ from collections.abc import Callable
 import numpy as np
 
 from gpu.engines.base import Engine
-from gpu.work_protocol import ITEM_DTYPE
+from gpu.work_protocol import ITEM_DTYPE, slot_key
 from gpu.worker.connection import MAX_RECONNECT_S, Connection, no_answer_advice
 from gpu.worker.engine_thread import EngineThread
 from gpu.worker.faults import Faults
-from gpu.worker.held import Held, item_keys
+from gpu.worker.held import Held
 from gpu.worker.options import WorkerOptions
 from gpu.worker.results import keep_results, results_message
 from gpu.worker.watchdog import Watchdog
 from pipeline import exitcodes, wire
-from pipeline.errors import WireError
 from pipeline.segment_format import SLOT_HEADER_WORDS
 from pipeline.stage import StopFlags
 
@@ -154,17 +153,11 @@ class Worker:
             if now - self.last_report >= self.report_s:
                 self._report(now)
             self._resend(now)
-        try:
-            if self.connection.poll(timeout_ms):
-                for _ in range(64):
-                    message = self.connection.recv()
-                    if message is None:
-                        break
-                    self.last_heard = self.now()
-                    self.unanswered_since = None
-                    self._handle(message, self.last_heard)
-        except WireError as exc:
-            log.warning("malformed message from the broker dropped: %s", exc)
+        if self.connection.poll(timeout_ms):
+            for message in self.connection.messages(64):
+                self.last_heard = self.now()
+                self.unanswered_since = None
+                self._handle(message, self.last_heard)
         self._read_pings()
         self._track_idle(now)
 
@@ -326,9 +319,9 @@ class Worker:
             # Never change a batch under the engine: mark what is gone; a batch the engine
             # has not started and that holds nothing live is skipped; results for gone items
             # are dropped when they come back (_take_done).
-            gone = item_keys(held[known == 0])
+            gone = slot_key(held[known == 0])
             for h in list(self.held.values()):
-                drop = np.isin(item_keys(h.items), gone)
+                drop = np.isin(slot_key(h.items), gone)
                 if not drop.any():
                     continue
                 h.gone = drop if h.gone is None else h.gone | drop

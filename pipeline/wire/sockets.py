@@ -102,26 +102,37 @@ def requests(
 
 
 class Inbox:
-    """A stage's internal inbox (a PULL socket): its waiting messages, read without stopping.
+    """A stage's internal inbox (a PULL socket, or a DEALER that reads another stage's
+    answers): its waiting messages, read without stopping.
 
     A malformed message is logged (naming `peer`, where it came from), counted in
     `dropped`, and skipped. Internal peers are the broker's own stages, so one is a bug
-    or a stray sender, never a reason to stop the stage."""
+    or a stray sender, never a reason to stop the stage.
+
+    `receive` reads one message (default `recv`): a socket whose peer sends frames that
+    need their own decoding passes its own function of the same signature (completion's
+    inbox passes gpu.dispatch.forward.recv, for RESULTS dispatch forwards unparsed)."""
 
     def __init__(
-        self, socket: zmq.Socket, log, peer: str, limits: WireLimits = DEFAULT_LIMITS
+        self,
+        socket: zmq.Socket,
+        log,
+        peer: str,
+        limits: WireLimits = DEFAULT_LIMITS,
+        receive: Callable[..., Message | None] | None = None,
     ) -> None:
         self.socket = socket
         self.log = log
         self.peer = peer
         self.limits = limits
+        self.receive = recv if receive is None else receive
         self.dropped = 0  # malformed messages skipped since the stage started
 
     def read(self, most: int, wait_ms: int = 0) -> Iterator[Message]:
         """Up to `most` messages; only the first read waits, at most `wait_ms`."""
         for n in range(most):
             try:
-                message = recv(self.socket, wait_ms if n == 0 else 0, limits=self.limits)
+                message = self.receive(self.socket, wait_ms if n == 0 else 0, limits=self.limits)
             except WireError as exc:
                 self.dropped += 1
                 self.log.error("dropped a malformed message from %s: %s", self.peer, exc)
