@@ -53,9 +53,24 @@ def recheck(
     drop = np.zeros(n, dtype=bool)
     errors: list[LineError] = []
 
+    # a fan-out line is several items (its parts): one error per line, and all of it dropped
+    first_of_line = np.ones(n, dtype=bool)
+    first_of_line[1:] = np.diff(chunk.line.astype(np.int64)) != 0
+
     def reject(mask: np.ndarray, code: str, reason) -> None:
-        for i in np.flatnonzero(mask & ~drop).tolist():
-            errors.append(LineError.at(int(chunk.line[i]), chunk.custom_ids[i], code, reason(i)))
+        mask = mask & ~drop
+        if chunk.fanout and mask.any():
+            reported = set()
+            for i in np.flatnonzero(mask).tolist():
+                line = int(chunk.line[i])
+                if line not in reported:
+                    reported.add(line)
+                    errors.append(LineError.at(line, chunk.custom_ids[i], code, reason(i)))
+            mask = np.isin(chunk.line, chunk.line[mask])
+        else:
+            for i in np.flatnonzero(mask).tolist():
+                line = int(chunk.line[i])
+                errors.append(LineError.at(line, chunk.custom_ids[i], code, reason(i)))
         drop[mask] = True
 
     lengths = chunk.lengths.astype(np.int64)
@@ -100,20 +115,28 @@ def recheck(
             )
     reject(~is_text & (lengths == 0), EMPTY_PROMPT, lambda i: "prompt has no tokens")
     hashed = digests(chunk.custom_ids)
-    repeated = committed.contains((), digests=hashed) | repeats_within(hashed[0])
+    repeated = committed.contains((), digests=hashed)
+    if chunk.fanout:  # the parts of one line share its custom_id: compare lines, not items
+        line_of = np.cumsum(first_of_line) - 1
+        repeated |= repeats_within(hashed[0][first_of_line])[line_of]
+    else:
+        repeated |= repeats_within(hashed[0])
     if in_flight:  # high 64 bits only: a false match is about n**2 / 2**64
         repeated |= members_of(hashed[0], np.sort(np.concatenate(in_flight)))
     reject(
         repeated, DUPLICATE_CUSTOM_ID, lambda i: "custom_id is used by an earlier line of this job"
     )
     already: list[tuple[int, str]] = []
-    if stored is not None:
-        in_log = np.isin(chunk.line.astype(np.int64) - 1, stored) & ~drop
-        already = [
-            (int(chunk.line[i]), chunk.custom_ids[i]) for i in np.flatnonzero(in_log).tolist()
-        ]
+    if stored is not None:  # per item: a fan-out line may be stored in part
+        in_log = np.isin(chunk.indexes, stored) & ~drop
+        already = sorted(
+            {(int(chunk.line[i]), chunk.custom_ids[i]) for i in np.flatnonzero(in_log).tolist()}
+        )
         drop |= in_log
-    return Checked(chunk.without(drop, errors), already, (hashed[0][~drop], hashed[1][~drop]))
+    # rejected lines are dropped whole above; a part already stored leaves the rest of its line
+    sent = chunk.without(drop, errors, whole_lines=False)
+    keep = ~drop & first_of_line if chunk.fanout else ~drop
+    return Checked(sent, already, (hashed[0][keep], hashed[1][keep]))
 
 
 def item_max(tokens: np.ndarray, offsets: np.ndarray) -> np.ndarray:
