@@ -83,6 +83,9 @@ def render_job(info: dict[str, Any]) -> str:
         f"  undelivered results  {info['undelivered']}",
         f"  rate       {info['rate']:.0f} items/s completed",
     ]
+    if info.get("fanout"):
+        fan = info["fanout"]
+        lines.append(f"  parts      {fan['parts']} in {fan['lines']} lines of several parts")
     if info.get("deliver", "file") != "file":
         lines.append(f"  delivered to  {info['deliver']} (python run.py vectors stats)")
     if info.get("eta_s"):

@@ -14,7 +14,9 @@ a job finishes where it finishes (collector/completion/finishing.py).
 | `completed`  | every item done, not cancelled |
 | `expired`    | finished, fewer items done than its total and nothing undelivered: its delivered results were past retention and removed |
 
-`done` is the number of distinct items with a result or an error result.
+`done` is the number of lines whose every part has a result or an error
+result (a line of one part: its item); `fanout` gives the job's lines of
+several parts and their parts, a detail (docs/completion.md, "Lines and parts").
 """
 
 from __future__ import annotations
@@ -72,4 +74,8 @@ class JobStatus:
             "deliver": view.deliver,
             "rate": round(rate, 1),
             "eta_s": round(pending / rate, 1) if rate > 0 and pending else None,
+            # counters above are lines; a line of several parts (fan-out) is a detail here
+            "fanout": {"lines": len(view.lines), "parts": view.lines.items()}
+            if len(view.lines)
+            else None,
         }

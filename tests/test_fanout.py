@@ -1,0 +1,260 @@
+"""Fan-out and join: one request line, several parts (items), one response line.
+
+docs/input-format.md ("Lines with several parts") and docs/completion.md
+("Lines and parts"). The parsing tests run in process; the pipeline tests
+run a real broker (tests/broker.py) and validate every output body with the
+openai package's own types.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import openai.types
+import orjson
+import pytest
+from broker import TEXT_LIMIT_TOKENS, WORDS, Broker, submit, write_config
+from conftest import assert_check_clean, wait_for
+from test_dispatch_pipeline import assert_each_once, fetch, finished, job_info
+
+from config import load_settings
+from ingest.batch_input import iter_batch_input
+from pipeline.item_seq import PART_BASE
+from pipeline.job_files import JobFiles, acknowledged_indexes
+from router.intern_table import InternTable
+
+GEN_MODEL = """
+[[models]]
+name = "gen"
+engine = "echo"
+endpoints = ["/v1/embeddings", "/v1/completions", "/v1/chat/completions"]
+tokenizer = "{tokenizer}"
+max_tokens = 64
+"""
+
+
+def line(custom_id: str, url: str, **body) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
+
+
+def embed(custom_id: str, model: str = "gen", **body) -> dict:
+    return line(custom_id, "/v1/embeddings", model=model, **body)
+
+
+def write(path: Path, lines: list[dict]) -> Path:
+    path.write_bytes(b"".join(orjson.dumps(x) + b"\n" for x in lines))
+    return path
+
+
+def config(tmp_path: Path, workers: int = 1, **kw) -> Path:
+    """tests/broker.py's config and a model `gen` (echo engine, text and token ids, every
+    endpoint) that the local workers serve."""
+    path = write_config(tmp_path, workers=workers, worker_keys='model = "gen"', **kw)
+    tokenizer = tmp_path / "tokenizer.json"
+    path.write_text(path.read_text() + GEN_MODEL.format(tokenizer=tokenizer))
+    return path
+
+
+# ---- parsing ---------------------------------------------------------------------------
+
+
+def test_list_lines_become_one_item_per_part_with_part_region_indexes(tmp_path):
+    settings = load_settings(config(tmp_path))
+    lines = [
+        embed("one", input="a b"),
+        embed("three", input=["a", "b c", "d"]),
+        embed("ids", input=[5, 6, 7]),
+        embed("lists", input=[[1, 2], [3]]),
+        line("gen", "/v1/completions", model="gen", prompt=["a", "b"], n=2, seed=7),
+    ]
+    [chunk] = list(iter_batch_input(write(tmp_path / "in.jsonl", lines), settings))
+    assert not chunk.errors
+    assert chunk.line.tolist() == [1, 2, 2, 2, 3, 4, 4, 5, 5, 5, 5]
+    base = PART_BASE
+    assert chunk.indexes.tolist() == [
+        0,
+        1,
+        base,
+        base + 1,
+        2,
+        3,
+        base + 2,
+        4,
+        *range(base + 3, base + 6),
+    ]
+    assert chunk.fanout == ((2, 3, base), (4, 2, base + 2), (5, 4, base + 3))
+    assert [chunk.texts[i] for i in range(4)] == ["a b", "a", "b c", "d"]
+    seeds = [chunk.shapes[s].seed for s in chunk.shape_index[-4:].tolist()]
+    assert seeds == [7, 8, 7, 8]  # part p = prompt i * n + sample j, sample j has seed + j
+
+
+def test_a_line_with_one_bad_part_is_one_error_and_drops_every_part(tmp_path):
+    settings = load_settings(config(tmp_path))
+    too_long = " ".join(WORDS[0] for _ in range(TEXT_LIMIT_TOKENS + 1))
+    lines = [
+        embed("bad-part", input=[[1], []]),
+        embed("ok", input=["a", "b"]),
+        embed("many", input=["a"] * 2049),
+        embed("long", input=["a", too_long]),
+    ]
+    from ingest.tokenize import load_tokenizers, tokenize_chunk
+
+    [chunk] = list(iter_batch_input(write(tmp_path / "in.jsonl", lines), settings))
+    chunk = tokenize_chunk(chunk, load_tokenizers(settings), settings)
+    assert [(e.line, e.code) for e in chunk.errors] == [
+        (1, "empty_prompt"),
+        (3, "too_many_inputs"),
+        (4, "prompt_too_long"),
+    ]
+    assert "body.input[1] is empty" in chunk.errors[0].message
+    assert chunk.custom_ids == ("ok", "ok")
+
+
+def test_the_per_line_token_budget_is_a_per_line_error(tmp_path):
+    path = config(tmp_path)
+    path.write_text(
+        path.read_text().replace("chunk_items = 200", "chunk_items = 200\nmax_line_tokens = 5")
+    )
+    settings = load_settings(path)
+    lines = [
+        embed("ids", input=[[1, 2, 3], [4, 5, 6]]),
+        embed("text", input=["a b c", "d e f"]),
+        embed("fits", input=["a b", "c"]),
+    ]
+    from ingest.tokenize import load_tokenizers, tokenize_chunk
+
+    [chunk] = list(iter_batch_input(write(tmp_path / "in.jsonl", lines), settings))
+    chunk = tokenize_chunk(chunk, load_tokenizers(settings), settings)
+    assert [(e.line, e.code) for e in chunk.errors] == [
+        (1, "line_too_many_tokens"),
+        (2, "line_too_many_tokens"),
+    ]
+    assert "6 tokens together" in chunk.errors[0].message
+    assert chunk.custom_ids == ("fits", "fits")
+
+
+# ---- through a real broker -------------------------------------------------------------
+
+
+@pytest.fixture
+def broker(tmp_path):
+    started: list[Broker] = []
+
+    def start(**kw) -> Broker:
+        b = Broker(config(tmp_path, **kw)).start()
+        started.append(b)
+        return b
+
+    yield start
+    for b in started:
+        b.close()
+
+
+def outputs(out: Path) -> dict[str, dict]:
+    return {json.loads(x)["custom_id"]: json.loads(x) for x in out.read_text().splitlines()}
+
+
+def errors(out: Path) -> dict[str, dict]:
+    path = Path(f"{out}.errors.jsonl")
+    text = path.read_text() if path.exists() else ""
+    return {json.loads(x)["custom_id"]: json.loads(x) for x in text.splitlines()}
+
+
+def run_job(b: Broker, tmp_path: Path, job: str, lines: list[dict], timeout_s: float = 120):
+    data = write(tmp_path / f"{job}.jsonl", lines)
+    result = submit(b.config, data, "--job-id", job)
+    assert result.returncode == 0, result.stderr
+    wait_for(lambda: finished(b, job), f"job {job} to finish", timeout_s=timeout_s)
+    out = tmp_path / f"{job}.out.jsonl"
+    result = fetch(b, job, out)
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+def test_every_fan_out_row_through_a_broker_in_openais_shape(tmp_path, broker):
+    b = broker(workers=1)
+    texts = ["alpha beta", "gamma", "delta epsilon zeta"]
+    lines = [
+        embed("strings", input=texts),
+        embed("ids", input=[5, 6, 7]),
+        embed("id-lists", input=[[1, 2], [3], [4, 5, 6]]),
+        embed("single", input=[9]),
+        line("prompts", "/v1/completions", model="gen", prompt=["a b", "c"], max_tokens=8),
+        line("n-seeded", "/v1/completions", model="gen", prompt="d e", n=4, seed=3, max_tokens=8),
+        line(
+            "chat-n",
+            "/v1/chat/completions",
+            model="gen",
+            messages=[{"role": "user", "content": "f g"}],
+            n=2,
+            max_tokens=8,
+        ),
+        embed("too-many", input=["a"] * 2049),
+        embed("bad-part", input=[[1], [2**40]]),
+    ]
+    out = run_job(b, tmp_path, "fan", lines)
+    assert_each_once(out, len(lines))
+    got, failed = outputs(out), errors(out)
+    assert set(failed) == {"too-many", "bad-part"}
+    assert failed["too-many"]["error"]["code"] == "too_many_inputs"
+    assert "body.input[1][0]" in failed["bad-part"]["error"]["message"]
+
+    def body(custom_id):
+        return got[custom_id]["response"]["body"]
+
+    strings = openai.types.CreateEmbeddingResponse.model_validate(body("strings"))
+    assert [d.index for d in strings.data] == [0, 1, 2]
+    lengths = [len(t.split()) for t in texts]  # echo: the padded token ids as floats
+    assert strings.usage.prompt_tokens == sum(lengths)
+    one = openai.types.CreateEmbeddingResponse.model_validate(body("ids"))
+    assert len(one.data) == 1 and one.data[0].embedding[:3] == [5.0, 6.0, 7.0]
+    lists = openai.types.CreateEmbeddingResponse.model_validate(body("id-lists"))
+    want = [[1, 2], [3], [4, 5, 6]]
+    got_ids = [d.embedding[: len(ids)] for d, ids in zip(lists.data, want, strict=True)]
+    assert got_ids == [[float(t) for t in ids] for ids in want]
+    prompts = openai.types.Completion.model_validate(body("prompts"))
+    assert [c.index for c in prompts.choices] == [0, 1]
+    assert [c.model_extra["token_ids"] for c in prompts.choices][1] != []
+    seeded = openai.types.Completion.model_validate(body("n-seeded"))
+    assert [c.index for c in seeded.choices] == [0, 1, 2, 3]
+    chat = openai.types.chat.ChatCompletion.model_validate(body("chat-n"))
+    assert [c.index for c in chat.choices] == [0, 1]
+    info = job_info(b, "fan")
+    assert (info["total"], info["completed"], info["failed"]) == (9, 7, 2)
+    assert info["fanout"] == {"lines": 5, "parts": 3 + 3 + 2 + 4 + 2}
+    table = InternTable(b.data_dir.root)
+    seeds = {table._by_id[k].get("seed") for k in table._by_id}
+    assert seeds >= {3, 4, 5, 6}  # n = 4 with seed 3: samples drawn with seeds 3..6
+    assert b.stop() == 0, b.stderr
+    assert_check_clean(b.data_dir)
+
+
+def test_a_seeded_n_is_reproducible_across_a_rerun(tmp_path, broker):
+    b = broker(workers=1)
+    lines = [
+        line(f"c{i}", "/v1/completions", model="gen", prompt=f"a b {i}", n=4, seed=11, max_tokens=4)
+        for i in range(5)
+    ]
+    first = outputs(run_job(b, tmp_path, "run-1", lines))
+    second = outputs(run_job(b, tmp_path, "run-2", lines))
+    for key in first:
+        a = openai.types.Completion.model_validate(first[key]["response"]["body"])
+        c = openai.types.Completion.model_validate(second[key]["response"]["body"])
+        assert [x.model_extra["token_ids"] for x in a.choices] == [
+            x.model_extra["token_ids"] for x in c.choices
+        ]
+    assert b.stop() == 0, b.stderr
+    assert_check_clean(b.data_dir)
+
+
+def test_journal_maps_parts_to_lines(tmp_path, broker):
+    b = broker(workers=1)
+    lines = [embed(f"e{i}", input=["a", "b c"][: 1 + i % 2]) for i in range(6)]
+    run_job(b, tmp_path, "map", lines)
+    index = acknowledged_indexes(JobFiles(b.data_dir.root).journal_path("map"))
+    assert index.tolist() == [0, 1, 2, 3, 4, 5, PART_BASE, PART_BASE + 1, PART_BASE + 2]
+    assert np.all(index >= 0)
+    assert b.stop() == 0, b.stderr
+    assert_check_clean(b.data_dir)
