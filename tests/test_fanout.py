@@ -9,15 +9,18 @@ openai package's own types.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import openai.types
 import orjson
 import pytest
-from broker import TEXT_LIMIT_TOKENS, WORDS, Broker, submit, write_config
+from broker import REPO, TEXT_LIMIT_TOKENS, WORDS, Broker, submit, write_config
 from conftest import assert_check_clean, wait_for
-from test_dispatch_pipeline import assert_each_once, fetch, finished, job_info
+from test_dispatch_pipeline import assert_each_once, cli, fetch, finished, job_info
 
 from config import load_settings
 from ingest.batch_input import iter_batch_input
@@ -142,8 +145,11 @@ def test_the_per_line_token_budget_is_a_per_line_error(tmp_path):
 def broker(tmp_path):
     started: list[Broker] = []
 
-    def start(**kw) -> Broker:
-        b = Broker(config(tmp_path, **kw)).start()
+    def start(chunk_items: int = 200, **kw) -> Broker:
+        path = config(tmp_path, **kw)
+        text = path.read_text().replace("chunk_items = 200", f"chunk_items = {chunk_items}")
+        path.write_text(text)
+        b = Broker(path).start()
         started.append(b)
         return b
 
@@ -256,5 +262,63 @@ def test_journal_maps_parts_to_lines(tmp_path, broker):
     index = acknowledged_indexes(JobFiles(b.data_dir.root).journal_path("map"))
     assert index.tolist() == [0, 1, 2, 3, 4, 5, PART_BASE, PART_BASE + 1, PART_BASE + 2]
     assert np.all(index >= 0)
+    assert b.stop() == 0, b.stderr
+    assert_check_clean(b.data_dir)
+
+
+def _completed(b: Broker, job: str) -> int:
+    """Lines of `job` done, 0 while the broker does not know the job yet."""
+    result = cli(b, "status", job, "--json", timeout_s=60)
+    return json.loads(result.stdout)["completed"] if result.returncode == 0 else 0
+
+
+def _strings(line: int, parts: int) -> list[str]:
+    """Two words per part, unique over the whole job: w<a % 1000> w<a // 1000>."""
+    return [f"w{(line * parts + p) % 1000} w{(line * parts + p) // 1000}" for p in range(parts)]
+
+
+@pytest.mark.slow
+def test_a_64000_item_list_job_survives_a_broker_kill_with_each_line_once_and_whole(
+    tmp_path, broker
+):
+    """1,000 lines of 64 strings: kill -9 of the whole broker mid-run, start it again, resume
+    the submit if it was cut: every line once, whole, its 64 parts in input order, none
+    computed into another line (the echo engine embeds a part as its own token ids)."""
+    from tokenizers import Tokenizer
+
+    lines_n, parts = 1000, 64
+    b = broker(workers=1, chunk_items=50)  # chunks of 3,200 items
+    lines = [embed(f"l{i}", input=_strings(i, parts)) for i in range(lines_n)]
+    data = write(tmp_path / "big.jsonl", lines)
+    cmd = [sys.executable, "run.py", "submit", str(data), "--job-id", "big", "--config"]
+    producer = subprocess.Popen(
+        [*cmd, str(b.config)], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    wait_for(lambda: _completed(b, "big") > 20, "some lines done", 240)
+    before = _completed(b, "big")
+    b.kill()  # the whole broker: supervisor and every stage
+    assert before < lines_n, "the job was done before the kill: nothing was tested"
+    b.start()
+    _, err = producer.communicate(timeout=600)  # it waits for the broker and goes on, or fails
+    if producer.returncode != 0:  # then the same submit again resumes the job
+        result = submit(b.config, data, "--job-id", "big", timeout_s=600)
+        assert result.returncode == 0, result.stderr + err.decode()
+    started = time.monotonic()
+    wait_for(lambda: finished(b, "big"), "the job to finish after the restart", timeout_s=600)
+    took = time.monotonic() - started
+    info = job_info(b, "big")
+    assert (info["total"], info["completed"], info["failed"]) == (lines_n, lines_n, 0)
+    assert info["fanout"] == {"lines": lines_n, "parts": lines_n * parts}
+    out = tmp_path / "big.out.jsonl"
+    assert fetch(b, "big", out, timeout_s=600).returncode == 0
+    assert_each_once(out, lines_n)
+    tokenizer = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    for custom_id, record in outputs(out).items():
+        body = openai.types.CreateEmbeddingResponse.model_validate(record["response"]["body"])
+        assert [d.index for d in body.data] == list(range(parts))
+        want = [tokenizer.encode(s).ids for s in _strings(int(custom_id[1:]), parts)]
+        got = [d.embedding[: len(ids)] for d, ids in zip(body.data, want, strict=True)]
+        assert got == [[float(t) for t in ids] for ids in want], custom_id
+    assert took < 600  # liveness: bounded by the wait above
     assert b.stop() == 0, b.stderr
     assert_check_clean(b.data_dir)
