@@ -7,7 +7,10 @@ tokenizer, a pre-tokenised prompt is not empty, fits the model's limit
 (`token_out_of_range`, ingest/catalog.py), and its custom_id is not used elsewhere in the job:
 by a committed chunk, by another chunk in flight, or earlier in this one.
 Bad items become error records (`LineError`, naming line, custom_id and
-reason); items an earlier attempt already stored are set aside. Vectorised
+reason); a line of several parts (fan-out) is checked whole: at most
+`ingest.max_inputs_per_line` parts, its token-id prompts within
+`ingest.max_line_tokens` together, and one bad part rejects the line.
+Items an earlier attempt already stored are set aside. Vectorised
 over the chunk: one pass per model and shape, not per item.
 """
 
@@ -24,13 +27,15 @@ from ingest.line_errors import (
     DUPLICATE_CUSTOM_ID,
     EMPTY_PROMPT,
     ENDPOINT_NOT_SERVED,
+    LINE_TOO_MANY_TOKENS,
     PROMPT_TOO_LONG,
     TEXT_NOT_ACCEPTED,
     TOKEN_OUT_OF_RANGE,
+    TOO_MANY_INPUTS,
     UNKNOWN_MODEL,
     LineError,
 )
-from ingest.line_parser import beyond_vocabulary
+from ingest.line_parser import beyond_vocabulary, too_many_tokens
 
 
 @dataclass(frozen=True, eq=False)
@@ -114,6 +119,23 @@ def recheck(
                 lambda i, name=name, vocab=vocab: _beyond(chunk, i, name, vocab),
             )
     reject(~is_text & (lengths == 0), EMPTY_PROMPT, lambda i: "prompt has no tokens")
+    if chunk.fanout:  # the per-line limits (text lines' budget is checked after tokenising)
+        too_many = [number for number, k, _ in chunk.fanout if k > catalog.max_parts]
+        reject(
+            np.isin(chunk.line, too_many),
+            TOO_MANY_INPUTS,
+            lambda i: f"the line has more than {catalog.max_parts} parts",
+        )
+        starts = np.flatnonzero(first_of_line)
+        totals = np.add.reduceat(np.where(is_text, 0, lengths), starts) if n else starts
+        over = chunk.line[starts[totals > catalog.max_line_tokens]]
+        reject(
+            np.isin(chunk.line, over),
+            LINE_TOO_MANY_TOKENS,
+            lambda i: too_many_tokens(
+                int(lengths[chunk.line == chunk.line[i]].sum()), catalog.max_line_tokens
+            ),
+        )
     hashed = digests(chunk.custom_ids)
     repeated = committed.contains((), digests=hashed)
     if chunk.fanout:  # the parts of one line share its custom_id: compare lines, not items

@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +26,9 @@ from test_dispatch_pipeline import assert_each_once, cli, fetch, finished, job_i
 
 from config import load_settings
 from ingest.batch_input import iter_batch_input
+from ingest.catalog import ModelCatalog
+from ingest.chunk_check import recheck
+from ingest.custom_ids import CustomIdSet
 from pipeline.item_seq import PART_BASE
 from pipeline.job_files import JobFiles, acknowledged_indexes
 from router.intern_table import InternTable
@@ -390,3 +394,27 @@ def test_n_samples_of_smollm2_are_distinct_without_a_seed_and_repeat_with_one(tm
             worker.kill()
             worker.wait(timeout=30)
         b.close()
+
+
+def test_the_front_checks_a_fan_out_chunk_again_per_line(tmp_path):
+    """Nothing from the network is trusted: the front's recheck applies the per-line limits,
+    keeps a line's parts (which share its custom_id) from looking like duplicates, and on a
+    retry sends only the parts of a line an earlier attempt did not store."""
+    settings = load_settings(config(tmp_path))
+    lines = [
+        embed("ok", input=[[1, 2], [3]]),
+        embed("wide", input=[[1], [2], [3]]),
+        embed("heavy", input=[[1, 2, 3], [4, 5]]),
+        embed("plain", input=[7]),
+    ]
+    [chunk] = list(iter_batch_input(write(tmp_path / "in.jsonl", lines), settings))
+    strict = replace(ModelCatalog.from_settings(settings), max_parts=2, max_line_tokens=4)
+    checked = recheck(chunk, strict, CustomIdSet(), [], None)
+    got = [(e.line, e.code) for e in checked.chunk.errors]
+    assert got == [(2, "too_many_inputs"), (3, "line_too_many_tokens")]
+    assert checked.chunk.custom_ids == ("ok", "ok", "plain")
+    assert len(checked.digests[0]) == 2  # one custom_id per line
+    stored = np.array([0, PART_BASE + 3])  # line 1's part 0 and line 3's part 1, say
+    again = recheck(chunk, ModelCatalog.from_settings(settings), CustomIdSet(), [], stored)
+    assert again.chunk.indexes.tolist() == [PART_BASE, 1, PART_BASE + 1, PART_BASE + 2, 2, 3]
+    assert again.already == [(1, "ok"), (3, "heavy")]
