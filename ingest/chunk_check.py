@@ -33,6 +33,7 @@ from ingest.line_errors import (
     TOKEN_OUT_OF_RANGE,
     TOO_MANY_INPUTS,
     UNKNOWN_MODEL,
+    UNSUPPORTED_PARAMETER,
     LineError,
 )
 from ingest.line_parser import beyond_vocabulary, too_many_tokens
@@ -51,9 +52,12 @@ def recheck(
     committed: CustomIdSet,
     in_flight: list[np.ndarray],
     stored: np.ndarray | None,
+    fanout_allowed: bool = True,
 ) -> Checked:
     """Check `chunk`; `in_flight` holds the digest highs of the job's other chunks in flight,
-    `stored` the item indexes of this chunk already in the log (None on a first attempt)."""
+    `stored` the item indexes of this chunk already in the log (None on a first attempt).
+    Without `fanout_allowed` (a job delivered to the vector store) a line of several parts
+    is refused."""
     n = chunk.n_items
     drop = np.zeros(n, dtype=bool)
     errors: list[LineError] = []
@@ -119,6 +123,15 @@ def recheck(
                 lambda i, name=name, vocab=vocab: _beyond(chunk, i, name, vocab),
             )
     reject(~is_text & (lengths == 0), EMPTY_PROMPT, lambda i: "prompt has no tokens")
+    if chunk.fanout and not fanout_allowed:
+        reject(
+            np.isin(chunk.line, [number for number, _, _ in chunk.fanout]),
+            UNSUPPORTED_PARAMETER,
+            lambda i: (
+                "a job delivered to the vector store takes one input per line; write one "
+                "line per string, or deliver the job to a file"
+            ),
+        )
     if chunk.fanout:  # the per-line limits (text lines' budget is checked after tokenising)
         too_many = [number for number, k, _ in chunk.fanout if k > catalog.max_parts]
         reject(

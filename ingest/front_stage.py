@@ -270,7 +270,8 @@ class FrontStage(Stage):
                 parts = stored_indexes(self.data_dir, job.job_no, first, last, earlier.accepted_ns)
                 stored = np.concatenate([stored, parts])
         in_flight = self.inflight.digests_of_job(job, chunk.index)
-        checked = recheck(chunk, self.catalog, job.custom_ids, in_flight, stored)
+        fanout_allowed = job.deliver == DELIVER_FILE  # the vector store takes one part a line
+        checked = recheck(chunk, self.catalog, job.custom_ids, in_flight, stored, fanout_allowed)
         if checked.already:
             self.log.info(
                 "job %s chunk %d: %d items already in the log from an earlier attempt",

@@ -418,3 +418,15 @@ def test_the_front_checks_a_fan_out_chunk_again_per_line(tmp_path):
     again = recheck(chunk, ModelCatalog.from_settings(settings), CustomIdSet(), [], stored)
     assert again.chunk.indexes.tolist() == [PART_BASE, 1, PART_BASE + 1, PART_BASE + 2, 2, 3]
     assert again.already == [(1, "ok"), (3, "heavy")]
+
+
+def test_a_job_delivered_to_the_vector_store_refuses_lines_of_several_parts(tmp_path):
+    settings = load_settings(config(tmp_path))
+    lines = [embed("many", input=[[1], [2]]), embed("one", input=[[3]])]
+    [chunk] = list(iter_batch_input(write(tmp_path / "in.jsonl", lines), settings))
+    catalog = ModelCatalog.from_settings(settings)
+    checked = recheck(chunk, catalog, CustomIdSet(), [], None, fanout_allowed=False)
+    [error] = checked.chunk.errors
+    assert (error.line, error.code) == (1, "unsupported_parameter")
+    assert "vector store takes one input per line" in error.message
+    assert checked.chunk.custom_ids == ("one",)
