@@ -430,3 +430,41 @@ def test_a_job_delivered_to_the_vector_store_refuses_lines_of_several_parts(tmp_
     assert (error.line, error.code) == (1, "unsupported_parameter")
     assert "vector store takes one input per line" in error.message
     assert checked.chunk.custom_ids == ("one",)
+
+
+def test_completion_counts_lines_and_pages_carry_whole_lines_even_half_marked(data_dir):
+    """Lines of 3 parts: a line counts done only with every part; a page never holds part of
+    a line; a page is cut to about its limit in whole lines; and a line whose parts were
+    marked delivered only in part (a crash between segments) still comes whole."""
+    from collector.completion.line_table import LineTable
+    from collector.completion.results_log import CompletionLog
+
+    table = LineTable()
+    table.add([[1, 3, PART_BASE], [2, 3, PART_BASE + 2], [3, 3, PART_BASE + 4]])
+    log = CompletionLog(data_dir, lambda s: None, line_table=lambda job: table)
+
+    def store(*index):
+        n = log.record_errors("j", 1, np.array(index), [f"e: part {i}" for i in index])
+        log.sync_outputs()
+        return n
+
+    store(0, PART_BASE, 1)  # two parts of line 1, one of line 2: no line done
+    assert (log.completed("j"), log.failed("j")) == (0, 0)
+    assert len(log.page("j", 100)) == 0
+    store(PART_BASE + 1)  # line 1's last part: now whole, line 2 still waits
+    assert (log.completed("j"), log.failed("j")) == (1, 1)
+    page = log.page("j", 100)
+    assert page.index.tolist() == [0, 0, 0] and sorted(page.part.tolist()) == [0, 1, 2]
+    store(PART_BASE + 2, PART_BASE + 3, 2, PART_BASE + 4, PART_BASE + 5)
+    assert (log.completed("j"), log.failed("j")) == (3, 3)
+    page = log.page("j", 3)  # its 3 rows touch lines 1 and 2: cut to whole lines, 3 rows
+    assert page.index.tolist() == [0, 0, 0]
+    half = [(s, slots[:1]) for s, slots in page.where]  # a crash after marking one slot
+    log.delivered("j", half)
+    again = log.page("j", 100)
+    assert len(again) == 9  # every line whole, the half-marked one included
+    assert sorted(zip(again.index.tolist(), again.part.tolist(), strict=True)) == [
+        (line, part) for line in range(3) for part in range(3)
+    ]
+    log.delivered("j", again.where)
+    assert len(log.page("j", 100)) == 0 and log.undelivered("j") == 0

@@ -34,19 +34,32 @@ from pipeline.segment_format import EMPTY, STATE_MASK
 
 
 def whole_lines(
-    page: Page, job: JobResults, readers: dict[int, Segment], table: LineTable, everything: bool
+    page: Page,
+    job: JobResults,
+    readers: dict[int, Segment],
+    table: LineTable,
+    everything: bool,
+    limit: int,
 ) -> Page:
-    """`page` with only whole lines, each part's row carrying its line index and part."""
+    """`page` with only whole lines, each part's row carrying its line index and part. Unless
+    `everything`, the fan-out lines given are cut to about `limit` rows in all (at least one
+    line), in the order they first appear in the page; the rest wait for the next page."""
     line, part = table.owner(page.index)
     fanned = np.isin(line, table.lines)
     keep = ~fanned & (line >= 0)  # a part the table does not know yet waits for it
     wanted_lines = np.zeros(0, np.int64)
     if fanned.any():
-        lines = np.unique(line[fanned])
+        lines, first_row = np.unique(line[fanned], return_index=True)
+        lines = lines[np.argsort(first_row, kind="stable")]  # in page order
         done = job.lines_done(table, lines)
         if everything:  # only the page holding part 0 gives the line
             done &= np.isin(lines, line[fanned & (part == 0)])
         wanted_lines = lines[done]
+        if not everything:  # (a line cut from an `everything` page would never come again)
+            room = max(limit - int(keep.sum()), 1)
+            rows = np.cumsum(table.counts(wanted_lines))
+            cut = max(1, int(np.searchsorted(rows, room, side="right")))
+            wanted_lines = wanted_lines[:cut]
         keep |= fanned & np.isin(line, wanted_lines)
     kept = _select(page, keep)
     if len(wanted_lines):

@@ -77,6 +77,11 @@ class LineTable:
             part[high] = np.where(ok, index[high] - first[np.maximum(at, 0)] + 1, 0)
         return line, part
 
+    def counts(self, lines: np.ndarray) -> np.ndarray:
+        """The parts of each of fan-out `lines` (line indexes in the table)."""
+        line, count = self._arrays()[:2]
+        return count[_rows_of(line, lines)]
+
     def members(self, lines: np.ndarray) -> np.ndarray:
         """Every item index (part 0 and the part region) of fan-out `lines` (line indexes)."""
         line, count, first = self._arrays()[:3]

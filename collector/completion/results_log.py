@@ -362,7 +362,7 @@ class CompletionLog:
         table = self.line_table(job_id)
         if table is None or not len(table) or not len(page):
             return page
-        return whole_lines(page, job, readers, table, everything)
+        return whole_lines(page, job, readers, table, everything, limit)
 
     def delivered(self, job_id: str, where: list[tuple[int, np.ndarray]]) -> int:
         """Mark results delivered (DEAD in the completion log) and make that durable."""
