@@ -18,6 +18,13 @@ that CPython ships, assembly/demo.py):
    padding waste < 20% of tokens.
 
 Writes its section of docs/BENCHMARKS.md.
+
+    python bench/engine_overhead.py --lists [--per-line 64] [--items N] [--repeats 3]
+
+compares instead, through the same pipeline, the corpus sent as embeddings
+`input` lists of `--per-line` strings (fan-out: one item per string, joined
+back into one response line) with the same strings one per line: items/s of
+each and their ratio, target within 5%. Writes its own section.
 """
 
 from __future__ import annotations
@@ -87,8 +94,9 @@ def engine_alone(batches) -> tuple[float, int, int]:
     return seconds, real, slots
 
 
-def pipeline(root: Path, texts: list[str]) -> float:
-    """Seconds from the first submitted line to the last result delivered (one local worker)."""
+def pipeline(root: Path, texts: list[str], per_line: int = 1) -> float:
+    """Seconds from the first submitted line to the last result delivered (one local worker);
+    `per_line` > 1 sends the texts as embeddings `input` lists of that many strings."""
     from assembly.demo import write_config
     from collector.results_client import ResultsClient
     from config import load_settings
@@ -97,8 +105,9 @@ def pipeline(root: Path, texts: list[str]) -> float:
     root.mkdir(parents=True, exist_ok=True)
     corpus = root / "corpus.jsonl"
     with open(corpus, "w") as out:
-        for i, text in enumerate(texts):
-            body = {"model": "minilm", "input": text}
+        for i in range(0, len(texts), per_line):
+            group = texts[i : i + per_line]
+            body = {"model": "minilm", "input": group if per_line > 1 else group[0]}
             line = {"custom_id": f"p{i}", "method": "POST", "url": "/v1/embeddings", "body": body}
             out.write(json.dumps(line) + "\n")
     config = write_config(root, workers=1)
@@ -122,7 +131,8 @@ def pipeline(root: Path, texts: list[str]) -> float:
                 job, str(root / "out.jsonl"), str(root / "err.jsonl"), follow=True
             )
         seconds = time.perf_counter() - began
-        assert report.written == len(texts), (report.written, report.errors)
+        lines = -(-len(texts) // per_line)
+        assert report.written == lines, (report.written, report.errors)
         return seconds
     finally:
         broker.send_signal(signal.SIGTERM)
@@ -133,7 +143,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=str(REPO / "var" / "bench-engine"))
+    parser.add_argument("--lists", action="store_true", help="list input against one per line")
+    parser.add_argument("--per-line", type=int, default=64, help="strings per list line")
+    parser.add_argument("--items", type=int, default=0, help="use the first N texts (0: all)")
     args = parser.parse_args()
+    if args.lists:
+        return lists_against_single(args)
     from assembly.demo import corpus
 
     started = time.monotonic()
@@ -202,6 +217,70 @@ def main() -> int:
     )
     print(body)
     write_section(DOC, "bench/engine_overhead.py", body)
+    subprocess.run(["rm", "-rf", str(bench_dir)], check=False)
+    return 0
+
+
+def lists_against_single(args) -> int:
+    """The corpus as `input` lists of `per_line` strings against one string per line, both
+    through the whole pipeline: items/s of each, and their ratio (target within 5%)."""
+    from assembly.demo import corpus
+
+    started = time.monotonic()
+    bench_dir = Path(args.dir)
+    subprocess.run(["rm", "-rf", str(bench_dir)], check=True)
+    bench_dir.mkdir(parents=True)
+    facts = describe(bench_dir)
+    texts = corpus()
+    if args.items:
+        texts = texts[: args.items]
+    single, lists = [], []
+    for r in range(args.repeats):  # alternate which goes first, so drift touches both
+        order = ("single", "lists") if r % 2 == 0 else ("lists", "single")
+        for kind in order:
+            per_line = 1 if kind == "single" else args.per_line
+            rate = len(texts) / pipeline(bench_dir / f"{kind}{r}", texts, per_line)
+            (single if kind == "single" else lists).append(rate)
+            print(f"{kind}: {rate:.0f} items/s", file=sys.stderr)
+    ratios = tuple(a / b for a, b in zip(lists, single, strict=True))
+    rows = [
+        Row("1 one string per line", "submit -> last result delivered: items/s", tuple(single)),
+        Row(
+            f"2 lists of {args.per_line}",
+            "submit -> last line delivered: items/s",
+            tuple(lists),
+        ),
+        Row(
+            "3 ratio",
+            "lists / one per line, % (paired by repeat)",
+            tuple(100 * x for x in ratios),
+            target=">= 95%",
+            at_least=95.0,
+        ),
+    ]
+    facts["load average at end"] = load_average()
+    notes = [
+        f"Corpus: the first {len(texts)} paragraphs of the Python documentation topics "
+        f"(pydoc_data), as `run.py demo` uses them; lists of {args.per_line} consecutive "
+        "paragraphs per line, or one per line.",
+        "Both through `run.py --config` as `run.py demo` writes it (one local minilm worker, "
+        "batch_items 64, target_batch_s 0), timed from the first submitted line until "
+        "`ResultsClient.fetch(follow=True)` has written and fsynced every line. A list line's "
+        "strings are its parts: each is an item of its own lane (docs/completion.md, "
+        '"Lines and parts"), joined back into one line by completion and the client.',
+    ]
+    body = render_section(
+        "Engine overhead: list input (bench/engine_overhead.py --lists)",
+        "Embeddings `input` lists (fan-out and join) against the same strings one per line, "
+        "through the whole pipeline with the `minilm` engine.",
+        command_line(),
+        time.monotonic() - started,
+        facts,
+        rows,
+        notes,
+    )
+    print(body)
+    write_section(DOC, "bench/engine_overhead.py --lists", body)
     subprocess.run(["rm", "-rf", str(bench_dir)], check=False)
     return 0
 

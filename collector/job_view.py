@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from collector.completion.line_table import LineTable
 from ingest.jobs import DELIVER_FILE
 from pipeline.job_files import (
     ChunkProgress,
@@ -51,6 +52,7 @@ class JobView:
         self.progress = ChunkProgress(keep_errors=False)
         self.first_lines: dict[int, int] = {}  # first line of a committed chunk -> chunk
         self.rejected: list[list[Any]] = []  # [line, custom_id, code, message], not yet taken
+        self.lines = LineTable()  # the fan-out lines of committed chunks
         self._ids: collections.OrderedDict[int, tuple] = collections.OrderedDict()
         self.refresh()
 
@@ -89,6 +91,7 @@ class JobView:
             if self.progress.apply(record, span):
                 self.first_lines[int(record["first"])] = record["c"]
                 self.rejected.extend(record["errors"])
+                self.lines.add(record.get("parts", ()))
 
     def take_rejected(self) -> list[list[Any]]:
         taken, self.rejected = self.rejected, []

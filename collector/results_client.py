@@ -121,6 +121,7 @@ class ResultsClient(BrokerClient):
                 prompt_tokens=a["prompt_tokens"][pick],
                 payload=payload,
                 offsets=offsets,
+                part=a["part"][pick] if "part" in a else None,  # fan-out lines, joined
             )
             model = models.get(model_id, "")
             context = ExportContext(

@@ -89,6 +89,9 @@ def render_job(info: dict[str, Any]) -> str:
             f"  tokens     {usage['prompt_tokens']} prompt + {usage['completion_tokens']} "
             f"generated = {usage['total_tokens']}"
         )
+    if info.get("fanout"):
+        fan = info["fanout"]
+        lines.append(f"  parts      {fan['parts']} in {fan['lines']} lines of several parts")
     if info.get("deliver", "file") != "file":
         lines.append(f"  delivered to  {info['deliver']} (python run.py vectors stats)")
     if info.get("eta_s"):

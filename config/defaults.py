@@ -69,6 +69,11 @@ DEFAULTS: Final[dict[str, Any]] = {
         # front sees a message: docs/wire.md, "Limits on each port".
         "max_connections": 128,
         "max_peer_connections": 32,  # ten or twenty local `submit` runs at once are usual
+        # Parts one request line may fan out to (an `input`/`prompt` list times `n`): OpenAI's
+        # 2,048 inputs per embeddings request. docs/input-format.md, "Lines with several parts".
+        "max_inputs_per_line": 2048,
+        # Prompt tokens of one line's parts together; a line beyond it is rejected.
+        "max_line_tokens": 1024 * 1024,
     },
     "router": {
         # Router processes (assign model, shape and lane to each item).

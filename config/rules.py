@@ -150,6 +150,8 @@ RULES: Final[dict[str, Rule]] = {
     "ingest.processes": count(1),
     "ingest.max_message_bytes": count(1),
     "ingest.chunk_items": count(1),
+    "ingest.max_inputs_per_line": count(1),
+    "ingest.max_line_tokens": count(1),
     "ingest.chunk_timeout_s": interval("seconds", zero_ok=False),
     "ingest.max_chunks_in_flight": count(1),
     "ingest.producer_chunks_in_flight": count(1),

@@ -56,6 +56,8 @@ class IngestSettings:
     producer_inflight_bytes: int
     max_connections: int
     max_peer_connections: int
+    max_inputs_per_line: int
+    max_line_tokens: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -121,7 +121,7 @@ def _chunks(
         if number - builder.first_line + 1 == chunk_lines:
             yield _finish(builder, claims, seen, number)
             index += 1
-            builder = ChunkBuilder(index, first_line=number + 1)
+            builder = ChunkBuilder(index, first_line=number + 1, next_part=builder.next_part)
             claims = []
     if number >= builder.first_line or index == 0:  # an empty file is one empty chunk
         yield _finish(builder, claims, seen, number)

@@ -60,12 +60,20 @@ class ModelCatalog:
     models: dict[str, ModelEntry]
     endpoints: tuple[str, ...]
     largest_lane: int
+    max_parts: int = 2048  # parts one line may fan out to (ingest.max_inputs_per_line)
+    max_line_tokens: int = 1 << 20  # prompt tokens of one line's parts together
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ModelCatalog:
         largest = settings.broker.lanes[-1]
         models = {m.name: _entry(m, largest) for m in settings.models}
-        return cls(models=models, endpoints=ENDPOINTS, largest_lane=largest)
+        return cls(
+            models=models,
+            endpoints=ENDPOINTS,
+            largest_lane=largest,
+            max_parts=settings.ingest.max_inputs_per_line,
+            max_line_tokens=settings.ingest.max_line_tokens,
+        )
 
     def known_models(self) -> str:
         """The model names, comma-separated, for messages."""

@@ -7,7 +7,10 @@ tokenizer, a pre-tokenised prompt is not empty, fits the model's limit
 (`token_out_of_range`, ingest/catalog.py), and its custom_id is not used elsewhere in the job:
 by a committed chunk, by another chunk in flight, or earlier in this one.
 Bad items become error records (`LineError`, naming line, custom_id and
-reason); items an earlier attempt already stored are set aside. Vectorised
+reason); a line of several parts (fan-out) is checked whole: at most
+`ingest.max_inputs_per_line` parts, its token-id prompts within
+`ingest.max_line_tokens` together, and one bad part rejects the line.
+Items an earlier attempt already stored are set aside. Vectorised
 over the chunk: one pass per model and shape, not per item.
 """
 
@@ -25,13 +28,16 @@ from ingest.line_errors import (
     DUPLICATE_CUSTOM_ID,
     EMPTY_PROMPT,
     ENDPOINT_NOT_SERVED,
+    LINE_TOO_MANY_TOKENS,
     PROMPT_TOO_LONG,
     TEXT_NOT_ACCEPTED,
     TOKEN_OUT_OF_RANGE,
+    TOO_MANY_INPUTS,
     UNKNOWN_MODEL,
+    UNSUPPORTED_PARAMETER,
     LineError,
 )
-from ingest.line_parser import beyond_vocabulary
+from ingest.line_parser import beyond_vocabulary, too_many_tokens
 
 
 @dataclass(frozen=True, eq=False)
@@ -48,17 +54,36 @@ def recheck(
     in_flight: list[np.ndarray],
     stored: np.ndarray | None,
     hashed: Digests | None = None,
+    *,
+    fanout_allowed: bool = True,
 ) -> Checked:
     """Check `chunk`; `in_flight` holds the digest highs of the job's other chunks in flight,
     `stored` the item indexes of this chunk already in the log (None on a first attempt),
-    `hashed` the digests of its custom_ids when known (from the wire: `chunk_digests`)."""
+    `hashed` the digests of its custom_ids when known (from the wire: `chunk_digests`, one per
+    item). Without `fanout_allowed` (a job delivered to the vector store) a line of several
+    parts is refused."""
     n = chunk.n_items
     drop = np.zeros(n, dtype=bool)
     errors: list[LineError] = []
 
+    # a fan-out line is several items (its parts): one error per line, and all of it dropped
+    first_of_line = np.ones(n, dtype=bool)
+    first_of_line[1:] = np.diff(chunk.line.astype(np.int64)) != 0
+
     def reject(mask: np.ndarray, code: str, reason) -> None:
-        for i in np.flatnonzero(mask & ~drop).tolist():
-            errors.append(LineError.at(int(chunk.line[i]), chunk.custom_ids[i], code, reason(i)))
+        mask = mask & ~drop
+        if chunk.fanout and mask.any():
+            reported = set()
+            for i in np.flatnonzero(mask).tolist():
+                line = int(chunk.line[i])
+                if line not in reported:
+                    reported.add(line)
+                    errors.append(LineError.at(line, chunk.custom_ids[i], code, reason(i)))
+            mask = np.isin(chunk.line, chunk.line[mask])
+        else:
+            for i in np.flatnonzero(mask).tolist():
+                line = int(chunk.line[i])
+                errors.append(LineError.at(line, chunk.custom_ids[i], code, reason(i)))
         drop[mask] = True
 
     lengths = chunk.lengths.astype(np.int64)
@@ -106,22 +131,56 @@ def recheck(
                 lambda i, name=name, vocab=vocab: _beyond(chunk, i, name, vocab),
             )
     reject(~is_text & (lengths == 0), EMPTY_PROMPT, lambda i: "prompt has no tokens")
+    if chunk.fanout and not fanout_allowed:
+        reject(
+            np.isin(chunk.line, [number for number, _, _ in chunk.fanout]),
+            UNSUPPORTED_PARAMETER,
+            lambda i: (
+                "a job delivered to the vector store takes one input per line; write one "
+                "line per string, or deliver the job to a file"
+            ),
+        )
+    if chunk.fanout:  # the per-line limits (text lines' budget is checked after tokenising)
+        too_many = [number for number, k, _ in chunk.fanout if k > catalog.max_parts]
+        reject(
+            np.isin(chunk.line, too_many),
+            TOO_MANY_INPUTS,
+            lambda i: f"the line has more than {catalog.max_parts} parts",
+        )
+        starts = np.flatnonzero(first_of_line)
+        totals = np.add.reduceat(np.where(is_text, 0, lengths), starts) if n else starts
+        over = chunk.line[starts[totals > catalog.max_line_tokens]]
+        reject(
+            np.isin(chunk.line, over),
+            LINE_TOO_MANY_TOKENS,
+            lambda i: too_many_tokens(
+                int(lengths[chunk.line == chunk.line[i]].sum()), catalog.max_line_tokens
+            ),
+        )
     if hashed is None:
         hashed = digests(chunk.custom_ids)
-    repeated = committed.contains((), digests=hashed) | repeats_within(hashed[0])
+    repeated = committed.contains((), digests=hashed)
+    if chunk.fanout:  # the parts of one line share its custom_id: compare lines, not items
+        line_of = np.cumsum(first_of_line) - 1
+        repeated |= repeats_within(hashed[0][first_of_line])[line_of]
+    else:
+        repeated |= repeats_within(hashed[0])
     if in_flight:  # high 64 bits only: a false match is about n**2 / 2**64
         repeated |= members_of(hashed[0], np.sort(np.concatenate(in_flight)))
     reject(
         repeated, DUPLICATE_CUSTOM_ID, lambda i: "custom_id is used by an earlier line of this job"
     )
     already: list[tuple[int, str]] = []
-    if stored is not None:
-        in_log = np.isin(chunk.line.astype(np.int64) - 1, stored) & ~drop
-        already = [
-            (int(chunk.line[i]), chunk.custom_ids[i]) for i in np.flatnonzero(in_log).tolist()
-        ]
+    if stored is not None:  # per item: a fan-out line may be stored in part
+        in_log = np.isin(chunk.indexes, stored) & ~drop
+        already = sorted(
+            {(int(chunk.line[i]), chunk.custom_ids[i]) for i in np.flatnonzero(in_log).tolist()}
+        )
         drop |= in_log
-    return Checked(chunk.without(drop, errors), already, (hashed[0][~drop], hashed[1][~drop]))
+    # rejected lines are dropped whole above; a part already stored leaves the rest of its line
+    sent = chunk.without(drop, errors, whole_lines=False)
+    keep = ~drop & first_of_line if chunk.fanout else ~drop
+    return Checked(sent, already, (hashed[0][keep], hashed[1][keep]))
 
 
 def chunk_digests(arrays: dict[str, np.ndarray]) -> Digests:

@@ -18,7 +18,7 @@ def items_of(chunk: InputChunk, job_no: int, deadline_ns: int) -> Items:
         deadline_ns=deadline_ns,
         models=list(chunk.models),
         shapes=[s.as_dict() for s in chunk.shapes],
-        index=(chunk.line - 1).astype("<u4"),
+        index=chunk.indexes.astype("<u4"),
         model_index=chunk.model_index,
         shape_index=chunk.shape_index,
         lengths=chunk.lengths,

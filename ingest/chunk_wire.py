@@ -14,7 +14,10 @@
 | errors       | u1    | orjson list of [line, custom_id, code, message]       |
 
 Meta: `index` (the chunk number), `first_line`, `last_line`, `models`
-(names) and `shapes` (canonical shape dicts). Everything from the network
+(names) and `shapes` (canonical shape dicts), and `fanout` (only when a
+line has several parts: `[[line, parts, index of part 1], ...]`, whose items
+then repeat the line number; the item indexes follow from it, see
+ingest/input_chunk.py; a message without it has one item per line). Everything from the network
 is checked again by the front before it is used.
 """
 
@@ -25,7 +28,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from ingest.input_chunk import InputChunk
+from ingest.input_chunk import InputChunk, fanout_indexes
 from ingest.line_errors import LineError, Rejected
 from ingest.request_shape import SHAPE_PARAMETERS, Shape, parse_shape
 from pipeline.errors import WireError
@@ -70,6 +73,8 @@ def chunk_to_wire(chunk: InputChunk) -> tuple[dict[str, Any], dict[str, np.ndarr
         "models": list(chunk.models),
         "shapes": [s.as_dict() for s in chunk.shapes],
     }
+    if chunk.fanout:
+        meta["fanout"] = [list(f) for f in chunk.fanout]
     arrays = {
         "line": chunk.line.astype("<u8", copy=False),
         "ids": ids,
@@ -119,15 +124,22 @@ def chunk_from_wire(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> Inpu
         _check(bool(np.all(np.diff(text_items) > 0)), "text_items are not increasing")
         first_line, last_line = int(meta["first_line"]), int(meta["last_line"])
         line = arrays["line"]  # an item's index in its job is its line - 1 (a u32)
+        fanout = tuple((int(a), int(b), int(c)) for a, b, c in meta.get("fanout", ()))
+        step = np.diff(line.astype(np.int64))
         _check(
             n == 0
             or (
                 1 <= first_line <= int(line.min())
-                and int(line.max()) <= last_line < 2**32
-                and bool(np.all(np.diff(line.astype(np.int64)) > 0))
+                and int(line.max()) <= last_line < 2**31
+                and bool(np.all(step >= 0 if fanout else step > 0))
             ),
             "line numbers are not increasing within first_line..last_line",
         )
+        item_index = None
+        if fanout:
+            item_index = fanout_indexes(line, fanout)
+            _check(item_index is not None, "fanout disagrees with the items' line numbers")
+            _check(int(item_index.max()) < 2**32, "a part's index is beyond 2**32 - 1")
         errors = tuple(
             LineError(int(a), None if b is None else str(b), str(c), str(d))
             for a, b, c, d in orjson.loads(arrays["errors"].tobytes())
@@ -147,6 +159,8 @@ def chunk_from_wire(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> Inpu
             text_items=text_items,
             texts=texts,
             errors=errors,
+            item_index=item_index,
+            fanout=fanout,
         )
     except WireError:
         raise

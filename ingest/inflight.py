@@ -64,7 +64,7 @@ class Inflight:
             lines, ids = [line for line, _ in pairs], [custom_id for _, custom_id in pairs]
         else:  # the usual case: every item forwarded was stored, already in line order
             lines, ids = chunk.line.tolist(), list(chunk.custom_ids)
-        return {
+        record = {
             "lines": lines,
             "ids": ids,
             "stored": self.acked + len(self.already),
@@ -72,6 +72,15 @@ class Inflight:
             "final": self.final,
             "digests": self.digests if not (rejected or self.already) else None,
         }
+        if chunk.fanout:  # a line's parts are items of one line: one entry per line
+            pairs = sorted(dict(zip(lines, ids, strict=True)).items())
+            record["lines"], record["ids"] = [a for a, _ in pairs], [b for _, b in pairs]
+            record["stored"] = len(pairs)
+            stored = set(record["lines"])
+            parts = [list(f) for f in chunk.fanout if f[0] in stored]
+            if parts:
+                record["parts"] = parts
+        return record
 
 
 def error_list(errors: list[LineError]) -> list[list[Any]]:

@@ -18,6 +18,14 @@ content) pairs); `ingest.tokenize.tokenize_chunk` turns them into tokens and
 returns a chunk with `text_items` empty. `errors` holds one `LineError` per
 bad line, in line order. Lines first_line..last_line were read for this
 chunk; those neither items nor errors were blank.
+
+A line with k > 1 parts (ingest.line_parser) is k consecutive items, one per
+part in part order, all with its line number. `item_index` gives each item's
+index in the job: line - 1 for a line's first part, and for parts 1..k-1
+consecutive indexes from `PART_BASE` (pipeline/item_seq.py), given in
+reading order across the whole file; `fanout` lists (line, k, index of part
+1) for each such line. A chunk without fan-out has `item_index` None (every
+index is line - 1) and `fanout` empty. Dropping an item drops its whole line.
 """
 
 from __future__ import annotations
@@ -30,7 +38,10 @@ import numpy as np
 from ingest.line_errors import LineError
 from ingest.line_parser import ParsedLine, TextPrompt
 from ingest.request_shape import Shape
+from pipeline.item_seq import PART_BASE
 from pipeline.ragged import offsets_of, scatter
+
+Fanout = tuple[tuple[int, int, int], ...]  # (line, parts, index of part 1) per fan-out line
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -60,10 +71,19 @@ class InputChunk:
     text_items: np.ndarray
     texts: tuple[TextPrompt, ...]
     errors: tuple[LineError, ...]
+    item_index: np.ndarray | None = None  # int64 per item; None: line - 1 for each
+    fanout: Fanout = ()
 
     @property
     def n_items(self) -> int:
         return len(self.custom_ids)
+
+    @property
+    def indexes(self) -> np.ndarray:
+        """Each item's index in its job (int64)."""
+        if self.item_index is None:
+            return self.line.astype(np.int64) - 1
+        return self.item_index
 
     @property
     def lengths(self) -> np.ndarray:
@@ -91,11 +111,16 @@ class InputChunk:
         empty = np.zeros(0, dtype=np.int64)
         return replace(self, tokens=tokens, offsets=offsets, text_items=empty, texts=())
 
-    def without(self, drop: np.ndarray, errors: Sequence[LineError]) -> InputChunk:
-        """This chunk less the items where `drop` is True, with `errors` added (line order)."""
+    def without(
+        self, drop: np.ndarray, errors: Sequence[LineError], whole_lines: bool = True
+    ) -> InputChunk:
+        """This chunk less the items where `drop` is True (with `whole_lines`, and the other
+        parts of their lines), with `errors` added (line order)."""
         merged = tuple(sorted((*self.errors, *errors), key=lambda e: e.line))
         if not drop.any():
             return replace(self, errors=merged)
+        if self.fanout and whole_lines:
+            drop = np.isin(self.line, self.line[drop])
         keep = np.flatnonzero(~drop)
         offsets = offsets_of(np.diff(self.offsets)[keep])
         tokens = np.empty(int(offsets[-1]), dtype=np.uint32)
@@ -113,7 +138,29 @@ class InputChunk:
             text_items=new_position[self.text_items[text_keep]],
             texts=tuple(t for t, k in zip(self.texts, text_keep.tolist(), strict=True) if k),
             errors=merged,
+            item_index=None if self.item_index is None else self.item_index[keep],
         )
+
+
+def fanout_indexes(line: np.ndarray, fanout: Fanout) -> np.ndarray | None:
+    """The item indexes that `fanout` gives items on (non-decreasing) lines `line`, or None
+    when they disagree (a fan-out line present with other than its k items, or a line
+    repeated that is not a fan-out line)."""
+    line = np.asarray(line, dtype=np.int64)
+    index = line - 1
+    counts = np.ones(len(line), dtype=np.int64)
+    for number, k, first in fanout:
+        lo, hi = np.searchsorted(line, [number, number + 1])
+        if hi == lo:
+            continue  # the line was dropped (rejected)
+        if hi - lo != k or k < 2 or first < PART_BASE:
+            return None
+        index[lo + 1 : hi] = np.arange(first, first + k - 1)
+        counts[lo:hi] = 0
+    repeated = np.flatnonzero(np.diff(line) == 0)
+    if len(repeated) and counts[repeated + 1].any():
+        return None
+    return index
 
 
 @dataclass(slots=True)
@@ -122,6 +169,7 @@ class ChunkBuilder:
 
     index: int
     first_line: int
+    next_part: int = PART_BASE  # the part-region index the next fan-out line's part 1 takes
     line: list[int] = field(default_factory=list)
     custom_ids: list[str] = field(default_factory=list)
     model_index: list[int] = field(default_factory=list)
@@ -131,22 +179,38 @@ class ChunkBuilder:
     text_items: list[int] = field(default_factory=list)
     texts: list[TextPrompt] = field(default_factory=list)
     errors: list[LineError] = field(default_factory=list)
+    item_index: list[int] = field(default_factory=list)
+    fanout: list[tuple[int, int, int]] = field(default_factory=list)
     _models: dict[str, int] = field(default_factory=dict)
     _shapes: dict[Shape, int] = field(default_factory=dict)
 
     def add(self, line: int, item: ParsedLine) -> None:
+        """Add the line's parts as items (one item for a line of one part)."""
+        if item.part_count == 1:
+            self._add(line, item.custom_id, item.model, item.shape, item.text, item.token_ids)
+            self.item_index.append(line - 1)
+            return
+        parts = item.parts()
+        self.fanout.append((line, len(parts), self.next_part))
+        self.item_index.append(line - 1)
+        self.item_index.extend(range(self.next_part, self.next_part + len(parts) - 1))
+        self.next_part += len(parts) - 1
+        for shape, text, token_ids in parts:
+            self._add(line, item.custom_id, item.model, shape, text, token_ids)
+
+    def _add(self, line, custom_id, model, shape, text, token_ids) -> None:
         position = len(self.line)
         self.line.append(line)
-        self.custom_ids.append(item.custom_id)
-        self.model_index.append(self._models.setdefault(item.model, len(self._models)))
-        self.shape_index.append(self._shapes.setdefault(item.shape, len(self._shapes)))
-        if item.token_ids is not None:
-            self.token_arrays.append(item.token_ids)
-            self.lengths.append(item.token_ids.size)
+        self.custom_ids.append(custom_id)
+        self.model_index.append(self._models.setdefault(model, len(self._models)))
+        self.shape_index.append(self._shapes.setdefault(shape, len(self._shapes)))
+        if token_ids is not None:
+            self.token_arrays.append(token_ids)
+            self.lengths.append(token_ids.size)
         else:
             self.lengths.append(0)
             self.text_items.append(position)
-            self.texts.append(item.text)
+            self.texts.append(text)
 
     def build(self, last_line: int) -> InputChunk:
         offsets = offsets_of(np.array(self.lengths, dtype=np.int64))
@@ -166,4 +230,6 @@ class ChunkBuilder:
             text_items=np.array(self.text_items, dtype=np.int64),
             texts=tuple(self.texts),
             errors=tuple(sorted(self.errors, key=lambda e: e.line)),
+            item_index=np.array(self.item_index, dtype=np.int64) if self.fanout else None,
+            fanout=tuple(self.fanout),
         )

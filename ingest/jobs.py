@@ -115,11 +115,14 @@ class Job:
         errors: list[dict[str, Any]],
         final: bool,
         digests=None,
+        parts: list[list[int]] | None = None,
     ) -> None:
         """Record that every item of `chunk` is durable (durable at flush).
 
         `digests` are those of `ids` (ingest.custom_ids.digests), if known; passing them
         says the ids were checked for repeats in the job already (the front's recheck).
+        `parts` the chunk's fan-out lines, `[line, parts, index of part 1]`
+        (pipeline/job_files.py).
         """
         state = self.chunks[chunk]
         record = {
@@ -133,6 +136,8 @@ class Job:
             "errors": errors,
             "final": final,
         }
+        if parts:
+            record["parts"] = parts
         self.journal.append(record)
         self._apply(record, digests)
         if self.state == JobState.VALIDATING and self.all_committed():

@@ -35,6 +35,8 @@ DUPLICATE_CUSTOM_ID: Final = "duplicate_custom_id"
 EMPTY_PROMPT: Final = "empty_prompt"
 TOKEN_OUT_OF_RANGE: Final = "token_out_of_range"
 PROMPT_TOO_LONG: Final = "prompt_too_long"
+TOO_MANY_INPUTS: Final = "too_many_inputs"  # more parts in one line than allowed
+LINE_TOO_MANY_TOKENS: Final = "line_too_many_tokens"  # the parts' prompts beyond the budget
 
 # Every code a LineError may carry, in the order the checks run.
 CODES: Final[tuple[str, ...]] = (
@@ -57,6 +59,8 @@ CODES: Final[tuple[str, ...]] = (
     EMPTY_PROMPT,
     TOKEN_OUT_OF_RANGE,
     PROMPT_TOO_LONG,
+    TOO_MANY_INPUTS,
+    LINE_TOO_MANY_TOKENS,
 )
 
 

@@ -10,11 +10,15 @@ nothing in a line, however deeply nested, escapes as another exception. The prom
 token ids (`prompt_token_ids`, any endpoint). Duplicate custom_ids and the
 length of text prompts are checked later, per chunk (`ingest.batch_input`,
 `ingest.tokenize`). docs/input-format.md describes the format and each code.
+
+A line may fan out to several parts (an embeddings `input` list, a
+completions `prompt` list, `n` samples): `ParsedLine.parts()` lists them in
+OpenAI's order, part p = i * n + j being sample j of prompt i.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from operator import countOf
 from typing import Any, Final
 
@@ -29,12 +33,14 @@ from ingest.line_errors import (
     ENDPOINT_NOT_SERVED,
     INVALID_JSON,
     INVALID_VALUE,
+    LINE_TOO_MANY_TOKENS,
     MISSING_FIELD,
     NESTING_TOO_DEEP,
     NOT_AN_OBJECT,
     PROMPT_TOO_LONG,
     TEXT_NOT_ACCEPTED,
     TOKEN_OUT_OF_RANGE,
+    TOO_MANY_INPUTS,
     UNKNOWN_MODEL,
     UNKNOWN_URL,
     UNSUPPORTED_PARAMETER,
@@ -44,7 +50,7 @@ from ingest.line_errors import (
     show,
 )
 from ingest.line_errors import json_type as _json_type
-from ingest.request_shape import SHAPE_PARAMETERS, Shape, parse_shape
+from ingest.request_shape import MAX_SEED, SHAPE_PARAMETERS, Shape, parse_shape
 
 MAX_CUSTOM_ID_CHARS: Final = 512
 TOKEN_ID_LIMIT: Final = 2**32
@@ -60,27 +66,55 @@ TEXT_FIELD: Final[dict[str, str]] = {
 # a /v1/responses prompt (ingest/chat_messages.py).
 _OTHER_KEYS: Final[dict[str, tuple[str, ...]]] = {
     EMBEDDINGS: ("model", "prompt_token_ids", "user"),
-    CHAT_COMPLETIONS: ("model", "prompt_token_ids", "user"),
-    "/v1/completions": ("model", "prompt_token_ids", "user"),
+    CHAT_COMPLETIONS: ("model", "prompt_token_ids", "user", "n"),
+    "/v1/completions": ("model", "prompt_token_ids", "user", "n"),
     RESPONSES: ("model", "prompt_token_ids", "user", "instructions"),
 }
+MAX_N: Final = 128  # OpenAI's largest `n`
 BODY_KEYS: Final[dict[str, frozenset[str]]] = {
     url: frozenset((*_OTHER_KEYS[url], TEXT_FIELD[url], *SHAPE_PARAMETERS[url]))
     for url in TEXT_FIELD
 }
 
 TextPrompt = str | tuple[ChatMessage, ...]
+Prompt = TextPrompt | np.ndarray  # text, or uint32 token ids
 
 
 @dataclass(frozen=True, slots=True)
 class ParsedLine:
-    """A line that passed every per-line check: exactly one of `text` and `token_ids` is set."""
+    """A line that passed every per-line check: exactly one of `text` and `token_ids` is set
+    (its first prompt); `prompts` holds every prompt of a list, `n` the samples of each."""
 
     custom_id: str
     model: str
     shape: Shape
     text: TextPrompt | None
     token_ids: np.ndarray | None  # uint32, non-empty, within the model's prompt limit
+    prompts: tuple[Prompt, ...] = ()  # a list's prompts (the first is text/token_ids); () for one
+    n: int = 1
+
+    @property
+    def part_count(self) -> int:
+        return max(1, len(self.prompts)) * self.n
+
+    def parts(self) -> list[tuple[Shape, TextPrompt | None, np.ndarray | None]]:
+        """(shape, text, token_ids) of each part, part p = i * n + j: sample j of prompt i.
+        With a seed, sample j is drawn with seed + j (wrapping within 0..MAX_SEED)."""
+        prompts = self.prompts or ((self.text if self.token_ids is None else self.token_ids),)
+        shapes = [self.shape]
+        seed = self.shape.seed
+        for j in range(1, self.n):
+            shapes.append(self.shape if seed is None else replace(self.shape, seed=_seed(seed, j)))
+        out = []
+        for prompt in prompts:
+            ids = prompt if isinstance(prompt, np.ndarray) else None
+            text = None if ids is not None else prompt
+            out.extend((shape, text, ids) for shape in shapes)
+        return out
+
+
+def _seed(seed: int, j: int) -> int:
+    return (seed + j) % (MAX_SEED + 1)
 
 
 def parse_line(raw: bytes, catalog: ModelCatalog) -> ParsedLine:
@@ -145,26 +179,130 @@ def _request(obj: dict[str, Any], custom_id: str, catalog: ModelCatalog) -> Pars
             MISSING_FIELD,
             f"body has neither {text_field} nor prompt_token_ids; add one of them",
         )
-    text = token_ids = None
+    prompts: tuple[Prompt, ...] = ()
     if has_ids:
-        token_ids = _token_ids(body["prompt_token_ids"], model, model_name)
-    elif not model.takes_text:
-        raise Rejected(
-            TEXT_NOT_ACCEPTED,
-            f"model {show(model_name)} has no tokenizer configured, so it takes token ids only; "
-            f"send body.prompt_token_ids instead of body.{text_field}, or set a tokenizer "
-            "for the model in the configuration",
-        )
+        prompts = (_token_ids(body["prompt_token_ids"], model, model_name),)
     elif url == CHAT_COMPLETIONS:
-        text = chat_messages(body["messages"], model_name)
+        _takes_text(model, model_name, text_field)
+        prompts = (chat_messages(body["messages"], model_name),)
     elif url == RESPONSES:
-        text = responses_messages(body, model_name)
+        _takes_text(model, model_name, text_field)
+        prompts = (responses_messages(body, model_name),)
     else:
-        text = _text(body[text_field], text_field)
+        prompts = _prompts(body[text_field], text_field, model, model_name, catalog.max_parts)
+    n = _samples(body.get("n"))
+    parts = len(prompts) * n
+    if parts > catalog.max_parts:
+        raise Rejected(
+            TOO_MANY_INPUTS,
+            f"the line asks for {parts} results ({len(prompts)} prompts x n = {n}); at most "
+            f"{catalog.max_parts} per line (ingest.max_inputs_per_line): split it into "
+            "several lines",
+        )
+    id_tokens = sum(len(p) for p in prompts if isinstance(p, np.ndarray)) * n
+    if id_tokens > catalog.max_line_tokens:
+        raise Rejected(LINE_TOO_MANY_TOKENS, too_many_tokens(id_tokens, catalog.max_line_tokens))
+    first = prompts[0]
+    ids = first if isinstance(first, np.ndarray) else None
+    text = None if ids is not None else first
     shape = parse_shape(body, url)
     if shape.top_logprobs is not None and not model.logprobs:
         raise Rejected(UNSUPPORTED_PARAMETER, no_logprobs(model_name, model.engine))
-    return ParsedLine(custom_id, model_name, shape, text, token_ids)
+    return ParsedLine(
+        custom_id,
+        model_name,
+        shape,
+        text,
+        ids,
+        prompts if len(prompts) > 1 else (),
+        n,
+    )
+
+
+def too_many_tokens(tokens: int, budget: int) -> str:
+    """The reason for a line whose parts' prompts exceed the per-line token budget."""
+    return (
+        f"the line's prompts have {tokens} tokens together (counting each of the n samples); "
+        f"at most {budget} per line (ingest.max_line_tokens): split it into several lines"
+    )
+
+
+def _takes_text(model: ModelEntry, model_name: str, field: str) -> None:
+    if not model.takes_text:
+        raise Rejected(
+            TEXT_NOT_ACCEPTED,
+            f"model {show(model_name)} has no tokenizer configured, so it takes token ids only; "
+            f"send body.prompt_token_ids instead of body.{field}, or set a tokenizer "
+            "for the model in the configuration",
+        )
+
+
+def _samples(value: Any) -> int:
+    """`n`: samples per prompt, 1..MAX_N (absent or null: 1)."""
+    if value is None:
+        return 1
+    if type(value) is not int:
+        raise Rejected(
+            WRONG_TYPE, f"body.n = {show(value)} is {_json_type(value)}; set an integer 1..{MAX_N}"
+        )
+    if not 1 <= value <= MAX_N:
+        raise Rejected(
+            INVALID_VALUE, f"body.n = {value} is out of range; set an integer 1..{MAX_N}"
+        )
+    return value
+
+
+def _prompts(
+    value: Any, field: str, entry: ModelEntry, model: str, max_parts: int
+) -> tuple[Prompt, ...]:
+    """`input` (embeddings) or `prompt` (completions): a string, a list of strings, a list of
+    token ids (one prompt), or a list of token-id lists."""
+    if isinstance(value, str):
+        _takes_text(entry, model, field)
+        return (_text(value, field),)
+    if not isinstance(value, list):
+        raise Rejected(
+            WRONG_TYPE,
+            f"body.{field} = {show(value)} is {_json_type(value)}; set a string, a list of "
+            "strings, a list of token ids or a list of token-id lists",
+        )
+    if not value:
+        raise Rejected(EMPTY_PROMPT, f"body.{field} is an empty list; send at least one input")
+    if len(value) > max_parts and not isinstance(value[0], int):
+        raise Rejected(
+            TOO_MANY_INPUTS,
+            f"body.{field} has {len(value)} inputs; at most {max_parts} per line "
+            "(ingest.max_inputs_per_line): split it into several lines",
+        )
+    first = type(value[0])
+    if first is int or (first is float and not isinstance(value[0], bool)):
+        return (_token_ids(value, entry, model, f"body.{field}"),)
+    if first is str:
+        _takes_text(entry, model, field)
+        for i, v in enumerate(value):
+            if not isinstance(v, str):
+                raise Rejected(
+                    WRONG_TYPE,
+                    f"body.{field}[{i}] = {show(v)} is {_json_type(v)}; a list of strings "
+                    "holds only strings",
+                )
+        return tuple(_text(v, f"{field}[{i}]") for i, v in enumerate(value))
+    if first is list:
+        ids = []
+        for i, v in enumerate(value):
+            if not isinstance(v, list):
+                raise Rejected(
+                    WRONG_TYPE,
+                    f"body.{field}[{i}] = {show(v)} is {_json_type(v)}; a list of token-id "
+                    "lists holds only lists",
+                )
+            ids.append(_token_ids(v, entry, model, f"body.{field}[{i}]"))
+        return tuple(ids)
+    raise Rejected(
+        WRONG_TYPE,
+        f"body.{field}[0] = {show(value[0])} is {_json_type(value[0])}; set strings, token ids "
+        "or token-id lists",
+    )
 
 
 def no_logprobs(model: str, engine: str) -> str:
@@ -241,8 +379,9 @@ def _refuse_unknown(obj: dict[str, Any], allowed: frozenset[str], what: str, pre
         )
 
 
-def _token_ids(value: Any, entry: ModelEntry, model: str) -> np.ndarray:
-    where = "body.prompt_token_ids"
+def _token_ids(
+    value: Any, entry: ModelEntry, model: str, where: str = "body.prompt_token_ids"
+) -> np.ndarray:
     limit = entry.prompt_limit_tokens
     if not isinstance(value, list):
         raise Rejected(
@@ -283,27 +422,22 @@ def _token_ids(value: Any, entry: ModelEntry, model: str) -> np.ndarray:
     vocab = entry.vocab_size
     if vocab is not None and int(ids.max()) >= vocab:
         at = int(np.argmax(ids >= vocab))
-        raise Rejected(TOKEN_OUT_OF_RANGE, beyond_vocabulary(model, at, int(ids[at]), vocab))
+        raise Rejected(TOKEN_OUT_OF_RANGE, beyond_vocabulary(model, at, int(ids[at]), vocab, where))
     return ids.astype(np.uint32)
 
 
-def beyond_vocabulary(model: str, at: int, token: int, vocab: int) -> str:
+def beyond_vocabulary(
+    model: str, at: int, token: int, vocab: int, where: str = "body.prompt_token_ids"
+) -> str:
     """The reason for a token id the model cannot run (also the front's, ingest.chunk_check)."""
     return (
-        f"body.prompt_token_ids[{at}] = {token} is beyond the vocabulary of model "
+        f"{where}[{at}] = {token} is beyond the vocabulary of model "
         f"{show(model)}: it has {vocab} tokens (ids 0..{vocab - 1}); tokenise with the "
         "model's own tokenizer"
     )
 
 
 def _text(value: Any, field: str) -> str:
-    if isinstance(value, list):
-        raise Rejected(
-            WRONG_TYPE,
-            f"body.{field} is a list; this broker takes one string per line for now: "
-            "write one line (with its own custom_id) per string, or send token ids "
-            "in body.prompt_token_ids",
-        )
     if not isinstance(value, str):
         raise Rejected(
             WRONG_TYPE, f"body.{field} = {show(value)} is {_json_type(value)}; set a string"

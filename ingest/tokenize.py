@@ -37,8 +37,14 @@ from config.settings import ModelSettings, Settings
 from ingest.catalog import CHAT_COMPLETIONS, RESPONSES, prompt_limit_tokens
 from ingest.chat_template import NativeTemplate, render_role_tags
 from ingest.input_chunk import InputChunk, TokenGroup
-from ingest.line_errors import EMPTY_PROMPT, PROMPT_TOO_LONG, LineError, show
-from ingest.line_parser import TEXT_FIELD, TextPrompt
+from ingest.line_errors import (
+    EMPTY_PROMPT,
+    LINE_TOO_MANY_TOKENS,
+    PROMPT_TOO_LONG,
+    LineError,
+    show,
+)
+from ingest.line_parser import TEXT_FIELD, TextPrompt, too_many_tokens
 from pipeline.errors import TokenizerError
 from pipeline.ragged import offsets_of
 
@@ -155,14 +161,39 @@ def tokenize_chunk(
     limits = np.array([prompt_limit_tokens(by_name[m], largest_lane) for m in chunk.models])
     lengths = tokenized.lengths[items]
     bad = (lengths == 0) | (lengths > limits[item_models])
-    errors = [
-        _length_error(chunk, int(items[j]), int(lengths[j]), int(limits[item_models[j]]))
-        for j in np.flatnonzero(bad).tolist()
-    ]
+    errors, reported = [], set()
+    for j in np.flatnonzero(bad).tolist():  # one error per line, its first bad part's
+        line = int(chunk.line[items[j]])
+        if line not in reported:
+            reported.add(line)
+            errors.append(
+                _length_error(chunk, int(items[j]), int(lengths[j]), int(limits[item_models[j]]))
+            )
     drop = np.zeros(chunk.n_items, dtype=bool)
     drop[items[bad]] = True
+    if chunk.fanout:
+        errors += _over_budget(tokenized, drop, settings.ingest.max_line_tokens)
     result = tokenized.without(drop, errors)
     return _strict(result) if strict else result
+
+
+def _over_budget(chunk: InputChunk, drop: np.ndarray, budget: int) -> list[LineError]:
+    """`line_too_many_tokens` for each line not yet dropped whose parts' prompts together
+    exceed `budget` tokens (ingest.max_line_tokens); marks them in `drop`."""
+    line = chunk.line.astype(np.int64)
+    starts = np.flatnonzero(np.r_[True, np.diff(line) != 0])
+    totals = np.add.reduceat(chunk.lengths.astype(np.int64), starts)
+    errors = []
+    for k in np.flatnonzero(totals > budget).tolist():
+        first = int(starts[k])
+        if drop[first]:
+            continue
+        reason = too_many_tokens(int(totals[k]), budget)
+        errors.append(
+            LineError.at(int(line[first]), chunk.custom_ids[first], LINE_TOO_MANY_TOKENS, reason)
+        )
+        drop[line == line[first]] = True
+    return errors
 
 
 def _length_error(chunk: InputChunk, item: int, n_tokens: int, limit: int) -> LineError:

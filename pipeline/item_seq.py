@@ -10,6 +10,12 @@ seq, and a retried chunk carries the same seqs, so it names the same items.
 | 63-32 | `job_no` | 1 .. 2**32 - 1 |
 | 31-0  | `index`  | 0 .. 2**32 - 1 |
 
+An index below `PART_BASE` (2**31) is a line's own: line - 1, the line's
+first (often only) part. A line with k > 1 parts (fan-out: docs/completion.md,
+"Lines and parts") has its parts 1..k-1 at consecutive indexes from
+`PART_BASE` on, in reading order; the job's chunk journal maps them to
+their line.
+
 Seq 0 is never an item (no job has number 0): an all-zero slot header is
 unwritten. Every function here takes and returns numpy arrays (uint64 seqs,
 int64 numbers) or Python ints alike; nothing else spells the layout out.
@@ -23,6 +29,7 @@ import numpy as np
 
 INDEX_BITS = 32
 INDEX_MASK = (1 << INDEX_BITS) - 1
+PART_BASE = 1 << 31  # indexes from here on are parts 1.. of fan-out lines
 _SHIFT = np.uint64(INDEX_BITS)
 _MASK = np.uint64(INDEX_MASK)
 

@@ -18,7 +18,7 @@ Chunk events in `chunks.log`, in order of their durability:
 | record                                                         | meaning |
 |----------------------------------------------------------------|---------|
 | `{"e": "accept", "c", "first", "last", "ns"}`                  | chunk c (lines first..last) may have items in the log from here on |
-| `{"e": "commit", "c", "first", "last", "lines", "ids", "stored", "errors", "final"}` | every item of chunk c is durable; `lines`/`ids` map line numbers to custom_ids; `errors` are the rejected lines (`[line, custom_id, code, message]`) |
+| `{"e": "commit", "c", "first", "last", "lines", "ids", "stored", "errors", "final"}` (+ `"parts"`) | every item of chunk c is durable; `lines`/`ids` map line numbers to custom_ids (one entry per line); `stored` counts lines; `errors` are the rejected lines (`[line, custom_id, code, message]`); `parts`, only when some stored line has several parts: `[line, k, first]` per such line, its parts 1..k-1 at indexes first..first+k-2 (docs/completion.md, "Lines and parts"); a record without it (every older journal) has one part per line |
 | `{"e": "state", "state"}`                                      | the front moved the job to `validating` or `queued` |
 
 Only a chunk's first commit counts (a retried chunk may be committed twice).
@@ -255,12 +255,18 @@ def journal_record_at(path: Path, span: tuple[int, int]) -> dict[str, Any]:
 
 
 def acknowledged_indexes(path: Path) -> np.ndarray:
-    """Item indexes (line - 1) of every committed chunk of a journal (int64, sorted)."""
+    """Item indexes of every committed chunk of a journal (int64, sorted): line - 1 of each
+    stored line, and the part-region indexes of its fan-out lines' other parts."""
     progress = ChunkProgress(keep_errors=False)
     records, _ = journal_records(path)
-    parts = [
-        np.asarray(record["lines"], np.int64) - 1
-        for record, span in records
-        if progress.apply(record, span)
-    ]
-    return np.unique(np.concatenate(parts)) if parts else np.empty(0, np.int64)
+    found = []
+    for record, span in records:
+        if progress.apply(record, span):
+            found.append(np.asarray(record["lines"], np.int64) - 1)
+            found.extend(part_indexes(record.get("parts", ())))
+    return np.unique(np.concatenate(found)) if found else np.empty(0, np.int64)
+
+
+def part_indexes(parts) -> list[np.ndarray]:
+    """The part-region indexes of `[line, k, first]` fan-out entries (parts 1..k-1 each)."""
+    return [np.arange(first, first + k - 1, dtype=np.int64) for _, k, first in parts]

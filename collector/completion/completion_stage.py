@@ -80,7 +80,7 @@ class CompletionStage(Stage):
         self.shapes = InternTable(settings.data_path)
         self.inputs: dict[int, Segment] = {}
         self.completion_log = CompletionLog(
-            self.data_dir, self._input, expected_items=self._lines_known
+            self.data_dir, self._input, expected_items=self._lines_known, line_table=self._lines
         )
         self.wall_ns = time.time_ns  # the finished mark's timestamp (tests give a fake clock)
         self.intake = ResultIntake(
@@ -145,6 +145,11 @@ class CompletionStage(Stage):
         return 0 if view is None else view.stored + view.rejected_count
 
     # ---- the loop --------------------------------------------------------------------------
+    def _lines(self, job_id: str):
+        """The job's fan-out line table (collector/completion/line_table.py), None if no job."""
+        view = self.jobs.view(job_id)
+        return None if view is None else view.lines
+
     def step(self, now: float) -> None:
         if self.next_flush is None:
             self.next_flush = now + self.flush_s

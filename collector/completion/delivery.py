@@ -92,4 +92,6 @@ class PageDelivery:
             "payload": page.payload,
             "offsets": page.offsets,
         }
+        if page.part is not None:  # fan-out lines: `index` is the line's, `part` each row's
+            arrays["part"] = page.part
         return reply, arrays

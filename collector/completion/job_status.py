@@ -14,7 +14,9 @@ a job finishes where it finishes (collector/completion/finishing.py).
 | `completed`  | every item done, not cancelled |
 | `expired`    | finished, fewer items done than its total and nothing undelivered: its delivered results were past retention and removed |
 
-`done` is the number of distinct items with a result or an error result.
+`done` is the number of lines whose every part has a result or an error
+result (a line of one part: its item); `fanout` gives the job's lines of
+several parts and their parts, a detail (docs/completion.md, "Lines and parts").
 `usage` is the job's token totals over its results (error results count
 nothing), each result counted once (collector/completion/job_results.py):
 `prompt_tokens`, `completion_tokens` (generated) and `total_tokens`.
@@ -81,4 +83,8 @@ class JobStatus:
                 "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens,
             },
+            # counters above are lines; a line of several parts (fan-out) is a detail here
+            "fanout": {"lines": len(view.lines), "parts": view.lines.items()}
+            if len(view.lines)
+            else None,
         }

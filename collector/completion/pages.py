@@ -41,6 +41,7 @@ class Page:
     payload: np.ndarray  # u1
     offsets: np.ndarray  # i8
     next: dict[int, int]  # completion segment id -> first slot not yet read
+    part: np.ndarray | None = None  # u4 per row when the page joins fan-out lines (line_pages)
 
     def __len__(self) -> int:
         return len(self.index)
@@ -113,7 +114,7 @@ def read_page(
         where.append((segment_id, slots))
         parts.append((seg, slots))
         taken += len(slots)
-    return _page(where, parts, cursors)
+    return page_of_slots(where, parts, cursors)
 
 
 def mark_delivered(readers: dict[int, Segment], where: list[tuple[int, np.ndarray]]) -> int:
@@ -136,7 +137,8 @@ def count_undelivered(readers: dict[int, Segment]) -> int:
     return sum(int(((seg.markers & STATE_MASK) == LIVE).sum()) for seg in readers.values())
 
 
-def _page(where, parts, next_at) -> Page:
+def page_of_slots(where, parts, next_at) -> Page:
+    """The Page of `parts` ((segment, slots), in `where`'s order) read from their slots."""
     if not parts:
         empty = np.zeros(0, np.uint32)
         return Page(

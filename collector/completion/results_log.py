@@ -35,6 +35,8 @@ from pathlib import Path
 import numpy as np
 
 from collector.completion.job_results import JobResults
+from collector.completion.line_pages import whole_lines
+from collector.completion.line_table import LineTable
 from collector.completion.pages import (
     Page,
     count_undelivered,
@@ -104,12 +106,14 @@ class CompletionLog:
         open_input: Callable[[int], Segment],
         segment_bytes: int = 64 << 20,
         expected_items: Callable[[str], int] = lambda job_id: 0,
+        line_table: Callable[[str], LineTable | None] = lambda job_id: None,
     ) -> None:
         self.data_dir = data_dir
         self.models = InternTable(data_dir.root, MODELS_FILE)
         self.open_input = open_input
         self.segment_bytes = segment_bytes
         self.expected_items = expected_items  # job id -> items known so far (a sizing hint)
+        self.line_table = line_table  # job id -> its fan-out lines (None: none known)
         self.ids = SegmentIds(data_dir)
         self._jobs: dict[str, JobResults] = {}
         self._pending: dict[int, list[np.ndarray]] = defaultdict(
@@ -163,12 +167,12 @@ class CompletionLog:
         return job.prompt_tokens, job.completion_tokens
 
     def completed(self, job_id: str) -> int:
-        """Distinct items of the job with a result (or an error result)."""
-        return self.load_job(job_id).completed
+        """Lines of the job done: every part with a result or an error result."""
+        return self.load_job(job_id).line_counts(self.line_table(job_id))[0]
 
     def failed(self, job_id: str) -> int:
-        """Distinct items of the job with an error result."""
-        return self.load_job(job_id).failures
+        """Lines of the job done with an error result in some part."""
+        return self.load_job(job_id).line_counts(self.line_table(job_id))[1]
 
     def _appender(self, job: JobResults, size_class: int) -> SegmentAppender:
         appender = job.appenders.get(size_class)
@@ -375,7 +379,12 @@ class CompletionLog:
         id -> first slot not yet read, as returned in `Page.next`).
         """
         job = self.load_job(job_id)
-        return read_page(job, self._readers(job), limit, cursors, everything)
+        readers = self._readers(job)
+        page = read_page(job, readers, limit, cursors, everything)
+        table = self.line_table(job_id)
+        if table is None or not len(table) or not len(page):
+            return page
+        return whole_lines(page, job, readers, table, everything, limit)
 
     def delivered(self, job_id: str, where: list[tuple[int, np.ndarray]]) -> int:
         """Mark results delivered (DEAD in the completion log) and make that durable."""

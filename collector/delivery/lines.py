@@ -52,6 +52,10 @@ shape's `max_tokens`, else "stop"; T is the job's creation time in seconds;
 TEXT is `decode(token_ids)`, or "" without a tokenizer (`token_ids` is always
 there, as vLLM gives it, so nothing is lost).
 
+A page with a `part` column holds fan-out lines whole (docs/completion.md,
+"Lines and parts"): its rows are rendered as above, then joined into one
+line per line by collector/delivery/join.py.
+
 A line's key (`line_key`) is `custom_id:<custom_id>`, or `id:<id>` when its
 custom_id is null; the prefixes keep a custom_id that looks like an id from
 ever being taken for one.
@@ -69,6 +73,7 @@ from typing import Any, Final
 import numpy as np
 import orjson
 
+from collector.delivery.join import join_lines
 from collector.delivery.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from collector.delivery.responses import response_body
 from ingest.catalog import CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS, RESPONSES
@@ -103,6 +108,7 @@ class ResultPage:
     prompt_tokens: np.ndarray  # u4: prompt length in tokens
     payload: np.ndarray  # u1: every item's payload back to back
     offsets: np.ndarray  # i8, n + 1
+    part: np.ndarray | None = None  # u4: each row's part when the page joins fan-out lines
 
 
 @dataclass(frozen=True)
@@ -119,6 +125,8 @@ class ExportContext:
 def format_page(page: ResultPage, context: ExportContext) -> tuple[list[bytes], list[bytes]]:
     """Render `page` as (output lines, error lines), in page order; raise PageError if its
     columns disagree. A stored result that cannot be rendered becomes an error line."""
+    if page.part is not None:
+        return _joined_page(page, context)[:2]
     checked = _check_page(page, context)
     index = page.index.tolist()
     out_lines = _format_results(page, context, checked)
@@ -138,6 +146,8 @@ def format_page(page: ResultPage, context: ExportContext) -> tuple[list[bytes], 
 
 def page_keys(page: ResultPage, context: ExportContext) -> tuple[list[str], list[str]]:
     """The keys of `format_page`'s (output lines, error lines), in the same order."""
+    if page.part is not None:
+        return _joined_page(page, context)[2:]
     checked = _check_page(page, context)
     results = checked.results
     custom_ids = page.custom_ids
@@ -151,6 +161,39 @@ def page_keys(page: ResultPage, context: ExportContext) -> tuple[list[str], list
     failed = [*checked.errors.tolist(), *checked.invalid]
     err = [line_key(custom_ids[i], f"{context.job_id}-line-{index[i] + 1}") for i in failed]
     return out, err
+
+
+def _joined_page(page: ResultPage, context: ExportContext):
+    """(output lines, error lines, their keys) of a page of fan-out lines: each row rendered
+    alone, then the rows of each line joined (collector/delivery/join.py)."""
+    checked = _check_page(page, context)
+    if len(page.part) != len(page.index):
+        raise PageError(
+            f"job {context.job_id}: result page column part has {len(page.part)} entries for "
+            f"{len(page.index)} items; the broker sent a malformed page, report it with the job id"
+        )
+    results = checked.results.tolist()
+    rendered: list[tuple[int, bool, Any]] = [
+        (i, True, line)
+        for i, line in zip(results, _format_results(page, context, checked), strict=True)
+    ]
+    offsets = page.offsets.tolist()
+    payload = memoryview(np.ascontiguousarray(page.payload, dtype=np.uint8))
+    for i in checked.errors.tolist():
+        rendered.append((i, False, _split_error(bytes(payload[offsets[i] : offsets[i + 1]]))))
+    for i, what in checked.invalid.items():
+        message = f"the stored result {what}; it cannot be delivered (report it with the job id)"
+        rendered.append((i, False, (INVALID_RESULT, message)))
+    out, err = join_lines(page.index, page.part, rendered)
+    job_id, custom_ids, index = context.job_id, page.custom_ids, page.index.tolist()
+    ids = _request_ids(job_id, page.index)[0] if len(index) else []
+    out_keys = [line_key(custom_ids[r], "batch_req_" + ids[r]) for r, _ in out]
+    err_lines, err_keys = [], []
+    for r, (code, message) in err:
+        error = LineError(index[r] + 1, custom_ids[r], code, message)
+        err_lines.append(error.to_batch_error_line(job_id))
+        err_keys.append(line_key(custom_ids[r], f"{job_id}-line-{index[r] + 1}"))
+    return [line for _, line in out], err_lines, out_keys, err_keys
 
 
 def error_line(

@@ -1,0 +1,75 @@
+"""Join the parts of fan-out lines into one OpenAI Batch line each.
+
+A page with a `part` column (docs/completion.md, "Lines and parts") holds
+whole lines: every row of one line has the line's index (line - 1) and its
+own part. Each row is rendered as a one-part line would be
+(collector/delivery/lines.py), then the rows of one line are joined, in part
+order:
+
+| endpoint | joined body |
+|----------|-------------|
+| `/v1/embeddings` | `data[p]` = part p's embedding object with `"index": p`; `usage` summed |
+| `/v1/completions`, `/v1/chat/completions` | `choices[p]` = part p's choice with `"index": p`; `usage` summed |
+
+The line's `id` and `request_id` are part 0's (they depend only on the
+line's index). A line with any part that failed (an error result, or a
+result that cannot be rendered) becomes one error line with that part's
+code and the message `part P of K: MESSAGE`, P its first failed part. Lines
+come out in the order their first row has in the page.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import orjson
+
+_DUMPS_OPTIONS = orjson.OPT_APPEND_NEWLINE
+
+
+def join_lines(
+    index: np.ndarray,
+    part: np.ndarray,
+    rendered: list[tuple[int, bool, Any]],
+) -> tuple[list[tuple[int, bytes]], list[tuple[int, tuple[str, str]]]]:
+    """Join rendered rows into lines.
+
+    `rendered` holds (row, ok, what) for every row: `what` is the row's output line (bytes)
+    when ok, else its (code, message). Returns ([(first row, output line)], [(first row,
+    (code, message))]) in page order; the caller renders the error lines."""
+    by_row = {row: (ok, what) for row, ok, what in rendered}
+    index_l, part_l = index.tolist(), part.tolist()
+    groups: dict[int, list[int]] = {}
+    for row in range(len(index_l)):
+        groups.setdefault(index_l[row], []).append(row)
+    out, err = [], []
+    for rows in groups.values():
+        rows.sort(key=lambda r: part_l[r])
+        failed = [r for r in rows if not by_row[r][0]]
+        if failed:
+            code, message = by_row[failed[0]][1]
+            err.append((rows[0], (code, f"part {part_l[failed[0]]} of {len(rows)}: {message}")))
+            continue
+        lines = [orjson.loads(by_row[r][1]) for r in rows]
+        out.append((rows[0], _joined(lines, [part_l[r] for r in rows])))
+    return out, err
+
+
+def _joined(lines: list[dict[str, Any]], parts: list[int]) -> bytes:
+    first = lines[0]
+    body = first["response"]["body"]
+    usage: dict[str, int] = {}
+    for line in lines:
+        for key, value in line["response"]["body"].get("usage", {}).items():
+            usage[key] = usage.get(key, 0) + value
+    key = "data" if "data" in body else "choices"
+    joined = []
+    for line, p in zip(lines, parts, strict=True):
+        entry = line["response"]["body"][key][0]
+        entry["index"] = p
+        joined.append(entry)
+    body[key] = joined
+    if usage:
+        body["usage"] = usage
+    return orjson.dumps(first, option=_DUMPS_OPTIONS)
