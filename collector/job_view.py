@@ -22,7 +22,6 @@ from typing import Any
 
 import numpy as np
 
-from collector.completion.line_table import LineTable
 from ingest.jobs import DELIVER_FILE
 from pipeline.job_files import (
     ChunkProgress,
@@ -32,6 +31,7 @@ from pipeline.job_files import (
 )
 from pipeline.job_record import JobRecordError
 from pipeline.job_states import JobState
+from pipeline.line_table import LineTable
 
 CHUNKS_CACHED = 16
 

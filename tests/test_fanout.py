@@ -436,8 +436,8 @@ def test_completion_counts_lines_and_pages_carry_whole_lines_even_half_marked(da
     """Lines of 3 parts: a line counts done only with every part; a page never holds part of
     a line; a page is cut to about its limit in whole lines; and a line whose parts were
     marked delivered only in part (a crash between segments) still comes whole."""
-    from collector.completion.line_table import LineTable
     from collector.completion.results_log import CompletionLog
+    from pipeline.line_table import LineTable
 
     table = LineTable()
     table.add([[1, 3, PART_BASE], [2, 3, PART_BASE + 2], [3, 3, PART_BASE + 4]])

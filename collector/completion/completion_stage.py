@@ -146,7 +146,7 @@ class CompletionStage(Stage):
 
     # ---- the loop --------------------------------------------------------------------------
     def _lines(self, job_id: str):
-        """The job's fan-out line table (collector/completion/line_table.py), None if no job."""
+        """The job's fan-out line table (pipeline/line_table.py), None if no job."""
         view = self.jobs.view(job_id)
         return None if view is None else view.lines
 

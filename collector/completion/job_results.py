@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from collector.completion.line_table import LineTable
 from pipeline.index_bitmap import IndexBitmap
 from pipeline.item_seq import PART_BASE
+from pipeline.line_table import LineTable
 from pipeline.segment import Segment
 from pipeline.segment_append import SegmentAppender
 

@@ -27,8 +27,8 @@ from __future__ import annotations
 import numpy as np
 
 from collector.completion.job_results import JobResults
-from collector.completion.line_table import LineTable
 from collector.completion.pages import Page, page_of_slots
+from pipeline.line_table import LineTable
 from pipeline.segment import Segment
 from pipeline.segment_format import EMPTY, STATE_MASK
 

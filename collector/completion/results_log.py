@@ -36,7 +36,6 @@ import numpy as np
 
 from collector.completion.job_results import JobResults
 from collector.completion.line_pages import whole_lines
-from collector.completion.line_table import LineTable
 from collector.completion.pages import (
     Page,
     count_undelivered,
@@ -58,6 +57,7 @@ from collector.completion.record_format import (
 from pipeline.datadir import DataDir
 from pipeline.errors import FabricError
 from pipeline.item_seq import index_of, seq_of
+from pipeline.line_table import LineTable
 from pipeline.ragged import offsets_of, pad
 from pipeline.result_kinds import ResultKind, ResultStatus
 from pipeline.segment import Segment
