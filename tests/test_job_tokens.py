@@ -7,6 +7,7 @@ from test_completion_log import inputs, results
 
 from collector.completion.job_status import JobStatus
 from collector.completion.results_log import CompletionLog
+from pipeline.line_table import LineTable
 from pipeline.result_kinds import ResultKind, ResultStatus
 
 
@@ -44,6 +45,7 @@ def test_job_info_carries_the_usage(data_dir):
 
     class View:
         job_id, job_no, total, cancelled, created_ns, deliver = "job-c", 7, 10, False, 0, "file"
+        lines = LineTable()  # no line of several parts
 
     info = JobStatus(log).info(View(), False, 0.0)
     assert info["usage"] == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}
