@@ -18,8 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from collector.delivery.lines import ExportContext, ResultPage, format_page, page_keys
+from collector.delivery.lines import format_page, page_keys
 from collector.delivery.result_file import ResultFile
+from collector.delivery.result_page import ExportContext, ResultPage
 from collector.delivery_client import Delivery
 from pipeline import wire
 from pipeline.broker_client import BrokerClient

@@ -26,7 +26,8 @@ from test_dispatch_pipeline import cli
 from test_transformers_engine import batch_of, needs_model, outputs
 
 from collector.completion.result_check import Expected, ResultCheck, expected_kind
-from collector.delivery.lines import ExportContext, ResultPage, format_page
+from collector.delivery.lines import format_page
+from collector.delivery.result_page import ExportContext, ResultPage
 from config import load_settings
 from gpu.engines.base import EngineResult
 from gpu.worker.results import results_message

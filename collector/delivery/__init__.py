@@ -2,6 +2,9 @@
 
 | module | the one idea it holds |
 |--------|-----------------------|
+| `result_page.py` | a result page's columns and its checks before rendering |
 | `lines.py` | a result page -> output and error lines, and each line's key |
+| `join.py` | the parts of a fan-out line joined into one response |
+| `responses.py`, `logprobs.py` | /v1/responses bodies; logprobs in OpenAI's shapes |
 | `result_file.py` | `ResultFile`: an output file that holds each key at most once, synced before an ack |
 """
