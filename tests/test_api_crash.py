@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -44,6 +43,14 @@ def retrieve(client: openai.OpenAI, batch_id: str):
         return client.batches.retrieve(batch_id)
     except openai.APIConnectionError:
         return None
+
+
+def progress(batch) -> tuple | None:
+    """Where a batch stands: its status and counts (None while the api stage is down)."""
+    if batch is None:
+        return None
+    counts = batch.request_counts
+    return batch.status, counts.completed if counts else 0, counts.failed if counts else 0
 
 
 def finish(client: openai.OpenAI, batch_id: str):
@@ -132,12 +139,20 @@ def test_api_stage_killed_over_and_over_while_batches_run(tmp_path):
             batches = [retrieve(client, i) for i in ids]
             if all(b is not None and b.status == "completed" for b in batches):
                 break
+            seen = [progress(b) for b in batches]
             pid = broker.pids()["api-0"]
             os.kill(pid, signal.SIGKILL)
             kills += 1
-            back = lambda p=pid: broker.pids()["api-0"] != p and broker.all_up()  # noqa: E731
+            # while it is down the report names no pid for it: .get, not [ ]
+            back = lambda p=pid: broker.pids().get("api-0", p) != p and broker.all_up()  # noqa: E731
             wait_for(back, "api-0 to be restarted", timeout_s=60)
-            time.sleep(0.2 + 0.4 * (kills % 3))  # lands in different phases
+            # the next kill waits for the batches to move on (status or counts), so the kills
+            # land in different phases: validating, submitting, fetching, finalizing
+            moved = lambda seen=seen: any(  # noqa: E731
+                progress(retrieve(client, i)) not in (None, old)
+                for i, old in zip(ids, seen, strict=True)
+            )
+            wait_for(moved, "the batches to move on after a restart", timeout_s=LIVENESS_S)
         assert kills >= 3
         for batch_id in ids:
             assert_exactly_once(client, finish(client, batch_id), n)
