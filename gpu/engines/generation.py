@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from gpu.engines.base import EngineBatch, EngineResult
+from gpu.engines.logprobs import pack_logprobs
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,25 @@ def pack(outputs: list[np.ndarray | None]) -> tuple[np.ndarray, np.ndarray]:
     parts = [o for o in outputs if o is not None and len(o)]
     flat = np.concatenate(parts).astype(np.uint32) if parts else np.zeros(0, np.uint32)
     return flat, offsets
+
+
+def generated_result(
+    errors: Any, outputs: list[np.ndarray | None], scored: list, top: int | None
+) -> EngineResult:
+    """A generation engine's result: the packed outputs, and their log probabilities (the
+    `top` alternatives per token) when the batch asked for them (`top` not None)."""
+    tokens, offsets = pack(outputs)
+    if top is None:
+        return EngineResult(errors, tokens=tokens, offsets=offsets)
+    logprobs, top_ids, top_logprobs = pack_logprobs(scored, top)
+    return EngineResult(
+        errors,
+        tokens=tokens,
+        offsets=offsets,
+        logprobs=logprobs,
+        top_ids=top_ids,
+        top_logprobs=top_logprobs,
+    )
 
 
 def item_errors(

