@@ -214,8 +214,8 @@ METRICS: dict[str, Metric] = _catalogue(
     Metric(
         "fabric_duplicate_results_total",
         COUNTER,
-        (),
-        "Results dropped because their item already had one",
+        ("why",),
+        "Results dropped because their item already had one, by why (sent_again, computed_again)",
         "completion",
     ),
     Metric(

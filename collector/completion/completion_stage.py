@@ -341,7 +341,9 @@ class CompletionStage(Stage):
         intake = self.intake
         return {
             "fabric_items_completed_total": intake.stored,
-            "fabric_duplicate_results_total": intake.duplicates,
+            "fabric_duplicate_results_total": {
+                (why.replace(" ", "_"),): n for why, n in intake.duplicates.items()
+            },
             "fabric_results_delivered_total": self.delivery.delivered,
             "fabric_results_refused_total": {(c,): intake.refused[c] for c in CAUSES[1:]},
         }

@@ -67,6 +67,10 @@ def results_problem(arrays: dict[str, np.ndarray]) -> str | None:
     return offsets_problem(arrays["offsets"], n, len(payload))
 
 
+SENT_AGAIN = "sent again"  # a worker sent a result again (no ack reached it)
+COMPUTED_AGAIN = "computed again"  # an item computed twice (reclaimed, then both answered)
+
+
 class ResultIntake:
     """Checks and records what dispatch forwards; collects the acks and hand-backs of the
     next RETIRED. Owned by the completion stage (one thread)."""
@@ -91,7 +95,9 @@ class ResultIntake:
         self.hand_back: list[tuple[str, int, np.ndarray]] = []  # (session, batch, items)
         self.touched: set[str] = set()  # jobs given results since the stage last looked
         self.stored = 0  # results stored (metrics)
-        self.duplicates = 0  # results dropped: their item had one (metrics)
+        # results dropped because their item had one, by why: a worker's resend ("sent
+        # again") or a second computation after a reclaim ("computed again") (metrics)
+        self.duplicates = {SENT_AGAIN: 0, COMPUTED_AGAIN: 0}
         self.refused: collections.Counter[str] = collections.Counter()  # cause -> results
 
     def results(self, message: wire.Message) -> None:
@@ -118,7 +124,7 @@ class ResultIntake:
         good = np.flatnonzero(verdict.cause == 0)
         try:
             kept = rows.take(good) if len(good) < len(items) else rows
-            why = "sent again" if meta.get("resent") else "computed again"
+            why = SENT_AGAIN if meta.get("resent") else COMPUTED_AGAIN
             known = self.record(items[good], status[good], kept, prompt[good], why)
             back = (
                 self._refuse(meta["session"], items, verdict, attempts)
@@ -188,7 +194,7 @@ class ResultIntake:
             view.rejected[:0] = rejected
             raise
 
-    def record(self, items, status, rows: Ragged, prompt, why: str = "computed again") -> bool:
+    def record(self, items, status, rows: Ragged, prompt, why: str = COMPUTED_AGAIN) -> bool:
         """Store results; False if some name a job number this broker does not know (yet)."""
         known = True
         job_nos = job_of(items["seq"])
@@ -220,7 +226,7 @@ class ResultIntake:
                 sync=False,
             )
             self.stored += recorded.stored
-            self.duplicates += recorded.duplicates
+            self.duplicates[why] = self.duplicates.get(why, 0) + recorded.duplicates
             if recorded.duplicates:
                 self.log.info(
                     "job %s: %d duplicate result(s) dropped (%s)", job_id, recorded.duplicates, why
