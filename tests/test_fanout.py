@@ -24,11 +24,13 @@ from broker import REPO, TEXT_LIMIT_TOKENS, WORDS, Broker, submit, write_config
 from conftest import assert_check_clean, wait_for
 from test_dispatch_pipeline import assert_each_once, cli, fetch, finished, job_info
 
+from collector.results_client import ResultsClient
 from config import load_settings
 from ingest.batch_input import iter_batch_input
 from ingest.catalog import ModelCatalog
 from ingest.chunk_check import recheck
 from ingest.custom_ids import CustomIdSet
+from pipeline.errors import FabricError
 from pipeline.item_seq import PART_BASE
 from pipeline.job_files import JobFiles, acknowledged_indexes
 from router.intern_table import InternTable
@@ -277,6 +279,14 @@ def _completed(b: Broker, job: str) -> int:
     return json.loads(result.stdout)["completed"] if result.returncode == 0 else 0
 
 
+def _lines_done(results: ResultsClient, job: str) -> int:
+    """Lines of `job` done, 0 while the broker does not know the job yet."""
+    try:
+        return int(results.job_status(job)["completed"])
+    except FabricError:
+        return 0
+
+
 def _strings(line: int, parts: int) -> list[str]:
     """Two words per part, unique over the whole job: w<a % 1000> w<a // 1000>."""
     return [f"w{(line * parts + p) % 1000} w{(line * parts + p) // 1000}" for p in range(parts)]
@@ -299,12 +309,20 @@ def test_a_64000_item_list_job_survives_a_broker_kill_with_each_line_once_and_wh
     producer = subprocess.Popen(
         [*cmd, str(b.config)], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )
-    wait_for(lambda: _completed(b, "big") > 20, "some lines done", 240)
-    before = _completed(b, "big")
-    b.kill()  # the whole broker: supervisor and every stage
-    assert before < lines_n, "the job was done before the kill: nothing was tested"
-    b.start()
-    _, err = producer.communicate(timeout=600)  # it waits for the broker and goes on, or fails
+    try:
+        # asked in-process (a status command costs a new interpreter per poll): the kill comes
+        # as soon as the first lines are done, long before the last
+        with ResultsClient(b.settings.completion.bind, timeout_s=10) as results:
+            wait_for(lambda: _lines_done(results, "big") > 0, "some lines done", 240)
+            before = _lines_done(results, "big")
+        b.kill()  # the whole broker: supervisor and every stage
+        assert before < lines_n, "the job was done before the kill: nothing was tested"
+        b.start()
+        _, err = producer.communicate(timeout=600)  # it waits for the broker and goes on, or fails
+    finally:
+        if producer.poll() is None:  # a failed test leaves no producer running
+            producer.kill()
+            producer.communicate()
     if producer.returncode != 0:  # then the same submit again resumes the job
         result = submit(b.config, data, "--job-id", "big", timeout_s=600)
         assert result.returncode == 0, result.stderr + err.decode()
