@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gpu.dispatch.deadline_order import JobSpans
 from pipeline.segment import Segment
 from pipeline.segment_format import live_markers
 
@@ -42,6 +43,7 @@ class SegmentQueue:
     out: np.ndarray | None = None  # bool per slot: on lease now (or quarantined, dead-lettered)
     not_before: float = 0.0  # nothing is handed out before this (re-registration grace)
     batches: set[int] | None = None  # lease ids with items of this segment
+    spans: JobSpans | None = None  # its jobs and their deadlines, once one matters (deadline_order)
 
     @property
     def model(self) -> str:
@@ -50,16 +52,17 @@ class SegmentQueue:
     def has_work(self) -> bool:
         return self.cursor < self.end
 
-    def candidates(self, budget: int) -> tuple[np.ndarray, int]:
-        """Up to `budget` LIVE slots not out on lease, from the cursor; and how far that scanned.
+    def candidates(self, budget: int, start: int | None = None) -> tuple[np.ndarray, int]:
+        """Up to `budget` LIVE slots not out on lease, from the cursor (or from `start`, past
+        it: a deadline's pick); and how far that scanned.
 
-        Every slot before the returned position is out, retired or never
-        written, so the cursor may move there once the batch is committed.
+        Every slot from where it began to the returned position is out, retired
+        or never written, so the cursor may move there once the batch is committed.
         Markers are read in windows, so a long backlog is never scanned whole.
         """
         found_parts: list[np.ndarray] = []
         need = budget
-        start = self.cursor
+        start = self.cursor if start is None else start
         while start < self.end and need > 0:
             stop = min(self.end, start + max(SCAN_MARKERS, 2 * need))
             free = live_markers(self.segment.markers[start:stop])
