@@ -16,6 +16,7 @@ import pytest
 from conftest import make_batch
 from dispatch_stepped import LANE, MODEL, SteppedDispatch
 
+from gpu.dispatch import deadline_order
 from gpu.dispatch.deadline_order import DEADLINE_RUN
 from gpu.dispatch.deadlines import JobDeadlines
 from gpu.dispatch.state import DispatchState
@@ -159,3 +160,16 @@ def test_the_stage_learns_deadlines_from_records_at_start_and_while_running(tmp_
         assert jobs == ([b] * DEADLINE_RUN + [a]) * 2
     finally:
         d.close()
+
+
+def test_jobs_are_learnt_a_window_at_a_time_and_nothing_is_lost(data_dir, monkeypatch):
+    """With a scan window far smaller than the backlog, the deadline job is found once the
+    windows reach it (A's batches go out in today's order meanwhile); then it goes first."""
+    monkeypatch.setattr(deadline_order, "SCAN_SLOTS", 16)
+    a = make_job(data_dir.root, "job-a", time.time() + 7200)
+    b = make_job(data_dir.root, "job-b", time.time() + 600)
+    state = dispatch_state(data_dir, write_segment(data_dir, 1, [(a, 200), (b, 50)]))
+    jobs = handed_jobs(state, 100)
+    found = jobs.index(b)
+    assert 0 < found <= 200 // 16 + 1 and jobs[found : found + DEADLINE_RUN] == [b] * DEADLINE_RUN
+    assert sorted(jobs) == [a] * 20 + [b] * 5

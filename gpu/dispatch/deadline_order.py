@@ -37,6 +37,7 @@ import numpy as np
 from pipeline import item_seq
 from pipeline.segment import Segment
 
+NONE = np.iinfo(np.int64).max
 SCAN_SLOTS = 1 << 16  # slots whose job is read per segment per choice
 DEADLINE_RUN = 3  # batches in a row a deadline may take out of today's order (then one in it)
 
@@ -58,6 +59,14 @@ class JobSpans:
         self.first = np.zeros(0, np.int64)  # per job: its first slot still to look at
         self.last = np.zeros(0, np.int64)  # per job: its last slot read
         self.deadline = np.zeros(0, np.float64)  # inf: none; nan: not known yet
+        self._lowest_last = NONE  # the least of `last`: no job to drop before the cursor passes
+        self._unknown = False  # some deadline is nan
+        self._timed = False  # some deadline is a time
+
+    def _changed(self) -> None:
+        self._lowest_last = int(self.last.min()) if len(self.last) else NONE
+        self._unknown = bool(np.isnan(self.deadline).any())
+        self._timed = bool(np.isfinite(self.deadline).any())
 
     def learn(
         self, segment: Segment, cursor: int, end: int, deadlines: Deadlines, now: float
@@ -74,19 +83,22 @@ class JobSpans:
             known = found > 0  # an unwritten slot reads job 0
             self._merge(found[known], first[known] + start, last[known] + start)
             self.read_to = stop
-        keep = self.last >= cursor
-        if not keep.all():
+            self._changed()
+        if cursor > self._lowest_last:
+            keep = self.last >= cursor
             self.jobs, self.first = self.jobs[keep], self.first[keep]
             self.last, self.deadline = self.last[keep], self.deadline[keep]
-        unknown = np.isnan(self.deadline)
-        if unknown.any():
+            self._changed()
+        if self._unknown:
+            unknown = np.isnan(self.deadline)
             self.deadline[unknown] = deadlines.of(self.jobs[unknown], now)
+            self._changed()
 
     def _merge(self, jobs: np.ndarray, first: np.ndarray, last: np.ndarray) -> None:
         both = np.concatenate([self.jobs, jobs])
         self.jobs, inverse = np.unique(both, return_inverse=True)
         n = len(self.jobs)
-        merged_first = np.full(n, np.iinfo(np.int64).max)
+        merged_first = np.full(n, NONE)
         merged_last = np.full(n, -1, np.int64)
         deadline = np.full(n, np.nan)
         np.minimum.at(merged_first, inverse, np.concatenate([self.first, first]))
@@ -97,6 +109,8 @@ class JobSpans:
     def earliest(self, cursor: int) -> tuple[float, int] | None:
         """(deadline, slot to start from) of the waiting job with the earliest deadline; None
         when no job with a deadline waits here."""
+        if not self._timed:
+            return None
         begin = np.maximum(self.first, cursor)
         waiting = (self.last >= begin) & np.isfinite(self.deadline)
         if not waiting.any():
