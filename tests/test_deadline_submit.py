@@ -46,3 +46,26 @@ def test_a_record_without_a_deadline_or_with_a_bad_one_reads_as_none():
     assert record_deadline({"job_no": 1}) is None
     assert record_deadline({"deadline": "tomorrow"}) is None
     assert record_deadline({"deadline": 1764630000}) == 1764630000.0
+
+
+def test_the_api_submits_a_batch_as_a_job_whose_deadline_is_its_expires_at():
+    """The batch driver hands the producer SDK the batch's expires_at as the job's deadline
+    (the front writes it into the job record, where dispatch reads it)."""
+    from api.batch_driver import BatchDriver
+
+    class Producer:
+        def __init__(self) -> None:
+            self.calls = []
+
+        def submit_file(self, path, job_id, deadline=None):
+            self.calls.append((path, job_id, deadline))
+
+    producer = Producer()
+    driver = BatchDriver(None, None, (None, producer), None)
+    try:
+        record = {"id": "batch_1", "submit_path": "/in.jsonl", "expires_at": 1764630000}
+        driver._submit(record)
+        driver._submitting["batch_1"].result(timeout=30)
+    finally:
+        driver.close()
+    assert producer.calls == [("/in.jsonl", "batch_1", 1764630000)]
