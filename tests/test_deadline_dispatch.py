@@ -173,3 +173,21 @@ def test_jobs_are_learnt_a_window_at_a_time_and_nothing_is_lost(data_dir, monkey
     found = jobs.index(b)
     assert 0 < found <= 200 // 16 + 1 and jobs[found : found + DEADLINE_RUN] == [b] * DEADLINE_RUN
     assert sorted(jobs) == [a] * 20 + [b] * 5
+
+
+def test_a_deadline_job_the_cursor_had_passed_is_first_again_after_a_reclaim(data_dir):
+    """B's only batch went out from its segment's cursor (so the cursor passed all of B); the
+    worker is lost and the batch reclaimed: B is read again and goes out before A's work."""
+    plain = make_job(data_dir.root, "plain", None)
+    b = make_job(data_dir.root, "job-b", time.time() + 600)
+    state = dispatch_state(
+        data_dir,
+        write_segment(data_dir, 1, [(plain, 50)]),
+        write_segment(data_dir, 2, [(b, 10), (plain, 20)]),
+    )
+    first = state.next_batch("w", MODEL, 10, 1 << 20, 0.0)
+    assert first.segment_id == 2 and set(item_seq.job_of(first.items["seq"]).tolist()) == {b}
+    assert handed_jobs(state, 1) == [plain]  # the cursor of segment 2 is past B now
+    assert state.drop_session("w") == 20
+    again = state.next_batch("w2", MODEL, 10, 1 << 20, 0.0)
+    assert again.segment_id == 2 and again.items["slot"].tolist() == list(range(10))

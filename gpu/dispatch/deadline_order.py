@@ -126,9 +126,11 @@ class JobSpans:
         self.first[inside] = scanned_to  # a job that begins before `start` keeps its place
 
     def rewind(self, slot: int) -> None:
-        """A slot came back (a reclaim): jobs with slots from there look again from it."""
+        """A slot came back (a reclaim): jobs with slots from there look again from it, and
+        slots from there are read again (a job dropped when the cursor passed it is back)."""
         back = (self.last >= slot) & (self.first > slot)
         self.first[back] = slot
+        self.read_to = min(self.read_to, slot)
 
 
 class DeadlineOrder:

@@ -13,8 +13,9 @@ when there are new ones) and those that had no record yet (a job being
 created). Job numbers grow with creation, so a number above the highest one
 read is a job created since: `of()` looks again (at most every
 `LOOK_AGAIN_S`) before it answers "not known yet". Jobs whose `finished`
-mark appears are forgotten at the next `refresh()`. Memory: one entry per
-unfinished job with a deadline, and the names of the job directories seen.
+mark appears are forgotten (the marks are looked at every
+`FINISHED_EVERY_S`). Memory: one entry per unfinished job with a deadline,
+and the names of the job directories seen.
 
 | `of(job_nos)` answers | meaning |
 |-----------------------|---------|
@@ -35,6 +36,7 @@ from pipeline.job_files import JobFiles
 from pipeline.job_record import JobRecordError, record_deadline
 
 LOOK_AGAIN_S = 0.2  # the least time between two listings of jobs/ for an unknown job number
+FINISHED_EVERY_S = 10.0  # how often the `finished` marks of jobs with a deadline are looked at
 
 
 class JobDeadlines:
@@ -49,6 +51,7 @@ class JobDeadlines:
         self._highest = 0  # the highest job number read
         self._listed_mtime: int | None = None
         self._listed_at = -math.inf
+        self._finished_at = -math.inf
 
     def any(self) -> bool:
         """True while some unfinished job has a deadline."""
@@ -71,11 +74,14 @@ class JobDeadlines:
         return np.fromiter(self._deadlines, np.int64, len(self._deadlines))
 
     def refresh(self, now: float, list_anyway: bool = False) -> None:
-        """Read the records of new job directories; forget jobs that finished."""
-        for job_no, job_id in list(self._ids.items()):
-            if self.files.is_finished(job_id):
-                del self._ids[job_no]
-                self._deadlines.pop(job_no, None)
+        """Read the records of new job directories; forget jobs that finished (their marks
+        are looked at every FINISHED_EVERY_S: one stat per job with a deadline)."""
+        if now - self._finished_at >= FINISHED_EVERY_S:
+            self._finished_at = now
+            for job_no, job_id in list(self._ids.items()):
+                if self.files.is_finished(job_id):
+                    del self._ids[job_no]
+                    self._deadlines.pop(job_no, None)
         try:
             mtime = self.files.root.stat().st_mtime_ns
         except FileNotFoundError:
