@@ -30,14 +30,17 @@ this is read while no unfinished job has a deadline.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from pipeline import item_seq
 from pipeline.segment import Segment
 
-NONE = np.iinfo(np.int64).max
+if TYPE_CHECKING:  # segment_queue.py imports JobSpans from here
+    from gpu.dispatch.segment_queue import SegmentQueue
+
+NO_SLOT = np.iinfo(np.int64).max
 SCAN_SLOTS = 1 << 16  # slots whose job is read per segment per choice
 DEADLINE_RUN = 3  # batches in a row a deadline may take out of today's order (then one in it)
 
@@ -59,12 +62,12 @@ class JobSpans:
         self.first = np.zeros(0, np.int64)  # per job: its first slot still to look at
         self.last = np.zeros(0, np.int64)  # per job: its last slot read
         self.deadline = np.zeros(0, np.float64)  # inf: none; nan: not known yet
-        self._lowest_last = NONE  # the least of `last`: no job to drop before the cursor passes
+        self._lowest_last = NO_SLOT  # the least of `last`: no job to drop before the cursor passes
         self._unknown = False  # some deadline is nan
         self._timed = False  # some deadline is a time
 
     def _changed(self) -> None:
-        self._lowest_last = int(self.last.min()) if len(self.last) else NONE
+        self._lowest_last = int(self.last.min()) if len(self.last) else NO_SLOT
         self._unknown = bool(np.isnan(self.deadline).any())
         self._timed = bool(np.isfinite(self.deadline).any())
 
@@ -98,7 +101,7 @@ class JobSpans:
         both = np.concatenate([self.jobs, jobs])
         self.jobs, inverse = np.unique(both, return_inverse=True)
         n = len(self.jobs)
-        merged_first = np.full(n, NONE)
+        merged_first = np.full(n, NO_SLOT)
         merged_last = np.full(n, -1, np.int64)
         deadline = np.full(n, np.nan)
         np.minimum.at(merged_first, inverse, np.concatenate([self.first, first]))
@@ -141,7 +144,9 @@ class DeadlineOrder:
         self._run: dict[str, int] = {}  # model -> batches in a row taken ahead of today's order
         self.batches = 0  # batches handed out ahead of today's order (metrics)
 
-    def pick(self, model: str, order: Sequence, now: float) -> tuple[object, int] | None:
+    def pick(
+        self, model: str, order: Sequence[SegmentQueue], now: float
+    ) -> tuple[SegmentQueue, int] | None:
         """(queue, start slot) to try before `order` (today's order), or None: no deadline
         waits, both orders agree, or today's order has its turn (DEADLINE_RUN)."""
         if not order or not self.deadlines.any():
@@ -161,8 +166,8 @@ class DeadlineOrder:
 
 
 def deadline_pick(
-    candidates: Sequence, deadlines: Deadlines, now: float
-) -> tuple[object, int] | None:
+    candidates: Sequence[SegmentQueue], deadlines: Deadlines, now: float
+) -> tuple[SegmentQueue, int] | None:
     """(queue, start slot) for the earliest-deadline waiting job among `candidates`
     (SegmentQueues in today's order, which breaks ties); None when none has a deadline."""
     best = None

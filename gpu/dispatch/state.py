@@ -11,9 +11,9 @@ Choosing the segment: the highest priority class first, then the oldest
 segment (ids increase with age). Hints may reorder candidates but never
 remove them (invariant 10): `next_batch` falls through to any segment with
 work. Earlier job deadlines go first, within a bounded share of the batches
-(gpu/dispatch/deadline_order.py). Taking a batch is two-phase (invariant 6): it first reads every slot
-it will hand out (markers, checksums, seqs) and only then commits the lease,
-the bitmap and the cursor. A slot whose checksum fails is quarantined, never
+(gpu/dispatch/deadline_order.py). Taking a batch is two-phase (invariant 6):
+it first reads every slot it will hand out (markers, checksums, seqs) and
+only then commits the lease, the bitmap and the cursor. A slot whose checksum fails is quarantined, never
 sent, and reported so the completion stage can give it an error result.
 
 An item that was reclaimed before (its attempts byte is not 0) is handed
