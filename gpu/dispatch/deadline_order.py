@@ -2,7 +2,7 @@
 
 Today's order (gpu/dispatch/state.py) takes a model's segments highest shape
 priority first, then oldest, each from its cursor. When some unfinished job
-has a deadline (gpu/dispatch/deadlines.py), `deadline_pick` looks at the
+has a deadline (gpu/dispatch/deadlines.py), `DeadlineOrder.pick` looks at the
 same candidates for the waiting job with the earliest deadline and names the
 segment and the slot to start from: that job's first slot not handed out
 yet, which may lie past the cursor (the slots before it stay queued, and the
@@ -30,15 +30,13 @@ this is read while no unfinished job has a deadline.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
 
+from gpu.dispatch.segment_queue import SegmentQueue
 from pipeline import item_seq
 from pipeline.segment import Segment
-
-if TYPE_CHECKING:  # segment_queue.py imports JobSpans from here
-    from gpu.dispatch.segment_queue import SegmentQueue
 
 NO_SLOT = np.iinfo(np.int64).max
 SCAN_SLOTS = 1 << 16  # slots whose job is read per segment per choice
@@ -137,10 +135,12 @@ class JobSpans:
 
 
 class DeadlineOrder:
-    """The deadline hint of one DispatchState: what to take ahead of today's order."""
+    """The deadline hint of one DispatchState: what to take ahead of today's order, and each
+    segment's JobSpans (made when a choice first looks at the segment)."""
 
     def __init__(self, deadlines: Deadlines) -> None:
         self.deadlines = deadlines
+        self._spans: dict[int, JobSpans] = {}  # segment id -> its jobs past the cursor
         self._run: dict[str, int] = {}  # model -> batches in a row taken ahead of today's order
         self.batches = 0  # batches handed out ahead of today's order (metrics)
 
@@ -151,7 +151,7 @@ class DeadlineOrder:
         waits, both orders agree, or today's order has its turn (DEADLINE_RUN)."""
         if not order or not self.deadlines.any():
             return None
-        pick = deadline_pick(order, self.deadlines, now)
+        pick = self._earliest(order, now)
         if pick is None or (pick[0] is order[0] and pick[1] <= order[0].cursor):
             return None
         if self._run.get(model, 0) >= DEADLINE_RUN:
@@ -164,19 +164,34 @@ class DeadlineOrder:
         self._run[model] = self._run.get(model, 0) + 1
         self.batches += 1
 
+    def passed(self, segment_id: int, start: int, scanned_to: int) -> None:
+        """A take from `start` (past the cursor) scanned to `scanned_to` (JobSpans.passed)."""
+        spans = self._spans.get(segment_id)
+        if spans is not None:
+            spans.passed(start, scanned_to)
 
-def deadline_pick(
-    candidates: Sequence[SegmentQueue], deadlines: Deadlines, now: float
-) -> tuple[SegmentQueue, int] | None:
-    """(queue, start slot) for the earliest-deadline waiting job among `candidates`
-    (SegmentQueues in today's order, which breaks ties); None when none has a deadline."""
-    best = None
-    for work in candidates:
-        spans = work.spans
-        if spans is None:
-            spans = work.spans = JobSpans()
-        spans.learn(work.segment, work.cursor, work.end, deadlines, now)
-        found = spans.earliest(work.cursor)
-        if found is not None and (best is None or found[0] < best[0]):
-            best = (found[0], work, found[1])
-    return None if best is None else (best[1], best[2])
+    def rewind(self, segment_id: int, slot: int) -> None:
+        """A reclaim gave back slots from `slot` (JobSpans.rewind)."""
+        spans = self._spans.get(segment_id)
+        if spans is not None:
+            spans.rewind(slot)
+
+    def forget(self, segment_id: int) -> None:
+        """The segment is finished and released."""
+        self._spans.pop(segment_id, None)
+
+    def _earliest(
+        self, candidates: Sequence[SegmentQueue], now: float
+    ) -> tuple[SegmentQueue, int] | None:
+        """(queue, start slot) for the earliest-deadline waiting job among `candidates`
+        (in today's order, which breaks ties); None when none has a deadline."""
+        best = None
+        for work in candidates:
+            spans = self._spans.get(work.segment.segment_id)
+            if spans is None:
+                spans = self._spans[work.segment.segment_id] = JobSpans()
+            spans.learn(work.segment, work.cursor, work.end, self.deadlines, now)
+            found = spans.earliest(work.cursor)
+            if found is not None and (best is None or found[0] < best[0]):
+                best = (found[0], work, found[1])
+        return None if best is None else (best[1], best[2])

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gpu.dispatch.deadline_order import JobSpans
 from pipeline.segment import Segment
 from pipeline.segment_format import live_markers
 
@@ -43,7 +42,6 @@ class SegmentQueue:
     out: np.ndarray | None = None  # bool per slot: on lease now (or quarantined, dead-lettered)
     not_before: float = 0.0  # nothing is handed out before this (re-registration grace)
     batches: set[int] | None = None  # lease ids with items of this segment
-    spans: JobSpans | None = None  # its jobs and their deadlines, once one matters (deadline_order)
 
     @property
     def model(self) -> str:

@@ -115,6 +115,8 @@ class DispatchState:
         gone = [work for work in self._work.values() if work.finished()]
         for work in gone:
             del self._work[work.segment.segment_id]
+            if self.deadline_order is not None:
+                self.deadline_order.forget(work.segment.segment_id)
         return [work.segment for work in gone]
 
     def segments(self) -> list[Segment]:
@@ -288,13 +290,12 @@ class DispatchState:
         self._add_lease(batch, work)
         return batch
 
-    @staticmethod
-    def _passed(work: SegmentQueue, start: int | None, scanned_to: int) -> None:
+    def _passed(self, work: SegmentQueue, start: int | None, scanned_to: int) -> None:
         """Every slot from the cursor (or `start`, past it) to `scanned_to` is taken or out."""
         if start is None:
             work.cursor = max(work.cursor, scanned_to)
-        elif work.spans is not None:
-            work.spans.passed(start, scanned_to)
+        elif self.deadline_order is not None:
+            self.deadline_order.passed(work.segment.segment_id, start, scanned_to)
 
     def _add_lease(self, batch: Batch, work: SegmentQueue) -> None:
         self.table.add(batch)
@@ -483,8 +484,8 @@ class DispatchState:
                 back = back[~done]
         if len(back):
             work.cursor = min(work.cursor, int(back.min()))  # bounded rewind
-            if work.spans is not None:
-                work.spans.rewind(int(back.min()))
+            if self.deadline_order is not None:
+                self.deadline_order.rewind(segment.segment_id, int(back.min()))
         return len(back)
 
     def retired(self, segment_id: int, slots: np.ndarray) -> None:
