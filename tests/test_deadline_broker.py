@@ -22,7 +22,8 @@ LINES = 200
 
 def test_two_jobs_complete_in_deadline_order_not_in_submit_order(tmp_path):
     """Job `later` (deadline in 2 h) is submitted first, job `sooner` (in 10 minutes) second,
-    both queued before the one worker (simulated, 20,000 tokens/s, 16 items a batch) starts:
+    both queued before the one worker (simulated, 20,000 tokens/s, 16 items a batch) starts,
+    and dispatch is SIGKILLed in between (restarted, it has only the job records to go by):
     `sooner` completes while `later` is still in progress, and `later` completes too."""
     b = Broker(write_config(tmp_path, workers=0, dispatch=FAST))
     worker = None
@@ -34,6 +35,7 @@ def test_two_jobs_complete_in_deadline_order_not_in_submit_order(tmp_path):
                 b.config, tmp_path / f"{job}.jsonl", "--job-id", job, "--deadline", deadline
             )
             assert done.returncode == 0, done.stderr
+        b.kill_stage("dispatch-0")  # the restarted dispatch learns the deadlines from the records
         options = WorkerOptions(
             broker=b.settings.dispatch.bind,
             model="echo",
