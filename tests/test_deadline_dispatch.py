@@ -158,6 +158,7 @@ def test_the_stage_learns_deadlines_from_records_at_start_and_while_running(tmp_
             jobs.append(int(item_seq.job_of(work.arrays["items"]["seq"][:1])[0]))
             worker.answer(work)
         assert jobs == ([b] * DEADLINE_RUN + [a]) * 2
+        assert d.stage.stats(d.now)["fabric_deadline_batches_total"] == 2 * DEADLINE_RUN
     finally:
         d.close()
 
