@@ -119,7 +119,7 @@ def _submit(args: argparse.Namespace) -> int:
 
     from ingest.submit_client import Producer, parse_deadline
 
-    deadline = parse_deadline(args.deadline) if args.deadline else None
+    deadline = parse_deadline(args.deadline, time.time()) if args.deadline else None
     address = args.broker or load_settings(args.config).ingest.bind
     progress = _ProgressLine()
     curve = _curve(args)

@@ -340,12 +340,12 @@ class Producer(BrokerClient):
 DURATION_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 
-def parse_deadline(text: str, now: float | None = None) -> float:
-    """`submit --deadline`: a duration from now (`90s`, `30m`, `2h`, `1d`), an ISO 8601 time
-    (`2026-12-01T23:00:00Z`; no zone: UTC) or wall seconds since the epoch (`1764630000`).
-    Returns wall seconds since the epoch; IngestError naming the text otherwise."""
+def parse_deadline(text: str, now: float) -> float:
+    """`submit --deadline`: a duration from `now` (wall seconds since the epoch: `90s`, `30m`,
+    `2h`, `1d`), an ISO 8601 time (`2026-12-01T23:00:00Z`; no zone: UTC) or wall seconds since
+    the epoch (`1764630000`). Returns wall seconds since the epoch; IngestError naming the
+    text otherwise."""
     text = str(text).strip()
-    now = time.time() if now is None else now
     unit = DURATION_UNITS.get(text[-1:].lower())
     try:
         if unit is not None and text[:-1].replace(".", "", 1).isdigit():
