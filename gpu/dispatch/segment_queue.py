@@ -50,16 +50,17 @@ class SegmentQueue:
     def has_work(self) -> bool:
         return self.cursor < self.end
 
-    def candidates(self, budget: int) -> tuple[np.ndarray, int]:
-        """Up to `budget` LIVE slots not out on lease, from the cursor; and how far that scanned.
+    def candidates(self, budget: int, start: int | None = None) -> tuple[np.ndarray, int]:
+        """Up to `budget` LIVE slots not out on lease, from the cursor (or from `start`, past
+        it: a deadline's pick); and how far that scanned.
 
-        Every slot before the returned position is out, retired or never
-        written, so the cursor may move there once the batch is committed.
+        Every slot from where it began to the returned position is out, retired
+        or never written, so the cursor may move there once the batch is committed.
         Markers are read in windows, so a long backlog is never scanned whole.
         """
         found_parts: list[np.ndarray] = []
         need = budget
-        start = self.cursor
+        start = self.cursor if start is None else start
         while start < self.end and need > 0:
             stop = min(self.end, start + max(SCAN_MARKERS, 2 * need))
             free = live_markers(self.segment.markers[start:stop])

@@ -10,9 +10,10 @@ A batch is one segment's slots, so it is one model, one shape and one lane.
 Choosing the segment: the highest priority class first, then the oldest
 segment (ids increase with age). Hints may reorder candidates but never
 remove them (invariant 10): `next_batch` falls through to any segment with
-work. Taking a batch is two-phase (invariant 6): it first reads every slot
-it will hand out (markers, checksums, seqs) and only then commits the lease,
-the bitmap and the cursor. A slot whose checksum fails is quarantined, never
+work. Earlier job deadlines go first, within a bounded share of the batches
+(gpu/dispatch/deadline_order.py). Taking a batch is two-phase (invariant 6):
+it first reads every slot it will hand out (markers, checksums, seqs) and
+only then commits the lease, the bitmap and the cursor. A slot whose checksum fails is quarantined, never
 sent, and reported so the completion stage can give it an error result.
 
 An item that was reclaimed before (its attempts byte is not 0) is handed
@@ -36,6 +37,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from gpu.dispatch.batch import Batch, Outcome, items_of, quarantined, read_rows
+from gpu.dispatch.deadline_order import DeadlineOrder, Deadlines
 from gpu.dispatch.leases import Leases
 from gpu.dispatch.segment_queue import Queued, SegmentQueue
 from gpu.work_protocol import ITEM_DTYPE
@@ -55,9 +57,13 @@ log = logging.getLogger("fabric.dispatch")
 class DispatchState:
     """Single-owner dispatch state; drive it with `now` from time.monotonic()."""
 
-    def __init__(self, lease_s: float, max_attempts: int) -> None:
+    def __init__(
+        self, lease_s: float, max_attempts: int, deadlines: Deadlines | None = None
+    ) -> None:
         self.lease_s = lease_s
         self.max_attempts = max_attempts
+        # earlier deadlines first, a hint (gpu/dispatch/deadline_order.py); jobs' from `deadlines`
+        self.deadline_order = DeadlineOrder(deadlines) if deadlines is not None else None
         self._work: dict[int, SegmentQueue] = {}
         self.table = Leases()  # which batch is out with whom (gpu/dispatch/leases.py)
         self._next_batch_id = 1
@@ -109,6 +115,8 @@ class DispatchState:
         gone = [work for work in self._work.values() if work.finished()]
         for work in gone:
             del self._work[work.segment.segment_id]
+            if self.deadline_order is not None:
+                self.deadline_order.forget(work.segment.segment_id)
         return [work.segment for work in gone]
 
     def segments(self) -> list[Segment]:
@@ -204,19 +212,32 @@ class DispatchState:
             key=lambda w: (-w.priority, w.segment.segment_id),
         )
         preferred = [w for s in prefer if (w := self._work.get(s)) is not None and w in candidates]
-        for work in preferred + [w for w in candidates if w not in preferred]:
-            budget = max(1, min(max_items, max_tokens // max(1, work.segment.key.lane)))
-            batch = self._take(work, session, budget, now)
+        order = preferred + [w for w in candidates if w not in preferred]
+        budget = lambda w: max(1, min(max_items, max_tokens // max(1, w.segment.key.lane)))  # noqa: E731
+        pick = self.deadline_order.pick(model, order, now) if self.deadline_order else None
+        if pick is not None:  # a hint: if it yields nothing, today's order follows
+            work, start = pick
+            batch = self._take(work, session, budget(work), now, start)
+            if batch is not None:
+                self.deadline_order.taken(model)
+                return batch
+        for work in order:
+            batch = self._take(work, session, budget(work), now)
             if batch is not None:
                 return batch
         return None
 
-    def _take(self, work: SegmentQueue, session: str, budget: int, now: float) -> Batch | None:
+    def _take(
+        self, work: SegmentQueue, session: str, budget: int, now: float, start: int | None = None
+    ) -> Batch | None:
+        """A batch of `work`'s next free slots from its cursor, or from `start` past it (the
+        cursor then stays: the slots before `start` still wait)."""
         segment = work.segment
+        ahead = start is not None and start > work.cursor
         # Phase 1: read, check, decide; nothing changes yet.
-        slots, scanned_to = work.candidates(budget)
+        slots, scanned_to = work.candidates(budget, start if ahead else None)
         if len(slots) == 0:
-            work.cursor = max(work.cursor, scanned_to)
+            self._passed(work, start if ahead else None, scanned_to)
             return None
         last_try = segment.attempts(slots) >= max(1, self.max_attempts - 1)
         suspect = bool(last_try[0])
@@ -245,7 +266,7 @@ class DispatchState:
             self.quarantined.append(quarantined(segment.segment_id, bad, words[~ok], seqs[~ok]))
             work.mark_out(bad)  # never offered again in this life
             slots, seqs, words = slots[ok], seqs[ok], words[ok]
-        work.cursor = max(work.cursor, scanned_to)
+        self._passed(work, start if ahead else None, scanned_to)
         if len(slots) == 0:
             return None
         work.mark_out(slots)
@@ -268,6 +289,13 @@ class DispatchState:
         self._next_batch_id += 1
         self._add_lease(batch, work)
         return batch
+
+    def _passed(self, work: SegmentQueue, start: int | None, scanned_to: int) -> None:
+        """Every slot from the cursor (or `start`, past it) to `scanned_to` is taken or out."""
+        if start is None:
+            work.cursor = max(work.cursor, scanned_to)
+        elif self.deadline_order is not None:
+            self.deadline_order.passed(work.segment.segment_id, start, scanned_to)
 
     def _add_lease(self, batch: Batch, work: SegmentQueue) -> None:
         self.table.add(batch)
@@ -456,6 +484,8 @@ class DispatchState:
                 back = back[~done]
         if len(back):
             work.cursor = min(work.cursor, int(back.min()))  # bounded rewind
+            if self.deadline_order is not None:
+                self.deadline_order.rewind(segment.segment_id, int(back.min()))
         return len(back)
 
     def retired(self, segment_id: int, slots: np.ndarray) -> None:
