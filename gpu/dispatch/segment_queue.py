@@ -75,6 +75,23 @@ class SegmentQueue:
         found = np.concatenate(found_parts) if found_parts else np.zeros(0, np.int64)
         return found.astype(np.int64), self.end
 
+    def claimed(
+        self, slots: np.ndarray, seqs: np.ndarray, held_by_me: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """A re-registering worker says it holds these slots (with these seqs): per slot, is it
+        LIVE with that seq (`ok`), and is it out with another session (`elsewhere`)?"""
+        inside = slots < self.end
+        ok = np.zeros(len(slots), bool)
+        ok[inside] = live_markers(self.segment.markers[slots[inside]]) & (
+            self.segment.slots["seq"][slots[inside]] == seqs[inside]
+        )
+        elsewhere = ok & ~held_by_me
+        if self.out is not None:  # (a slot past the written end is never `ok`)
+            elsewhere[inside] &= self.out[slots[inside]]
+        else:
+            elsewhere[:] = False
+        return ok, elsewhere
+
     def mark_out(self, slots: np.ndarray) -> None:
         """These slots are out (on lease, quarantined, dead-lettered, cancelled): not offered."""
         if self.out is None:

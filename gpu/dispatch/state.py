@@ -13,8 +13,9 @@ remove them (invariant 10): `next_batch` falls through to any segment with
 work. Earlier job deadlines go first, within a bounded share of the batches
 (gpu/dispatch/deadline_order.py). Taking a batch is two-phase (invariant 6):
 it first reads every slot it will hand out (markers, checksums, seqs) and
-only then commits the lease, the bitmap and the cursor. A slot whose checksum fails is quarantined, never
-sent, and reported so the completion stage can give it an error result.
+only then commits the lease, the bitmap and the cursor. A slot whose
+checksum fails is quarantined, never sent, and reported so the completion
+stage can give it an error result.
 
 An item that was reclaimed before (its attempts byte is not 0) is handed
 out alone, to a session that holds nothing else and gets nothing else until
@@ -36,7 +37,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from gpu.dispatch.batch import Batch, Outcome, items_of, quarantined, read_rows
+from gpu.dispatch.batch import Batch, Outcome, adopted, items_of, quarantined, read_rows
 from gpu.dispatch.deadline_order import DeadlineOrder, Deadlines
 from gpu.dispatch.leases import Leases
 from gpu.dispatch.segment_queue import Queued, SegmentQueue
@@ -204,26 +205,21 @@ class DispatchState:
         if session in self.table.suspect:
             return None
         candidates = sorted(
-            (
-                w
-                for w in self._work.values()
-                if w.model == model and w.has_work() and w.not_before <= now
-            ),
+            (self._work[s] for s in self.queued_segments(model, now)),
             key=lambda w: (-w.priority, w.segment.segment_id),
         )
         preferred = [w for s in prefer if (w := self._work.get(s)) is not None and w in candidates]
         order = preferred + [w for w in candidates if w not in preferred]
-        budget = lambda w: max(1, min(max_items, max_tokens // max(1, w.segment.key.lane)))  # noqa: E731
+        tries: list[tuple[SegmentQueue, int | None]] = [(work, None) for work in order]
         pick = self.deadline_order.pick(model, order, now) if self.deadline_order else None
         if pick is not None:  # a hint: if it yields nothing, today's order follows
-            work, start = pick
-            batch = self._take(work, session, budget(work), now, start)
+            tries.insert(0, pick)
+        for n, (work, start) in enumerate(tries):
+            budget = max(1, min(max_items, max_tokens // max(1, work.segment.key.lane)))
+            batch = self._take(work, session, budget, now, start)
             if batch is not None:
-                self.deadline_order.taken(model)
-                return batch
-        for work in order:
-            batch = self._take(work, session, budget(work), now)
-            if batch is not None:
+                if pick is not None and n == 0:
+                    self.deadline_order.taken(model)
                 return batch
         return None
 
@@ -324,43 +320,22 @@ class DispatchState:
             work = self._work.get(int(segment_id))
             if work is None:
                 continue
-            segment = work.segment
             slots = items["slot"][mine].astype(np.int64)
-            inside = slots < work.end
-            ok = np.zeros(len(mine), bool)
-            ok[inside] = live_markers(segment.markers[slots[inside]]) & (
-                segment.slots["seq"][slots[inside]] == items["seq"][mine][inside]
-            )
             held_by_me = np.zeros(len(mine), bool)
             for held in self.table.by_session.get(session, set()):
                 batch = self.table.by_id[held]
                 if batch.segment_id == segment_id:
                     held_by_me |= np.isin(slots, batch.items["slot"])
-            elsewhere = ok & ~held_by_me
-            if work.out is not None:  # (a slot past the written end is never `ok`)
-                elsewhere[inside] &= work.out[slots[inside]]
-            else:
-                elsewhere[:] = False
-            fresh = ok & ~held_by_me & ~elsewhere
+            ok, elsewhere = work.claimed(slots, items["seq"][mine], held_by_me)
             answer[mine[ok]] = 1
             answer[mine[elsewhere]] = 2
+            fresh = ok & ~held_by_me & ~elsewhere
             if fresh.any():
-                take = slots[fresh]
-                work.mark_out(take)
+                work.mark_out(slots[fresh])
                 lease_id = batch_id if batch_id is not None else self._next_batch_id
                 self.set_next_batch_id(lease_id)
-                batch = Batch(
-                    batch_id=lease_id,
-                    session=session,
-                    segment_id=int(segment_id),
-                    model=work.model,
-                    shape=segment.key.shape,
-                    lane=segment.key.lane,
-                    items=items_of(int(segment_id), take, segment.slots["seq"][take]),
-                    lengths=np.zeros(0, np.uint32),
-                    tokens=np.zeros((0, 0), np.uint32),
-                    deadline_s=now + self.lease_s,
-                    handed_s=now,
+                batch = adopted(
+                    lease_id, session, work.segment, slots[fresh], now + self.lease_s, now
                 )
                 self._add_lease(batch, work)
         return answer
