@@ -118,6 +118,8 @@ class ResultFile:
         return len(new_lines)
 
     def _append(self, data: bytes) -> None:
+        if not data:
+            return
         view = memoryview(data)
         self._unsynced = True
         try:
@@ -131,13 +133,16 @@ class ResultFile:
             ) from exc
 
     def write_page(self, data: bytes, keys: Sequence[str]) -> int:
-        """Append the lines of `data` (whole lines; `keys[i]` is the key of line i, one key
-        per line) whose key is not yet in the file; return how many were appended. A page
+        """Append the lines of `data` (whole lines; `keys[i]` is the key of line i) whose key
+        is not yet in the file; return how many were appended. A page
         whose keys are all new is written as it is, in one piece; otherwise line by line,
         as `write`."""
         self._check_usable()
         if data and not data.endswith(b"\n"):
             raise ValueError(f"write_page got {len(keys)} keys and a buffer of partial lines")
+        lines = data.count(b"\n")
+        if lines != len(keys):
+            raise ValueError(f"write_page got {lines} lines but {len(keys)} keys")
         if self._keys.isdisjoint(keys):
             before = len(self._keys)
             self._keys.update(keys)
