@@ -287,6 +287,11 @@ def rows_of(jobs: list[Job], clients: dict[str, Path], runs) -> tuple[list[Row],
                 Row(
                     job.name, f"{what}: completion CPU, s", tuple(f.completion_cpu_s for f in done)
                 ),
+                Row(
+                    job.name,
+                    f"{what}: items per CPU second of client and completion together",
+                    tuple(job.items / (f.client_cpu_s + f.completion_cpu_s) for f in done),
+                ),
             ]
         if len(labels) == 2:
             old, new = (runs[job.name, label] for label in labels)
@@ -323,6 +328,11 @@ def method_notes(jobs: list[Job], clients: dict[str, Path]) -> list[str]:
         "--config F` (interpreter start-up included) to its exit, every page written and "
         "fsynced; the outputs are removed before each fetch. Client CPU: its rusage at exit; "
         "completion CPU: /proc/<pid>/stat over the fetch.",
+        "Reading it: on a shared machine the items/s rows follow the load (the load "
+        "average above); the CPU rows and the paired ratio compare the clients. The client "
+        "and completion take turns (one page of a job in flight: the next FETCH carries the "
+        "ack of a page only once it is fsynced), so items per CPU second of the two together "
+        "is about what two idle cores would deliver, fsync waits aside.",
         "Clients: "
         + ", ".join(clients)
         + ("; run alternately, each repeat in that order." if len(clients) > 1 else "."),
