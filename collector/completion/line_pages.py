@@ -17,7 +17,11 @@ such a page into one of whole lines:
   written twice.
 
 The page's `index` becomes each row's line index (line - 1) and `part` its
-part, which the client's join (collector/delivery/join.py) orders by.
+part, which the client's join (collector/delivery/join.py) orders by; `item`
+keeps each row's own item index (the vector sink's ids are item seqs).
+The `prompt_tokens` of a row that is a sample j > 0 of its prompt (a line
+with n > 1, pipeline/line_table.py `repeats`) is 0: the join sums its rows'
+usage, and OpenAI counts a prompt once however many samples it asks for.
 Acknowledging the page marks every row's slot delivered, so a line is
 marked whole.
 """
@@ -67,6 +71,10 @@ def whole_lines(
         if len(missing):
             kept = _concat(kept, _read_indexes(readers, missing))
     line, part = table.owner(kept.index)
+    repeats = table.repeats(kept.index)
+    if repeats.any():  # a prompt counts once in its line's usage, not once per sample
+        kept.prompt_tokens = np.where(repeats, 0, kept.prompt_tokens).astype(np.uint32)
+    kept.item = kept.index.astype(np.uint32)
     kept.index = np.where(line >= 0, line, kept.index).astype(np.uint32)
     kept.part = part.astype(np.uint32)
     return kept

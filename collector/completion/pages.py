@@ -42,6 +42,7 @@ class Page:
     offsets: np.ndarray  # i8
     next: dict[int, int]  # completion segment id -> first slot not yet read
     part: np.ndarray | None = None  # u4 per row when the page joins fan-out lines (line_pages)
+    item: np.ndarray | None = None  # u4 per row with `part`: the row's own item index
 
     def __len__(self) -> int:
         return len(self.index)
