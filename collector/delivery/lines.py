@@ -238,8 +238,9 @@ def _format_results(page: ResultPage, context: ExportContext, checked: Checked) 
             finish = "length" if len(token_ids) >= max_tokens else "stop"
             if endpoint == RESPONSES:
                 shape = context.shapes.get(shape_ids[j]) or {}
+                scores = None if scored is None else chat_logprobs(scored, texts)["content"]
                 body = response_body(
-                    request_ids[j], created, model, text, token_ids, finish, prompt, shape
+                    request_ids[j], created, model, text, token_ids, finish, prompt, shape, scores
                 )
             else:
                 body = _generated_body(
