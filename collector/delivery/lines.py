@@ -121,9 +121,9 @@ def format_page(page: ResultPage, context: ExportContext) -> tuple[list[bytes], 
 
 def page_keys(page: ResultPage, context: ExportContext) -> tuple[list[str], list[str]]:
     """The keys of `format_page`'s (output lines, error lines), in the same order."""
-    if page.part is not None:
-        return _joined_page(page, context)[2:]
     checked = check_page(page, context)
+    if page.part is not None:
+        return _joined_keys(page, context, checked)
     results = checked.results
     custom_ids = page.custom_ids
     index = page.index.tolist()
@@ -150,7 +150,9 @@ def _joined_page(page: ResultPage, context: ExportContext):
     results = checked.results.tolist()
     rendered: list[tuple[int, bool, Any]] = [
         (i, True, line)
-        for i, line in zip(results, _format_results(page, context, checked), strict=True)
+        for i, line in zip(
+            results, _format_results(page, context, checked, as_dicts=True), strict=True
+        )
     ]
     offsets = page.offsets.tolist()
     payload = memoryview(np.ascontiguousarray(page.payload, dtype=np.uint8))
@@ -171,6 +173,27 @@ def _joined_page(page: ResultPage, context: ExportContext):
     return [line for _, line in out], err_lines, out_keys, err_keys
 
 
+def _joined_keys(page: ResultPage, context: ExportContext, checked: Checked):
+    """`_joined_page`'s (output keys, error keys) without rendering a row: a line is an error
+    line when any of its rows is an error or invalid result; both in page order of lines."""
+    failed = set(checked.errors.tolist()) | set(checked.invalid)
+    first: dict[int, int] = {}  # line index -> its first row in the page
+    bad: set[int] = set()
+    for row, line in enumerate(page.index.tolist()):
+        first.setdefault(line, row)
+        if row in failed:
+            bad.add(line)
+    job_id, custom_ids = context.job_id, page.custom_ids
+    ids = _request_ids(job_id, page.index)[0] if len(page.index) else []
+    out_keys = [
+        line_key(custom_ids[r], "batch_req_" + ids[r]) for n, r in first.items() if n not in bad
+    ]
+    err_keys = [
+        line_key(custom_ids[r], f"{job_id}-line-{n + 1}") for n, r in first.items() if n in bad
+    ]
+    return out_keys, err_keys
+
+
 def error_line(
     job_id: str, index: int, custom_id: str | None, payload: bytes, code: str | None = None
 ) -> tuple[bytes, str]:
@@ -189,8 +212,11 @@ def line_key(custom_id: str | None, line_id: str) -> str:
     return "id:" + line_id if custom_id is None else "custom_id:" + custom_id
 
 
-def _format_results(page: ResultPage, context: ExportContext, checked: Checked) -> list[bytes]:
-    """Output lines for the checked results: columns converted once, then one dict per item."""
+def _format_results(
+    page: ResultPage, context: ExportContext, checked: Checked, as_dicts: bool = False
+) -> list[Any]:
+    """Output lines for the checked results: columns converted once, then one dict per item
+    (returned as such with `as_dicts`, for the join, which would otherwise parse them back)."""
     results = checked.results
     if not len(results):
         return []
@@ -255,7 +281,7 @@ def _format_results(page: ResultPage, context: ExportContext, checked: Checked) 
             "response": {"status_code": 200, "request_id": request_ids[j], "body": body},
             "error": None,
         }
-        lines.append(orjson.dumps(line, option=_DUMPS_OPTIONS))
+        lines.append(line if as_dicts else orjson.dumps(line, option=_DUMPS_OPTIONS))
     return lines
 
 
