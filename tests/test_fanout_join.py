@@ -70,3 +70,23 @@ def test_a_fan_out_page_is_rendered_once_and_never_parsed_back(monkeypatch):
     assert body.usage.prompt_tokens == 8
     [error] = [json.loads(x) for x in err]
     assert error["custom_id"] == "c1" and error["error"]["message"].startswith("part 1 of 4: ")
+
+
+def test_completion_reads_past_the_parts_of_lines_not_done_yet(data_dir):
+    """Rows of a fan-out line not done yet stay LIVE and unread: they neither fill a page's
+    limit (an earlier line waiting for its last part held back every later line) nor get read
+    and checksummed again on every page (collector/completion/line_pages.py `ready_rows`)."""
+    from collector.completion.results_log import CompletionLog
+    from pipeline.item_seq import PART_BASE
+    from pipeline.line_table import LineTable
+
+    table = LineTable()
+    table.add([[1, 3, PART_BASE], [2, 3, PART_BASE + 2]])
+    log = CompletionLog(data_dir, lambda s: None, line_table=lambda job: table)
+    stored = [0, PART_BASE, 1, PART_BASE + 2, PART_BASE + 3]  # line 1 lacks its part 2
+    log.record_errors("j", 1, np.array(stored), [f"e: part {i}" for i in stored])
+    log.sync_outputs()
+    page = log.page("j", 2)
+    assert page.index.tolist() == [1, 1, 1] and sorted(page.part.tolist()) == [0, 1, 2]
+    log.delivered("j", page.where)
+    assert len(log.page("j", 100)) == 0 and log.undelivered("j") == 2  # line 1's, waiting

@@ -118,29 +118,35 @@ def test_sigkill_of_the_vector_stage_and_the_broker_stores_each_part_once(broker
     write_lists(path, lines, parts, seed=1, words=(8, 17))
     done = submit(b.config, path, "--job-id", "kills", "--deliver", "vectors")
     assert done.returncode == 0, done.stderr
-    kills = 0
-    seen = []
-    for target in range(100, 1200, 150):  # kill mid-delivery, each time further along
-        wait_for(
-            lambda t=target, b=b: store_rows(b.config, "sim") >= t or delivered(b, "kills"),
-            f"{target} rows stored",
-            timeout_s=60,
-        )
-        seen.append((target, store_rows(b.config, "sim"), delivered(b, "kills")))
-        if delivered(b, "kills"):
-            break
-        if kills == 2:  # the whole broker once (its restart is slow), the stage otherwise
-            b.kill()
-            b = Broker(b.config).start()
-        else:
-            b.kill_stage("vectors-0")
-        kills += 1
-    assert kills >= 3, seen
-    wait_for(lambda: delivered(b, "kills"), "the job to be delivered", timeout_s=120)
-    assert error_lines(b, "kills") == []
-    rows, _ = exported(b, "sim")
-    named = [(r["custom_id"], r["part"]) for r in rows if r["job"] == "kills"]
-    assert len(named) == len(set(named)) == lines * parts  # every part once: none lost or doubled
-    assert set(named) == {(f"l{i}", p) for i in range(lines) for p in range(parts)}
-    assert b.stop() == exitcodes.OK
+    restarted = []  # the broker fixture closes only the first life
+    try:
+        kills = 0
+        seen = []
+        for target in range(100, 1200, 150):  # kill mid-delivery, each time further along
+            wait_for(
+                lambda t=target, b=b: store_rows(b.config, "sim") >= t or delivered(b, "kills"),
+                f"{target} rows stored",
+                timeout_s=60,
+            )
+            seen.append((target, store_rows(b.config, "sim"), delivered(b, "kills")))
+            if delivered(b, "kills"):
+                break
+            if kills == 2:  # the whole broker once (its restart is slow), the stage otherwise
+                b.kill()
+                b = Broker(b.config).start()
+                restarted.append(b)
+            else:
+                b.kill_stage("vectors-0")
+            kills += 1
+        assert kills >= 3, seen
+        wait_for(lambda: delivered(b, "kills"), "the job to be delivered", timeout_s=120)
+        assert error_lines(b, "kills") == []
+        rows, _ = exported(b, "sim")
+        named = [(r["custom_id"], r["part"]) for r in rows if r["job"] == "kills"]
+        assert len(named) == len(set(named)) == lines * parts  # none lost, none doubled
+        assert set(named) == {(f"l{i}", p) for i in range(lines) for p in range(parts)}
+        assert b.stop() == exitcodes.OK
+    finally:
+        for life in restarted:
+            life.close()
     assert_check_clean(b.data_dir)

@@ -6,7 +6,8 @@ parts") may be spread over pages or not all stored yet. `whole_lines` turns
 such a page into one of whole lines:
 
 * a row of a fan-out line that is not done yet (some part has no result) is
-  left out: it stays LIVE and comes with its line later;
+  left out: it stays LIVE and comes with its line later (`ready_rows` lets
+  `read_page` skip such rows before reading them);
 * a done fan-out line brings every part, also parts not in the page (read
   by index from the job's completion segments, even when already marked
   delivered: a crash between marking one segment and the next leaves a line
@@ -28,6 +29,8 @@ marked whole.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from collector.completion.job_results import JobResults
@@ -35,6 +38,21 @@ from collector.completion.pages import Page, page_of_slots
 from pipeline.line_table import LineTable
 from pipeline.segment import Segment
 from pipeline.segment_format import EMPTY, STATE_MASK
+
+
+def ready_rows(job: JobResults, table: LineTable) -> Callable[[np.ndarray], np.ndarray]:
+    """`read_page`'s filter: True for an item that may go now, i.e. not a part of a fan-out
+    line that is not done yet, nor a part the table does not know yet. Such rows stay LIVE
+    unread (read, checksummed and dropped on every page, they cost completion twice the
+    reading of the same rows one per line)."""
+    done_lines = table.lines[table.done(job.has_result, job.part_result)]
+
+    def ready(index: np.ndarray) -> np.ndarray:
+        line, _ = table.owner(index)
+        fanned = np.isin(line, table.lines)
+        return np.where(fanned, np.isin(line, done_lines), line >= 0)
+
+    return ready
 
 
 def whole_lines(

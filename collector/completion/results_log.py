@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from collector.completion.job_results import JobResults
-from collector.completion.line_pages import whole_lines
+from collector.completion.line_pages import ready_rows, whole_lines
 from collector.completion.pages import (
     Page,
     count_undelivered,
@@ -384,9 +384,11 @@ class CompletionLog:
         """
         job = self.load_job(job_id)
         readers = self._readers(job)
-        page = read_page(job, readers, limit, cursors, everything)
         table = self.line_table(job_id)
-        if table is None or not len(table) or not len(page):
+        fanned = table is not None and len(table) > 0
+        ready = ready_rows(job, table) if fanned and not everything else None
+        page = read_page(job, readers, limit, cursors, everything, ready)
+        if not fanned or not len(page):
             return page
         return whole_lines(page, job, readers, table, everything, limit)
 
