@@ -305,7 +305,8 @@ def test_a_64000_item_list_job_survives_a_broker_kill_with_each_line_once_and_wh
     b = broker(workers=1, chunk_items=50)  # chunks of 3,200 items
     lines = [embed(f"l{i}", input=_strings(i, parts)) for i in range(lines_n)]
     data = write(tmp_path / "big.jsonl", lines)
-    cmd = [sys.executable, "run.py", "submit", str(data), "--job-id", "big", "--config"]
+    cmd = [sys.executable, "run.py", "submit", str(data), "--job-id", "big", "--chunk-lines", "50"]
+    cmd.append("--config")  # --chunk-lines: submit would size chunks by parts (64 items each)
     producer = subprocess.Popen(
         [*cmd, str(b.config)], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )
