@@ -24,7 +24,13 @@ Writes its section of docs/BENCHMARKS.md.
 compares instead, through the same pipeline, the corpus sent as embeddings
 `input` lists of `--per-line` strings (fan-out: one item per string, joined
 back into one response line) with the same strings one per line: items/s of
-each and their ratio, target within 5%. Writes its own section.
+each and their ratio, target within 5%. The repeats are paired and
+interleaved (single then lists, then lists then single, ...): each pair's
+ratio is one sample, and the section gives their median and spread. Each
+run first sends a warm-up job and waits for it (the worker's model loaded,
+its lanes run once), then times the real one; it also reports the CPU
+seconds each stage and the results client spent per 1,000 items, so a cost
+of fan-out shows where it is. Writes its own section.
 """
 
 from __future__ import annotations
@@ -94,22 +100,48 @@ def engine_alone(batches) -> tuple[float, int, int]:
     return seconds, real, slots
 
 
-def pipeline(root: Path, texts: list[str], per_line: int = 1) -> float:
+def write_corpus(path: Path, texts: list[str], per_line: int) -> None:
+    with open(path, "w") as out:
+        for i in range(0, len(texts), per_line):
+            group = texts[i : i + per_line]
+            body = {"model": "minilm", "input": group if per_line > 1 else group[0]}
+            line = {"custom_id": f"p{i}", "method": "POST", "url": "/v1/embeddings", "body": body}
+            out.write(json.dumps(line) + "\n")
+
+
+def stage_cpu(data_root: Path) -> dict[str, float]:
+    """CPU seconds (user + system) each running stage process has spent, by stage label."""
+    import psutil
+
+    from pipeline.supervisor_report import read_report, stage_pids
+
+    out = {}
+    for label, pid in stage_pids(read_report(data_root)).items():
+        try:
+            times = psutil.Process(pid).cpu_times()
+        except psutil.Error:
+            continue
+        out[label] = times.user + times.system
+    return out
+
+
+def pipeline(
+    root: Path, texts: list[str], per_line: int = 1, cpu: dict[str, float] | None = None
+) -> float:
     """Seconds from the first submitted line to the last result delivered (one local worker);
-    `per_line` > 1 sends the texts as embeddings `input` lists of that many strings."""
+    `per_line` > 1 sends the texts as embeddings `input` lists of that many strings. A warm-up
+    job (the first 128 texts, in the same form) runs to the end before the clock starts.
+    `cpu`, when given, gets each stage's CPU seconds over the timed job (and `client`: this
+    process's, which submits and fetches)."""
     from assembly.demo import write_config
     from collector.results_client import ResultsClient
     from config import load_settings
     from ingest.submit_client import Producer
 
     root.mkdir(parents=True, exist_ok=True)
-    corpus = root / "corpus.jsonl"
-    with open(corpus, "w") as out:
-        for i in range(0, len(texts), per_line):
-            group = texts[i : i + per_line]
-            body = {"model": "minilm", "input": group if per_line > 1 else group[0]}
-            line = {"custom_id": f"p{i}", "method": "POST", "url": "/v1/embeddings", "body": body}
-            out.write(json.dumps(line) + "\n")
+    corpus, warm = root / "corpus.jsonl", root / "warm.jsonl"
+    write_corpus(corpus, texts, per_line)
+    write_corpus(warm, texts[:128], per_line)
     config = write_config(root, workers=1)
     text = config.read_text().replace("prefetch = 2", "prefetch = 2\ntarget_batch_s = 0.0")
     config.write_text(text)
@@ -123,6 +155,10 @@ def pipeline(root: Path, texts: list[str], per_line: int = 1) -> float:
     try:
         with Producer(settings.ingest.bind, timeout_s=30.0, attempts=20, patient=True) as producer:
             producer.catalog()  # the broker is up (its workers load the model meanwhile)
+            producer.submit_file(warm, "warm-up")
+            with ResultsClient(settings.completion.bind, timeout_s=10.0, patient=True) as client:
+                client.fetch("warm-up", str(root / "warm.out"), str(root / "warm.err"), follow=True)
+            before, client_before = stage_cpu(settings.data_path), time.process_time()
             began = time.perf_counter()
             job = f"bench-{time.time_ns()}"
             producer.submit_file(corpus, job)
@@ -131,6 +167,10 @@ def pipeline(root: Path, texts: list[str], per_line: int = 1) -> float:
                 job, str(root / "out.jsonl"), str(root / "err.jsonl"), follow=True
             )
         seconds = time.perf_counter() - began
+        if cpu is not None:
+            after = stage_cpu(settings.data_path)
+            cpu.update({k: after[k] - before[k] for k in after if k in before})
+            cpu["client"] = time.process_time() - client_before
         lines = -(-len(texts) // per_line)
         assert report.written == lines, (report.written, report.errors)
         return seconds
@@ -235,14 +275,27 @@ def lists_against_single(args) -> int:
     if args.items:
         texts = texts[: args.items]
     single, lists = [], []
-    for r in range(args.repeats):  # alternate which goes first, so drift touches both
+    cpu: dict[str, dict[str, list[float]]] = {"single": {}, "lists": {}}
+    loads = [load_average()]
+    for r in range(args.repeats):  # paired, interleaved: drift touches both of a pair alike
         order = ("single", "lists") if r % 2 == 0 else ("lists", "single")
         for kind in order:
             per_line = 1 if kind == "single" else args.per_line
-            rate = len(texts) / pipeline(bench_dir / f"{kind}{r}", texts, per_line)
+            spent: dict[str, float] = {}
+            rate = len(texts) / pipeline(bench_dir / f"{kind}{r}", texts, per_line, spent)
             (single if kind == "single" else lists).append(rate)
-            print(f"{kind}: {rate:.0f} items/s", file=sys.stderr)
+            for label, seconds in spent.items():
+                cpu[kind].setdefault(label, []).append(1000 * seconds / len(texts))
+            shown = ", ".join(f"{k} {v:.1f}" for k, v in sorted(spent.items()))
+            print(f"{kind}: {rate:.0f} items/s; CPU s: {shown}", file=sys.stderr)
+        loads.append(load_average())
     ratios = tuple(a / b for a, b in zip(lists, single, strict=True))
+    cpu_rows = []
+    for label in sorted(set(cpu["single"]) & set(cpu["lists"])):
+        for kind in ("single", "lists"):
+            cpu_rows.append(
+                Row(f"4 CPU, {label}", f"{kind}: CPU s per 1,000 items", tuple(cpu[kind][label]))
+            )
     rows = [
         Row("1 one string per line", "submit -> last result delivered: items/s", tuple(single)),
         Row(
@@ -254,11 +307,18 @@ def lists_against_single(args) -> int:
             "3 ratio",
             "lists / one per line, % (paired by repeat)",
             tuple(100 * x for x in ratios),
-            target=">= 95%",
-            at_least=95.0,
         ),
+        Row(
+            "3 ratio",
+            "its distance from 100%, % (median of the pairs)",
+            (abs(100 * float(np.median(ratios)) - 100),),
+            target="< 5%",
+            below=5.0,
+        ),
+        *cpu_rows,
     ]
     facts["load average at end"] = load_average()
+    facts["load average after each pair"] = "; ".join(loads[1:])
     notes = [
         f"Corpus: the first {len(texts)} paragraphs of the Python documentation topics "
         f"(pydoc_data), as `run.py demo` uses them; lists of {args.per_line} consecutive "
@@ -268,6 +328,23 @@ def lists_against_single(args) -> int:
         "`ResultsClient.fetch(follow=True)` has written and fsynced every line. A list line's "
         "strings are its parts: each is an item of its own lane (docs/completion.md, "
         '"Lines and parts"), joined back into one line by completion and the client.',
+        "Paired, interleaved repeats (single then lists, then lists then single, ...), each "
+        "run on a fresh broker after a warm-up job of the first 128 texts has been delivered "
+        "(the worker's model loaded, its lanes run once): the ratio of each pair is one sample, "
+        "given as median and spread. `4 CPU` rows: CPU seconds per 1,000 items of each stage "
+        "process and of the results client (this process: submit and fetch) over the timed job.",
+        "Found by profiling the client: a page of fan-out lines was rendered twice (once for "
+        "its lines, once for their keys) and every rendered row parsed back from JSON for the "
+        "join, about 4 times the client's cost of the same rows one per line; now the keys "
+        "come without rendering and the join takes the rows as dicts (collector/delivery/"
+        "lines.py, join.py), byte-identical output. Completion read, checksummed and dropped "
+        "the rows of lines not done yet on every page (twice its CPU); now it skips them "
+        "before reading (collector/completion/line_pages.py `ready_rows`).",
+        "Found by the CPU rows: with equal CPU per stage, lists took a third longer in wall "
+        "time. A chunk is a number of lines, and nothing of it reaches the worker before all "
+        "of it is logged: 20 lines of 64 were one chunk of the whole job, where one per line "
+        "started the worker after the first 512 lines. The submit client now sizes a new "
+        "job's chunks from its first line's parts (ingest/chunk_size.py): 8 lines of 64 here.",
     ]
     body = render_section(
         "Engine overhead: list input (bench/engine_overhead.py --lists)",

@@ -34,7 +34,6 @@ from ingest.line_errors import (
     TOKEN_OUT_OF_RANGE,
     TOO_MANY_INPUTS,
     UNKNOWN_MODEL,
-    UNSUPPORTED_PARAMETER,
     LineError,
 )
 from ingest.line_parser import beyond_vocabulary, too_many_tokens
@@ -54,14 +53,11 @@ def recheck(
     in_flight: list[np.ndarray],
     stored: np.ndarray | None,
     hashed: Digests | None = None,
-    *,
-    fanout_allowed: bool = True,
 ) -> Checked:
     """Check `chunk`; `in_flight` holds the digest highs of the job's other chunks in flight,
     `stored` the item indexes of this chunk already in the log (None on a first attempt),
     `hashed` the digests of its custom_ids when known (from the wire: `chunk_digests`, one per
-    item). Without `fanout_allowed` (a job delivered to the vector store) a line of several
-    parts is refused."""
+    item)."""
     n = chunk.n_items
     drop = np.zeros(n, dtype=bool)
     errors: list[LineError] = []
@@ -131,17 +127,8 @@ def recheck(
                 lambda i, name=name, vocab=vocab: _beyond(chunk, i, name, vocab),
             )
     reject(~is_text & (lengths == 0), EMPTY_PROMPT, lambda i: "prompt has no tokens")
-    if chunk.fanout and not fanout_allowed:
-        reject(
-            np.isin(chunk.line, [number for number, _, _ in chunk.fanout]),
-            UNSUPPORTED_PARAMETER,
-            lambda i: (
-                "a job delivered to the vector store takes one input per line; write one "
-                "line per string, or deliver the job to a file"
-            ),
-        )
     if chunk.fanout:  # the per-line limits (text lines' budget is checked after tokenising)
-        too_many = [number for number, k, _ in chunk.fanout if k > catalog.max_parts]
+        too_many = [f[0] for f in chunk.fanout if f[1] > catalog.max_parts]
         reject(
             np.isin(chunk.line, too_many),
             TOO_MANY_INPUTS,

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from ingest.input_chunk import InputChunk, fanout_indexes
+from ingest.input_chunk import InputChunk, fanout_entry, fanout_indexes, fanout_record
 from ingest.line_errors import LineError, Rejected
 from ingest.request_shape import SHAPE_PARAMETERS, Shape, parse_shape
 from pipeline.errors import WireError
@@ -74,7 +74,7 @@ def chunk_to_wire(chunk: InputChunk) -> tuple[dict[str, Any], dict[str, np.ndarr
         "shapes": [s.as_dict() for s in chunk.shapes],
     }
     if chunk.fanout:
-        meta["fanout"] = [list(f) for f in chunk.fanout]
+        meta["fanout"] = [fanout_record(f) for f in chunk.fanout]
     arrays = {
         "line": chunk.line.astype("<u8", copy=False),
         "ids": ids,
@@ -124,7 +124,7 @@ def chunk_from_wire(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> Inpu
         _check(bool(np.all(np.diff(text_items) > 0)), "text_items are not increasing")
         first_line, last_line = int(meta["first_line"]), int(meta["last_line"])
         line = arrays["line"]  # an item's index in its job is its line - 1 (a u32)
-        fanout = tuple((int(a), int(b), int(c)) for a, b, c in meta.get("fanout", ()))
+        fanout = tuple(fanout_entry(f) for f in meta.get("fanout", ()))
         step = np.diff(line.astype(np.int64))
         _check(
             n == 0

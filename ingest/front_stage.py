@@ -268,21 +268,12 @@ class FrontStage(Stage):
                 earlier.accepted_ns,
             )
             if chunk.fanout:  # parts 1.. of its fan-out lines lie in the part region
-                first = min(f for _, _, f in chunk.fanout)
-                last = max(f + k - 2 for _, k, f in chunk.fanout)
+                first = min(f[2] for f in chunk.fanout)
+                last = max(f[2] + f[1] - 2 for f in chunk.fanout)
                 parts = stored_indexes(self.data_dir, job.job_no, first, last, earlier.accepted_ns)
                 stored = np.concatenate([stored, parts])
         in_flight = self.inflight.digests_of_job(job, chunk.index)
-        fanout_allowed = job.deliver == DELIVER_FILE  # the vector store takes one part a line
-        checked = recheck(
-            chunk,
-            self.catalog,
-            job.custom_ids,
-            in_flight,
-            stored,
-            hashed,
-            fanout_allowed=fanout_allowed,
-        )
+        checked = recheck(chunk, self.catalog, job.custom_ids, in_flight, stored, hashed)
         if checked.already:
             self.log.info(
                 "job %s chunk %d: %d items already in the log from an earlier attempt",

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ingest.input_chunk import InputChunk
+from ingest.input_chunk import InputChunk, fanout_record
 from ingest.jobs import Job
 from ingest.line_errors import LineError
 
@@ -77,7 +77,7 @@ class Inflight:
             record["lines"], record["ids"] = [a for a, _ in pairs], [b for _, b in pairs]
             record["stored"] = len(pairs)
             stored = set(record["lines"])
-            parts = [list(f) for f in chunk.fanout if f[0] in stored]
+            parts = [fanout_record(f) for f in chunk.fanout if f[0] in stored]
             if parts:
                 record["parts"] = parts
         return record

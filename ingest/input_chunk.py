@@ -24,7 +24,8 @@ part in part order, all with its line number. `item_index` gives each item's
 index in the job: line - 1 for a line's first part, and for parts 1..k-1
 consecutive indexes from `PART_BASE` (pipeline/item_seq.py), given in
 reading order across the whole file; `fanout` lists (line, k, index of part
-1) for each such line. A chunk without fan-out has `item_index` None (every
+1, n) for each such line, n the samples of each of its prompts (parts
+i * n .. i * n + n - 1 share prompt i; 1 unless the request set `n`). A chunk without fan-out has `item_index` None (every
 index is line - 1) and `fanout` empty. Dropping an item drops its whole line.
 """
 
@@ -41,7 +42,20 @@ from ingest.request_shape import Shape
 from pipeline.item_seq import PART_BASE
 from pipeline.ragged import offsets_of, scatter
 
-Fanout = tuple[tuple[int, int, int], ...]  # (line, parts, index of part 1) per fan-out line
+Fanout = tuple[tuple[int, int, int, int], ...]  # (line, parts, index of part 1, n) per line
+
+
+def fanout_entry(values) -> tuple[int, int, int, int]:
+    """A fan-out entry from its record form `[line, k, first]` or `[line, k, first, n]`."""
+    line, k, first, *rest = values
+    return int(line), int(k), int(first), int(rest[0]) if rest else 1
+
+
+def fanout_record(entry: tuple[int, int, int, int]) -> list[int]:
+    """The record form of a fan-out entry: `n` written only when above 1, so a journal or
+    message without samples reads the same to an older reader."""
+    line, k, first, n = entry
+    return [line, k, first] if n == 1 else [line, k, first, n]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -149,7 +163,7 @@ def fanout_indexes(line: np.ndarray, fanout: Fanout) -> np.ndarray | None:
     line = np.asarray(line, dtype=np.int64)
     index = line - 1
     counts = np.ones(len(line), dtype=np.int64)
-    for number, k, first in fanout:
+    for number, k, first, _ in fanout:
         lo, hi = np.searchsorted(line, [number, number + 1])
         if hi == lo:
             continue  # the line was dropped (rejected)
@@ -180,7 +194,7 @@ class ChunkBuilder:
     texts: list[TextPrompt] = field(default_factory=list)
     errors: list[LineError] = field(default_factory=list)
     item_index: list[int] = field(default_factory=list)
-    fanout: list[tuple[int, int, int]] = field(default_factory=list)
+    fanout: list[tuple[int, int, int, int]] = field(default_factory=list)
     _models: dict[str, int] = field(default_factory=dict)
     _shapes: dict[Shape, int] = field(default_factory=dict)
 
@@ -191,7 +205,7 @@ class ChunkBuilder:
             self.item_index.append(line - 1)
             return
         parts = item.parts()
-        self.fanout.append((line, len(parts), self.next_part))
+        self.fanout.append((line, len(parts), self.next_part, item.n))
         self.item_index.append(line - 1)
         self.item_index.extend(range(self.next_part, self.next_part + len(parts) - 1))
         self.next_part += len(parts) - 1

@@ -207,7 +207,7 @@ def _request(obj: dict[str, Any], custom_id: str, catalog: ModelCatalog) -> Pars
     text = None if ids is not None else first
     shape = parse_shape(body, url)
     if shape.top_logprobs is not None and not model.logprobs:
-        raise Rejected(UNSUPPORTED_PARAMETER, no_logprobs(model_name, model.engine))
+        raise Rejected(UNSUPPORTED_PARAMETER, no_logprobs(model_name, model.engine, url))
     return ParsedLine(
         custom_id,
         model_name,
@@ -305,11 +305,15 @@ def _prompts(
     )
 
 
-def no_logprobs(model: str, engine: str) -> str:
+def no_logprobs(model: str, engine: str, url: str = CHAT_COMPLETIONS) -> str:
     """The reason for logprobs asked of a model whose engine gives none."""
+    asked, fields = "body.logprobs", "logprobs and top_logprobs"
+    if url == RESPONSES:
+        asked, fields = "body.top_logprobs", 'top_logprobs and "message.output_text.logprobs"'
+        fields += " from include"
     return (
-        f"body.logprobs: model {show(model)} runs on engine {engine or 'unknown'}, which gives "
-        "no token log probabilities; remove logprobs and top_logprobs, or send the request "
+        f"{asked}: model {show(model)} runs on engine {engine or 'unknown'}, which gives "
+        f"no token log probabilities; remove {fields}, or send the request "
         "to a model on the transformers engine"
     )
 

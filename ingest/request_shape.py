@@ -18,15 +18,18 @@ each distinct `Shape` to an id in the shape table; items carry only that id.
 | `logprobs`    | chat               | false   | true: each generated token's log probability |
 | `top_logprobs`| chat               | 0       | integer 0 .. 20: the most likely alternatives per token (turns `logprobs` on) |
 | `logprobs`    | completions        | none    | integer 0 .. 5: log probabilities with that many alternatives per token |
+| `top_logprobs`| responses          | none    | integer 0 .. 20: log probabilities with that many alternatives per token |
+| `include`     | responses          | none    | a list holding `"message.output_text.logprobs"`: log probabilities (0 alternatives unless `top_logprobs` says more) |
 
 Chat also takes `max_completion_tokens` as another name for `max_tokens`
 (not both); `/v1/responses` takes `max_output_tokens` for it, and only
 `temperature`, `top_p` and `priority` besides. Embeddings take only
 `priority` and `encoding_format`. Logprobs are one shape field,
 `top_logprobs`: None when not asked for, else the number of alternatives
-(chat's `logprobs: true` alone is 0; a stored shape carries `top_logprobs`
-alone, which is why `top_logprobs` without `logprobs` turns them on, where
-OpenAI would refuse it). `encoding_format` changes only how
+(chat's `logprobs: true` alone is 0, as is a responses `include` of
+`message.output_text.logprobs` alone; a stored shape carries `top_logprobs`
+alone, which is why `top_logprobs` without `logprobs` or `include` turns them
+on, where OpenAI would refuse it or give none). `encoding_format` changes only how
 delivery renders the vector, but it is part of the shape because the shape
 table is what delivery reads per item; `None` (float) is left out of
 `as_dict()`, so shapes stored before the field existed keep their ids; so is
@@ -40,7 +43,14 @@ from dataclasses import asdict, dataclass
 from typing import Any, Final
 
 from ingest.catalog import CHAT_COMPLETIONS, EMBEDDINGS, RESPONSES
-from ingest.line_errors import CONFLICTING_FIELDS, INVALID_VALUE, WRONG_TYPE, Rejected, show
+from ingest.line_errors import (
+    CONFLICTING_FIELDS,
+    INVALID_VALUE,
+    UNSUPPORTED_PARAMETER,
+    WRONG_TYPE,
+    Rejected,
+    show,
+)
 
 DEFAULT_MAX_TOKENS: Final = 256
 MAX_OUTPUT_TOKENS: Final = 1 << 20
@@ -51,7 +61,8 @@ MAX_PRIORITY: Final = 9
 MAX_SEED: Final = 2**63 - 1
 MAX_STOP_SEQUENCES: Final = 4
 ENCODING_FORMATS: Final = ("float", "base64")
-MAX_TOP_LOGPROBS: Final = {CHAT_COMPLETIONS: 20, "/v1/completions": 5}
+MAX_TOP_LOGPROBS: Final = {CHAT_COMPLETIONS: 20, "/v1/completions": 5, RESPONSES: 20}
+LOGPROBS_INCLUDE: Final = "message.output_text.logprobs"  # the one `include` served
 
 # Body keys that are shape parameters, per endpoint.
 GENERATE_PARAMETERS: Final = ("max_tokens", "temperature", "top_p", "seed", "stop", "priority")
@@ -59,7 +70,7 @@ SHAPE_PARAMETERS: Final[dict[str, tuple[str, ...]]] = {
     EMBEDDINGS: ("priority", "encoding_format"),
     CHAT_COMPLETIONS: (*GENERATE_PARAMETERS, "max_completion_tokens", "logprobs", "top_logprobs"),
     "/v1/completions": (*GENERATE_PARAMETERS, "logprobs"),
-    RESPONSES: ("max_output_tokens", "temperature", "top_p", "priority"),
+    RESPONSES: ("max_output_tokens", "temperature", "top_p", "priority", "top_logprobs", "include"),
 }
 
 
@@ -129,6 +140,10 @@ def _logprobs(body: Mapping[str, Any], endpoint: str) -> int | None:
     if endpoint not in MAX_TOP_LOGPROBS:
         return None
     most = MAX_TOP_LOGPROBS[endpoint]
+    if endpoint == RESPONSES:
+        asked = _includes_logprobs(body.get("include"))
+        top = _integer(body, "top_logprobs", None, 0, most)
+        return 0 if top is None and asked else top
     if endpoint != CHAT_COMPLETIONS:  # completions: logprobs is the count (a stored shape:
         key = "logprobs" if body.get("logprobs") is not None else "top_logprobs"  # top_logprobs)
         return _integer(body, key, None, 0, most)
@@ -147,6 +162,25 @@ def _logprobs(body: Mapping[str, Any], endpoint: str) -> int | None:
     if top is None:
         return 0 if wanted else None
     return top
+
+
+def _includes_logprobs(value: Any) -> bool:
+    """Whether a /v1/responses `include` asks for the output text's log probabilities; only
+    that one is served (the others are about tools and reasoning, which are not)."""
+    if value is None:
+        return False
+    if not isinstance(value, list):
+        raise Rejected(
+            WRONG_TYPE, f'body.include = {show(value)} is not a list; set ["{LOGPROBS_INCLUDE}"]'
+        )
+    for i, item in enumerate(value):
+        if item != LOGPROBS_INCLUDE:
+            raise Rejected(
+                UNSUPPORTED_PARAMETER,
+                f"body.include[{i}] = {show(item)} is not served here: only "
+                f'"{LOGPROBS_INCLUDE}" is; remove it',
+            )
+    return bool(value)
 
 
 def _encoding(body: Mapping[str, Any]) -> str | None:

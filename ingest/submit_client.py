@@ -37,6 +37,7 @@ import numpy as np
 
 from config import load_settings
 from ingest.batch_input import iter_batch_input
+from ingest.chunk_size import lines_per_chunk
 from ingest.chunk_wire import chunk_to_wire
 from ingest.error_wire import errors_from_wire
 from ingest.input_chunk import InputChunk
@@ -165,7 +166,7 @@ class Producer(BrokerClient):
         lines = (
             int(status["chunk_lines"])
             if status["exists"]
-            else int(chunk_lines or self.catalog()["chunk_items"])
+            else int(chunk_lines or lines_per_chunk(source, int(self.catalog()["chunk_items"])))
         )
         settings = self.settings(lines)
         if strict:

@@ -18,7 +18,7 @@ Chunk events in `chunks.log`, in order of their durability:
 | record                                                         | meaning |
 |----------------------------------------------------------------|---------|
 | `{"e": "accept", "c", "first", "last", "ns"}`                  | chunk c (lines first..last) may have items in the log from here on |
-| `{"e": "commit", "c", "first", "last", "lines", "ids", "stored", "errors", "final"}` (+ `"parts"`) | every item of chunk c is durable; `lines`/`ids` map line numbers to custom_ids (one entry per line); `stored` counts lines; `errors` are the rejected lines (`[line, custom_id, code, message]`); `parts`, only when some stored line has several parts: `[line, k, first]` per such line, its parts 1..k-1 at indexes first..first+k-2 (docs/completion.md, "Lines and parts"); a record without it (every older journal) has one part per line |
+| `{"e": "commit", "c", "first", "last", "lines", "ids", "stored", "errors", "final"}` (+ `"parts"`) | every item of chunk c is durable; `lines`/`ids` map line numbers to custom_ids (one entry per line); `stored` counts lines; `errors` are the rejected lines (`[line, custom_id, code, message]`); `parts`, only when some stored line has several parts: `[line, k, first]` per such line, its parts 1..k-1 at indexes first..first+k-2 (docs/completion.md, "Lines and parts"), with a fourth entry `n` when the line asked for n > 1 samples of each prompt (parts i*n..i*n+n-1 share prompt i; absent: 1, every part its own prompt, as in every older journal); a record without `parts` (every older journal) has one part per line |
 | `{"e": "state", "state"}`                                      | the front moved the job to `validating` or `queued` |
 
 Only a chunk's first commit counts (a retried chunk may be committed twice).
@@ -268,5 +268,5 @@ def acknowledged_indexes(path: Path) -> np.ndarray:
 
 
 def part_indexes(parts) -> list[np.ndarray]:
-    """The part-region indexes of `[line, k, first]` fan-out entries (parts 1..k-1 each)."""
-    return [np.arange(first, first + k - 1, dtype=np.int64) for _, k, first in parts]
+    """The part-region indexes of `[line, k, first(, n)]` fan-out entries (parts 1..k-1 each)."""
+    return [np.arange(f[2], f[2] + f[1] - 1, dtype=np.int64) for f in parts]

@@ -11,6 +11,12 @@ table is folded from the `parts` entries of the job's commit records
 | `line`  | the line's own index (line - 1): its part 0 |
 | `count` | k, its parts |
 | `first` | the index of its part 1 |
+| `n`     | samples of each prompt: parts i*n .. i*n+n-1 are samples of prompt i (an entry without it: 1) |
+
+A sample j > 0 of a prompt (part p with p % n != 0) repeats its prompt:
+OpenAI counts a prompt once however many samples it asks for, so the usage
+of a line and the job's prompt token totals leave those parts' prompt
+tokens out (`repeats`).
 
 A job without fan-out has an empty table, and every count below is then
 the item count itself.
@@ -29,15 +35,19 @@ class LineTable:
 
     def __init__(self) -> None:
         self._rows: list[tuple[int, int, int]] = []
+        self._samples: dict[int, int] = {}  # line index -> n, for lines with n > 1
         self._built: tuple[np.ndarray, ...] | None = None
 
     def __len__(self) -> int:
         return len(self._rows)
 
     def add(self, parts: list[list[int]]) -> None:
-        """Add a commit record's `parts` entries `[line number, k, first]`."""
-        for number, k, first in parts:
+        """Add a commit record's `parts` entries `[line number, k, first]` or
+        `[line number, k, first, n]`."""
+        for number, k, first, *rest in parts:
             self._rows.append((int(number) - 1, int(k), int(first)))
+            if rest and int(rest[0]) > 1:
+                self._samples[int(number) - 1] = int(rest[0])
         if parts:
             self._built = None
 
@@ -76,6 +86,25 @@ class LineTable:
             line[high] = np.where(ok, rows[np.maximum(at, 0)], -1)
             part[high] = np.where(ok, index[high] - first[np.maximum(at, 0)] + 1, 0)
         return line, part
+
+    def repeats(self, index: np.ndarray) -> np.ndarray:
+        """True for each item `index` that is a sample j > 0 of its prompt (its line has
+        n > 1 and its part p has p % n != 0): its prompt tokens are counted with sample 0."""
+        index = np.asarray(index, dtype=np.int64)
+        out = np.zeros(len(index), dtype=bool)
+        if not self._samples:
+            return out
+        high = np.flatnonzero(index >= PART_BASE)  # part 0 is never a repeat
+        if len(high):
+            line, part = self.owner(index[high])
+            keys = np.fromiter(self._samples, np.int64, len(self._samples))
+            values = np.fromiter(self._samples.values(), np.int64, len(self._samples))
+            order = np.argsort(keys)
+            keys, values = keys[order], values[order]
+            at = np.minimum(np.searchsorted(keys, line), len(keys) - 1)
+            n = np.where(keys[at] == line, values[at], 1)
+            out[high] = part % n != 0
+        return out
 
     def counts(self, lines: np.ndarray) -> np.ndarray:
         """The parts of each of fan-out `lines` (line indexes in the table)."""

@@ -94,7 +94,7 @@ def test_list_lines_become_one_item_per_part_with_part_region_indexes(tmp_path):
         4,
         *range(base + 3, base + 6),
     ]
-    assert chunk.fanout == ((2, 3, base), (4, 2, base + 2), (5, 4, base + 3))
+    assert chunk.fanout == ((2, 3, base, 1), (4, 2, base + 2, 1), (5, 4, base + 3, 2))
     assert [chunk.texts[i] for i in range(4)] == ["a b", "a", "b c", "d"]
     seeds = [chunk.shapes[s].seed for s in chunk.shape_index[-4:].tolist()]
     assert seeds == [7, 8, 7, 8]  # part p = prompt i * n + sample j, sample j has seed + j
@@ -305,7 +305,8 @@ def test_a_64000_item_list_job_survives_a_broker_kill_with_each_line_once_and_wh
     b = broker(workers=1, chunk_items=50)  # chunks of 3,200 items
     lines = [embed(f"l{i}", input=_strings(i, parts)) for i in range(lines_n)]
     data = write(tmp_path / "big.jsonl", lines)
-    cmd = [sys.executable, "run.py", "submit", str(data), "--job-id", "big", "--config"]
+    cmd = [sys.executable, "run.py", "submit", str(data), "--job-id", "big", "--chunk-lines", "50"]
+    cmd.append("--config")  # --chunk-lines: submit would size chunks by parts (64 items each)
     producer = subprocess.Popen(
         [*cmd, str(b.config)], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )
@@ -436,18 +437,6 @@ def test_the_front_checks_a_fan_out_chunk_again_per_line(tmp_path):
     again = recheck(chunk, ModelCatalog.from_settings(settings), CustomIdSet(), [], stored)
     assert again.chunk.indexes.tolist() == [PART_BASE, 1, PART_BASE + 1, PART_BASE + 2, 2, 3]
     assert again.already == [(1, "ok"), (3, "heavy")]
-
-
-def test_a_job_delivered_to_the_vector_store_refuses_lines_of_several_parts(tmp_path):
-    settings = load_settings(config(tmp_path))
-    lines = [embed("many", input=[[1], [2]]), embed("one", input=[[3]])]
-    [chunk] = list(iter_batch_input(write(tmp_path / "in.jsonl", lines), settings))
-    catalog = ModelCatalog.from_settings(settings)
-    checked = recheck(chunk, catalog, CustomIdSet(), [], None, fanout_allowed=False)
-    [error] = checked.chunk.errors
-    assert (error.line, error.code) == (1, "unsupported_parameter")
-    assert "vector store takes one input per line" in error.message
-    assert checked.chunk.custom_ids == ("one",)
 
 
 def test_completion_counts_lines_and_pages_carry_whole_lines_even_half_marked(data_dir):

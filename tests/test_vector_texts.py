@@ -42,7 +42,9 @@ def test_search_defaults_to_the_models_store_and_prints_the_hits_text(tmp_path):
 
 def test_line_text_takes_input_prompt_or_the_last_message():
     assert line_text({"body": {"input": "a b"}}) == "a b"
-    assert line_text({"body": {"input": ["a", "b"]}}) == "a b"
+    assert line_text({"body": {"input": ["a", "b"]}}) == "a"  # each input its own vector
+    assert line_text({"body": {"input": ["a", "b"]}}, part=1) == "b"
+    assert line_text({"body": {"input": ["a", "b"]}}, part=2) is None
     assert line_text({"body": {"prompt": "p"}}) == "p"
     assert line_text({"body": {"messages": [{"content": "x"}, {"content": "y"}]}}) == "y"
     assert line_text({"body": {"prompt_token_ids": [1, 2]}}) is None

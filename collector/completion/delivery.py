@@ -94,4 +94,6 @@ class PageDelivery:
         }
         if page.part is not None:  # fan-out lines: `index` is the line's, `part` each row's
             arrays["part"] = page.part
+            if meta.get("sink") == "vectors":  # a vector's id is its own item's seq
+                arrays["item"] = page.item
         return reply, arrays

@@ -7,7 +7,11 @@ with an error result, rebuilt from the job's completion segments when it is
 first touched (`CompletionLog.load_job`), never from a stored count; and the
 job's token totals (`prompt_tokens`, `completion_tokens`) over its results,
 each result counted once: added for the results `mark` newly stores, and
-rebuilt with the bitmaps from one slot per item.
+rebuilt with the bitmaps from one slot per item. The prompt tokens of
+part-region results are also kept per part (`part_prompt`), so that
+`prompt_total` can leave out the samples j > 0 of a prompt once the line
+table knows them (pipeline/line_table.py, `repeats`): OpenAI counts a
+prompt once however many samples `n` it asks for.
 Indexes in the part region (parts 1.. of fan-out lines, pipeline/item_seq.py)
 have bitmaps of their own, at index - PART_BASE; `line_counts` folds the
 items into lines with the job's line table.
@@ -37,11 +41,32 @@ class JobResults:
         self.segments_changed = True  # the directory may hold segments `readers` lacks
         self.prompt_tokens = 0  # over the results (not error results) stored
         self.completion_tokens = 0  # generated tokens over those results
+        self.part_prompt = np.zeros(0, np.uint32)  # at index - PART_BASE: its prompt tokens
 
-    def add_tokens(self, prompt: np.ndarray, completion: np.ndarray) -> None:
-        """Count the token totals of results just stored (each result once)."""
+    def add_tokens(self, prompt: np.ndarray, completion: np.ndarray, index: np.ndarray) -> None:
+        """Count the token totals of results just stored (each result once) for items
+        `index`."""
         self.prompt_tokens += int(prompt.sum(dtype=np.int64))
         self.completion_tokens += int(completion.sum(dtype=np.int64))
+        index = np.asarray(index, dtype=np.int64)
+        high = np.flatnonzero(index >= PART_BASE)
+        if len(high):
+            at = index[high] - PART_BASE
+            need = int(at.max()) + 1
+            if need > len(self.part_prompt):
+                grown = np.zeros(max(need, 2 * len(self.part_prompt)), np.uint32)
+                grown[: len(self.part_prompt)] = self.part_prompt
+                self.part_prompt = grown
+            self.part_prompt[at] = prompt[high]
+
+    def prompt_total(self, table: LineTable | None) -> int:
+        """The job's prompt tokens, each prompt once: its results' prompt tokens less those of
+        the parts `table` knows as repeated samples (a part it does not know yet counts)."""
+        if table is None or not len(table) or not len(self.part_prompt):
+            return self.prompt_tokens
+        stored = np.flatnonzero(self.part_prompt) + PART_BASE
+        repeats = stored[table.repeats(stored)] - PART_BASE
+        return self.prompt_tokens - int(self.part_prompt[repeats].sum(dtype=np.int64))
 
     def mark(self, index: np.ndarray, failed: np.ndarray | None = None) -> None:
         """Items `index` have a result; those where `failed` is True an error result."""

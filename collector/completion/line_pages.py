@@ -6,7 +6,8 @@ parts") may be spread over pages or not all stored yet. `whole_lines` turns
 such a page into one of whole lines:
 
 * a row of a fan-out line that is not done yet (some part has no result) is
-  left out: it stays LIVE and comes with its line later;
+  left out: it stays LIVE and comes with its line later (`ready_rows` lets
+  `read_page` skip such rows before reading them);
 * a done fan-out line brings every part, also parts not in the page (read
   by index from the job's completion segments, even when already marked
   delivered: a crash between marking one segment and the next leaves a line
@@ -17,12 +18,18 @@ such a page into one of whole lines:
   written twice.
 
 The page's `index` becomes each row's line index (line - 1) and `part` its
-part, which the client's join (collector/delivery/join.py) orders by.
+part, which the client's join (collector/delivery/join.py) orders by; `item`
+keeps each row's own item index (the vector sink's ids are item seqs).
+The `prompt_tokens` of a row that is a sample j > 0 of its prompt (a line
+with n > 1, pipeline/line_table.py `repeats`) is 0: the join sums its rows'
+usage, and OpenAI counts a prompt once however many samples it asks for.
 Acknowledging the page marks every row's slot delivered, so a line is
 marked whole.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 
@@ -31,6 +38,21 @@ from collector.completion.pages import Page, page_of_slots
 from pipeline.line_table import LineTable
 from pipeline.segment import Segment
 from pipeline.segment_format import EMPTY, STATE_MASK
+
+
+def ready_rows(job: JobResults, table: LineTable) -> Callable[[np.ndarray], np.ndarray]:
+    """`read_page`'s filter: True for an item that may go now, i.e. not a part of a fan-out
+    line that is not done yet, nor a part the table does not know yet. Such rows stay LIVE
+    unread (read, checksummed and dropped on every page, they cost completion twice the
+    reading of the same rows one per line)."""
+    done_lines = table.lines[table.done(job.has_result, job.part_result)]
+
+    def ready(index: np.ndarray) -> np.ndarray:
+        line, _ = table.owner(index)
+        fanned = np.isin(line, table.lines)
+        return np.where(fanned, np.isin(line, done_lines), line >= 0)
+
+    return ready
 
 
 def whole_lines(
@@ -67,6 +89,10 @@ def whole_lines(
         if len(missing):
             kept = _concat(kept, _read_indexes(readers, missing))
     line, part = table.owner(kept.index)
+    repeats = table.repeats(kept.index)
+    if repeats.any():  # a prompt counts once in its line's usage, not once per sample
+        kept.prompt_tokens = np.where(repeats, 0, kept.prompt_tokens).astype(np.uint32)
+    kept.item = kept.index.astype(np.uint32)
     kept.index = np.where(line >= 0, line, kept.index).astype(np.uint32)
     kept.part = part.astype(np.uint32)
     return kept

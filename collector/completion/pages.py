@@ -12,6 +12,7 @@ and marked delivered so that nothing waits on it for ever.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +43,7 @@ class Page:
     offsets: np.ndarray  # i8
     next: dict[int, int]  # completion segment id -> first slot not yet read
     part: np.ndarray | None = None  # u4 per row when the page joins fan-out lines (line_pages)
+    item: np.ndarray | None = None  # u4 per row with `part`: the row's own item index
 
     def __len__(self) -> int:
         return len(self.index)
@@ -70,9 +72,12 @@ def read_page(
     limit: int,
     cursors: dict[int, int] | None = None,
     everything: bool = False,
+    ready: Callable[[np.ndarray], np.ndarray] | None = None,
 ) -> Page:
     """Up to `limit` undelivered results of the job, oldest first; with `everything`,
-    delivered ones too, from `cursors` (as returned in `Page.next`)."""
+    delivered ones too, from `cursors` (as returned in `Page.next`). `ready`, when given
+    (not with `everything`), says per item index which results may go now: the others stay
+    LIVE, unread and uncounted (parts of fan-out lines not done yet, line_pages.py)."""
     cursors = dict(cursors or {})
     where: list[tuple[int, np.ndarray]] = []
     parts = []
@@ -92,7 +97,10 @@ def read_page(
             job.first_undelivered[segment_id] = begin
             states = seg.markers[begin:] & STATE_MASK
         wanted = (states != EMPTY) if everything else (states == LIVE)
-        slots = np.flatnonzero(wanted)[: limit - taken] + begin
+        slots = np.flatnonzero(wanted) + begin
+        if ready is not None and not everything and len(slots):
+            slots = slots[ready(seg.slots["index"][slots].astype(np.int64))]
+        slots = slots[: limit - taken]
         if not len(slots):
             continue
         cursors[segment_id] = int(slots[-1]) + 1

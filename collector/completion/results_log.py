@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from collector.completion.job_results import JobResults
-from collector.completion.line_pages import whole_lines
+from collector.completion.line_pages import ready_rows, whole_lines
 from collector.completion.pages import (
     Page,
     count_undelivered,
@@ -152,7 +152,8 @@ class CompletionLog:
                         heads[:, 0],
                         seg.slots["count"][good[once]].astype(np.int64) - PROMPT_HEADER,
                         heads[:, 1],
-                    )
+                    ),
+                    index[once],
                 )
                 job.mark(index, status_of(flags) == ResultStatus.ERROR)
         self._jobs[job_id] = job
@@ -162,9 +163,10 @@ class CompletionLog:
         return list(self._jobs)
 
     def tokens(self, job_id: str) -> tuple[int, int]:
-        """(prompt tokens, generated tokens) over the job's results, each result once."""
+        """(prompt tokens, generated tokens) over the job's results, each result once and each
+        prompt once (the samples j > 0 of a prompt add no prompt tokens)."""
         job = self.load_job(job_id)
-        return job.prompt_tokens, job.completion_tokens
+        return job.prompt_total(self.line_table(job_id)), job.completion_tokens
 
     def completed(self, job_id: str) -> int:
         """Lines of the job done: every part with a result or an error result."""
@@ -332,7 +334,9 @@ class CompletionLog:
             # Marked per class: if a later class fails, a resend finds these as duplicates.
             job.mark(index[pick], status_of(flags[pick]) == ResultStatus.ERROR)
             first = first_words(payload, starts[pick], sizes[pick])
-            job.add_tokens(*result_tokens(flags[pick], prompt[pick], sizes[pick], first))
+            job.add_tokens(
+                *result_tokens(flags[pick], prompt[pick], sizes[pick], first), index[pick]
+            )
             job.segments_changed = True
 
     @property
@@ -380,9 +384,11 @@ class CompletionLog:
         """
         job = self.load_job(job_id)
         readers = self._readers(job)
-        page = read_page(job, readers, limit, cursors, everything)
         table = self.line_table(job_id)
-        if table is None or not len(table) or not len(page):
+        fanned = table is not None and len(table) > 0
+        ready = ready_rows(job, table) if fanned and not everything else None
+        page = read_page(job, readers, limit, cursors, everything, ready)
+        if not fanned or not len(page):
             return page
         return whole_lines(page, job, readers, table, everything, limit)
 

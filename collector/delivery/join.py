@@ -3,8 +3,9 @@
 A page with a `part` column (docs/completion.md, "Lines and parts") holds
 whole lines: every row of one line has the line's index (line - 1) and its
 own part. Each row is rendered as a one-part line would be
-(collector/delivery/lines.py), then the rows of one line are joined, in part
-order:
+(collector/delivery/lines.py), as a dict (not yet JSON: parsing 64 rendered
+embeddings back cost more than rendering them), then the rows of one line
+are joined, in part order:
 
 | endpoint | joined body |
 |----------|-------------|
@@ -25,7 +26,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-_DUMPS_OPTIONS = orjson.OPT_APPEND_NEWLINE
+_DUMPS_OPTIONS = orjson.OPT_APPEND_NEWLINE | orjson.OPT_SERIALIZE_NUMPY
 
 
 def join_lines(
@@ -35,8 +36,8 @@ def join_lines(
 ) -> tuple[list[tuple[int, bytes]], list[tuple[int, tuple[str, str]]]]:
     """Join rendered rows into lines.
 
-    `rendered` holds (row, ok, what) for every row: `what` is the row's output line (bytes)
-    when ok, else its (code, message). Returns ([(first row, output line)], [(first row,
+    `rendered` holds (row, ok, what) for every row: `what` is the row's output line (a dict,
+    as lines.py renders it before JSON) when ok, else its (code, message). Returns ([(first row, output line)], [(first row,
     (code, message))]) in page order; the caller renders the error lines."""
     by_row = {row: (ok, what) for row, ok, what in rendered}
     index_l, part_l = index.tolist(), part.tolist()
@@ -51,7 +52,7 @@ def join_lines(
             code, message = by_row[failed[0]][1]
             err.append((rows[0], (code, f"part {part_l[failed[0]]} of {len(rows)}: {message}")))
             continue
-        lines = [orjson.loads(by_row[r][1]) for r in rows]
+        lines = [by_row[r][1] for r in rows]
         out.append((rows[0], _joined(lines, [part_l[r] for r in rows])))
     return out, err
 

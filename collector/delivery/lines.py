@@ -138,6 +138,8 @@ def format_page(page: ResultPage, context: ExportContext) -> tuple[list[bytes], 
 
 def page_keys(page: ResultPage, context: ExportContext) -> tuple[list[str], list[str]]:
     """The keys of `format_page`'s (output lines, error lines), in the same order."""
+    if page.part is not None:
+        return _joined_keys(page, context, check_page(page, context))
     rendered = render_page(page, context)
     return rendered.out_keys, rendered.err_keys
 
@@ -179,7 +181,9 @@ def _joined_page(page: ResultPage, context: ExportContext):
     results = checked.results.tolist()
     rendered: list[tuple[int, bool, Any]] = [
         (i, True, line)
-        for i, line in zip(results, format_lines_one_by_one(page, context, checked), strict=True)
+        for i, line in zip(
+            results, format_lines_one_by_one(page, context, checked, as_dicts=True), strict=True
+        )
     ]
     offsets = page.offsets.tolist()
     payload = memoryview(np.ascontiguousarray(page.payload, dtype=np.uint8))
@@ -198,6 +202,27 @@ def _joined_page(page: ResultPage, context: ExportContext):
         err_lines.append(error.to_batch_error_line(job_id))
         err_keys.append(line_key(custom_ids[r], f"{job_id}-line-{index[r] + 1}"))
     return [line for _, line in out], err_lines, out_keys, err_keys
+
+
+def _joined_keys(page: ResultPage, context: ExportContext, checked: Checked):
+    """`_joined_page`'s (output keys, error keys) without rendering a row: a line is an error
+    line when any of its rows is an error or invalid result; both in page order of lines."""
+    failed = set(checked.errors.tolist()) | set(checked.invalid)
+    first: dict[int, int] = {}  # line index -> its first row in the page
+    bad: set[int] = set()
+    for row, line in enumerate(page.index.tolist()):
+        first.setdefault(line, row)
+        if row in failed:
+            bad.add(line)
+    job_id, custom_ids = context.job_id, page.custom_ids
+    ids = _request_ids(job_id, page.index)[0] if len(page.index) else []
+    out_keys = [
+        line_key(custom_ids[r], "batch_req_" + ids[r]) for n, r in first.items() if n not in bad
+    ]
+    err_keys = [
+        line_key(custom_ids[r], f"{job_id}-line-{n + 1}") for n, r in first.items() if n in bad
+    ]
+    return out_keys, err_keys
 
 
 def error_line(
@@ -295,10 +320,11 @@ def _forms(page: ResultPage, context: ExportContext, checked: Checked) -> np.nda
 
 
 def format_lines_one_by_one(
-    page: ResultPage, context: ExportContext, checked: Checked
-) -> list[bytes]:
+    page: ResultPage, context: ExportContext, checked: Checked, as_dicts: bool = False
+) -> list[Any]:
     """Output lines for the checked results: columns converted once, then one dict per item
-    (the forms line_templates.py has no template for; tests hold the templates to it)."""
+    (the forms line_templates.py has no template for; tests hold the templates to it), returned
+    as such with `as_dicts`, for the join, which would otherwise parse them back."""
     results = checked.results
     if not len(results):
         return []
@@ -346,8 +372,9 @@ def format_lines_one_by_one(
             finish = "length" if len(token_ids) >= max_tokens else "stop"
             if endpoint == RESPONSES:
                 shape = context.shapes.get(shape_ids[j]) or {}
+                scores = None if scored is None else chat_logprobs(scored, texts)["content"]
                 body = response_body(
-                    request_ids[j], created, model, text, token_ids, finish, prompt, shape
+                    request_ids[j], created, model, text, token_ids, finish, prompt, shape, scores
                 )
             else:
                 body = _generated_body(
@@ -362,7 +389,7 @@ def format_lines_one_by_one(
             "response": {"status_code": 200, "request_id": request_ids[j], "body": body},
             "error": None,
         }
-        lines.append(orjson.dumps(line, option=_DUMPS_OPTIONS))
+        lines.append(line if as_dicts else orjson.dumps(line, option=_DUMPS_OPTIONS))
     return lines
 
 

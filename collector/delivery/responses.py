@@ -5,8 +5,8 @@
      "max_output_tokens": B, "temperature": t, "top_p": p,
      "output": [{"type": "message", "id": "msg_<request_id>", "status": S, "role": "assistant",
                  "content": [{"type": "output_text", "text": TEXT, "annotations": [],
-                              "logprobs": []}]}],
-     "parallel_tool_calls": false, "tool_choice": "none", "tools": [],
+                              "logprobs": LP}]}],
+     "parallel_tool_calls": false, "tool_choice": "none", "tools": [], "top_logprobs": k,
      "usage": {"input_tokens": P,
                "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
                "output_tokens": K, "output_tokens_details": {"reasoning_tokens": 0},
@@ -19,6 +19,14 @@ collector/delivery/lines.py), else "incomplete" with I
 is an extension, as in the chat and completion bodies, so nothing is lost
 without a tokenizer. The instructions are part of the prompt (rendered into
 it at ingest) and not stored with the result, so `instructions` is null.
+
+LP is `[]` unless the request asked for log probabilities (`top_logprobs`,
+or `include: ["message.output_text.logprobs"]`: the shape's `top_logprobs`
+k, ingest/request_shape.py) and the result is a TOKEN_LOGPROBS one; then it
+holds one `{"token", "logprob", "bytes", "top_logprobs": [{"token",
+"logprob", "bytes"}, ...]}` per generated token, as chat's
+`logprobs.content` (collector/delivery/logprobs.py). `top_logprobs` is k,
+or null when not asked.
 """
 
 from __future__ import annotations
@@ -36,8 +44,10 @@ def response_body(
     finish: str,
     prompt: int,
     shape: Mapping[str, Any],
+    logprobs: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The Response object for one generated item (see the module docstring)."""
+    """The Response object for one generated item (see the module docstring); `logprobs`
+    the output text's per-token log probabilities, when the result has them."""
     status = "completed" if finish == "stop" else "incomplete"
     completion = len(token_ids)
     return {
@@ -59,13 +69,19 @@ def response_body(
                 "status": status,
                 "role": "assistant",
                 "content": [
-                    {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+                    {
+                        "type": "output_text",
+                        "text": text,
+                        "annotations": [],
+                        "logprobs": logprobs or [],
+                    }
                 ],
             }
         ],
         "parallel_tool_calls": False,
         "tool_choice": "none",
         "tools": [],
+        "top_logprobs": shape.get("top_logprobs"),
         "usage": {
             "input_tokens": prompt,
             "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},

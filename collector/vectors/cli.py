@@ -124,11 +124,12 @@ def _search(client: VectorsClient, args, settings_of) -> int:
     hits = client.search(args.store, query, args.k, args.metric)
     meta, a = hits.meta, hits.arrays
     q, k = meta["shape"]
-    index = index_of(a["id"].reshape(-1)).tolist()
+    index = meta.get("lines") or index_of(a["id"].reshape(-1)).tolist()  # line - 1 of each
+    parts = meta.get("parts", [0] * len(index))
     texts = (
         input_texts(
             settings.data_path,
-            list(zip(meta["jobs"], index, meta["custom_ids"], strict=True)),
+            list(zip(meta["jobs"], index, meta["custom_ids"], parts, strict=True)),
         )
         if settings is not None and not getattr(args, "broker", None)
         else [None] * len(index)
@@ -143,6 +144,7 @@ def _search(client: VectorsClient, args, settings_of) -> int:
                 "rank": j + 1,
                 "score": round(float(a["scores"][i, j]), 6),
                 "custom_id": meta["custom_ids"][at],
+                "part": parts[at],
                 "job": meta["jobs"][at],
                 "shard": int(a["shard"][i, j]),
                 "row": int(a["row"][i, j]),

@@ -5,8 +5,10 @@ query is embedded here, with the store's model's own tokenizer and engine
 (the same code the workers run), then searched by the vector stage
 (collector/vectors/vector_stage.py), which answers with the hits' custom_ids.
 Export pages through the store with VECTORS_READ and writes `.npy` (rows;
-ids and custom_ids beside it in `<out>.ids.jsonl`) or `.parquet` (one row
-per vector: job, custom_id, id, shard, row, embedding; needs pyarrow).
+ids, custom_ids and parts beside it in `<out>.ids.jsonl`) or `.parquet` (one
+row per vector: job, custom_id, part, id, shard, row, embedding; needs
+pyarrow). `part` is the vector's place in its line's `input` list (0 for a
+line of one input; collector/vectors/sink.py).
 """
 
 from __future__ import annotations
@@ -107,6 +109,7 @@ def _write_npy(out: Path, pages, total: int, dim: int, dtype: str, progress) -> 
                             "row": done + i,
                             "job": page.meta["jobs"][i],
                             "custom_id": page.meta["custom_ids"][i],
+                            "part": page.meta.get("parts", [0] * n)[i],
                             "id": int(page.arrays["ids"][i]),
                             "shard": shard,
                             "shard_row": first + i,
@@ -148,6 +151,7 @@ def _write_parquet(out: Path, pages, total: int, progress) -> int:
                 {
                     "job": pa.array(page.meta["jobs"][:n], pa.string()),
                     "custom_id": pa.array(page.meta["custom_ids"][:n], pa.string()),
+                    "part": pa.array(page.meta.get("parts", [0] * n)[:n], pa.uint32()),
                     "id": pa.array(page.arrays["ids"][:n]),
                     "shard": pa.array(np.full(n, shard, np.uint32)),
                     "row": pa.array(np.arange(first, first + n, dtype=np.uint64)),

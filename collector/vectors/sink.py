@@ -23,6 +23,17 @@ sink keeps, per job being delivered, a bitmap of the items already stored.
 It is rebuilt at start from the stores' ids files (an id is the item's global
 id, its seq: pipeline/item_seq.py), and an item already there is skipped. Error lines
 are deduplicated by their file (collector/delivery/result_file.py `ResultFile`).
+
+Lines of several parts (an embeddings `input` list: docs/completion.md,
+"Lines and parts") land as one vector per part. Completion's page then gives
+`index` = the line's index, `part` and `item` = each row's own item index,
+and a vector's id is its part's item seq: `job_no << 32 | item`, with item =
+line - 1 for part 0 and the part-region index the job's chunk journal gives
+part p >= 1 (pipeline/item_seq.py `PART_BASE`); `run.py vectors` shows each
+hit's and row's custom_id and part. The bitmap is of items, so a page sent
+again skips exactly the parts already stored. A failed part is one error
+line for its line (keyed by custom_id, so at most one per line), its message
+starting `part P: `; the line's other parts are stored.
 """
 
 from __future__ import annotations
@@ -139,7 +150,7 @@ class VectorSink:
         job = self.jobs.get(str(meta.get("job")))
         if job is None or not job.delivery.counts(meta):
             return  # an answer to an older request, or a job already finished
-        index = np.asarray(arrays["index"]).astype(np.int64)
+        index = np.asarray(arrays["index"]).astype(np.int64)  # the line's (line - 1)
         if not len(index):
             if job.delivery.done(meta, 0):
                 self._finish(job)
@@ -147,7 +158,8 @@ class VectorSink:
                 job.delivery.idle(now, IDLE_POLL_S)
             return
         try:
-            appended = self._deliver(job, meta, arrays, index)
+            item = np.asarray(arrays.get("item", index)).astype(np.int64)  # the row's own
+            appended = self._deliver(job, meta, arrays, index, item)
         except (FabricError, OSError) as exc:  # a store not served, a full disk, ...
             self.log.error("job %s: page not delivered, asked again later: %s", job.job_id, exc)
             job.delivery.idle(now, BROKEN_RETRY_S)
@@ -182,8 +194,11 @@ class VectorSink:
                 job.error_file.close()
 
     # ---- one page --------------------------------------------------------------------
-    def _deliver(self, job: SinkJob, meta: dict, a: dict, index: np.ndarray) -> int:
-        """Append the page's vectors and write its error lines; returns rows appended."""
+    def _deliver(
+        self, job: SinkJob, meta: dict, a: dict, index: np.ndarray, item: np.ndarray
+    ) -> int:
+        """Append the page's vectors (row i is item `item[i]` of line `index[i]`) and write its
+        error lines; returns rows appended."""
         custom_ids = meta["custom_ids"]
         models = {int(k): v for k, v in meta["models"].items()}
         status, kind = np.asarray(a["status"]), np.asarray(a["kind"])
@@ -220,7 +235,7 @@ class VectorSink:
                     f"dim {store_meta.dim}"
                 )
             rows = rows[fits]
-            already = job.have.has(index[rows])
+            already = job.have.has(item[rows])
             job.skipped += int(already.sum())
             rows = rows[~already]
             if not len(rows):
@@ -232,35 +247,38 @@ class VectorSink:
                 refused[i] = "the embedding has NaN or infinite values"
             if not finite.all():
                 rows, vectors = rows[finite], vectors[finite]
-            ids = seq_of(job.job_no, index[rows])
+            ids = seq_of(job.job_no, item[rows])
             try:
                 store.append(ids, vectors, copy=False)  # `vectors`: this page's gathered copy
             except FabricError as exc:  # a failed rotation: the rows queued before it stay
                 queued = getattr(exc, "rows_queued", 0)
-                job.have.add(index[rows[:queued]])
+                job.have.add(item[rows[:queued]])
                 job.stored += queued
                 self.rows_stored += queued
                 raise
-            job.have.add(index[rows])
+            job.have.add(item[rows])
             job.stored += len(rows)
             self.rows_stored += len(rows)
             appended += len(rows)
-        self._write_errors(job, index, custom_ids, status, offsets, payload, refused)
+        part = a.get("part")
+        self._write_errors(job, index, part, custom_ids, status, offsets, payload, refused)
         return appended
 
-    def _write_errors(self, job, index, custom_ids, status, offsets, payload, refused) -> None:
+    def _write_errors(self, job, index, part, custom_ids, status, offsets, payload, refused):
+        def named(i: int, text: bytes) -> bytes:  # "part P: " before a part's message
+            return text if part is None else b"part %d: " % int(part[i]) + text
+
         lines, keys = [], []
         for i in np.flatnonzero(status != ResultStatus.RESULT).tolist():
-            line, key = error_line(
-                job.job_id,
-                int(index[i]),
-                custom_ids[i],
-                payload[offsets[i] : offsets[i + 1]].tobytes(),
-            )
+            code, sep, message = payload[offsets[i] : offsets[i + 1]].tobytes().partition(b": ")
+            stored = code + sep + named(i, message) if sep else named(i, code)
+            line, key = error_line(job.job_id, int(index[i]), custom_ids[i], stored)
             lines.append(line)
             keys.append(key)
         for i, why in sorted(refused.items()):
-            line, key = error_line(job.job_id, int(index[i]), custom_ids[i], why.encode(), REFUSED)
+            line, key = error_line(
+                job.job_id, int(index[i]), custom_ids[i], named(i, why.encode()), REFUSED
+            )
             lines.append(line)
             keys.append(key)
         if not lines:

@@ -8,7 +8,8 @@ line, and returns its text only if the line still carries the hit's custom_id (a
 changed or replaced since is never shown as the hit's text). No source, a file gone
 or unreadable, or another host: None, and the caller shows the custom_id alone.
 
-The text of a line: `body.input` (a string, or the strings of a list joined), else
+The text of a line: `body.input` (a string, or of a list of strings the hit's part:
+one vector per input, collector/vectors/sink.py), else
 `body.prompt`, else the last message's `content` of `body.messages`.
 """
 
@@ -24,8 +25,9 @@ from pipeline.errors import FabricError
 from pipeline.job_files import JobFiles
 
 
-def line_text(record: Any) -> str | None:
-    """The text an OpenAI Batch input line asks to embed or complete, or None."""
+def line_text(record: Any, part: int = 0) -> str | None:
+    """The text an OpenAI Batch input line asks to embed or complete, or None; of a list of
+    strings, its item `part` (each input of a list is its own vector)."""
     body = record.get("body") if isinstance(record, dict) else None
     if not isinstance(body, dict):
         return None
@@ -34,7 +36,7 @@ def line_text(record: Any) -> str | None:
         if isinstance(value, str):
             return value
         if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
-            return " ".join(value)
+            return value[part] if 0 <= part < len(value) else None
     messages = body.get("messages")
     if isinstance(messages, list) and messages and isinstance(messages[-1], dict):
         content = messages[-1].get("content")
@@ -52,12 +54,13 @@ def _source(data_path: Path, job_id: str) -> Path | None:
 
 
 def input_texts(
-    data_path: Path, hits: list[tuple[str | None, int, str | None]]
+    data_path: Path, hits: list[tuple[str | None, int, str | None, int]]
 ) -> list[str | None]:
-    """The text of each hit, given as (job id, item index, custom_id); None where unknown."""
+    """The text of each hit, given as (job id, line index, custom_id, part); None where
+    unknown."""
     texts: list[str | None] = [None] * len(hits)
     wanted: dict[str, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
-    for at, (job_id, index, custom_id) in enumerate(hits):
+    for at, (job_id, index, custom_id, _) in enumerate(hits):
         if job_id is not None and custom_id is not None:
             wanted[job_id][index + 1].append(at)
     for job_id, lines in wanted.items():
@@ -75,7 +78,7 @@ def input_texts(
                             continue
                         for at in lines[number]:
                             if isinstance(record, dict) and record.get("custom_id") == hits[at][2]:
-                                texts[at] = line_text(record)
+                                texts[at] = line_text(record, hits[at][3])
                     if number >= last:
                         break
         except OSError:

@@ -208,7 +208,7 @@ class VectorStage(Stage):
         started = time.perf_counter()
         scores, refs = search(store, query, k, metric, self.config.search_block_rows)
         self.searches += 1
-        custom_ids, jobs = self._names(refs["id"].reshape(-1))
+        custom_ids, jobs, parts, lines = self._names(refs["id"].reshape(-1))
         shape = refs.shape
         self._reply(
             route,
@@ -218,6 +218,8 @@ class VectorStage(Stage):
                 "model": store_meta.model,
                 "custom_ids": custom_ids,
                 "jobs": jobs,
+                "parts": parts,
+                "lines": lines,
                 "shape": list(shape),
                 "seconds": time.perf_counter() - started,
                 "rows": store.rows,
@@ -240,7 +242,7 @@ class VectorStage(Stage):
         shard = store.shards[shard_id]
         count = max(0, min(count, MAX_READ_ROWS, shard.rows - first))
         ids, rows = store.read(shard_id, first, count)
-        custom_ids, jobs = self._names(ids) if meta.get("names") else ([], [])
+        custom_ids, jobs, parts, _ = self._names(ids) if meta.get("names") else ([], [], [], [])
         self._reply(
             route,
             MT.VECTORS_ROWS,
@@ -255,16 +257,21 @@ class VectorStage(Stage):
                 "model": store_meta.model,
                 "custom_ids": custom_ids,
                 "jobs": jobs,
+                "parts": parts,
             },
             {"ids": np.array(ids), "rows": np.array(rows)},
         )
 
-    def _names(self, ids: np.ndarray) -> tuple[list, list]:
-        """(custom_id, job id) of each global id; None where the job is gone."""
+    def _names(self, ids: np.ndarray) -> tuple[list, list, list, list]:
+        """(custom_id, job id, part, line index) of each global id (an item seq: a part p >= 1
+        of a line of several parts has its own, collector/vectors/sink.py); None where the job
+        is gone."""
         ids = np.asarray(ids, np.uint64)
         job_nos, index = job_of(ids), index_of(ids)
         custom_ids: list = [None] * len(ids)
         jobs: list = [None] * len(ids)
+        parts: list = [0] * len(ids)
+        lines: list = index.tolist()
         for job_no in np.unique(job_nos).tolist():
             pick = np.flatnonzero(job_nos == job_no)
             job_id = self.job_index.job_id(job_no)
@@ -273,10 +280,13 @@ class VectorStage(Stage):
                 continue
             view.refresh()
             view.take_rejected()  # only custom_ids are wanted here: keep no rejected lines
-            names = view.custom_ids(index[pick].tolist())
-            for i, name in zip(pick.tolist(), names, strict=True):
-                custom_ids[i], jobs[i] = name, job_id
-        return custom_ids, jobs
+            line, part = view.lines.owner(index[pick])
+            names = view.custom_ids(np.where(line >= 0, line, index[pick]).tolist())
+            rows = zip(pick.tolist(), names, part.tolist(), line.tolist(), strict=True)
+            for i, name, p, at in rows:
+                custom_ids[i], jobs[i], parts[i] = name, job_id, p
+                lines[i] = at if at >= 0 else lines[i]
+        return custom_ids, jobs, parts, lines
 
     def _reply(self, route, kind: MT, meta: dict, arrays: dict | None = None) -> None:
         try:

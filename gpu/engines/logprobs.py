@@ -70,10 +70,12 @@ def pack_logprobs(outputs: list[tuple | None], top: int) -> tuple[np.ndarray, ..
             np.zeros((0, top), np.uint32),
             np.zeros((0, top), np.float32),
         )
+    logprobs = np.concatenate([p[0] for p in parts]).astype(np.float32)
+    m = len(logprobs)  # not -1: with top = 0 (logprobs without alternatives) it is ambiguous
     return (
-        np.concatenate([p[0] for p in parts]).astype(np.float32),
-        np.concatenate([p[1] for p in parts]).astype(np.uint32).reshape(-1, top),
-        np.concatenate([p[2] for p in parts]).astype(np.float32).reshape(-1, top),
+        logprobs,
+        np.concatenate([p[1] for p in parts]).astype(np.uint32).reshape(m, top),
+        np.concatenate([p[2] for p in parts]).astype(np.float32).reshape(m, top),
     )
 
 
