@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from ingest.jobs import DELIVER_FILE
+from pipeline.item_seq import PART_BASE
 from pipeline.job_files import (
     ChunkProgress,
     JobFiles,
@@ -54,6 +55,7 @@ class JobView:
         self.rejected: list[list[Any]] = []  # [line, custom_id, code, message], not yet taken
         self.lines = LineTable()  # the fan-out lines of committed chunks
         self._ids: collections.OrderedDict[int, tuple] = collections.OrderedDict()
+        self._spans = (np.zeros(0, np.int64), np.zeros(0, np.int64))  # committed (first, last)
         self.refresh()
 
     @property
@@ -92,6 +94,24 @@ class JobView:
                 self.first_lines[int(record["first"])] = record["c"]
                 self.rejected.extend(record["errors"])
                 self.lines.add(record.get("parts", ()))
+
+    def known(self, indexes: np.ndarray) -> np.ndarray:
+        """Per item index: is its line in a committed chunk? A chunk's items can be placed,
+        dispatched and computed before its commit record names their custom_ids (the front
+        died in between; a resubmit commits them later), so their results wait for it: sent
+        before, they would go out with no custom_id. (An index at PART_BASE and above is a
+        fan-out part, for the line table to say.)"""
+        index = np.asarray(indexes, np.int64)
+        if len(self._spans[0]) != len(self.first_lines):
+            firsts = np.array(sorted(self.first_lines), np.int64)
+            chunks = self.progress.chunks
+            lasts = [chunks[self.first_lines[f]].last for f in firsts.tolist()]
+            self._spans = (firsts, np.array(lasts, np.int64))
+        firsts, lasts = self._spans
+        lines = index + 1
+        at = np.searchsorted(firsts, lines, side="right") - 1
+        inside = (at >= 0) & (lines <= lasts[np.maximum(at, 0)]) if len(firsts) else at >= 0
+        return inside | (index >= PART_BASE)
 
     def take_rejected(self) -> list[list[Any]]:
         taken, self.rejected = self.rejected, []

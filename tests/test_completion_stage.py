@@ -226,3 +226,41 @@ def test_a_cancelled_job_finishes_when_its_last_item_is_retired(settings, harnes
     assert (info["state"], info["failed"], info["pending"]) == ("cancelled", 2, 0)
     again = harness.ask(MT.CANCEL, {"job": "job-c"})  # cancelled already: asked again
     assert again.type == MT.CANCELLED and finished_ns(settings, "job-c") == WALL_NS + 3 * 10**9
+
+
+def test_results_of_a_chunk_not_yet_committed_wait_for_its_commit_and_go_with_their_ids(
+    settings, harness
+):
+    """After a crash the front may have placed a chunk's items (durable in the log, so they
+    can be dispatched and computed) before its commit record names their custom_ids; a
+    resubmit commits them later. Their results must wait for that commit: served before it,
+    they would go out (and be marked delivered) with custom_id null, and the ids never."""
+    registry = JobRegistry(settings.data_path)
+    job = registry.create("job-c", chunk_lines=2)
+    job.accept(0, 1, 2)
+    job.commit(0, [1, 2], ["c1", "c2"], 2, [], final=False)
+    job.accept(1, 3, 4)  # placed, not committed: the front died here
+    registry.touch(job)
+    registry.flush()
+    data_dir = DataDir(settings.data_path).ensure()
+    log = appender(data_dir)
+    _, _, _, counts, tokens = make_batch(np.random.default_rng(0), 4, 1)
+    index = np.arange(4, dtype=np.uint32)
+    seq = seq_of(job.job_no, index)
+    log.append(seq, np.full(4, job.job_no, np.uint64), index, counts, tokens)
+    log.close()
+    (path,) = data_dir.segment_files()
+    items = np.zeros(4, ITEM_DTYPE)
+    items["segment"], items["slot"], items["seq"] = int(path.name[3:15]), np.arange(4), seq
+    harness.step()
+    harness.item_errors(items, "dead_letter: failed 3 times")  # every item has a result
+    page = harness.ask(MT.FETCH, {"job": "job-c", "limit": 10})
+    assert page.arrays["index"].tolist() == [0, 1]  # the committed chunk's only
+    assert page.meta["custom_ids"] == ["c1", "c2"]
+    job.commit(1, [3, 4], ["c3", "c4"], 2, [], final=True)  # the resubmitted chunk commits
+    registry.touch(job)
+    registry.flush()
+    registry.close()
+    page = harness.ask(MT.FETCH, {"job": "job-c", "limit": 10, "ack": page.meta["page"]})
+    assert page.arrays["index"].tolist() == [2, 3]
+    assert page.meta["custom_ids"] == ["c3", "c4"]

@@ -62,7 +62,7 @@ class PageDelivery:
         cursors = (  # a negative cursor would count from a segment's end
             {int(s): max(0, int(k)) for s, k in meta.get("cursors", [])} if everything else None
         )
-        page = self.completion_log.page(job_id, limit, cursors, everything)
+        page = self.completion_log.page(job_id, limit, cursors, everything, view.known)
         page_id = 0
         if len(page) and not everything:
             page_id = self.next_page

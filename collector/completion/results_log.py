@@ -376,8 +376,10 @@ class CompletionLog:
         limit: int,
         cursors: dict[int, int] | None = None,
         everything: bool = False,
+        known: Callable[[np.ndarray], np.ndarray] | None = None,
     ) -> Page:
-        """Up to `limit` undelivered results of the job, oldest first.
+        """Up to `limit` undelivered results of the job, oldest first; `known` (per item
+        index) leaves out those whose line is not committed yet (collector/job_view.py).
 
         With `everything`, delivered ones too, from `cursors` (completion segment
         id -> first slot not yet read, as returned in `Page.next`).
@@ -387,6 +389,8 @@ class CompletionLog:
         table = self.line_table(job_id)
         fanned = table is not None and len(table) > 0
         ready = ready_rows(job, table) if fanned and not everything else None
+        if known is not None and not everything:
+            ready = known if ready is None else _both(ready, known)
         page = read_page(job, readers, limit, cursors, everything, ready)
         if not fanned or not len(page):
             return page
@@ -421,3 +425,8 @@ class CompletionLog:
     def close(self) -> None:
         for job_id in list(self._jobs):
             self.unload(job_id)
+
+
+def _both(first, second):
+    """Two of read_page's filters: an item goes when both let it."""
+    return lambda index: first(index) & second(index)
