@@ -35,6 +35,7 @@ import orjson
 from api.batch_store import (
     ACCEPT_PARTIAL_KEY,
     ERRORS,
+    INPUT_COPY,
     OUTPUT,
     STATUSES,
     TERMINAL,
@@ -204,7 +205,7 @@ class BatchDriver:
                 keys.append(line_key(custom_id, f"{batch_id}-line-{number}"))
             err.write(lines, keys)
             err.sync()
-        copy = self.batches.path(batch_id, "input.jsonl")
+        copy = self.batches.path(batch_id, INPUT_COPY)
         with open(path, "rb") as src, open(copy, "wb") as dst:
             for number, line in enumerate(src, 1):
                 dst.write(b"\n" if number in drop else line)
@@ -258,9 +259,9 @@ class BatchDriver:
             info = self.results.job_status(batch_id)
             finished = info["state"] in ENDED and not info["undelivered"]
         finished = finished and submitted
-        counts = _counts(info, record)
-        if counts != record["request_counts"]:
-            record["request_counts"] = counts
+        counts, usage = _counts(info, record), info.get("usage")
+        if counts != record["request_counts"] or usage != record.get("usage"):
+            record.update(request_counts=counts, usage=usage)
             if not finished:
                 self.batches.put(record)
         if record.get("error_file_id") is None and self._has_errors(batch_id):
