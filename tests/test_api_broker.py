@@ -14,10 +14,18 @@ import orjson
 import pytest
 from broker import Broker, free_port, write_config, write_jsonl
 from conftest import wait_for
+from fastapi.testclient import TestClient
 from openai.types import Batch, Completion, CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion
 
+from api import batch_driver
+from api.app import make_app
+from api.batch_store import BatchStore
+from api.file_store import FileStore
 from collector.results_client import ResultsClient
+from ingest import submit_client
+from ingest.batch_input import iter_batch_input
+from ingest.submit_client import Producer
 from pipeline.topology import client_address
 
 GENERATE = '["/v1/embeddings", "/v1/chat/completions", "/v1/completions"]'
@@ -186,6 +194,43 @@ def test_the_batch_carries_its_jobs_token_totals_as_openai_usage(fast, tmp_path)
     with ResultsClient(client_address(broker.settings.completion.bind)) as results:
         totals = results.job_status(batch.id)["usage"]  # what `status JOB` reports
     assert (totals["prompt_tokens"], totals["completion_tokens"]) == (prompt, generated)
+
+
+def test_the_driver_parses_an_input_file_once(fast, tmp_path, monkeypatch):
+    """Validation's chunks are what is submitted: the file is not parsed a second time (in
+    process: a driver of its own over the broker's ingest and completion ports)."""
+    broker, _ = fast
+    parses = []
+
+    def counted(path, *args, **kwargs):
+        parses.append(path)
+        return iter_batch_input(path, *args, **kwargs)
+
+    monkeypatch.setattr(batch_driver, "iter_batch_input", counted)
+    monkeypatch.setattr(submit_client, "iter_batch_input", counted)
+    root = tmp_path / "api"
+    app = TestClient(make_app(broker.settings, root, ("/v1/embeddings",)))
+    path = tmp_path / "in.jsonl"
+    custom_ids = requests_file(path, 300, "/v1/embeddings")
+    file = app.post("/v1/files", files={"file": path.read_bytes()}, data={"purpose": "batch"})
+    body = {"input_file_id": file.json()["id"], "endpoint": "/v1/embeddings"}
+    batch_id = app.post("/v1/batches", json=body).json()["id"]
+    settings = broker.settings
+    ingest = client_address(settings.ingest.bind)
+    producers = (Producer(ingest), Producer(ingest))
+    results = ResultsClient(client_address(settings.completion.bind))
+    driver = batch_driver.BatchDriver(FileStore(root), BatchStore(root), producers, results)
+    try:
+        wait_for(lambda: driver.step()["completed"], "the batch to complete", timeout_s=120)
+    finally:
+        driver.close()
+        results.close()
+        for producer in producers:
+            producer.close()
+    batch = app.get(f"/v1/batches/{batch_id}").json()
+    out = app.get(f"/v1/files/{batch['output_file_id']}/content").content.splitlines()
+    assert_each_once([orjson.loads(x) for x in out], [], custom_ids)
+    assert len(parses) == 1
 
 
 def bad_file(path: Path) -> tuple[set[str], dict[int, str]]:
