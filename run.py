@@ -3,6 +3,7 @@
 python run.py --config prod.toml                   serve: recovery, then all stages; SIGTERM drains
 python run.py demo                                 the real pipeline on a real model, on the CPU
 python run.py submit FILE.jsonl [--config F | --broker ADDR] [--job-id ID] [--deliver vectors[:S]]
+                   [--deadline 2h]                 earlier deadlines are dispatched first
 python run.py status [JOB] [--json]                queue depth, in-flight, workers; or one job's counts
 python run.py status --watch [--plain]             a live dashboard, redrawn every second
 python run.py results JOB -o OUT.jsonl [--errors ERR.jsonl] [--follow] [--all]
@@ -116,8 +117,9 @@ def _retry_line(attempts: int):
 def _submit(args: argparse.Namespace) -> int:
     import orjson
 
-    from ingest.submit_client import Producer
+    from ingest.submit_client import Producer, parse_deadline
 
+    deadline = parse_deadline(args.deadline, time.time()) if args.deadline else None
     address = args.broker or load_settings(args.config).ingest.bind
     progress = _ProgressLine()
     curve = _curve(args)
@@ -133,6 +135,7 @@ def _submit(args: argparse.Namespace) -> int:
                 strict=args.strict,
                 progress=progress,
                 deliver=args.deliver,
+                deadline=deadline,
             )
         except BrokerUnavailableError as exc:
             print(f"\nerror: {exc}", file=sys.stderr)
@@ -448,6 +451,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="file",
         help="where results go: file (results clients; the default), vectors (the vector "
         "store named after the model) or vectors:STORE (docs/vectors.md)",
+    )
+    submit.add_argument(
+        "--deadline",
+        help="when the job should be done: a duration (90s, 30m, 2h, 1d), an ISO 8601 time or "
+        "seconds since the epoch; dispatch serves earlier deadlines first (a hint, never a gate)",
     )
     submit.add_argument(
         "--errors", help="where to write rejected lines (default FILE.errors.jsonl)"

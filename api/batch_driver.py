@@ -17,9 +17,9 @@ across the two files, whatever crashes). There is no queue of its own: the
 record says which step a batch is at, and every step is safe to repeat, so
 after any kill the driver simply runs the step again.
 
-Only api-0 runs the driver (the one writer of batch records). Deadline-ordered
-dispatch (earlier `expires_at` first) is not done yet: dispatch serves batches
-like any other job, and expiry only ends a batch at its deadline.
+Only api-0 runs the driver (the one writer of batch records). The job is created
+with the batch's `expires_at` as its deadline, so dispatch serves earlier
+deadlines first (a hint, docs/dispatch.md); expiry ends a batch at its deadline.
 """
 
 from __future__ import annotations
@@ -176,7 +176,11 @@ class BatchDriver:
         if batch_id not in self._submitting:
             path = record["submit_path"]
             self._submitting[batch_id] = self._submitter.submit(
-                self.producer.submit_file, path, batch_id, parsed=parsed
+                self.producer.submit_file,
+                path,
+                batch_id,
+                parsed=parsed,
+                deadline=record["expires_at"],
             )
             log.info("batch %s: submitting %s as job %s", batch_id, path, batch_id)
 

@@ -54,7 +54,7 @@ from ingest.custom_ids import Digests
 from ingest.error_wire import errors_from_wire
 from ingest.inflight import DEADLINE_MARGIN_S, Inflight, InflightChunks
 from ingest.input_chunk import InputChunk
-from ingest.jobs import DELIVER_FILE, Job, JobRegistry, parse_deliver
+from ingest.jobs import DELIVER_FILE, Job, JobRegistry, parse_deadline_field, parse_deliver
 from ingest.line_errors import LineError
 from ingest.peer_guard import PeerGuard
 from ingest.reconcile import stored_indexes
@@ -191,7 +191,8 @@ class FrontStage(Stage):
             if chunk_lines < 1:
                 raise IngestError(f"chunk_lines {chunk_lines} must be a positive number of lines")
             source = str(meta.get("source", ""))[:4096]  # the input file's path, for vectors search
-            job = self.registry.create(job_id, chunk_lines, deliver, source)
+            deadline = parse_deadline_field(meta.get("deadline"))  # the first chunk's counts
+            job = self.registry.create(job_id, chunk_lines, deliver, source, deadline)
         self.jobs_by_no[job.job_no] = job
         if deliver != job.deliver:
             raise IngestError(

@@ -45,6 +45,21 @@ def parse_deliver(text: str) -> str:
     )
 
 
+def parse_deadline_field(value: Any) -> float | None:
+    """A chunk's `deadline` (wall seconds since the epoch, a positive finite number) or None
+    when absent; IngestError naming the value otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise IngestError(
+            f"deadline {value!r} is not a time: send wall seconds since the epoch (a positive "
+            "number), or no deadline"
+        )
+    if value == float("inf"):
+        raise IngestError(f"deadline {value!r} is not a time: send a finite number of seconds")
+    return float(value)
+
+
 class Job:
     """One job's durable record and the front's view of it (its journal folded by
     pipeline.job_files.ChunkProgress)."""
@@ -206,12 +221,19 @@ class JobRegistry:
         return job
 
     def create(
-        self, job_id: str, chunk_lines: int, deliver: str = DELIVER_FILE, source: str = ""
+        self,
+        job_id: str,
+        chunk_lines: int,
+        deliver: str = DELIVER_FILE,
+        source: str = "",
+        deadline: float | None = None,
     ) -> Job:
         """Create a job durably (directory, job.json, empty journal); its chunks have
         `chunk_lines` lines and its results go where `deliver` says (`parse_deliver`).
         `source`: the absolute path of the input file on the producer's host, if it sent one
-        (`vectors search` reads the text of a hit's line back from it when it can)."""
+        (`vectors search` reads the text of a hit's line back from it when it can).
+        `deadline`: when the job should be done (wall seconds), if it has one; dispatch
+        reads it from the record and serves earlier deadlines first (docs/dispatch.md)."""
         directory = self.files.directory(job_id)  # IngestError: not an allowed id
         job_no = self._counter.next()  # DiskFullError when the disk is full
         created_ns = time.time_ns()
@@ -224,6 +246,8 @@ class JobRegistry:
         }
         if source:
             meta["source"] = source
+        if deadline is not None:
+            meta["deadline"] = parse_deadline_field(deadline)
         try:
             self.files.write_record(job_id, meta)
         except OSError as exc:  # a full disk: nothing of the job exists; the producer retries

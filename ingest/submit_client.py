@@ -29,6 +29,7 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -151,6 +152,7 @@ class Producer(BrokerClient):
         strict: bool = False,
         progress: Progress | None = None,
         deliver: str = DELIVER_FILE,
+        deadline: float | None = None,
     ) -> SubmitReport:
         """Send every line of an OpenAI Batch JSONL file; return when all of it is durable.
         `parsed`: (chunk_lines, the chunks of `iter_batch_input(source, ..., chunk_lines)`) from
@@ -158,7 +160,9 @@ class Producer(BrokerClient):
         the job takes chunks of that size, instead of parsing the file a second time.
 
         With `strict`, the whole file is checked first and nothing is sent if a
-        line is bad (InputLineError names it).
+        line is bad (InputLineError names it). `deadline` (wall seconds since the epoch;
+        `parse_deadline`) is recorded with a new job: dispatch serves earlier deadlines
+        first. A resumed job keeps the deadline it was created with.
         """
         job_id = job_id or f"job-{uuid.uuid4().hex[:12]}"
         status = self.job_status(job_id)
@@ -177,7 +181,9 @@ class Producer(BrokerClient):
             chunks = iter_batch_input(source, settings, chunk_lines=lines)
         source = str(Path(source).resolve())  # recorded with the job (`vectors search` text)
         with _resume_hint(job_id):
-            return self._send_chunks(job_id, lines, chunks, status, progress, deliver, source)
+            return self._send_chunks(
+                job_id, lines, chunks, status, progress, deliver, source, deadline
+            )
 
     def submit_tokens(
         self,
@@ -193,10 +199,11 @@ class Producer(BrokerClient):
         chunk_lines: int | None = None,
         progress: Progress | None = None,
         deliver: str = DELIVER_FILE,
+        deadline: float | None = None,
     ) -> SubmitReport:
         """Send pre-tokenised items without JSON: `rows` is a list of uint32 arrays, or a 2-D
         array (with `lengths` when rows are padded). Item i gets line number i + 1 and
-        custom_id `custom_ids[i]` (default `item-<i>`)."""
+        custom_id `custom_ids[i]` (default `item-<i>`); `deadline` as for `submit_file`."""
         status = self.job_status(job_id)
         lines = (
             int(status["chunk_lines"])
@@ -215,7 +222,9 @@ class Producer(BrokerClient):
         )
         chunks = _token_chunks(rows, lengths, custom_ids, model, shape, lines)
         with _resume_hint(job_id):
-            return self._send_chunks(job_id, lines, chunks, status, progress, deliver)
+            return self._send_chunks(
+                job_id, lines, chunks, status, progress, deliver, deadline=deadline
+            )
 
     def _send_chunks(
         self,
@@ -226,6 +235,7 @@ class Producer(BrokerClient):
         progress: Progress | None,
         deliver: str = DELIVER_FILE,
         source: str = "",
+        deadline: float | None = None,
     ) -> SubmitReport:
         report = SubmitReport(job_id)
         self._backing_off.clear()
@@ -258,6 +268,8 @@ class Producer(BrokerClient):
                 )
                 if source:
                     meta["source"] = source
+                if deadline is not None:
+                    meta["deadline"] = float(deadline)
                 self.send(MT.SUBMIT_CHUNK, meta, arrays)
                 pending[chunk.index] = (meta, arrays, time.monotonic(), 1)
             if pending:
@@ -330,6 +342,34 @@ class Producer(BrokerClient):
             )
         self.send(MT.SUBMIT_CHUNK, meta, arrays)
         pending[number] = (meta, arrays, time.monotonic(), tries + 1)
+
+
+DURATION_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_deadline(text: str, now: float) -> float:
+    """`submit --deadline`: a duration from `now` (wall seconds since the epoch: `90s`, `30m`,
+    `2h`, `1d`), an ISO 8601 time (`2026-12-01T23:00:00Z`; no zone: UTC) or wall seconds since
+    the epoch (`1764630000`). Returns wall seconds since the epoch; IngestError naming the
+    text otherwise."""
+    text = str(text).strip()
+    unit = DURATION_UNITS.get(text[-1:].lower())
+    try:
+        if unit is not None and text[:-1].replace(".", "", 1).isdigit():
+            return now + float(text[:-1]) * unit
+        if text.replace(".", "", 1).isdigit():
+            return float(text)
+        moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        moment = None
+    if moment is None:
+        raise IngestError(
+            f"--deadline {text!r} is not understood: give a duration (90s, 30m, 2h, 1d), an "
+            "ISO 8601 time (2026-12-01T23:00:00Z) or seconds since the epoch"
+        )
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return moment.timestamp()
 
 
 @contextmanager

@@ -8,9 +8,12 @@
 | `chunk_lines`| lines per chunk                                                 | 1     |
 | `deliver`    | where results go (ingest.jobs.parse_deliver); "file" if absent  | 1     |
 | `source`     | the input file's absolute path on the producer's host, if sent  | 2     |
+| `deadline`   | when the job should be done (wall seconds since the epoch), if it has one: dispatch serves earlier deadlines first (docs/dispatch.md); absent: no deadline | 2 |
 | `v`          | record version: absent (1) or 2                                 | 2     |
 | `crc`        | version 2: CRC-32 of the record without `crc`, keys sorted, as compact JSON | 2 |
 
+Optional fields (`source`, `deadline`) are additive: a record without them
+is read as before (no source, no deadline), so they need no new version.
 A record is written once, atomically, by the front (ingest/jobs.py, through
 pipeline/job_files.py, which knows where it lies). Version 1 records
 (no `v`, no `crc`) are still read; they cannot be checked beyond their
@@ -23,6 +26,7 @@ served until an operator looks (`run.py check` names it).
 
 from __future__ import annotations
 
+import math
 import zlib
 from pathlib import Path
 from typing import Any
@@ -50,6 +54,14 @@ def encode_job_record(meta: dict[str, Any]) -> bytes:
     record = {**meta, "v": RECORD_VERSION}
     record["crc"] = _crc(record)
     return orjson.dumps(record)
+
+
+def record_deadline(meta: dict[str, Any]) -> float | None:
+    """The job's deadline (wall seconds) from its verified record; None when it has none."""
+    deadline = meta.get("deadline")
+    if isinstance(deadline, bool) or not isinstance(deadline, int | float):
+        return None
+    return float(deadline) if math.isfinite(deadline) and deadline > 0 else None
 
 
 def read_job_record(directory: Path) -> dict[str, Any]:

@@ -115,6 +115,13 @@ METRICS: dict[str, Metric] = _catalogue(
         "dispatch",
     ),
     Metric(
+        "fabric_deadline_batches_total",
+        COUNTER,
+        (),
+        "Batches handed out ahead of dispatch's usual order for an earlier job deadline",
+        "dispatch",
+    ),
+    Metric(
         "fabric_worker_messages_refused_total",
         COUNTER,
         ("what",),

@@ -18,5 +18,7 @@
 | `lease_recorder.py` | keeping the dispatch file in step with the lease table                |
 | `file.py`, `file_format.py` | the dispatch file: its writer; its layout and reading       |
 | `arrivals.py`     | when queued slots arrived (the queue's age)                             |
+| `deadlines.py`    | which jobs have a deadline, from their job records                      |
+| `deadline_order.py` | earlier deadlines first, within a bounded share (a hint)              |
 | `report.py`       | the status answer and the metrics: read-only views of the stage         |
 """

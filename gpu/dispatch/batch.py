@@ -103,6 +103,27 @@ def items_of(segment_id: int, slots: np.ndarray, seqs: np.ndarray) -> np.ndarray
     return items
 
 
+def adopted(
+    batch_id: int, session: str, segment, slots: np.ndarray, deadline_s: float, now: float
+) -> Batch:
+    """The lease for slots a re-registering worker still holds (invariant 8): no tokens are
+    sent again, only the items are described."""
+    key = segment.key
+    return Batch(
+        batch_id=batch_id,
+        session=session,
+        segment_id=segment.segment_id,
+        model=key.name,
+        shape=key.shape,
+        lane=key.lane,
+        items=items_of(segment.segment_id, slots, segment.slots["seq"][slots]),
+        lengths=np.zeros(0, np.uint32),
+        tokens=np.zeros((0, 0), np.uint32),
+        deadline_s=deadline_s,
+        handed_s=now,
+    )
+
+
 def read_rows(rows: np.ndarray, index: np.ndarray) -> np.ndarray:
     """rows[index] as a new array; one memcpy when the index is a contiguous run."""
     first, last = int(index[0]), int(index[-1])

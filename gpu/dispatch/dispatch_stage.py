@@ -21,7 +21,9 @@ and a rescan of the segment directory every second (a descriptor lost
 while this stage restarted is found there). Segments queued before this
 start are held back for `reregister_grace_s`, so that workers that still
 hold some of their items re-register first (invariant 8); a restarted
-stage also reloads its dispatch file (same epoch, invariant 11).
+stage also reloads its dispatch file (same epoch, invariant 11). Job
+deadlines come from the job records (gpu/dispatch/deadlines.py), read again
+on the rescan.
 
 Each batch goes out with a work token (gpu/dispatch/work_token.py); RESULTS and the
 claims of a WORKER_HELLO are taken only from a registered session, for
@@ -40,6 +42,7 @@ import zmq
 from gpu.dispatch.arrivals import Arrivals
 from gpu.dispatch.batch import Batch, item_array
 from gpu.dispatch.batch_ids import BatchIds
+from gpu.dispatch.deadlines import JobDeadlines
 from gpu.dispatch.forward import ToCompletion
 from gpu.dispatch.item_errors import ItemErrors
 from gpu.dispatch.lease_recorder import LeaseRecorder
@@ -93,7 +96,10 @@ class DispatchStage(Stage):
         self.config = config
         self.data_dir = DataDir(settings.data_path).ensure()
         self.epoch = broker_epoch()
-        self.state = DispatchState(config.lease_s, config.max_attempts)
+        now = time.monotonic()  # the stage's start; after it, time comes from step(now)
+        self.deadlines = JobDeadlines(self.data_dir.root, self.log)  # from job records
+        self.deadlines.refresh(now)
+        self.state = DispatchState(config.lease_s, config.max_attempts, self.deadlines)
         self.tokens = WorkTokens.of_data_dir(self.data_dir.root)  # gpu/dispatch/work_token.py
         self.refused = Refusals(self.log)  # results, claims: refused for want of a token
         self.stall = StallWatch(config.stall_batch_multiple, config.stall_min_s)  # no progress
@@ -114,7 +120,6 @@ class DispatchStage(Stage):
         self.reclaimed = collections.Counter()  # cause -> items put back in the queue (metrics)
         self.arrivals = Arrivals()  # when queued slots became durable: the queue's age
         self.samples: collections.deque = collections.deque(maxlen=11)  # (t, out, retired)
-        now = time.monotonic()  # the stage's start; after it, time comes from step(now)
         grace_until = now + config.reregister_grace_s
         self.finder = WorkFinder(
             self.data_dir, self.state, self.arrivals, self.shapes, self.counts, self.log
@@ -183,6 +188,7 @@ class DispatchStage(Stage):
             for session in self.sessions.values():
                 session.idle_marks.append((now, session.idle_s))
             self.finder.rescan(now)
+            self.deadlines.refresh(now)  # new jobs' deadlines; finished jobs forgotten
             self.item_errors.resend(now)
             self._reclaim_stalled(now)
             self.state.sweep_cancelled()

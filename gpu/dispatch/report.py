@@ -70,6 +70,7 @@ def dispatch_metrics(stage, now: float) -> dict:
         "fabric_items_reclaimed_total": {(c,): stage.reclaimed[c] for c in RECLAIM_CAUSES},
         "fabric_dead_letters_total": stage.counts[DEAD_LETTER],
         "fabric_quarantined_items_total": stage.counts[CORRUPT_INPUT],
+        "fabric_deadline_batches_total": getattr(stage.state.deadline_order, "batches", 0),
         "fabric_worker_messages_refused_total": {
             (k,): stage.refused.counts[k] for k in REFUSED_KINDS
         },

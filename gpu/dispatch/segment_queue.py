@@ -50,16 +50,17 @@ class SegmentQueue:
     def has_work(self) -> bool:
         return self.cursor < self.end
 
-    def candidates(self, budget: int) -> tuple[np.ndarray, int]:
-        """Up to `budget` LIVE slots not out on lease, from the cursor; and how far that scanned.
+    def candidates(self, budget: int, start: int | None = None) -> tuple[np.ndarray, int]:
+        """Up to `budget` LIVE slots not out on lease, from the cursor (or from `start`, past
+        it: a deadline's pick); and how far that scanned.
 
-        Every slot before the returned position is out, retired or never
-        written, so the cursor may move there once the batch is committed.
+        Every slot from where it began to the returned position is out, retired
+        or never written, so the cursor may move there once the batch is committed.
         Markers are read in windows, so a long backlog is never scanned whole.
         """
         found_parts: list[np.ndarray] = []
         need = budget
-        start = self.cursor
+        start = self.cursor if start is None else start
         while start < self.end and need > 0:
             stop = min(self.end, start + max(SCAN_MARKERS, 2 * need))
             free = live_markers(self.segment.markers[start:stop])
@@ -73,6 +74,23 @@ class SegmentQueue:
             start = stop
         found = np.concatenate(found_parts) if found_parts else np.zeros(0, np.int64)
         return found.astype(np.int64), self.end
+
+    def claimed(
+        self, slots: np.ndarray, seqs: np.ndarray, held_by_me: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """A re-registering worker says it holds these slots (with these seqs): per slot, is it
+        LIVE with that seq (`ok`), and is it out with another session (`elsewhere`)?"""
+        inside = slots < self.end
+        ok = np.zeros(len(slots), bool)
+        ok[inside] = live_markers(self.segment.markers[slots[inside]]) & (
+            self.segment.slots["seq"][slots[inside]] == seqs[inside]
+        )
+        elsewhere = ok & ~held_by_me
+        if self.out is not None:  # (a slot past the written end is never `ok`)
+            elsewhere[inside] &= self.out[slots[inside]]
+        else:
+            elsewhere[:] = False
+        return ok, elsewhere
 
     def mark_out(self, slots: np.ndarray) -> None:
         """These slots are out (on lease, quarantined, dead-lettered, cancelled): not offered."""

@@ -10,10 +10,12 @@ A batch is one segment's slots, so it is one model, one shape and one lane.
 Choosing the segment: the highest priority class first, then the oldest
 segment (ids increase with age). Hints may reorder candidates but never
 remove them (invariant 10): `next_batch` falls through to any segment with
-work. Taking a batch is two-phase (invariant 6): it first reads every slot
-it will hand out (markers, checksums, seqs) and only then commits the lease,
-the bitmap and the cursor. A slot whose checksum fails is quarantined, never
-sent, and reported so the completion stage can give it an error result.
+work. Earlier job deadlines go first, within a bounded share of the batches
+(gpu/dispatch/deadline_order.py). Taking a batch is two-phase (invariant 6):
+it first reads every slot it will hand out (markers, checksums, seqs) and
+only then commits the lease, the bitmap and the cursor. A slot whose
+checksum fails is quarantined, never sent, and reported so the completion
+stage can give it an error result.
 
 An item that was reclaimed before (its attempts byte is not 0) is handed
 out alone, to a session that holds nothing else and gets nothing else until
@@ -35,7 +37,8 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from gpu.dispatch.batch import Batch, Outcome, items_of, quarantined, read_rows
+from gpu.dispatch.batch import Batch, Outcome, adopted, items_of, quarantined, read_rows
+from gpu.dispatch.deadline_order import DeadlineOrder, Deadlines
 from gpu.dispatch.leases import Leases
 from gpu.dispatch.segment_queue import Queued, SegmentQueue
 from gpu.work_protocol import ITEM_DTYPE
@@ -55,9 +58,13 @@ log = logging.getLogger("fabric.dispatch")
 class DispatchState:
     """Single-owner dispatch state; drive it with `now` from time.monotonic()."""
 
-    def __init__(self, lease_s: float, max_attempts: int) -> None:
+    def __init__(
+        self, lease_s: float, max_attempts: int, deadlines: Deadlines | None = None
+    ) -> None:
         self.lease_s = lease_s
         self.max_attempts = max_attempts
+        # earlier deadlines first, a hint (gpu/dispatch/deadline_order.py); jobs' from `deadlines`
+        self.deadline_order = DeadlineOrder(deadlines) if deadlines is not None else None
         self._work: dict[int, SegmentQueue] = {}
         self.table = Leases()  # which batch is out with whom (gpu/dispatch/leases.py)
         self._next_batch_id = 1
@@ -109,6 +116,8 @@ class DispatchState:
         gone = [work for work in self._work.values() if work.finished()]
         for work in gone:
             del self._work[work.segment.segment_id]
+            if self.deadline_order is not None:
+                self.deadline_order.forget(work.segment.segment_id)
         return [work.segment for work in gone]
 
     def segments(self) -> list[Segment]:
@@ -196,27 +205,35 @@ class DispatchState:
         if session in self.table.suspect:
             return None
         candidates = sorted(
-            (
-                w
-                for w in self._work.values()
-                if w.model == model and w.has_work() and w.not_before <= now
-            ),
+            (self._work[s] for s in self.queued_segments(model, now)),
             key=lambda w: (-w.priority, w.segment.segment_id),
         )
         preferred = [w for s in prefer if (w := self._work.get(s)) is not None and w in candidates]
-        for work in preferred + [w for w in candidates if w not in preferred]:
+        order = preferred + [w for w in candidates if w not in preferred]
+        tries: list[tuple[SegmentQueue, int | None]] = [(work, None) for work in order]
+        pick = self.deadline_order.pick(model, order, now) if self.deadline_order else None
+        if pick is not None:  # a hint: if it yields nothing, today's order follows
+            tries.insert(0, pick)
+        for n, (work, start) in enumerate(tries):
             budget = max(1, min(max_items, max_tokens // max(1, work.segment.key.lane)))
-            batch = self._take(work, session, budget, now)
+            batch = self._take(work, session, budget, now, start)
             if batch is not None:
+                if pick is not None and n == 0:
+                    self.deadline_order.taken(model)
                 return batch
         return None
 
-    def _take(self, work: SegmentQueue, session: str, budget: int, now: float) -> Batch | None:
+    def _take(
+        self, work: SegmentQueue, session: str, budget: int, now: float, start: int | None = None
+    ) -> Batch | None:
+        """A batch of `work`'s next free slots from its cursor, or from `start` past it (the
+        cursor then stays: the slots before `start` still wait)."""
         segment = work.segment
+        ahead = start is not None and start > work.cursor
         # Phase 1: read, check, decide; nothing changes yet.
-        slots, scanned_to = work.candidates(budget)
+        slots, scanned_to = work.candidates(budget, start if ahead else None)
         if len(slots) == 0:
-            work.cursor = max(work.cursor, scanned_to)
+            self._passed(work, start if ahead else None, scanned_to)
             return None
         last_try = segment.attempts(slots) >= max(1, self.max_attempts - 1)
         suspect = bool(last_try[0])
@@ -245,7 +262,7 @@ class DispatchState:
             self.quarantined.append(quarantined(segment.segment_id, bad, words[~ok], seqs[~ok]))
             work.mark_out(bad)  # never offered again in this life
             slots, seqs, words = slots[ok], seqs[ok], words[ok]
-        work.cursor = max(work.cursor, scanned_to)
+        self._passed(work, start if ahead else None, scanned_to)
         if len(slots) == 0:
             return None
         work.mark_out(slots)
@@ -268,6 +285,13 @@ class DispatchState:
         self._next_batch_id += 1
         self._add_lease(batch, work)
         return batch
+
+    def _passed(self, work: SegmentQueue, start: int | None, scanned_to: int) -> None:
+        """Every slot from the cursor (or `start`, past it) to `scanned_to` is taken or out."""
+        if start is None:
+            work.cursor = max(work.cursor, scanned_to)
+        elif self.deadline_order is not None:
+            self.deadline_order.passed(work.segment.segment_id, start, scanned_to)
 
     def _add_lease(self, batch: Batch, work: SegmentQueue) -> None:
         self.table.add(batch)
@@ -296,43 +320,22 @@ class DispatchState:
             work = self._work.get(int(segment_id))
             if work is None:
                 continue
-            segment = work.segment
             slots = items["slot"][mine].astype(np.int64)
-            inside = slots < work.end
-            ok = np.zeros(len(mine), bool)
-            ok[inside] = live_markers(segment.markers[slots[inside]]) & (
-                segment.slots["seq"][slots[inside]] == items["seq"][mine][inside]
-            )
             held_by_me = np.zeros(len(mine), bool)
             for held in self.table.by_session.get(session, set()):
                 batch = self.table.by_id[held]
                 if batch.segment_id == segment_id:
                     held_by_me |= np.isin(slots, batch.items["slot"])
-            elsewhere = ok & ~held_by_me
-            if work.out is not None:  # (a slot past the written end is never `ok`)
-                elsewhere[inside] &= work.out[slots[inside]]
-            else:
-                elsewhere[:] = False
-            fresh = ok & ~held_by_me & ~elsewhere
+            ok, elsewhere = work.claimed(slots, items["seq"][mine], held_by_me)
             answer[mine[ok]] = 1
             answer[mine[elsewhere]] = 2
+            fresh = ok & ~held_by_me & ~elsewhere
             if fresh.any():
-                take = slots[fresh]
-                work.mark_out(take)
+                work.mark_out(slots[fresh])
                 lease_id = batch_id if batch_id is not None else self._next_batch_id
                 self.set_next_batch_id(lease_id)
-                batch = Batch(
-                    batch_id=lease_id,
-                    session=session,
-                    segment_id=int(segment_id),
-                    model=work.model,
-                    shape=segment.key.shape,
-                    lane=segment.key.lane,
-                    items=items_of(int(segment_id), take, segment.slots["seq"][take]),
-                    lengths=np.zeros(0, np.uint32),
-                    tokens=np.zeros((0, 0), np.uint32),
-                    deadline_s=now + self.lease_s,
-                    handed_s=now,
+                batch = adopted(
+                    lease_id, session, work.segment, slots[fresh], now + self.lease_s, now
                 )
                 self._add_lease(batch, work)
         return answer
@@ -456,6 +459,8 @@ class DispatchState:
                 back = back[~done]
         if len(back):
             work.cursor = min(work.cursor, int(back.min()))  # bounded rewind
+            if self.deadline_order is not None:
+                self.deadline_order.rewind(segment.segment_id, int(back.min()))
         return len(back)
 
     def retired(self, segment_id: int, slots: np.ndarray) -> None:
