@@ -16,7 +16,7 @@ from collector.results_client import ResultsClient
 from pipeline.job_files import JobFiles
 from pipeline.topology import client_address
 
-RETENTION_S = 8.0
+RETENTION_S = 12.0  # long enough to download the files first on a loaded machine
 
 
 @pytest.fixture
@@ -45,8 +45,10 @@ def test_output_and_error_files_go_with_the_jobs_results(short, tmp_path):
     batch = finish(client, batch.id)
     assert batch.status == "completed" and batch.error_file_id, batch
     ids = (batch.output_file_id, batch.error_file_id)
-    finished_ns = JobFiles(broker.settings.data_path).finished_ns(batch.id)
-    assert finished_ns is not None
+    jobs = JobFiles(broker.settings.data_path)
+    # completion writes the mark just after the last result is stored: maybe after the batch
+    # saw every result and completed
+    finished_ns = wait_for(lambda: jobs.finished_ns(batch.id), "the job's finished mark")
     expires_at = math.ceil(finished_ns / 1e9 + RETENTION_S)
 
     def stamped():
