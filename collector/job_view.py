@@ -104,7 +104,7 @@ class JobView:
         lines = np.asarray(indexes, np.int64) + 1
         firsts = np.array(sorted(self.first_lines), np.int64)
         at = np.searchsorted(firsts, lines, side="right") - 1
-        out: list[str | None] = [None] * len(lines)
+        out = np.full(len(lines), None, dtype=object)
         for k in np.unique(at).tolist():
             if k < 0:
                 continue
@@ -113,23 +113,25 @@ class JobView:
             want = lines[mine]
             pos = np.minimum(np.searchsorted(chunk_lines, want), max(len(chunk_lines) - 1, 0))
             hit = (chunk_lines[pos] == want) if len(chunk_lines) else np.zeros(len(want), bool)
-            rows = zip(mine.tolist(), pos.tolist(), hit.tolist(), want.tolist(), strict=True)
-            for i, p, h, line in rows:
-                out[i] = ids[p] if h else extra.get(line)
-        return out
+            out[mine[hit]] = ids[pos[hit]]  # one take per chunk (a page is 4096 ids)
+            for i, line in zip(mine[~hit].tolist(), want[~hit].tolist(), strict=True):
+                out[i] = extra.get(line)  # rejected lines: their custom_id, if readable
+        return out.tolist()
 
-    def _ids_of(self, chunk: int) -> tuple[np.ndarray, list[str], dict[int, str]]:
-        """A committed chunk's stored lines (sorted), their custom_ids, and rejected ones'."""
+    def _ids_of(self, chunk: int) -> tuple[np.ndarray, np.ndarray, dict[int, str]]:
+        """A committed chunk's stored lines (sorted), their custom_ids (an object array), and
+        rejected ones'."""
         cached = self._ids.get(chunk)
         if cached is not None:
             self._ids.move_to_end(chunk, last=False)
             return cached
         record = journal_record_at(self.journal, self.progress.chunks[chunk].span)
         lines = np.asarray(record["lines"], np.int64)
-        ids = list(record["ids"])
+        ids = np.empty(len(record["ids"]), dtype=object)
+        ids[:] = record["ids"]
         if len(lines) > 1 and (np.diff(lines) < 0).any():
             order = np.argsort(lines, kind="stable")
-            lines, ids = lines[order], [ids[i] for i in order.tolist()]
+            lines, ids = lines[order], ids[order]
         extra = {int(line): cid for line, cid, *_ in record["errors"] if cid is not None}
         cached = (lines, ids, extra)
         self._ids[chunk] = cached

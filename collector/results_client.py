@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from collector.delivery.lines import format_page, page_keys
+from collector.delivery.lines import render_page
 from collector.delivery.result_file import ResultFile
 from collector.delivery.result_page import ExportContext, ResultPage
 from collector.delivery_client import Delivery
@@ -106,6 +106,7 @@ class ResultsClient(BrokerClient):
         models = {int(k): v for k, v in info["models"].items()}
         shapes = {int(k): v for k, v in info["shapes"].items()}
         model_ids = a["model"]
+        custom_ids = info["custom_ids"]
         for model_id in np.unique(model_ids).tolist():
             pick = np.flatnonzero(model_ids == model_id)
             if len(pick) == len(model_ids):
@@ -115,7 +116,9 @@ class ResultsClient(BrokerClient):
                 payload, offsets = part.values, part.offsets
             page = ResultPage(
                 index=a["index"][pick],
-                custom_ids=[info["custom_ids"][i] for i in pick.tolist()],
+                custom_ids=custom_ids
+                if len(pick) == len(model_ids)
+                else [custom_ids[i] for i in pick.tolist()],
                 status=a["status"][pick],
                 kind=a["kind"][pick],
                 shape=a["shape"][pick],
@@ -128,10 +131,9 @@ class ResultsClient(BrokerClient):
             context = ExportContext(
                 job_id, model, shapes, decoders.get(model), int(info.get("created_ns") or 0)
             )
-            out_lines, err_lines = format_page(page, context)
-            out_keys, err_keys = page_keys(page, context)
-            report.written += out.write(out_lines, out_keys)
-            report.errors += err.write(err_lines, err_keys)
+            rendered = render_page(page, context)
+            report.written += out.write_page(rendered.out, rendered.out_keys)
+            report.errors += err.write_page(rendered.err, rendered.err_keys)
 
 
 class DispatchClient(BrokerClient):

@@ -1,12 +1,17 @@
 """Result pages -> OpenAI Batch output lines.
 
 The broker sends a results client pages of stored results (`ResultPage`, a
-few numpy columns and every item's payload back to back). `format_page`
-renders one page into output lines and error lines, each one JSON object and
-a newline; `page_keys` gives the key of each line (its custom_id, or its id
-when the input line had no readable custom_id). The client writes them
-through `ResultFile` (collector/delivery/result_file.py), which holds each
-key at most once.
+few numpy columns and every item's payload back to back). `render_page`
+renders one page into output lines and error lines (each one JSON object and
+a newline; one buffer of each, in page order) and the key of each line (its
+custom_id, or its id when the input line had no readable custom_id). The
+client writes them through `ResultFile` (collector/delivery/result_file.py),
+which holds each key at most once. Completions, chat and embedding lines are
+built a whole page at once from templates (collector/delivery/line_templates.py);
+/v1/responses and logprobs lines, and the rows of fan-out lines, one by one
+(`format_lines_one_by_one`: a dict per line, to orjson). Both give the same
+bytes (tests/test_results_templates.py). `format_page` and `page_keys` give
+the same as lists, a bytes object per line.
 
 A stored result that cannot be rendered (a status other than 0 or 1, a kind
 or payload size its shape does not allow, a shape the table lacks, NaN or
@@ -66,11 +71,13 @@ from __future__ import annotations
 import base64
 import hashlib
 import re
+from dataclasses import dataclass
 from typing import Any, Final
 
 import numpy as np
 import orjson
 
+from collector.delivery import line_templates
 from collector.delivery.join import join_lines
 from collector.delivery.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from collector.delivery.responses import response_body
@@ -93,49 +100,71 @@ INVALID_RESULT: Final = "invalid_result"  # a stored result that cannot be rende
 
 _BARE_CODE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _DUMPS_OPTIONS = orjson.OPT_APPEND_NEWLINE | orjson.OPT_SERIALIZE_NUMPY
-_HEX = np.array([f"{b:02x}" for b in range(256)], dtype="U2")
+_HEX = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
+_CUSTOM_ID_KEY = "custom_id:"
+_NONE = (np.zeros(0, dtype=np.int64), {})  # a Checked's errors and invalid, when none
 _U64 = np.uint64
 
 
-def format_page(page: ResultPage, context: ExportContext) -> tuple[list[bytes], list[bytes]]:
-    """Render `page` as (output lines, error lines), in page order; raise PageError if its
-    columns disagree. A stored result that cannot be rendered becomes an error line."""
+@dataclass(frozen=True)
+class RenderedPage:
+    """A page rendered: its output lines and its error lines, each as one buffer of whole
+    lines in page order, and each line's key (`line_key`) in the same order."""
+
+    out: bytes
+    out_keys: list[str]
+    err: bytes
+    err_keys: list[str]
+
+
+def render_page(page: ResultPage, context: ExportContext) -> RenderedPage:
+    """Render `page`; raise PageError if its columns disagree. A stored result that cannot
+    be rendered becomes an error line. The common forms are rendered a whole page at once
+    (collector/delivery/line_templates.py); the rest one line at a time."""
     if page.part is not None:
-        return _joined_page(page, context)[:2]
+        out_lines, err_lines, out_keys, err_keys = _joined_page(page, context)
+        return RenderedPage(b"".join(out_lines), out_keys, b"".join(err_lines), err_keys)
     checked = check_page(page, context)
-    index = page.index.tolist()
-    out_lines = _format_results(page, context, checked)
-    err_lines = []
-    offsets = page.offsets.tolist()
-    payload = memoryview(np.ascontiguousarray(page.payload, dtype=np.uint8))
-    for i in checked.errors.tolist():
-        code, message = _split_error(bytes(payload[offsets[i] : offsets[i + 1]]))
-        error = LineError(index[i] + 1, page.custom_ids[i], code, message)
-        err_lines.append(error.to_batch_error_line(context.job_id))
-    for i, what in checked.invalid.items():
-        message = f"the stored result {what}; it cannot be delivered (report it with the job id)"
-        error = LineError(index[i] + 1, page.custom_ids[i], INVALID_RESULT, message)
-        err_lines.append(error.to_batch_error_line(context.job_id))
-    return out_lines, err_lines
+    out, out_keys = _render_results(page, context, checked)
+    err_lines, err_keys = _error_lines(page, context, checked)
+    return RenderedPage(out, out_keys, b"".join(err_lines), err_keys)
+
+
+def format_page(page: ResultPage, context: ExportContext) -> tuple[list[bytes], list[bytes]]:
+    """`render_page` as (output lines, error lines), one bytes object per line."""
+    rendered = render_page(page, context)
+    return split_lines(rendered.out), split_lines(rendered.err)
 
 
 def page_keys(page: ResultPage, context: ExportContext) -> tuple[list[str], list[str]]:
     """The keys of `format_page`'s (output lines, error lines), in the same order."""
-    if page.part is not None:
-        return _joined_page(page, context)[2:]
-    checked = check_page(page, context)
-    results = checked.results
-    custom_ids = page.custom_ids
-    index = page.index.tolist()
-    unnamed = [i for i in results.tolist() if custom_ids[i] is None]
-    line_ids = dict(zip(unnamed, _request_ids(context.job_id, page.index[unnamed])[0], strict=True))
-    out = [
-        line_key(custom_ids[i], f"batch_req_{line_ids[i]}" if i in line_ids else "")
-        for i in results.tolist()
+    rendered = render_page(page, context)
+    return rendered.out_keys, rendered.err_keys
+
+
+def split_lines(data: bytes) -> list[bytes]:
+    """Whole lines of a buffer, each with its newline (JSON lines hold no raw newline)."""
+    return [line + b"\n" for line in data.split(b"\n")[:-1]]
+
+
+def _error_lines(page: ResultPage, context: ExportContext, checked: Checked):
+    """(error lines, their keys): stored errors, then results that cannot be rendered."""
+    job_id, custom_ids, index = context.job_id, page.custom_ids, page.index.tolist()
+    lines, keys = [], []
+    offsets = page.offsets.tolist()
+    payload = memoryview(np.ascontiguousarray(page.payload, dtype=np.uint8))
+    failed = [
+        (i, *_split_error(bytes(payload[offsets[i] : offsets[i + 1]])))
+        for i in checked.errors.tolist()
     ]
-    failed = [*checked.errors.tolist(), *checked.invalid]
-    err = [line_key(custom_ids[i], f"{context.job_id}-line-{index[i] + 1}") for i in failed]
-    return out, err
+    for i, what in checked.invalid.items():
+        message = f"the stored result {what}; it cannot be delivered (report it with the job id)"
+        failed.append((i, INVALID_RESULT, message))
+    for i, code, message in failed:
+        error = LineError(index[i] + 1, custom_ids[i], code, message)
+        lines.append(error.to_batch_error_line(job_id))
+        keys.append(line_key(custom_ids[i], f"{job_id}-line-{index[i] + 1}"))
+    return lines, keys
 
 
 def _joined_page(page: ResultPage, context: ExportContext):
@@ -150,7 +179,7 @@ def _joined_page(page: ResultPage, context: ExportContext):
     results = checked.results.tolist()
     rendered: list[tuple[int, bool, Any]] = [
         (i, True, line)
-        for i, line in zip(results, _format_results(page, context, checked), strict=True)
+        for i, line in zip(results, format_lines_one_by_one(page, context, checked), strict=True)
     ]
     offsets = page.offsets.tolist()
     payload = memoryview(np.ascontiguousarray(page.payload, dtype=np.uint8))
@@ -189,8 +218,87 @@ def line_key(custom_id: str | None, line_id: str) -> str:
     return "id:" + line_id if custom_id is None else "custom_id:" + custom_id
 
 
-def _format_results(page: ResultPage, context: ExportContext, checked: Checked) -> list[bytes]:
-    """Output lines for the checked results: columns converted once, then one dict per item."""
+def _render_results(
+    page: ResultPage, context: ExportContext, checked: Checked
+) -> tuple[bytes, list[str]]:
+    """(output lines as one buffer, their keys) for the checked results, in page order: each
+    form's results a whole page at once (line_templates.py), the rest one by one."""
+    results = checked.results
+    if not len(results):
+        return b"", []
+    hex_ids = _request_id_hex(context.job_id, page.index[results])
+    custom_ids = page.custom_ids
+    if len(results) != len(custom_ids):
+        custom_ids = np.asarray(custom_ids, dtype=object)[results].tolist()
+    if None in custom_ids:
+        ids = np.ascontiguousarray(hex_ids[:, :32]).view("S32").reshape(-1).tolist()
+        keys = [
+            line_key(c, "batch_req_" + line_id.decode())
+            for c, line_id in zip(custom_ids, ids, strict=True)
+        ]
+    else:
+        keys = list(map(_CUSTOM_ID_KEY.__add__, custom_ids))
+    forms = _forms(page, context, checked)
+    offsets = np.asarray(page.offsets, dtype=np.int64)
+    starts = offsets[results]
+    counts = (offsets[results + 1] - starts) // 4
+    words, word_starts = result_words(page.payload, starts, counts)
+    prompts = page.prompt_tokens[results]
+    shape_ids = page.shape[results].astype(np.int64)
+    max_tokens = np.zeros(len(results), dtype=np.int64)
+    for shape_id, (_, most) in (checked.by_shape or {}).items():
+        max_tokens[shape_ids == shape_id] = most
+    buffers = []
+    for code in np.unique(forms).tolist():
+        rows = np.flatnonzero(forms == code)
+        if code == len(line_templates.FORMS):
+            picked = Checked(results[rows], [checked.endpoints[j] for j in rows.tolist()], *_NONE)
+            data = b"".join(format_lines_one_by_one(page, context, picked))
+        else:
+            data = line_templates.lines(
+                line_templates.FORMS[code],
+                hex_ids=hex_ids[rows],
+                custom_ids=[custom_ids[j] for j in rows.tolist()]
+                if len(rows) < len(forms)
+                else custom_ids,
+                words=words,
+                starts=word_starts[rows],
+                counts=counts[rows],
+                prompts=prompts[rows],
+                max_tokens=max_tokens[rows],
+                model=context.model,
+                created=context.created_ns // 1_000_000_000,
+                decode=context.decode,
+            )
+        buffers.append((rows, data))
+    if len(buffers) == 1:
+        return buffers[0][1], keys
+    by_row = np.empty(len(results), dtype=object)  # forms mixed in one page: back in page order
+    for rows, data in buffers:
+        by_row[rows] = split_lines(data)
+    return b"".join(by_row.tolist()), keys
+
+
+def _forms(page: ResultPage, context: ExportContext, checked: Checked) -> np.ndarray:
+    """Per checked result, its template's number in line_templates.FORMS (their count: one
+    by one)."""
+    shape_ids = page.shape[checked.results]
+    forms = np.full(len(shape_ids), len(line_templates.FORMS), dtype=np.int64)
+    for shape_id in np.unique(shape_ids).tolist():
+        rows = np.flatnonzero(shape_ids == shape_id)
+        endpoint = checked.endpoints[int(rows[0])][0]
+        shape = context.shapes.get(shape_id) or {}
+        form = line_templates.form_of(endpoint, shape, shape.get("top_logprobs") is not None)
+        if form is not None:
+            forms[rows] = line_templates.FORMS.index(form)
+    return forms
+
+
+def format_lines_one_by_one(
+    page: ResultPage, context: ExportContext, checked: Checked
+) -> list[bytes]:
+    """Output lines for the checked results: columns converted once, then one dict per item
+    (the forms line_templates.py has no template for; tests hold the templates to it)."""
     results = checked.results
     if not len(results):
         return []
@@ -308,7 +416,13 @@ def _generated_body(
 
 
 def _request_ids(job_id: str, index: np.ndarray) -> tuple[list[str], list[str]]:
-    """(id hex, request_id hex) per item: 32 hex digits each, fixed by (job_id, index).
+    """(id hex, request_id hex) per item: 32 hex digits each, fixed by (job_id, index)."""
+    text = _request_id_hex(job_id, index).view("S32").astype("U32")
+    return text[:, 0].tolist(), text[:, 1].tolist()
+
+
+def _request_id_hex(job_id: str, index: np.ndarray) -> np.ndarray:
+    """[n, 64] u1: the id's 32 hex digits, then the request_id's, fixed by (job_id, index).
 
     Four splitmix64 finalisers of the index, keyed by a blake2b digest of the
     job id; each is a bijection of the index, so ids never repeat inside a job.
@@ -318,9 +432,11 @@ def _request_ids(job_id: str, index: np.ndarray) -> tuple[list[str], list[str]]:
     x = (x ^ (x >> _U64(30))) * _U64(0xBF58476D1CE4E5B9)
     x = (x ^ (x >> _U64(27))) * _U64(0x94D049BB133111EB)
     x = x ^ (x >> _U64(31))
-    digits = _HEX[x.astype(">u8").view(np.uint8).reshape(len(x), 32)]
-    text = np.ascontiguousarray(digits).view("U64").ravel().tolist()
-    return [t[:32] for t in text], [t[32:] for t in text]
+    raw = x.astype(">u8").view(np.uint8).reshape(len(x), 32)
+    digits = np.empty((len(x), 32, 2), dtype=np.uint8)
+    digits[:, :, 0] = _HEX[raw >> 4]
+    digits[:, :, 1] = _HEX[raw & 15]
+    return digits.reshape(len(x), 64)
 
 
 def _split_error(payload: bytes) -> tuple[str, str]:

@@ -18,7 +18,7 @@ from typing import Any
 
 import orjson
 
-from collector.delivery.lines import line_key
+from collector.delivery.lines import line_key, split_lines
 from pipeline.durable import fsync_dir
 from pipeline.errors import FabricError
 
@@ -47,6 +47,7 @@ class ResultFile:
         self._fd = fd
         self._keys = keys
         self._failed: str | None = None
+        self._unsynced = True  # written since the last sync (at open: the sync is the first)
 
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> ResultFile:
@@ -112,22 +113,55 @@ class ResultFile:
                 new_keys[key] = None
                 new_lines.append(line)
         if new_lines:
-            data = memoryview(b"".join(new_lines))
-            try:
-                while data:
-                    data = data[os.write(self._fd, data) :]
-            except OSError as exc:
-                self._failed = f"a write failed ({exc.strerror})"
-                raise ResultFileError(
-                    f"writing output file {self.path} failed: {exc.strerror}; free the space "
-                    "or fix the disk, then run again (the torn end is cut when it is reopened)"
-                ) from exc
+            self._append(b"".join(new_lines))
             self._keys.update(new_keys)
         return len(new_lines)
 
-    def sync(self) -> None:
-        """fsync: everything written so far is on disk when this returns."""
+    def _append(self, data: bytes) -> None:
+        if not data:
+            return
+        view = memoryview(data)
+        self._unsynced = True
+        try:
+            while view:
+                view = view[os.write(self._fd, view) :]
+        except OSError as exc:
+            self._failed = f"a write failed ({exc.strerror})"
+            raise ResultFileError(
+                f"writing output file {self.path} failed: {exc.strerror}; free the space "
+                "or fix the disk, then run again (the torn end is cut when it is reopened)"
+            ) from exc
+
+    def write_page(self, data: bytes, keys: Sequence[str]) -> int:
+        """Append the lines of `data` (whole lines; `keys[i]` is the key of line i) whose key
+        is not yet in the file; return how many were appended. A page
+        whose keys are all new is written as it is, in one piece; otherwise line by line,
+        as `write`."""
         self._check_usable()
+        if data and not data.endswith(b"\n"):
+            raise ValueError(f"write_page got {len(keys)} keys and a buffer of partial lines")
+        lines = data.count(b"\n")
+        if lines != len(keys):
+            raise ValueError(f"write_page got {lines} lines but {len(keys)} keys")
+        if self._keys.isdisjoint(keys):
+            before = len(self._keys)
+            self._keys.update(keys)
+            if len(self._keys) - before == len(keys):
+                try:
+                    self._append(data)
+                except ResultFileError:
+                    self._keys.difference_update(keys)  # none was there before
+                    raise
+                return len(keys)
+            self._keys.difference_update(keys)  # a key twice in the page: none was there before
+        return self.write(split_lines(data), keys)
+
+    def sync(self) -> None:
+        """fsync: everything written so far is on disk when this returns (a no-op when nothing
+        was written since the last sync)."""
+        self._check_usable()
+        if not self._unsynced:
+            return
         try:
             os.fsync(self._fd)
         except OSError as exc:
@@ -136,6 +170,7 @@ class ResultFile:
                 f"syncing output file {self.path} failed: {exc.strerror}; what was written "
                 "since the last sync may be lost: run again, and the file is re-read"
             ) from exc
+        self._unsynced = False
 
     def close(self) -> None:
         """Close the file (without a sync: call `sync` first to keep what was written)."""

@@ -61,6 +61,7 @@ class Checked:
     endpoints: list[tuple[str, int]]
     errors: np.ndarray
     invalid: dict[int, str]
+    by_shape: dict[int, tuple[str, int]] | None = None  # shape id -> (endpoint, max_tokens)
 
 
 def check_page(page: ResultPage, context: ExportContext) -> Checked:
@@ -131,8 +132,8 @@ def check_page(page: ResultPage, context: ExportContext) -> Checked:
     ok = np.flatnonzero(results)
     if invalid:
         ok = ok[[i not in invalid for i in ok.tolist()]]
-    shapes = [endpoints[s] for s in page.shape[ok].tolist()]
-    return Checked(ok, shapes, np.flatnonzero(errors), invalid)
+    shapes = list(map(endpoints.__getitem__, page.shape[ok].tolist()))
+    return Checked(ok, shapes, np.flatnonzero(errors), invalid, endpoints)
 
 
 def endpoints_of(

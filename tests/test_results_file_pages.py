@@ -1,0 +1,65 @@
+"""`ResultFile.write_page`: a page of lines in one buffer, each key still written at most once.
+
+A page whose keys are all new goes to the file in one piece; a page sent
+again (the client or completion restarted between its write and its ack), or
+one that overlaps what the file holds, is written line by line and only its
+new keys land; a key twice in one page lands once. A sync with nothing
+written since the last one does not touch the disk.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from collector.delivery.result_file import ResultFile
+
+
+def page(*names: str) -> tuple[bytes, list[str]]:
+    data = b"".join(b'{"id":"%s","custom_id":"%s"}\n' % (n.encode(), n.encode()) for n in names)
+    return data, [f"custom_id:{n}" for n in names]
+
+
+def test_a_new_page_goes_in_whole_and_a_page_sent_again_adds_nothing(tmp_path):
+    path = tmp_path / "out.jsonl"
+    with ResultFile.open(path) as out:
+        assert out.write_page(*page("a", "b", "c")) == 3
+        assert out.write_page(*page("a", "b", "c")) == 0  # the same page again
+        assert out.write_page(*page("c", "d", "b", "e")) == 2  # overlapping: d and e only
+        assert out.write_page(*page("f", "f", "g")) == 2  # a key twice in one page: once
+        assert out.write_page(b"", []) == 0
+        out.sync()
+    assert path.read_bytes() == page("a", "b", "c", "d", "e", "f", "g")[0]
+    with ResultFile.open(path) as again:  # keys come back from the file
+        assert again.write_page(*page("g", "h")) == 1
+        again.sync()
+    assert path.read_bytes() == page("a", "b", "c", "d", "e", "f", "g", "h")[0]
+
+
+def test_a_page_of_partial_lines_is_refused_and_leaves_its_keys_out(tmp_path):
+    with ResultFile.open(tmp_path / "out.jsonl") as out:
+        data, keys = page("a", "b")
+        with pytest.raises(ValueError, match="partial lines"):
+            out.write_page(data[:-1], keys)
+        assert "custom_id:a" not in out and len(out) == 0
+        with pytest.raises(ValueError, match="lines but 1 keys"):
+            out.write_page(*page("x", "y")[:1], ["custom_id:x"])  # one key short
+        assert len(out) == 0
+        assert out.write_page(data, keys) == 2
+
+
+def test_a_sync_with_nothing_new_does_not_reach_the_disk(tmp_path, monkeypatch):
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd)))
+    with ResultFile.open(tmp_path / "err.jsonl") as err:
+        synced.clear()  # open syncs a cut file or a new one's directory
+        err.sync()  # the first sync always goes to the disk
+        err.sync()
+        err.write_page(b"", [])
+        err.sync()
+        assert len(synced) == 1
+        err.write_page(*page("a"))
+        err.sync()
+        assert len(synced) == 2
