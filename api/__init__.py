@@ -10,6 +10,7 @@
 | `upload.py`       | a multipart upload streamed to disk with bounded memory           |
 | `batch_store.py`  | batch records on disk, the OpenAI Batch object                     |
 | `batch_driver.py` | moves each batch through its states over the ingest and completion paths |
+| `retention.py`    | a batch's output and error files follow its job's results retention |
 
 The stage is the top floor beside collector/: it imports pipeline, config,
 ingest and collector, and nothing imports it but the stage table.

@@ -3,7 +3,9 @@
 `[api] processes = N` runs N of these, each serving HTTP on `[api] bind` (the
 port is shared with SO_REUSEPORT, so the kernel spreads connections). Only
 api-0 runs the batch driver (api/batch_driver.py), the one writer of batch
-records; every process reads the files and batch records from disk.
+records, and the expiry of files (input files after `api.input_file_expiry_s`,
+output and error files with their job's retention: api/retention.py); every
+process reads the files and batch records from disk.
 
 uvicorn runs on a thread of the stage process; the stage's own loop (`step`)
 drives the batches. SIGTERM (the supervisor stopping the broker) stops the
@@ -23,6 +25,7 @@ from api.app import make_app
 from api.batch_driver import BatchDriver
 from api.batch_store import BatchStore
 from api.file_store import FileStore
+from api.retention import OutputRetention
 from collector.results_client import ResultsClient
 from ingest.submit_client import Producer
 from pipeline.errors import ConfigError
@@ -97,7 +100,14 @@ class ApiStage(Stage):
                 client_address(settings.completion.bind), curve=curve, patient=True
             )
             self.driver = BatchDriver(self.files, self.batches, self.producers, self.results)
+            self.retention = OutputRetention(
+                self.files,
+                self.batches,
+                settings.data_path,
+                settings.completion.results_retention_s,
+            )
         self.next_drive = 0.0
+        self.next_retention = 0.0
         self.next_expiry = 0.0
         self.by_status: dict[str, int] = {}
         self.wake = threading.Event()
@@ -116,6 +126,11 @@ class ApiStage(Stage):
             }
             for file_id in self.files.expire(time.time(), in_use):
                 self.log.info("input file %s expired (api.input_file_expiry_s)", file_id)
+        if self.driver is not None and now >= self.next_retention:
+            # output and error files follow their job's retention, checked as the collector does
+            self.next_retention = now + self.settings.collector.interval_s
+            for file_id in self.retention.step(time.time()):
+                self.log.info("output file %s expired (completion.results_retention_s)", file_id)
         if not self.thread.is_alive():
             raise RuntimeError("the HTTP server thread stopped")
         self.wake.wait(self.poll_ms / 1000)

@@ -7,7 +7,8 @@
     in_progress --(expires_at)--> expired                  (unfinished items: batch_expired lines)
 
 A batch is a broker job whose id is the batch id: the driver submits the input
-file with the producer SDK (`Producer.submit_file`, acknowledged once every
+file with the producer SDK (`Producer.submit_file`, given the chunks validation
+made, so the file is parsed once; acknowledged once every
 item is durable; run again after a crash, it resumes with the chunks already
 acknowledged) and fetches the results with the results client
 (`ResultsClient.fetch`, which appends to the batch's output and error files,
@@ -26,6 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,7 @@ import orjson
 from api.batch_store import (
     ACCEPT_PARTIAL_KEY,
     ERRORS,
+    INPUT_COPY,
     OUTPUT,
     STATUSES,
     TERMINAL,
@@ -45,6 +48,7 @@ from collector.delivery.lines import line_key
 from collector.delivery.result_file import ResultFile
 from collector.results_client import ResultsClient
 from ingest.batch_input import iter_batch_input
+from ingest.input_chunk import InputChunk
 from ingest.submit_client import Producer
 from pipeline.durable import write_whole
 from pipeline.errors import FabricError
@@ -53,6 +57,8 @@ from pipeline.job_states import JobState
 log = logging.getLogger("fabric.api")
 EXPIRED_CODE = "batch_expired"
 CANCELLED_CODE = "cancelled"  # the code completion gives a cancelled item's error line
+KEEP_PARSED_BYTES = 256 << 20  # validated chunks kept for submission, at most (a larger file
+# is parsed again when it is submitted)
 FETCH_EVERY_S = 1.0  # a running batch's results are fetched this often (and when it ends)
 ENDED = (JobState.COMPLETED, JobState.CANCELLED)  # broker job states whose results are all in
 
@@ -134,9 +140,10 @@ class BatchDriver:
             self._fail(record, [_error("file_not_found", None, "the input file was deleted")])
             return
         path = self.files.content_path(source)
-        catalog = self.catalog.catalog()
-        settings = self.catalog.settings(int(catalog["chunk_items"]))
-        errors, lines, wrong_url = _check_lines(path, record["endpoint"], settings)
+        chunk_lines = int(self.catalog.catalog()["chunk_items"])
+        settings = self.catalog.settings(chunk_lines)
+        checked = _check_lines(path, record["endpoint"], settings)
+        errors, lines, wrong_url = checked.errors, checked.lines, checked.wrong_url
         partial = str((record.get("metadata") or {}).get(ACCEPT_PARTIAL_KEY, "")).lower()
         if errors and partial not in ("true", "1", "yes"):
             self._fail(record, errors)
@@ -155,15 +162,25 @@ class BatchDriver:
         )
         self._register(record, "output", OUTPUT)
         self.batches.put(record)
-        self._submit(record)
+        if checked.chunks is not None and not wrong_url:  # sent as checked, not parsed again
+            self._submit(record, (chunk_lines, checked.chunks))
+        else:
+            self._submit(record)
 
-    def _submit(self, record: dict[str, Any]) -> None:
-        """Start (or, after a restart, resume) sending the input as the batch's job."""
+    def _submit(
+        self, record: dict[str, Any], parsed: tuple[int, list[InputChunk]] | None = None
+    ) -> None:
+        """Start (or, after a restart, resume) sending the input as the batch's job; `parsed`:
+        (chunk lines, the chunks validation made of it), sent instead of parsing it again."""
         batch_id = record["id"]
         if batch_id not in self._submitting:
             path = record["submit_path"]
             self._submitting[batch_id] = self._submitter.submit(
-                self.producer.submit_file, path, batch_id, deadline=record["expires_at"]
+                self.producer.submit_file,
+                path,
+                batch_id,
+                parsed=parsed,
+                deadline=record["expires_at"],
             )
             log.info("batch %s: submitting %s as job %s", batch_id, path, batch_id)
 
@@ -204,7 +221,7 @@ class BatchDriver:
                 keys.append(line_key(custom_id, f"{batch_id}-line-{number}"))
             err.write(lines, keys)
             err.sync()
-        copy = self.batches.path(batch_id, "input.jsonl")
+        copy = self.batches.path(batch_id, INPUT_COPY)
         with open(path, "rb") as src, open(copy, "wb") as dst:
             for number, line in enumerate(src, 1):
                 dst.write(b"\n" if number in drop else line)
@@ -258,9 +275,9 @@ class BatchDriver:
             info = self.results.job_status(batch_id)
             finished = info["state"] in ENDED and not info["undelivered"]
         finished = finished and submitted
-        counts = _counts(info, record)
-        if counts != record["request_counts"]:
-            record["request_counts"] = counts
+        counts, usage = _counts(info, record), info.get("usage")
+        if counts != record["request_counts"] or usage != record.get("usage"):
+            record.update(request_counts=counts, usage=usage)
             if not finished:
                 self.batches.put(record)
         if record.get("error_file_id") is None and self._has_errors(batch_id):
@@ -371,15 +388,32 @@ def _custom_ids(path: Path):
                 yield number, custom_id if isinstance(custom_id, str) else None
 
 
-def _check_lines(path: Path, endpoint: str, settings) -> tuple[list, int, dict[int, str | None]]:
-    """(errors in OpenAI's {code, line, message, param}, non-blank lines, {line: custom_id} of
-    lines whose url is not the batch's endpoint), in one pass of the broker's own line checks
-    (`iter_batch_input`, as `run.py submit` runs them) plus the batch's endpoint."""
+@dataclass
+class Checked:
+    """What validation found in an input file."""
+
+    errors: list[dict[str, Any]]  # OpenAI's {code, line, message, param}, in line order
+    lines: int  # non-blank lines
+    wrong_url: dict[int, str | None]  # {line: custom_id} of lines for another endpoint
+    chunks: list[InputChunk] | None  # the checked chunks; None past KEEP_PARSED_BYTES
+
+
+def _check_lines(path: Path, endpoint: str, settings) -> Checked:
+    """One pass of the broker's own line checks (`iter_batch_input`, as `run.py submit` runs
+    them) plus the batch's endpoint, keeping the chunks while they fit in KEEP_PARSED_BYTES."""
     errors: list[dict[str, Any]] = []
     wrong_url: dict[int, str | None] = {}
     lines = 0
+    chunks: list[InputChunk] | None = []
+    kept = 0
     for chunk in iter_batch_input(path, settings):
         lines += len(chunk.custom_ids) + len(chunk.errors)
+        if chunks is not None:
+            kept += _chunk_bytes(chunk)
+            if kept <= KEEP_PARSED_BYTES:
+                chunks.append(chunk)
+            else:
+                chunks = None
         errors += [_error(e.code, e.line, e.message) for e in chunk.errors]
         off = [k for k, shape in enumerate(chunk.shapes) if shape.endpoint != endpoint]
         if not off:
@@ -398,7 +432,15 @@ def _check_lines(path: Path, endpoint: str, settings) -> tuple[list, int, dict[i
                 )
             )
     errors.sort(key=lambda e: e["line"] or 0)
-    return errors, lines, wrong_url
+    return Checked(errors, lines, wrong_url, chunks)
+
+
+def _chunk_bytes(chunk: InputChunk) -> int:
+    """About how much memory a chunk holds: its arrays, its custom_ids and prompt texts."""
+    arrays = (chunk.line, chunk.model_index, chunk.shape_index, chunk.tokens, chunk.offsets)
+    size = sum(a.nbytes for a in arrays) + sum(map(len, chunk.custom_ids))
+    size += sum(len(str(t)) for t in chunk.texts)
+    return size + 64 * (len(chunk.custom_ids) + len(chunk.texts)) + 256 * len(chunk.errors)
 
 
 def _rewrite_codes(path: Path, old: str, new: str) -> None:

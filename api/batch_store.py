@@ -2,10 +2,11 @@
 
 | path (under `<data_dir>/api/`)      | what                                                |
 |-------------------------------------|-----------------------------------------------------|
-| `batches/<batch_id>/batch.json`     | the record: the create request, its owner, status, timestamps, counts, errors; replaced whole, atomically, by the driver (api-0) only |
+| `batches/<batch_id>/batch.json`     | the record: the create request, its owner, status, timestamps, counts, the job's token totals (`usage`), errors; replaced whole, atomically, by the driver (api-0) only |
 | `batches/<batch_id>/cancel`         | a cancel request (its time), written by whichever process took it |
 | `batches/<batch_id>/output.jsonl`   | result lines, appended by the driver as completion delivers them |
 | `batches/<batch_id>/error.jsonl`    | error lines, likewise                                |
+| `batches/<batch_id>/input.jsonl`    | the input with lines kept out of the job blanked (a batch that accepts partial input with lines for another endpoint) |
 
 A batch is created by renaming a fully written, fsynced directory into
 place: the rename is the commit point, and it fails if the directory exists.
@@ -37,6 +38,7 @@ RECORD = "batch.json"
 CANCEL = "cancel"
 OUTPUT = "output.jsonl"
 ERRORS = "error.jsonl"
+INPUT_COPY = "input.jsonl"  # the input with the lines kept out of the job blanked
 TERMINAL = ("failed", "completed", "expired", "cancelled")
 STATUSES = ("validating", "in_progress", "finalizing", "cancelling", *TERMINAL)  # OpenAI's
 ACCEPT_PARTIAL_KEY = "fabric_accept_partial"  # metadata extension: keep the good lines
@@ -160,6 +162,23 @@ def to_openai(record: dict[str, Any], cancel_at: int | None = None) -> dict[str,
         **stamps,
         "expires_at": record.get("expires_at"),
         "request_counts": dict(record["request_counts"]),
-        "usage": None,
+        "usage": batch_usage(record.get("usage")),
         "metadata": record.get("metadata"),
+    }
+
+
+def batch_usage(totals: dict[str, int] | None) -> dict[str, Any]:
+    """OpenAI's Batch.usage from the job's token totals (the `usage` of completion's JOB_INFO:
+    prompt_tokens, completion_tokens, total_tokens), as the driver last read them; zero before
+    any is counted and for a batch that never ran a job. The broker counts neither cached
+    prompt tokens nor reasoning tokens apart: their details are 0."""
+    totals = totals or {}
+    prompt = int(totals.get("prompt_tokens", 0))
+    generated = int(totals.get("completion_tokens", 0))
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": generated,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": int(totals.get("total_tokens", prompt + generated)),
     }

@@ -264,9 +264,14 @@ def main(argv: list[str] | None = None) -> int:
         f"End to end: {args.lines:,} echo /v1/completions lines of 16 token ids, one local echo "
         "worker, a fresh broker each; HTTP polls batches.retrieve every 0.2 s and downloads the "
         "output file; the CLI runs `submit`, then `results --follow` (one after the other, as a "
-        "user would). HTTP also runs OpenAI's validation first (every line checked before "
-        "any is queued, so a bad line fails the batch with nothing run), a pass over the file "
-        "that `submit` without --strict does not make.",
+        "user would). HTTP runs OpenAI's validation first (every line checked before any is "
+        "queued, so a bad line fails the batch with nothing run) and then sends the chunks "
+        "that check made, so each path parses the file once; `submit` overlaps its parsing "
+        "with the broker's work, HTTP cannot.",
+        f"Sizes: --size {args.size:,} ({args.size / mib:,.0f} MiB"
+        + (", not the default 1 GiB" if args.size != 1 << 30 else "")
+        + f"), --lines {args.lines:,}, --repeat {args.repeat}. On a shared machine the "
+        "end-to-end figures move with the load (its averages above, at start and end).",
     ]
     body = render_section(
         "OpenAI Batch API over HTTP (bench/http_api.py)",

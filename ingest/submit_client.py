@@ -149,12 +149,16 @@ class Producer(BrokerClient):
         job_id: str | None = None,
         *,
         chunk_lines: int | None = None,
+        parsed: tuple[int, Sequence[InputChunk]] | None = None,
         strict: bool = False,
         progress: Progress | None = None,
         deliver: str = DELIVER_FILE,
         deadline: float | None = None,
     ) -> SubmitReport:
         """Send every line of an OpenAI Batch JSONL file; return when all of it is durable.
+        `parsed`: (chunk_lines, the chunks of `iter_batch_input(source, ..., chunk_lines)`) from
+        a caller that checked the whole file first (api/batch_driver.py): sent as they are when
+        the job takes chunks of that size, instead of parsing the file a second time.
 
         With `strict`, the whole file is checked first and nothing is sent if a
         line is bad (InputLineError names it). `deadline` (wall seconds since the epoch;
@@ -172,7 +176,10 @@ class Producer(BrokerClient):
         if strict:
             for _ in iter_batch_input(source, settings, chunk_lines=lines, strict=True):
                 pass
-        chunks = iter_batch_input(source, settings, chunk_lines=lines)
+        if parsed is not None and parsed[0] == lines:
+            chunks: Iterable[InputChunk] = parsed[1]
+        else:
+            chunks = iter_batch_input(source, settings, chunk_lines=lines)
         source = str(Path(source).resolve())  # recorded with the job (`vectors search` text)
         with _resume_hint(job_id):
             return self._send_chunks(

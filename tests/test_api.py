@@ -5,7 +5,9 @@ flow against a real broker with the openai client; tests/test_api_crash.py kills
 from __future__ import annotations
 
 import hashlib
+import math
 import os
+import time
 from pathlib import Path
 
 import orjson
@@ -15,10 +17,12 @@ from fastapi.testclient import TestClient
 from api.app import PARTIAL_HEADER, make_app, parse_window
 from api.batch_store import BatchStore
 from api.errors import ApiError
-from api.file_store import FileStore
+from api.file_store import PURPOSE_OUTPUT, FileRecord, FileStore, output_file_id
+from api.retention import OutputRetention
 from api.upload import JsonlChecker
 from config import load_settings
 from pipeline.errors import ConfigError
+from pipeline.job_files import JobFiles
 from pipeline.security import check_exposure
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/embeddings")
@@ -315,6 +319,50 @@ def test_cancel_shows_cancelling_at_once_and_a_finished_batch_refuses(client, ro
     store.put(record)
     refused = client.post(f"/v1/batches/{batch['id']}/cancel", headers=auth())
     assert_openai_error(refused, 409)
+
+
+def test_output_files_expire_with_the_job_or_with_a_batch_that_had_none(client, root):
+    """A batch that never ran a job: its files expire from its end; one whose job finished:
+    from the job's finished mark; one still running: not yet known."""
+    file_id = upload(client, jsonl(2)).json()["id"]
+    store, files = BatchStore(root), FileStore(root)
+    now = time.time()
+    ids = [create(client, file_id)["id"] for _ in range(3)]
+    ended = [
+        {"status": "failed", "failed_at": int(now) - 100},  # no job
+        {"status": "completed", "in_progress_at": int(now) - 5, "completed_at": int(now)},
+        {"status": "in_progress", "in_progress_at": int(now) - 5},
+    ]
+    for batch_id, change in zip(ids, ended, strict=True):
+        store.put(store.get(batch_id) | change)
+        store.path(batch_id, "error.jsonl").write_bytes(b'{"custom_id": "r0"}\n')
+        record = FileRecord(
+            id=output_file_id(batch_id, "error"),
+            owner="team-a",
+            bytes=20,
+            created_at=int(now),
+            filename="e.jsonl",
+            purpose=PURPOSE_OUTPUT,
+            path=f"batches/{batch_id}/error.jsonl",
+            batch_id=batch_id,
+        )
+        files.put(record)
+    jobs = JobFiles(root.parent)
+    jobs.directory(ids[1]).mkdir(parents=True)
+    jobs.mark_finished(ids[1], int(now * 1e9))
+    retention = OutputRetention(files, store, root.parent, retention_s=50)
+    error_ids = [output_file_id(b, "error") for b in ids]
+    assert retention.step(now) == [error_ids[0]]  # ended 100 s ago: 50 s past its retention
+    assert_openai_error(client.get(f"/v1/files/{error_ids[0]}", headers=auth()), 404, "id")
+    assert not store.path(ids[0], "error.jsonl").exists()
+    shown = client.get(f"/v1/files/{error_ids[1]}", headers=auth()).json()
+    assert shown["expires_at"] == math.ceil(now + 50)
+    assert client.get(f"/v1/files/{error_ids[2]}", headers=auth()).json()["expires_at"] is None
+    assert retention.step(now + 49) == []
+    assert retention.step(now + 51) == [error_ids[1]]
+    listed = {f["id"] for f in client.get("/v1/files", headers=auth()).json()["data"]}
+    assert listed == {file_id, error_ids[2]}
+    assert client.get(f"/v1/batches/{ids[1]}", headers=auth()).json()["status"] == "completed"
 
 
 def test_unknown_routes_answer_in_openai_shape(client):

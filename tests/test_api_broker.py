@@ -14,8 +14,19 @@ import orjson
 import pytest
 from broker import Broker, free_port, write_config, write_jsonl
 from conftest import wait_for
+from fastapi.testclient import TestClient
 from openai.types import Batch, Completion, CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion
+
+from api import batch_driver
+from api.app import make_app
+from api.batch_store import BatchStore
+from api.file_store import FileStore
+from collector.results_client import ResultsClient
+from ingest import submit_client
+from ingest.batch_input import iter_batch_input
+from ingest.submit_client import Producer
+from pipeline.topology import client_address
 
 GENERATE = '["/v1/embeddings", "/v1/chat/completions", "/v1/completions"]'
 DONE = ("completed", "failed", "expired", "cancelled")
@@ -26,14 +37,23 @@ BODY_TYPES = {
 }
 
 
-def api_broker(tmp_path: Path, worker_keys: str = "", processes: int = 1) -> tuple[Broker, str]:
+def api_broker(
+    tmp_path: Path, worker_keys: str = "", processes: int = 1, retention_s: float | None = None
+) -> tuple[Broker, str]:
+    """`retention_s`: the job results' retention (the collector then sweeps every 0.3 s)."""
     port = free_port()
     extra = f'[api]\nenabled = true\nbind = "127.0.0.1:{port}"\nprocesses = {processes}\n'
+    if retention_s is not None:
+        extra += "[collector]\ninterval_s = 0.3\n"
     config = write_config(tmp_path, extra=extra, workers=1, worker_keys=worker_keys)
     # the echo model also serves chat and text completions (token ids in, token ids out)
     text = config.read_text().replace(
         'endpoints = ["/v1/embeddings"]', f"endpoints = {GENERATE}", 1
     )
+    if retention_s is not None:
+        text = text.replace(
+            "[completion]\n", f"[completion]\nresults_retention_s = {retention_s}\n"
+        )
     config.write_text(text)
     broker = Broker(config, stderr_path=tmp_path / "broker.err").start()
     return broker, f"http://127.0.0.1:{port}/v1"
@@ -146,6 +166,71 @@ def test_generated_bodies_validate_with_openai_types(fast, tmp_path, url):
     assert_each_once(out, [], custom_ids)
     for line in out:
         BODY_TYPES[url].model_validate(line["response"]["body"])
+
+
+def test_the_batch_carries_its_jobs_token_totals_as_openai_usage(fast, tmp_path):
+    broker, client = fast
+    path = tmp_path / "gen.jsonl"
+    requests_file(path, 30, "/v1/completions")
+    file = upload(client, path)
+    batch = client.batches.create(
+        input_file_id=file.id, endpoint="/v1/completions", completion_window="24h"
+    )
+    batch = finish(client, batch.id)
+    assert batch.status == "completed", batch
+    raw = client.batches.with_raw_response.retrieve(batch.id).content
+    usage = Batch.model_validate(orjson.loads(raw)).usage  # openai's own type, validated
+    bodies = [x["response"]["body"]["usage"] for x in lines_of(client, batch.output_file_id)]
+    prompt = sum(b["prompt_tokens"] for b in bodies)
+    generated = sum(b["completion_tokens"] for b in bodies)
+    assert prompt == 30 * 3 and generated > 0
+    assert usage.model_dump() == {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": generated,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt + generated,
+    }
+    with ResultsClient(client_address(broker.settings.completion.bind)) as results:
+        totals = results.job_status(batch.id)["usage"]  # what `status JOB` reports
+    assert (totals["prompt_tokens"], totals["completion_tokens"]) == (prompt, generated)
+
+
+def test_the_driver_parses_an_input_file_once(fast, tmp_path, monkeypatch):
+    """Validation's chunks are what is submitted: the file is not parsed a second time (in
+    process: a driver of its own over the broker's ingest and completion ports)."""
+    broker, _ = fast
+    parses = []
+
+    def counted(path, *args, **kwargs):
+        parses.append(path)
+        return iter_batch_input(path, *args, **kwargs)
+
+    monkeypatch.setattr(batch_driver, "iter_batch_input", counted)
+    monkeypatch.setattr(submit_client, "iter_batch_input", counted)
+    root = tmp_path / "api"
+    app = TestClient(make_app(broker.settings, root, ("/v1/embeddings",)))
+    path = tmp_path / "in.jsonl"
+    custom_ids = requests_file(path, 300, "/v1/embeddings")
+    file = app.post("/v1/files", files={"file": path.read_bytes()}, data={"purpose": "batch"})
+    body = {"input_file_id": file.json()["id"], "endpoint": "/v1/embeddings"}
+    batch_id = app.post("/v1/batches", json=body).json()["id"]
+    settings = broker.settings
+    ingest = client_address(settings.ingest.bind)
+    producers = (Producer(ingest), Producer(ingest))
+    results = ResultsClient(client_address(settings.completion.bind))
+    driver = batch_driver.BatchDriver(FileStore(root), BatchStore(root), producers, results)
+    try:
+        wait_for(lambda: driver.step()["completed"], "the batch to complete", timeout_s=120)
+    finally:
+        driver.close()
+        results.close()
+        for producer in producers:
+            producer.close()
+    batch = app.get(f"/v1/batches/{batch_id}").json()
+    out = app.get(f"/v1/files/{batch['output_file_id']}/content").content.splitlines()
+    assert_each_once([orjson.loads(x) for x in out], [], custom_ids)
+    assert len(parses) == 1
 
 
 def bad_file(path: Path) -> tuple[set[str], dict[int, str]]:

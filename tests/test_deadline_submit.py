@@ -57,7 +57,7 @@ def test_the_api_submits_a_batch_as_a_job_whose_deadline_is_its_expires_at():
         def __init__(self) -> None:
             self.calls = []
 
-        def submit_file(self, path, job_id, deadline=None):
+        def submit_file(self, path, job_id, deadline=None, parsed=None):
             self.calls.append((path, job_id, deadline))
 
     producer = Producer()
