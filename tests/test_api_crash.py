@@ -14,6 +14,7 @@ from pathlib import Path
 
 import openai
 import orjson
+import pytest
 from broker import Broker, free_port, write_config, write_jsonl
 from conftest import assert_check_clean, wait_for
 
@@ -78,7 +79,11 @@ def assert_exactly_once(client: openai.OpenAI, batch, n: int) -> None:
     assert batch.request_counts.total == n
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)  # six broker starts; each phase has its own liveness bound
 def test_whole_broker_killed_at_each_phase_resumes_and_completes_once(tmp_path):
+    """Killed after the upload, between create and validation, twice in progress, and
+    (left_finalizing_by_a_kill) between the `finalizing` record and the end."""
     broker, client, _ = start(tmp_path)
     try:
         n = 400
@@ -114,12 +119,34 @@ def test_whole_broker_killed_at_each_phase_resumes_and_completes_once(tmp_path):
         assert_exactly_once(client, batch, n)
         assert batch.status == "completed"
         assert [b.id for b in client.batches.list().data] == [made.id]
+        left_finalizing_by_a_kill(broker, client, batch, n)
         broker.stop()
         assert_check_clean(broker.data_dir)
     finally:
         broker.close()
 
 
+def left_finalizing_by_a_kill(broker: Broker, client: openai.OpenAI, done, n: int) -> None:
+    """A kill between the `finalizing` record and the end leaves the record at `finalizing`
+    (made here exactly so, on the killed broker, from the batch `done`): the restarted driver
+    finishes it, with the same output file, each custom_id once."""
+    output = client.files.content(done.output_file_id).content
+    broker.kill()
+    record_path = broker.data_dir.root / "api" / "batches" / done.id / "batch.json"
+    record = orjson.loads(record_path.read_bytes())
+    record["status"] = "finalizing"
+    del record["completed_at"]
+    record_path.write_bytes(orjson.dumps(record))
+    (broker.data_dir.root / "api" / "files" / f"{done.output_file_id}.json").unlink()
+    broker.start()
+    assert retrieve(client, done.id).status in ("finalizing", "completed")
+    again = finish(client, done.id)
+    assert_exactly_once(client, again, n)
+    assert again.output_file_id == done.output_file_id
+    assert client.files.content(again.output_file_id).content == output
+
+
+@pytest.mark.slow
 def test_api_stage_killed_over_and_over_while_batches_run(tmp_path):
     """SIGKILL of api-0 every half second or so: validating, submitting, fetching, finalizing."""
     broker, client, _ = start(tmp_path)
@@ -162,6 +189,7 @@ def test_api_stage_killed_over_and_over_while_batches_run(tmp_path):
         broker.close()
 
 
+@pytest.mark.slow
 def test_an_upload_cut_by_its_client_or_a_killed_stage_leaves_nothing(tmp_path):
     broker, client, port = start(tmp_path)
     try:
@@ -200,41 +228,6 @@ def test_an_upload_cut_by_its_client_or_a_killed_stage_leaves_nothing(tmp_path):
         write_jsonl(path, 20)
         made = client.files.create(file=(path.name, path.read_bytes()), purpose="batch")
         assert client.files.content(made.id).content == path.read_bytes()
-        broker.stop()
-        assert_check_clean(broker.data_dir)
-    finally:
-        broker.close()
-
-
-def test_a_batch_left_finalizing_by_a_kill_finishes_after_restart(tmp_path):
-    """A kill between the `finalizing` record and the end leaves the record at `finalizing`
-    (made here exactly so, on a killed broker): the restarted driver finishes it, with the
-    same output file, each custom_id once."""
-    broker, client, _ = start(tmp_path)
-    try:
-        n = 60
-        path = tmp_path / "in.jsonl"
-        write_jsonl(path, n, seed=9)
-        file = client.files.create(file=(path.name, path.read_bytes()), purpose="batch")
-        made = client.batches.create(
-            input_file_id=file.id, endpoint="/v1/embeddings", completion_window="24h"
-        )
-        done = finish(client, made.id)
-        assert_exactly_once(client, done, n)
-        output = client.files.content(done.output_file_id).content
-        broker.kill()
-        record_path = broker.data_dir.root / "api" / "batches" / made.id / "batch.json"
-        record = orjson.loads(record_path.read_bytes())
-        record["status"] = "finalizing"
-        del record["completed_at"]
-        record_path.write_bytes(orjson.dumps(record))
-        (broker.data_dir.root / "api" / "files" / f"{done.output_file_id}.json").unlink()
-        broker.start()
-        assert retrieve(client, made.id).status in ("finalizing", "completed")
-        again = finish(client, made.id)
-        assert_exactly_once(client, again, n)
-        assert again.output_file_id == done.output_file_id
-        assert client.files.content(again.output_file_id).content == output
         broker.stop()
         assert_check_clean(broker.data_dir)
     finally:

@@ -17,6 +17,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import pytest
 from broker import REPO, WORDS, write_config
 from conftest import assert_check_clean, wait_for
 
@@ -26,7 +27,7 @@ from pipeline.datadir import DataDir
 from pipeline.ring import Ring
 from pipeline.topology import ring_specs
 
-LINES = 3000
+LINES = 1200  # about 5 s of the simulated worker: enough to kill it while results stream
 RUN_BOUND_S = 240  # one whole run to the end, broker start and stop included, under load
 
 
@@ -81,6 +82,7 @@ def lines_in(path: Path) -> int:
     return path.read_bytes().count(b"\n") if path.exists() else 0
 
 
+@pytest.mark.slow
 def test_batch_killed_twice_and_run_again_resumes_with_each_custom_id_once(tmp_path):
     config = write_config(tmp_path, workers=0)
     text = config.read_text().replace(

@@ -22,8 +22,9 @@ from broker import REPO, Broker, submit, write_config
 from conftest import assert_check_clean
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
+from smollm2 import loaded_engine, model_dir, needs_model, shared_root
 from test_dispatch_pipeline import cli
-from test_transformers_engine import batch_of, needs_model, outputs
+from test_transformers_engine import batch_of, outputs
 
 from collector.completion.result_check import Expected, ResultCheck, expected_kind
 from collector.delivery.lines import format_page
@@ -204,16 +205,15 @@ def test_delivery_renders_openais_logprobs_for_chat_and_completions():
 
 
 @needs_model
-def test_the_engines_logprobs_are_the_models_own(tmp_path):
+@pytest.mark.timeout(300)  # the first model test of a process loads SmolLM2 (tests/smollm2.py)
+def test_the_engines_logprobs_are_the_models_own():
     import torch
     from tokenizers import Tokenizer
 
-    from gpu.engines.registry import make_engine
     from gpu.engines.transformers import smollm2_tokenizer_path
 
     tokenizer = Tokenizer.from_file(str(smollm2_tokenizer_path()))
-    engine = make_engine("transformers", threads=1)
-    engine.load()
+    engine = loaded_engine()
     prompts = [tokenizer.encode("The capital of France is").ids, tokenizer.encode("One, two,").ids]
     for shape in ({"top_logprobs": 3}, {"top_logprobs": 2, "temperature": 1.0, "seed": 5}):
         result = engine.run(batch_of(prompts, lane=32, max_tokens=5, **shape))
@@ -246,9 +246,11 @@ max_tokens = 128
 
 @needs_model
 @pytest.mark.slow
-def test_logprobs_come_back_through_a_real_broker(tmp_path):
+@pytest.mark.timeout(300)  # the first model test of a session saves SmolLM2 (tests/smollm2.py)
+def test_logprobs_come_back_through_a_real_broker(tmp_path, tmp_path_factory):
     from gpu.engines.transformers import smollm2_tokenizer_path
 
+    weights = model_dir(shared_root(tmp_path_factory))  # a worker loads it in seconds
     config = write_config(tmp_path, workers=0)
     config.write_text(config.read_text() + SMOL.format(tokenizer=smollm2_tokenizer_path()))
     b = Broker(config).start()
@@ -269,6 +271,8 @@ def test_logprobs_come_back_through_a_real_broker(tmp_path):
                 "transformers",
                 "--option",
                 "threads=1",
+                "--option",
+                f"model={weights}",
                 "--batch-items",
                 "8",
                 "--target-batch-s",

