@@ -19,9 +19,9 @@ import pytest
 from broker import REPO, Broker, submit, write_config
 from conftest import assert_check_clean
 from openai.types.responses import Response
+from smollm2 import model_dir, needs_model, shared_root
 from test_dispatch_pipeline import cli
 from test_token_logprobs import SMOL, read, scored_result
-from test_transformers_engine import needs_model
 
 from collector.delivery.lines import format_page
 from collector.delivery.result_page import ExportContext, ResultPage
@@ -130,10 +130,11 @@ def test_logprobs_without_alternatives_pack_for_a_batch():
 
 @needs_model
 @pytest.mark.slow
-@pytest.mark.timeout(300)  # loading SmolLM2 on a loaded machine takes minutes (fetch waits 300 s)
-def test_responses_logprobs_come_back_through_a_real_broker(tmp_path):
+@pytest.mark.timeout(300)  # the first model test of a session saves SmolLM2 (tests/smollm2.py)
+def test_responses_logprobs_come_back_through_a_real_broker(tmp_path, tmp_path_factory):
     from gpu.engines.transformers import smollm2_tokenizer_path
 
+    weights = model_dir(shared_root(tmp_path_factory))  # a worker loads it in seconds
     config = write_config(tmp_path, workers=0)
     config.write_text(config.read_text() + SMOL.format(tokenizer=smollm2_tokenizer_path()))
     b = Broker(config).start()
@@ -154,6 +155,8 @@ def test_responses_logprobs_come_back_through_a_real_broker(tmp_path):
                 "transformers",
                 "--option",
                 "threads=1",
+                "--option",
+                f"model={weights}",
                 "--batch-items",
                 "8",
                 "--target-batch-s",
