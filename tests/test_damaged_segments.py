@@ -22,6 +22,7 @@ from broker import REPO, Broker, submit, write_config, write_jsonl
 from conftest import assert_check_clean, wait_for
 
 from pipeline import exitcodes
+from pipeline.errors import FabricError
 from pipeline.segment import Segment
 from pipeline.segment_format import DEAD, EMPTY, LIVE
 
@@ -77,8 +78,11 @@ def restart_and_finish(tmp_path: Path, b: Broker) -> Broker:
 
 
 def job_state(b: Broker) -> str:
-    result = cli(b.config, "status", "d", "--json")
-    return json.loads(result.stdout)["state"] if result.returncode == 0 else "?"
+    """Job d's state, "?" while the broker cannot say (it may be restarting)."""
+    try:
+        return b.job_status("d")["state"]
+    except FabricError:
+        return "?"
 
 
 def delivered(b: Broker, tmp_path: Path) -> tuple[dict[str, int], dict[str, str]]:
@@ -185,9 +189,7 @@ def test_a_segment_damaged_while_serving_is_reported_and_dispatch_keeps_running(
     junk.write_bytes(np.random.default_rng(3).bytes(1 << 16))  # found by dispatch's rescan
 
     def reported() -> bool:
-        result = cli(b.config, "status", "--json")
-        damaged = json.loads(result.stdout).get("damaged_segments", {}) if result.stdout else {}
-        return junk.name in damaged
+        return junk.name in b.broker_status()["damaged_segments"]
 
     wait_for(reported, "status to report the damaged file", timeout_s=30)
     assert b.proc.poll() is None and b.pids()["dispatch-0"] == dispatch  # never restarted

@@ -221,6 +221,7 @@ def test_broker_sigkilled_while_a_fleet_holds_batches_all_re_register(tmp_path, 
     stop_and_check(b)
 
 
+@pytest.mark.slow
 def test_a_dead_letter_completion_never_stored_is_sent_again_after_completion_is_killed(
     tmp_path, broker
 ):
@@ -278,6 +279,7 @@ def test_a_stopped_worker_loses_its_work_and_resumes_without_doubling(tmp_path, 
     stop_and_check(b)
 
 
+@pytest.mark.slow
 def test_dispatch_sigkilled_alone_reloads_its_file_and_workers_keep_their_batches(
     tmp_path, broker, workers
 ):
@@ -340,6 +342,7 @@ def test_a_late_result_after_lease_expiry_is_dropped_once_another_attempt_won(
     stop_and_check(b)
 
 
+@pytest.mark.slow
 def test_completion_sigkilled_mid_stream_keeps_one_result_and_one_tombstone_each(tmp_path, broker):
     b = broker(workers=2)
     submit_job(b, tmp_path, 3000, "c")
@@ -353,6 +356,7 @@ def test_completion_sigkilled_mid_stream_keeps_one_result_and_one_tombstone_each
     stop_and_check(b)
 
 
+@pytest.mark.slow
 def test_results_client_killed_mid_stream_then_rerun_writes_each_id_once(tmp_path, broker):
     b = broker(workers=2)
     submit_job(b, tmp_path, 4000, "x")
@@ -376,6 +380,7 @@ def test_results_client_killed_mid_stream_then_rerun_writes_each_id_once(tmp_pat
     stop_and_check(b)
 
 
+@pytest.mark.slow
 def test_results_follow_survives_a_broker_restart(tmp_path, broker):
     b = broker(workers=0)
     submit_job(b, tmp_path, 500, "f")

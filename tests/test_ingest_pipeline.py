@@ -65,6 +65,7 @@ def test_submit_and_walk_away_then_stop_cleanly(tmp_path, broker):
     assert_check_clean(b.data_dir)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", ["front-0", "router-0", "writer-0", "tokenizer-0"])
 def test_sigkill_a_stage_mid_submit_loses_and_duplicates_nothing(tmp_path, broker, stage):
     b = broker()
@@ -93,6 +94,7 @@ def test_sigkill_a_stage_mid_submit_loses_and_duplicates_nothing(tmp_path, broke
     assert_check_clean(b.data_dir)
 
 
+@pytest.mark.slow
 def test_sigkill_the_whole_broker_then_resubmit_stores_each_item_once(tmp_path, broker):
     config = write_config(tmp_path)
     b = broker(config)
@@ -196,6 +198,7 @@ def test_several_tokenizers_routers_and_writers_share_the_work(tmp_path, broker)
     assert_check_clean(b.data_dir)
 
 
+@pytest.mark.slow
 def test_concurrent_producers_with_a_writer_killed_each_get_their_job_exactly_once(
     tmp_path, broker
 ):
