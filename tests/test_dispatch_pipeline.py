@@ -37,9 +37,16 @@ def broker(tmp_path):
     started = []
 
     def start(
-        workers: int = 1, dispatch: str = FAST, env: dict | None = None, worker_keys: str = ""
+        workers: int = 1,
+        dispatch: str = FAST,
+        env: dict | None = None,
+        worker_keys: str = "",
+        edit=None,
     ) -> Broker:
+        """`edit`: a function of the config text that returns the text to start with."""
         config = write_config(tmp_path, workers=workers, dispatch=dispatch, worker_keys=worker_keys)
+        if edit is not None:
+            config.write_text(edit(config.read_text()))
         b = Broker(config)
         if env:
             os.environ.update(env)
@@ -434,14 +441,12 @@ def test_cancel_retires_queued_items_as_cancelled_with_honest_counts(tmp_path, b
 def test_delivered_results_expire_after_retention_and_finished_inputs_are_collected(
     tmp_path, broker
 ):
-    b = broker(workers=1)
-    config = b.config.read_text()
-    b.stop()
-    config = config.replace("[completion]\n", "[completion]\nresults_retention_s = 0.0\n")
-    config = config.replace("[broker]\n", "[broker]\nsegment_idle_s = 0.5\n")
-    b.config.write_text(config + "\n[collector]\ninterval_s = 0.3\n")
-    b.__init__(b.config)
-    b.start()
+    def expire_at_once(config: str) -> str:
+        config = config.replace("[completion]\n", "[completion]\nresults_retention_s = 0.0\n")
+        config = config.replace("[broker]\n", "[broker]\nsegment_idle_s = 0.5\n")
+        return config + "\n[collector]\ninterval_s = 0.3\n"
+
+    b = broker(workers=1, edit=expire_at_once)
     submit_job(b, tmp_path, 400, "e")
     out = tmp_path / "out.jsonl"
     assert fetch(b, "e", out, "--follow").returncode == 0
