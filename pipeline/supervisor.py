@@ -7,7 +7,8 @@
    the broker and its stages create is the owner's alone. Take the data dir's
    exclusive lock (a second broker on it exits 4); check what would stop a
    stage at start (pipeline/preflight.py: files the config names load, ports
-   are free; exit 3 with the cause); start the heartbeat port and the metrics thread
+   are free; exit 3 with the cause); start the fork server the stages come from (it
+   imports the stage modules meanwhile), the heartbeat port and the metrics thread
    (pipeline/metrics_server.py).
 2. Run recovery (invariant 4), then `after_recovery` when it found damage,
    and hand finished segments to the collector.
