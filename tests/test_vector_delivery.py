@@ -162,8 +162,8 @@ def test_a_job_lands_in_the_store_and_a_text_search_finds_it(broker, tmp_path):
 
 
 def test_sigkill_of_the_vector_stage_and_the_broker_loses_and_doubles_nothing(broker, tmp_path):
-    # a worker slow enough (about 10 s for the job) that delivery cannot outrun the kills
-    slow = SIM_WORKER.replace("simulated_tokens_per_s = 5e6", "simulated_tokens_per_s = 2e4")
+    # a worker slow enough (about 20 s for the job) that delivery cannot outrun the kills
+    slow = SIM_WORKER.replace("simulated_tokens_per_s = 5e6", "simulated_tokens_per_s = 1e4")
     b = broker("flush_ms = 50.0\npage_items = 64", worker_keys=slow)
     path = tmp_path / "in.jsonl"
     valid = write_texts(path, 3000, seed=1)
