@@ -9,7 +9,6 @@ what they hold while dispatch and completion still run.
 
 from __future__ import annotations
 
-from api.api_stage import ApiStage
 from collector.completion.completion_stage import CompletionStage
 from collector.vectors.vector_stage import VectorStage
 from gpu.dispatch.dispatch_stage import DispatchStage
@@ -32,6 +31,8 @@ def stage_specs(settings) -> list[StageSpec]:
     specs.append(StageSpec("dispatch", 0, DispatchStage))
     specs.append(StageSpec("completion", 0, CompletionStage))
     specs.append(StageSpec("vectors", 0, VectorStage))
-    api = settings.api.processes if settings.api.enabled else 0  # listed first: stopped first
-    specs[:0] = [StageSpec("api", i, ApiStage) for i in range(api)]
+    if settings.api.enabled:  # listed first: stopped first
+        from api.api_stage import ApiStage  # fastapi: about 0.7 s of CPU, paid only when served
+
+        specs[:0] = [StageSpec("api", i, ApiStage) for i in range(settings.api.processes)]
     return specs

@@ -203,6 +203,13 @@ METRICS: dict[str, Metric] = _catalogue(
         "writer",
     ),
     Metric(
+        "fabric_writer_items_appended_total",
+        COUNTER,
+        ("writer",),
+        "Items each writer process made durable: how the routers spread the work",
+        "writer",
+    ),
+    Metric(
         "fabric_writer_fsync_seconds",
         HISTOGRAM,
         (),

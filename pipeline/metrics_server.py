@@ -6,7 +6,7 @@
 | `metrics.bind`  | HTTP      | Prometheus: GET /metrics, text exposition format           |
 
 The thread only moves reports into the `MetricsHub`; the HTTP server
-(prometheus_client, its own daemon thread) renders the hub, the restart
+(prometheus_client's WSGI app, on its own daemon thread) renders the hub, the restart
 counts and the disk figures when scraped, so a scrape costs the stages
 nothing. Neither a port that cannot be bound nor a malformed report stops
 the broker: the first is logged as an error, the second as a warning.
@@ -29,6 +29,35 @@ from pipeline.segment_format import SUFFIX
 from pipeline.topology import internal_address
 
 log = logging.getLogger("fabric.metrics")
+HTTP_POLL_S = 0.05  # how often the HTTP thread looks for a stop: the broker's stop waits this much
+
+
+def _http_server(host: str, port: int, registry):
+    """prometheus_client's threading WSGI server on `host:port`, served by a daemon thread
+    that notices a shutdown within HTTP_POLL_S (its own `start_http_server` polls every
+    0.5 s, which every broker stop waited out). Raises OSError when it cannot listen."""
+    import socket
+    from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+    from prometheus_client import make_wsgi_app
+    from prometheus_client.exposition import ThreadingWSGIServer
+
+    class Server(ThreadingWSGIServer):
+        address_family = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0][0]
+
+    class QuietHandler(WSGIRequestHandler):
+        def log_message(self, format: str, *args: object) -> None:
+            """A scrape is not worth a line on stderr."""
+
+    httpd = make_server(host, port, make_wsgi_app(registry), Server, handler_class=QuietHandler)
+    thread = threading.Thread(
+        target=httpd.serve_forever, kwargs={"poll_interval": HTTP_POLL_S}, daemon=True
+    )
+    thread.name = "metrics-http"
+    thread.start()
+    return httpd
 
 
 def split_host_port(bind: str) -> tuple[str, int]:
@@ -158,13 +187,13 @@ class MetricsServer(threading.Thread):
         """Serve HTTP (if `metrics.bind` is set) and start taking reports."""
         if not self.bind:
             return
-        from prometheus_client import CollectorRegistry, start_http_server
+        from prometheus_client import CollectorRegistry
 
         registry = CollectorRegistry(auto_describe=False)
         registry.register(FabricCollector(self.hub, DataDir(self.settings.data_path)))
         host, port = split_host_port(self.bind)
         try:
-            self.httpd, _ = start_http_server(port, host, registry)
+            self.httpd = _http_server(host, port, registry)
         except OSError as exc:
             log.error(
                 "metrics endpoint %s: cannot listen (%s); serving no metrics: "

@@ -7,7 +7,8 @@
    the broker and its stages create is the owner's alone. Take the data dir's
    exclusive lock (a second broker on it exits 4); check what would stop a
    stage at start (pipeline/preflight.py: files the config names load, ports
-   are free; exit 3 with the cause); start the heartbeat port and the metrics thread
+   are free; exit 3 with the cause); start the fork server the stages come from (it
+   imports the stage modules meanwhile), the heartbeat port and the metrics thread
    (pipeline/metrics_server.py).
 2. Run recovery (invariant 4), then `after_recovery` when it found damage,
    and hand finished segments to the collector.
@@ -44,6 +45,7 @@ import contextlib
 import logging
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.forkserver
 import os
 import signal
 import sys
@@ -78,6 +80,7 @@ log = logging.getLogger("fabric.supervisor")
 MAX_BACKOFF_S = 30.0
 WORKER_MAX_BACKOFF_S = 60.0  # a crash-looping local worker is restarted at least this often
 PRELOADED = {"numpy", "zmq", "orjson", "pipeline.stage", "config"}  # besides the stage modules
+STARTING_POLL_S = 0.02  # while a stage starts, how often its ready event is looked at
 DISK_FULL_BACKOFF_S = 5.0  # a stage that stopped on a full disk (DISK_FULL_EXIT) waits this much
 
 
@@ -209,10 +212,13 @@ class Supervisor:
                 security.server_key,
                 mode,
             )
-        self.running = True
-        self._write_report()  # what an earlier broker life reported is stale
         self.epoch = time.time_ns()
         os.environ[EPOCH_ENV] = str(self.epoch)  # inherited by every stage: dispatch files
+        # The fork server (which the stages inherit their environment from) imports the stage
+        # modules now, while this process starts its threads and runs recovery.
+        multiprocessing.forkserver.ensure_running()
+        self.running = True
+        self._write_report()  # what an earlier broker life reported is stale
         self.heartbeat = Heartbeat(self.settings.dispatch.heartbeat_bind, self.epoch, security)
         self.heartbeat.start()
         self.metrics = MetricsServer(self.settings, self.metrics_hub)
@@ -255,7 +261,7 @@ class Supervisor:
         try:
             while not self._stop and self.failure is None:
                 self.step(time.monotonic())
-                self._wait(0.1)
+                self._wait(STARTING_POLL_S if self._starting() else 0.1)
         finally:
             self.stop()
             self.data_dir.unlock()
@@ -267,6 +273,10 @@ class Supervisor:
             f"drained, {announce.left_queued(self.data_dir.segments):,} items left queued, stopped"
         )
         return exitcodes.OK
+
+    def _starting(self) -> bool:
+        """A stage process runs that has not yet set its ready event."""
+        return any(c.process is not None and not c.up for c in self._children)
 
     def _wait(self, timeout_s: float) -> None:
         """Wait until a child exits or `timeout_s` passes (no busy loop)."""

@@ -240,6 +240,9 @@ class WriterStage(Stage):
         """Items appended per (model, lane) and group-commit latency (docs/metrics.md)."""
         return {
             "fabric_items_appended_total": dict(self.appended_by_key),
+            "fabric_writer_items_appended_total": {
+                (str(self.index),): sum(self.appended_by_key.values())
+            },
             "fabric_writer_fsync_seconds": self.fsync_s,
         }
 

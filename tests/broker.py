@@ -15,10 +15,12 @@ from conftest import wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.datadir import DataDir
+from pipeline.errors import FabricError
 from pipeline.ring import Ring
+from pipeline.security import client_curve
 from pipeline.segment import Segment
 from pipeline.supervisor_report import all_up, read_report, stage_pids
-from pipeline.topology import free_loopback_ports, ring_specs
+from pipeline.topology import client_address, free_loopback_ports, ring_specs
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -186,6 +188,34 @@ class Broker:
                 if sample.name == name and labels.items() <= sample.labels.items():
                     total += sample.value
         return total
+
+    def job_status(self, job: str) -> dict:
+        """What `run.py status JOB --json` prints, asked in-process: a status command per poll
+        costs a new interpreter (about half a second of CPU), taken from the broker waited on."""
+        from collector.job_state import with_in_flight
+        from collector.results_client import ResultsClient
+
+        with ResultsClient(self._client_address("completion"), curve=self._curve()) as client:
+            info = client.job_status(job)
+        try:
+            broker = self.broker_status(attempts=1)
+        except FabricError:  # as the command: which items are with workers is only a detail
+            broker = None
+        return with_in_flight(info, broker)
+
+    def broker_status(self, attempts: int = 5) -> dict:
+        """What `run.py status --json` prints (dispatch's BROKER_INFO), asked in-process."""
+        from collector.results_client import DispatchClient
+
+        address = self._client_address("dispatch")
+        with DispatchClient(address, attempts=attempts, curve=self._curve()) as client:
+            return client.broker_status()
+
+    def _client_address(self, section: str) -> str:
+        return client_address(getattr(self.settings, section).bind)
+
+    def _curve(self):
+        return client_curve(self.settings.security)
 
     def kill_stage(self, label: str) -> int:
         pid = self.pids()[label]

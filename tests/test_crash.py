@@ -24,6 +24,7 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+import pytest
 from conftest import assert_check_clean
 
 from pipeline.recovery import recover
@@ -89,6 +90,7 @@ def log_contents(data_dir):
     return found
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_moments_never_loses_an_acknowledged_item(data_dir):
     rnd = random.Random(int(os.environ.get("FABRIC_CRASH_SEED", "20261130")))
     acked: dict[int, tuple[int, int]] = {}  # seq -> (segment, slot)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import urllib.request
@@ -22,6 +23,7 @@ from broker import REPO, Broker, submit, write_config, write_jsonl
 from conftest import assert_check_clean, wait_for
 
 from pipeline import exitcodes
+from pipeline.errors import FabricError
 from pipeline.segment import Segment
 from pipeline.segment_format import DEAD, EMPTY, LIVE
 
@@ -41,15 +43,29 @@ def cli(config: Path, *args: str) -> subprocess.CompletedProcess:
     )
 
 
-def queued_job(tmp_path: Path, n: int = 400) -> tuple[Broker, set[int]]:
-    """A stopped broker whose input log holds job `d` (n lines, all acknowledged)."""
+@pytest.fixture(scope="module")
+def queued_template(tmp_path_factory) -> tuple[Path, set[int]]:
+    """The data dir of a stopped broker whose input log holds job `d` (400 lines, all
+    acknowledged), made by a real broker once per module; each test damages its own copy."""
+    tmp_path = tmp_path_factory.mktemp("queued")
     b = Broker(write_config(tmp_path, workers=0)).start()
-    data = tmp_path / "d.jsonl"
-    stored = write_jsonl(data, n)
-    result = submit(b.config, data, "--job-id", "d")
-    assert result.returncode == 0, result.stderr
-    assert b.stop() == exitcodes.OK, b.stderr
-    return b, stored
+    try:
+        data = tmp_path / "d.jsonl"
+        stored = write_jsonl(data, 400)
+        result = submit(b.config, data, "--job-id", "d")
+        assert result.returncode == 0, result.stderr
+        assert b.stop() == exitcodes.OK, b.stderr
+    finally:
+        b.close()
+    return b.data_dir.root, stored
+
+
+@pytest.fixture
+def queued_job(tmp_path, queued_template) -> tuple[Broker, set[int]]:
+    """A stopped broker (never started here) on a copy of the template's data dir."""
+    template, stored = queued_template
+    shutil.copytree(template, tmp_path / "data", symlinks=True)
+    return Broker(write_config(tmp_path, workers=0)), stored
 
 
 def segments_by_size(b: Broker) -> list[tuple[Path, np.ndarray, np.ndarray]]:
@@ -77,8 +93,11 @@ def restart_and_finish(tmp_path: Path, b: Broker) -> Broker:
 
 
 def job_state(b: Broker) -> str:
-    result = cli(b.config, "status", "d", "--json")
-    return json.loads(result.stdout)["state"] if result.returncode == 0 else "?"
+    """Job d's state, "?" while the broker cannot say (it may be restarting)."""
+    try:
+        return b.job_status("d")["state"]
+    except FabricError:
+        return "?"
 
 
 def delivered(b: Broker, tmp_path: Path) -> tuple[dict[str, int], dict[str, str]]:
@@ -97,8 +116,8 @@ def delivered(b: Broker, tmp_path: Path) -> tuple[dict[str, int], dict[str, str]
     return counts, codes
 
 
-def test_a_damaged_segment_is_isolated_and_everything_else_is_served(tmp_path):
-    b, stored = queued_job(tmp_path)
+def test_a_damaged_segment_is_isolated_and_everything_else_is_served(tmp_path, queued_job):
+    b, stored = queued_job
     segments = segments_by_size(b)
     assert len(segments) >= 3, "the job should spread over several lanes"
     (cut_path, cut_live, cut_index), (flip_path, _, _) = segments[0], segments[1]
@@ -130,8 +149,10 @@ def test_a_damaged_segment_is_isolated_and_everything_else_is_served(tmp_path):
     again.close()
 
 
-def test_rotten_markers_and_a_rotten_last_slot_end_as_errors_and_check_says_so(tmp_path):
-    b, stored = queued_job(tmp_path)
+def test_rotten_markers_and_a_rotten_last_slot_end_as_errors_and_check_says_so(
+    tmp_path, queued_job
+):
+    b, stored = queued_job
     segments = segments_by_size(b)
     (path_a, live_a, index_a), (path_b, live_b, index_b) = segments[0], segments[1]
     with Segment.open(path_a, writable=True) as seg:
@@ -163,8 +184,8 @@ def test_rotten_markers_and_a_rotten_last_slot_end_as_errors_and_check_says_so(t
     again.close()
 
 
-def test_a_rotten_last_slot_cut_at_start_ends_as_an_error_not_silently(tmp_path):
-    b, stored = queued_job(tmp_path)
+def test_a_rotten_last_slot_cut_at_start_ends_as_an_error_not_silently(tmp_path, queued_job):
+    b, stored = queued_job
     path, live, index = segments_by_size(b)[0]
     with Segment.open(path, writable=True) as seg:
         seg.bodies[live[-1], 8] ^= 0x01  # recovery takes it for a torn tail and cuts it
@@ -185,9 +206,7 @@ def test_a_segment_damaged_while_serving_is_reported_and_dispatch_keeps_running(
     junk.write_bytes(np.random.default_rng(3).bytes(1 << 16))  # found by dispatch's rescan
 
     def reported() -> bool:
-        result = cli(b.config, "status", "--json")
-        damaged = json.loads(result.stdout).get("damaged_segments", {}) if result.stdout else {}
-        return junk.name in damaged
+        return junk.name in b.broker_status()["damaged_segments"]
 
     wait_for(reported, "status to report the damaged file", timeout_s=30)
     assert b.proc.poll() is None and b.pids()["dispatch-0"] == dispatch  # never restarted

@@ -185,15 +185,7 @@ def status(b: Broker) -> dict:
 
 
 def job_state(b: Broker, job: str) -> str:
-    result = subprocess.run(
-        [sys.executable, "run.py", "status", job, "--json", "--config", str(b.config)],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=60,
-    )
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)["state"]
+    return b.job_status(job)["state"]
 
 
 def fetched_vectors(b: Broker, job: str, out: Path) -> dict[str, list[float]]:

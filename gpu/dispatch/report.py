@@ -144,6 +144,7 @@ def broker_status(stage, now: float) -> dict:
         "handed_out": stage.counts["handed_out"],
         "retired": stage.counts["retired"],
         "registered_holding": stage.counts["registered_holding"],
+        "reloaded_leases": len(stage.leases.reloaded),
         "dead_lettered": stage.counts[DEAD_LETTER],
         "corrupt": stage.counts[CORRUPT_INPUT],
         "refused": {kind: stage.refused.counts[kind] for kind in REFUSED_KINDS},
