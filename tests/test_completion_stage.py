@@ -264,3 +264,43 @@ def test_results_of_a_chunk_not_yet_committed_wait_for_its_commit_and_go_with_th
     page = harness.ask(MT.FETCH, {"job": "job-c", "limit": 10, "ack": page.meta["page"]})
     assert page.arrays["index"].tolist() == [2, 3]
     assert page.meta["custom_ids"] == ["c3", "c4"]
+
+
+def test_a_page_of_long_custom_ids_is_cut_to_fit_a_message_and_every_line_still_comes(
+    settings, harness
+):
+    """custom_ids travel in a page's metadata (at most 1 MiB); 4,096 of 512 characters do not
+    fit. The page is cut to fit instead of going unanswered (the client would ask forever)."""
+    n = 4096
+    registry = JobRegistry(settings.data_path)
+    job = registry.create("job-l", chunk_lines=n)
+    job.accept(0, 1, n)
+    ids = [f"{k:06d}" + "é" * 506 for k in range(n)]  # 512 characters, 1,018 bytes of UTF-8
+    job.commit(0, list(range(1, n + 1)), ids, n, [], final=True)
+    registry.touch(job)
+    registry.flush()
+    registry.close()
+    data_dir = DataDir(settings.data_path).ensure()
+    log = appender(data_dir, segment_bytes=4 << 20)
+    _, _, _, counts, tokens = make_batch(np.random.default_rng(0), n, 1)
+    index = np.arange(n, dtype=np.uint32)
+    seq = seq_of(job.job_no, index)
+    placed = log.append(seq, np.full(n, job.job_no, np.uint64), index, counts, tokens)
+    log.close()
+    items = np.zeros(n, ITEM_DTYPE)
+    items["segment"] = np.repeat(placed["segment"], placed["count"])
+    items["slot"] = np.concatenate([np.arange(p["first"], p["first"] + p["count"]) for p in placed])
+    items["seq"] = seq
+    harness.step()
+    harness.item_errors(items, "dead_letter: failed 3 times")
+    got: list[str] = []
+    ack = 0
+    for _ in range(20):
+        page = harness.ask(MT.FETCH, {"job": "job-l", "limit": n, "ack": ack})
+        assert page.type == MT.RESULT_PAGE
+        if not len(page.arrays["index"]):
+            break
+        assert len(page.arrays["index"]) < n  # cut to fit
+        got += page.meta["custom_ids"]
+        ack = page.meta["page"]
+    assert got == ids  # every line once, in order

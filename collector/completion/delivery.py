@@ -14,12 +14,17 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
+import orjson
 
 from collector.completion.results_log import CompletionLog
 from collector.job_view import JobView
 from router.intern_table import InternTable
 
 MAX_PAGE_ITEMS = 65536
+# A page's custom_ids travel in its metadata (pipeline/wire: at most 1 MiB with the job's
+# counters, model names and shapes): 4,096 ids of 512 characters do not fit, so such a page is
+# halved until its ids take at most this many bytes of JSON.
+CUSTOM_ID_BYTES = 512 * 1024
 
 
 class PageDelivery:
@@ -63,6 +68,11 @@ class PageDelivery:
             {int(s): max(0, int(k)) for s, k in meta.get("cursors", [])} if everything else None
         )
         page = self.completion_log.page(job_id, limit, cursors, everything, view.known)
+        custom_ids = view.custom_ids(page.index.tolist())
+        while len(page) > 1 and len(orjson.dumps(custom_ids)) > CUSTOM_ID_BYTES:
+            limit = max(1, len(page) // 2)  # long custom_ids: a smaller page fits a message
+            page = self.completion_log.page(job_id, limit, cursors, everything, view.known)
+            custom_ids = view.custom_ids(page.index.tolist())
         page_id = 0
         if len(page) and not everything:
             page_id = self.next_page
@@ -76,7 +86,7 @@ class PageDelivery:
         reply = {
             **info(),
             "page": page_id,
-            "custom_ids": view.custom_ids(page.index.tolist()),
+            "custom_ids": custom_ids,
             "models": names,
             "shapes": shapes,
             "cursors": [[s, k] for s, k in page.next.items()],
