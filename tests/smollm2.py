@@ -6,6 +6,7 @@ the file twice and de-quantises it), so:
 | helper                 | what it gives                                                   |
 |------------------------|-----------------------------------------------------------------|
 | `loaded_engine()`      | one `TransformersEngine` (default model, one thread) per test process, shared by every in-process test |
+| `broker_with_worker(...)` | a real broker and one transformers worker process of its own on the saved weights, for the broker tests |
 | `model_dir(shared)`    | the same weights saved as a Hugging Face directory (safetensors and tokenizer.json), written once per session under `shared` (a lock keeps the pytest-xdist processes from writing it twice); a worker started with `--option model=DIR` loads it in a second instead of parsing the GGUF again |
 
 The broker tests prove that results flow through a broker (log probabilities,
@@ -14,10 +15,13 @@ n samples); the in-process tests prove the engine on the default GGUF load.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -77,3 +81,52 @@ def model_dir(shared: Path) -> Path:
             shutil.copy(smollm2_tokenizer_path(), partial / "tokenizer.json")
             partial.rename(target)
     return target
+
+
+@contextlib.contextmanager
+def broker_with_worker(tmp_path: Path, tmp_path_factory, model_toml: str):
+    """A real broker (no local workers) whose config ends with `model_toml` (formatted with
+    `tokenizer`), and one `run.py worker` of its own for model `smol` on the transformers
+    engine, loading the saved weights (`model_dir`); both are killed and closed after."""
+    from broker import REPO, Broker, write_config
+
+    from gpu.engines.transformers import smollm2_tokenizer_path
+
+    weights = model_dir(shared_root(tmp_path_factory))  # a worker loads it in seconds
+    config = write_config(tmp_path, workers=0)
+    config.write_text(config.read_text() + model_toml.format(tokenizer=smollm2_tokenizer_path()))
+    b = Broker(config).start()
+    worker = None
+    try:
+        worker = subprocess.Popen(  # its own process, as on a GPU host
+            [
+                sys.executable,
+                str(REPO / "run.py"),
+                "worker",
+                "--broker",
+                b.settings.dispatch.bind,
+                "--heartbeat",
+                b.settings.dispatch.heartbeat_bind,
+                "--model",
+                "smol",
+                "--engine",
+                "transformers",
+                "--option",
+                "threads=1",
+                "--option",
+                f"model={weights}",
+                "--batch-items",
+                "8",
+                "--target-batch-s",
+                "0",
+            ],
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        yield b
+    finally:
+        if worker is not None:
+            worker.kill()
+            worker.wait(timeout=30)
+        b.close()

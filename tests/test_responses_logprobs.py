@@ -11,15 +11,13 @@ end to end, validated with the openai package's Response type.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
-from broker import REPO, Broker, submit, write_config
+from broker import submit
 from conftest import assert_check_clean
 from openai.types.responses import Response
-from smollm2 import model_dir, needs_model, shared_root
+from smollm2 import broker_with_worker, needs_model
 from test_dispatch_pipeline import cli
 from test_token_logprobs import SMOL, read, scored_result
 
@@ -132,40 +130,7 @@ def test_logprobs_without_alternatives_pack_for_a_batch():
 @pytest.mark.slow
 @pytest.mark.timeout(300)  # the first model test of a session saves SmolLM2 (tests/smollm2.py)
 def test_responses_logprobs_come_back_through_a_real_broker(tmp_path, tmp_path_factory):
-    from gpu.engines.transformers import smollm2_tokenizer_path
-
-    weights = model_dir(shared_root(tmp_path_factory))  # a worker loads it in seconds
-    config = write_config(tmp_path, workers=0)
-    config.write_text(config.read_text() + SMOL.format(tokenizer=smollm2_tokenizer_path()))
-    b = Broker(config).start()
-    worker = None
-    try:
-        worker = subprocess.Popen(  # its own process: loading the model takes a while
-            [
-                sys.executable,
-                str(REPO / "run.py"),
-                "worker",
-                "--broker",
-                b.settings.dispatch.bind,
-                "--heartbeat",
-                b.settings.dispatch.heartbeat_bind,
-                "--model",
-                "smol",
-                "--engine",
-                "transformers",
-                "--option",
-                "threads=1",
-                "--option",
-                f"model={weights}",
-                "--batch-items",
-                "8",
-                "--target-batch-s",
-                "0",
-            ],
-            cwd=REPO,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+    with broker_with_worker(tmp_path, tmp_path_factory, SMOL) as b:
         greedy = {"max_output_tokens": 3, "temperature": 0}
         lines = [
             responses_line(custom_id="top", top_logprobs=2, **greedy),
@@ -197,9 +162,4 @@ def test_responses_logprobs_come_back_through_a_real_broker(tmp_path, tmp_path_f
         top = bodies["top"].output[0].content[0].logprobs
         assert all(t.top_logprobs[0].token == t.token for t in top)  # greedy: the best
         assert b.stop() == exitcodes.OK
-    finally:
-        if worker is not None:
-            worker.kill()
-            worker.wait(timeout=30)
-        b.close()
     assert_check_clean(b.data_dir)

@@ -12,17 +12,15 @@ from __future__ import annotations
 
 import io
 import json
-import subprocess
-import sys
 
 import numpy as np
 import orjson
 import pytest
-from broker import REPO, Broker, submit, write_config
+from broker import submit
 from conftest import assert_check_clean
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
-from smollm2 import loaded_engine, model_dir, needs_model, shared_root
+from smollm2 import broker_with_worker, loaded_engine, needs_model
 from test_dispatch_pipeline import cli
 from test_transformers_engine import batch_of, outputs
 
@@ -248,40 +246,7 @@ max_tokens = 128
 @pytest.mark.slow
 @pytest.mark.timeout(300)  # the first model test of a session saves SmolLM2 (tests/smollm2.py)
 def test_logprobs_come_back_through_a_real_broker(tmp_path, tmp_path_factory):
-    from gpu.engines.transformers import smollm2_tokenizer_path
-
-    weights = model_dir(shared_root(tmp_path_factory))  # a worker loads it in seconds
-    config = write_config(tmp_path, workers=0)
-    config.write_text(config.read_text() + SMOL.format(tokenizer=smollm2_tokenizer_path()))
-    b = Broker(config).start()
-    worker = None
-    try:
-        worker = subprocess.Popen(  # its own process: loading the model takes a while
-            [
-                sys.executable,
-                str(REPO / "run.py"),
-                "worker",
-                "--broker",
-                b.settings.dispatch.bind,
-                "--heartbeat",
-                b.settings.dispatch.heartbeat_bind,
-                "--model",
-                "smol",
-                "--engine",
-                "transformers",
-                "--option",
-                "threads=1",
-                "--option",
-                f"model={weights}",
-                "--batch-items",
-                "8",
-                "--target-batch-s",
-                "0",
-            ],
-            cwd=REPO,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+    with broker_with_worker(tmp_path, tmp_path_factory, SMOL) as b:
         lines = [
             chat_line(logprobs=True, top_logprobs=2, max_tokens=4, temperature=0)
             | {"custom_id": "c"},
@@ -318,11 +283,6 @@ def test_logprobs_come_back_through_a_real_broker(tmp_path, tmp_path_factory):
             body["usage"]["completion_tokens"] for body in bodies.values()
         )
         assert b.stop() == exitcodes.OK
-    finally:
-        if worker is not None:
-            worker.kill()
-            worker.wait(timeout=30)
-        b.close()
     assert_check_clean(b.data_dir)
 
 
