@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
 import signal
 import subprocess
 import sys
@@ -174,6 +176,42 @@ def test_results_are_read_back_in_pages_and_delivered_once(data_dir):
     again = log.page("job-c", 5, everything.next, everything=True)
     assert sorted(everything.index.tolist() + again.index.tolist()) == [0, 1, 2, 3, 4, 5, 6, 40, 41]
     log.close()
+
+
+def test_undelivered_is_counted_at_load_and_kept_without_holding_the_segments_open(data_dir):
+    """A status poll of a finished job must not hold its completion segments: the collector
+    removes a file only under an exclusive flock, and a client polling every 20 ms kept a
+    job from ever expiring while each poll opened readers for the count."""
+    segs = inputs(data_dir)
+    first = min(segs)
+    log = CompletionLog(data_dir, segs.__getitem__)
+    log.record(results(segs, [(first, k) for k in range(5)], size=10))
+    log.record(results(segs, [(first, 5)], size=3000))  # another size class, another file
+    log.sync_outputs()
+    page = log.page("job-c", 2)
+    log.delivered("job-c", page.where)
+    log.delivered("job-c", page.where)  # a repeated acknowledgement counts nothing
+    assert log.undelivered("job-c") == 4
+    log.finish_job("job-c")
+    log.close()
+
+    again = CompletionLog(data_dir, segs.__getitem__)
+    assert again.undelivered("job-c") == 4  # rebuilt from the markers
+    assert again.load_job("job-c").readers == {}  # nothing left open by the count
+    rest = again.page("job-c", 100)
+    again.delivered("job-c", rest.where)
+    assert again.undelivered("job-c") == 0
+    again.unload("job-c")
+    assert again.undelivered("job-c") == 0 and again.completed("job-c") == 6
+    paths = sorted(data_dir.completion.glob("out-*"))
+    assert len(paths) == 2
+    for path in paths:  # no handle: an exclusive lock is free
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(fd)
+    again.close()
 
 
 @pytest.mark.slow

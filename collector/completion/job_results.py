@@ -4,7 +4,10 @@ Its open appenders (one per size class), its readers (for delivery), the
 first undelivered slot of each of its segments, and its exact counters: two
 `IndexBitmap`s, the items with a result (or an error result) and the items
 with an error result, rebuilt from the job's completion segments when it is
-first touched (`CompletionLog.load_job`), never from a stored count; and the
+first touched (`CompletionLog.load_job`), never from a stored count; the
+number of its results not yet delivered (LIVE slots), counted there and kept
+up to date by every store and every delivery, so that a status or a page
+never recounts the job's markers and never needs its segments open; and the
 job's token totals (`prompt_tokens`, `completion_tokens`) over its results,
 each result counted once: added for the results `mark` newly stores, and
 rebuilt with the bitmaps from one slot per item. The prompt tokens of
@@ -39,6 +42,7 @@ class JobResults:
         self.readers: dict[int, Segment] = {}  # completion segment id -> a handle for delivery
         self.first_undelivered: dict[int, int] = {}  # per completion segment: all before delivered
         self.segments_changed = True  # the directory may hold segments `readers` lacks
+        self.undelivered = 0  # LIVE slots in its completion segments: counted at load, kept since
         self.prompt_tokens = 0  # over the results (not error results) stored
         self.completion_tokens = 0  # generated tokens over those results
         self.part_prompt = np.zeros(0, np.uint32)  # at index - PART_BASE: its prompt tokens

@@ -116,7 +116,7 @@ def read_page(
             )
             live = bad[(seg.markers[bad] & STATE_MASK) == LIVE]
             if len(live):
-                seg.tombstone(live)
+                job.undelivered -= seg.tombstone(live)
                 seg.sync()
             slots = slots[ok]
         where.append((segment_id, slots))
@@ -139,10 +139,6 @@ def mark_delivered(readers: dict[int, Segment], where: list[tuple[int, np.ndarra
         if len(slots):
             seg.release_slots(int(slots.min()), int(slots.max()))  # read and delivered
     return count
-
-
-def count_undelivered(readers: dict[int, Segment]) -> int:
-    return sum(int(((seg.markers & STATE_MASK) == LIVE).sum()) for seg in readers.values())
 
 
 def page_of_slots(where, parts, next_at) -> Page:

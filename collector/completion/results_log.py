@@ -38,7 +38,6 @@ from collector.completion.job_results import JobResults
 from collector.completion.line_pages import ready_rows, whole_lines
 from collector.completion.pages import (
     Page,
-    count_undelivered,
     mark_delivered,
     open_readers,
     read_page,
@@ -135,7 +134,9 @@ class CompletionLog:
             with Segment.open(path) as seg:
                 if seg.key.name != job_id:
                     continue
-                written = np.flatnonzero(seg.states() != EMPTY)
+                states = seg.states()
+                job.undelivered += int((states == LIVE).sum())
+                written = np.flatnonzero(states != EMPTY)
                 good = written[seg.verify(written)]
                 flags = seg.slots["flags"][good]
                 index = seg.slots["index"][good].astype(np.int64)
@@ -331,6 +332,7 @@ class CompletionLog:
                 flags[pick],
             )
             self._dirty.add(appender)
+            job.undelivered += len(pick)
             # Marked per class: if a later class fails, a resend finds these as duplicates.
             job.mark(index[pick], status_of(flags[pick]) == ResultStatus.ERROR)
             first = first_words(payload, starts[pick], sizes[pick])
@@ -398,10 +400,14 @@ class CompletionLog:
 
     def delivered(self, job_id: str, where: list[tuple[int, np.ndarray]]) -> int:
         """Mark results delivered (DEAD in the completion log) and make that durable."""
-        return mark_delivered(self._readers(self.load_job(job_id)), where)
+        job = self.load_job(job_id)
+        count = mark_delivered(self._readers(job), where)
+        job.undelivered -= count
+        return count
 
     def undelivered(self, job_id: str) -> int:
-        return count_undelivered(self._readers(self.load_job(job_id)))
+        """Results of the job not delivered yet (kept by JobResults: nothing is opened)."""
+        return self.load_job(job_id).undelivered
 
     def finish_job(self, job_id: str) -> None:
         """Every item has a result: seal its completion segments (the collector may take them
