@@ -206,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     clients = {"this tree": REPO}
     sections = {
         "dispatch": {"session_max_batches": 8},
+        "metrics": {"bind": ""},  # not read here; a fixed port clashes with other brokers
         "workers": {"local": 2, "engine": "echo", "batch_items": 1024, "batch_tokens": 1024 * 512},
     }
     broker = BenchBroker(root / "broker", [MODEL], sections=sections)
