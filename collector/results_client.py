@@ -4,7 +4,10 @@
 runs `ResultsClient.fetch`. Each page is written to OUT and ERR (lines a file
 already holds are skipped, so a re-run after a crash writes each custom_id
 once), both files are fsynced, and only then is the page acknowledged, with
-the next request (invariant 12; the protocol: collector/delivery_client.py). A broker that goes away is retried with
+a later request (invariant 12; the protocol: collector/delivery_client.py).
+The request for the next page goes out before a page is written (asking
+ahead, when completion offers it), so completion reads it while the client
+formats, writes and fsyncs. A broker that goes away is retried with
 backoff (pipeline/broker_client.py); with `follow` the client keeps going
 until the job is finished.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from time import monotonic as now
 from typing import Any
 
 import numpy as np
@@ -24,6 +28,7 @@ from collector.delivery.result_page import ExportContext, ResultPage
 from collector.delivery_client import Delivery
 from pipeline import wire
 from pipeline.broker_client import BrokerClient
+from pipeline.errors import FabricError, WireError
 from pipeline.ragged import Ragged
 
 MT = wire.MessageType
@@ -67,10 +72,10 @@ class ResultsClient(BrokerClient):
             fields["limit"] = page_items
         delivery = Delivery(job_id, fields)
 
-        def ask() -> wire.Message:
+        def ask(meta: dict[str, Any] | None = None) -> wire.Message:
             return self.request(
                 MT.FETCH,
-                delivery.ask(time.monotonic()),
+                meta or delivery.ask(now()),
                 MT.RESULT_PAGE,
                 attempts=1_000_000 if follow else None,
                 patient=follow,
@@ -85,14 +90,22 @@ class ResultsClient(BrokerClient):
                 a = message.arrays
                 n = len(a["index"])
                 if n:
+                    ahead = delivery.ahead(info, now())  # the next page, read meanwhile
+                    sent = ahead is not None and self._send_ahead(ahead, follow)
                     self._write(job_id, info, a, decoders, out, err, report)
                     out.sync()
                     err.sync()  # both on disk: only now may the page be acknowledged
                     delivery.written(info)
-                    delivery.durable(time.monotonic())
+                    delivery.durable(now())
                     report.pages += 1
                     if progress is not None:
                         progress(report)
+                    if ahead is None:
+                        message = ask()
+                    else:  # unanswered in time: asked again with a new req, as any request
+                        message = self._answer(delivery, sent) or ask(delivery.again(now()))
+                    continue
+                if delivery.ack:  # the last page became durable after the FETCH that held it
                     message = ask()
                     continue
                 if not follow or delivery.done(info, n):
@@ -101,6 +114,35 @@ class ResultsClient(BrokerClient):
                     progress(report)  # nothing new: a periodic line still says where it stands
                 time.sleep(poll_s)  # nothing new yet: the job is still running
                 message = ask()
+
+    def _send_ahead(self, meta: dict[str, Any], follow: bool) -> bool:
+        """Send a FETCH without waiting for its answer; False if it could not go (it is then
+        sent again as a request, once the page in hand is written)."""
+        try:
+            self.contact.before_send(follow or self.patient)
+            self.send(MT.FETCH, meta)
+        except FabricError:
+            return False
+        return True
+
+    def _answer(self, delivery: Delivery, sent: bool) -> wire.Message | None:
+        """The RESULT_PAGE answering the FETCH sent ahead, if it comes within `timeout_s`
+        (None: the caller sends it again, retried with backoff as any request)."""
+        deadline = now() + self.timeout_s
+        while sent and (left := deadline - now()) > 0:
+            try:
+                message = wire.recv(self.socket, self.contact.wait_ms(left))
+            except WireError:
+                return None
+            if message is None:
+                self.contact.silent()
+                continue
+            self.contact.heard()
+            if message.type == MT.RESULT_PAGE and delivery.counts(message.meta):
+                return message
+            if message.type == MT.ERROR:
+                raise FabricError(f"the broker at {self.address} says: {message.meta['reason']}")
+        return None
 
     def _write(self, job_id, info, a, decoders, out, err, report) -> None:
         models = {int(k): v for k, v in info["models"].items()}
