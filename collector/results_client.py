@@ -14,6 +14,7 @@ until the job is finished.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,6 +41,30 @@ class FetchReport:
     errors: int = 0  # error lines written in this run
     pages: int = 0
     info: dict[str, Any] | None = None
+
+
+class Syncing:
+    """A page's files fsynced on a thread, while the client writes the next page; `wait`
+    returns the page once both are on disk (and raises what the fsync raised)."""
+
+    def __init__(self, files: tuple[ResultFile, ...], page: int) -> None:
+        self.page = page
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._sync, args=(files,), daemon=True)
+        self.thread.start()
+
+    def _sync(self, files: tuple[ResultFile, ...]) -> None:
+        try:
+            for file in files:
+                file.sync()
+        except BaseException as exc:  # handed to the caller of wait()
+            self.error = exc
+
+    def wait(self) -> int:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.page
 
 
 class ResultsClient(BrokerClient):
@@ -83,37 +108,51 @@ class ResultsClient(BrokerClient):
             )
 
         message = ask()  # files are made only once the broker answered
+        syncing: Syncing | None = None  # the last page written, fsynced on a thread meanwhile
         with ResultFile.open(out_path) as out, ResultFile.open(err_path) as err:
-            while True:
-                info = message.meta
-                report.info = info
-                a = message.arrays
-                n = len(a["index"])
-                if n:
-                    ahead = delivery.ahead(info, now())  # the next page, read meanwhile
-                    sent = ahead is not None and self._send_ahead(ahead, follow)
-                    self._write(job_id, info, a, decoders, out, err, report)
-                    out.sync()
-                    err.sync()  # both on disk: only now may the page be acknowledged
-                    delivery.written(info)
-                    delivery.durable(now())
-                    report.pages += 1
-                    if progress is not None:
-                        progress(report)
-                    if ahead is None:
+            try:
+                while True:
+                    info = message.meta
+                    report.info = info
+                    a = message.arrays
+                    n = len(a["index"])
+                    if n:
+                        ahead = delivery.ahead(info, now())  # the next page, read meanwhile
+                        sent = ahead is not None and self._send_ahead(ahead, follow)
+                        self._write(job_id, info, a, decoders, out, err, report)
+                        report.pages += 1
+                        if ahead is None:  # one page at a time (an older completion)
+                            out.sync()
+                            err.sync()  # both on disk: only now may the page be acknowledged
+                            delivery.written(info)
+                            delivery.durable(now())
+                            message = ask()
+                        else:  # the page before is durable once its fsync is done
+                            if syncing is not None:
+                                delivery.durable_page(syncing.wait(), now())
+                            syncing = Syncing((out, err), int(info.get("page") or 0))
+                            # unanswered in time: asked again with a new req, as any request
+                            message = self._answer(delivery, sent) or ask(delivery.again(now()))
+                        if progress is not None:
+                            progress(report)
+                        continue
+                    if delivery.ack:  # a durable page not acknowledged yet: that first
                         message = ask()
-                    else:  # unanswered in time: asked again with a new req, as any request
-                        message = self._answer(delivery, sent) or ask(delivery.again(now()))
-                    continue
-                if delivery.ack:  # the last page became durable after the FETCH that held it
+                        continue
+                    if syncing is not None:  # the last page written: durable, then acked
+                        delivery.durable_page(syncing.wait(), now())
+                        syncing = None
+                        message = ask()
+                        continue
+                    if not follow or delivery.done(info, n):
+                        return report
+                    if progress is not None:
+                        progress(report)  # nothing new: a periodic line still says where it is
+                    time.sleep(poll_s)  # nothing new yet: the job is still running
                     message = ask()
-                    continue
-                if not follow or delivery.done(info, n):
-                    return report
-                if progress is not None:
-                    progress(report)  # nothing new: a periodic line still says where it stands
-                time.sleep(poll_s)  # nothing new yet: the job is still running
-                message = ask()
+            finally:
+                if syncing is not None:
+                    syncing.thread.join()  # never close a file under its fsync
 
     def _send_ahead(self, meta: dict[str, Any], follow: bool) -> bool:
         """Send a FETCH without waiting for its answer; False if it could not go (it is then

@@ -94,6 +94,20 @@ def test_the_client_holds_a_page_until_durable_and_acks_it_with_the_next_fetch()
     assert everything.ahead({"page": 0, "cursors": [[1, 9]]}, 0.1)["cursors"] == [[1, 9]]
 
 
+def test_pages_fsynced_on_a_thread_are_held_until_durable_and_acked_one_per_fetch():
+    d = Delivery("j")
+    d.counts({"req": d.ask(0.0)["req"]})
+    first = d.ahead({"page": 1, "ahead": True}, 0.1)
+    assert (first["ack"], first["hold"]) == (0, [1])
+    d.counts({"req": first["req"]})
+    second = d.ahead({"page": 2, "ahead": True}, 0.2)  # page 1's fsync still runs
+    assert (second["ack"], second["hold"]) == (0, [1, 2])
+    d.durable_page(1, 0.3)
+    d.counts({"req": second["req"]})
+    third = d.ahead({"page": 3, "ahead": True}, 0.4)
+    assert (third["ack"], third["hold"]) == (1, [2, 3])
+
+
 KILLED_CLIENT = textwrap.dedent(
     """
     import json, os, signal, sys
@@ -102,26 +116,32 @@ KILLED_CLIENT = textwrap.dedent(
     from collector.delivery_client import Delivery
     from collector.results_client import ResultsClient
 
-    address, job, out, err, kill_at, when, state = sys.argv[1:]
-    deliveries, syncs = [], [0]
-    ahead, sync = Delivery.ahead, ResultFile.sync
+    address, job, out, err, when, state = sys.argv[1:]
+    deliveries, count = [], [0]
+    ahead, write_page, durable_page = Delivery.ahead, ResultFile.write_page, Delivery.durable_page
+
+    def kill_at(nth):
+        count[0] += 1
+        if count[0] == nth:
+            d = deliveries[-1]
+            Path(state).write_text(json.dumps({"held": d.held, "asked": d.sent_at is not None}))
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def asked(self, page, now):
         deliveries.append(self)
         return ahead(self, page, now)
 
-    def killed(self):
-        if self.path == Path(out):
-            syncs[0] += 1
-            if when == "after":
-                sync(self)
-            if syncs[0] == int(kill_at):
-                d = deliveries[-1]
-                Path(state).write_text(json.dumps({"held": d.held, "asked": d.sent_at is not None}))
-                os.kill(os.getpid(), signal.SIGKILL)
-        sync(self)
+    def write(self, data, keys):
+        if when == "write" and self.path == Path(out):
+            kill_at(3)  # page 3: page 2 is fsynced on a thread, page 4 asked for
+        return write_page(self, data, keys)
 
-    Delivery.ahead, ResultFile.sync = asked, killed
+    def durable(self, page, now):
+        durable_page(self, page, now)
+        if when == "durable" and page:
+            kill_at(2)  # page 2 fsynced, its ack not sent; page 3 written, page 4 asked for
+
+    Delivery.ahead, ResultFile.write_page, Delivery.durable_page = asked, write, durable
     with ResultsClient(address, 10.0) as client:
         client.fetch(job, out, err, page_items=300)
     """
@@ -129,18 +149,19 @@ KILLED_CLIENT = textwrap.dedent(
 
 
 def test_a_client_killed_with_two_pages_out_then_run_again_writes_each_line_once(tmp_path, broker):
-    """SIGKILL with one page held (written, before or after its fsync) and the next asked
-    for: nothing of either was marked delivered, so the run again writes every line, each
-    once. Fails without asking ahead (nothing is ever held)."""
+    """SIGKILL with pages out: written (its fsync running on a thread, or done and not yet
+    acknowledged) and the next asked for. Nothing of them was marked delivered, so the run
+    again writes every line, each once. Fails without asking ahead (nothing is held)."""
     b = broker(workers=2)
     n = 2000
-    for job in ("before", "after"):
+    kills = {"write": 2, "durable": 1}  # where the client dies -> pages it holds then
+    for job in kills:
         submit_job(b, tmp_path, n, job)
-    wait_for(lambda: finished(b, "before") and finished(b, "after"), "both jobs", timeout_s=120)
-    for job in ("before", "after"):  # killed before the page's fsync, then right after it
+    wait_for(lambda: all(finished(b, job) for job in kills), "both jobs", timeout_s=120)
+    for job, holding in kills.items():
         out, state = tmp_path / f"{job}-out.jsonl", tmp_path / f"{job}.state"
         err = f"{out}.errors.jsonl"
-        args = [b.settings.completion.bind, job, str(out), err, "3", job, str(state)]
+        args = [b.settings.completion.bind, job, str(out), err, job, str(state)]
         killed = subprocess.run(
             [sys.executable, "-c", KILLED_CLIENT, *args],
             cwd=REPO,
@@ -150,9 +171,9 @@ def test_a_client_killed_with_two_pages_out_then_run_again_writes_each_line_once
         )
         assert killed.returncode == -9, killed.stderr
         held = json.loads(state.read_text())
-        assert len(held["held"]) == 1 and held["asked"], held  # two pages out: held, asked
-        left = n - 2 * 300  # pages 1 and 2 acknowledged, by the FETCH that asked for page 4
-        wait_for(lambda j=job, k=left: job_info(b, j)["undelivered"] == k, "the acks")
+        assert len(held["held"]) == holding and held["asked"], held  # and one asked for
+        left = n - 300  # page 1 acknowledged (by the FETCH that asked for page 4), no other
+        wait_for(lambda j=job, k=left: job_info(b, j)["undelivered"] == k, "the ack")
         rerun = fetch(b, job, out, timeout_s=60)  # liveness: done well within a minute
         assert rerun.returncode == 0, rerun.stderr
         assert_each_once(out, n)
