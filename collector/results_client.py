@@ -7,7 +7,8 @@ once), both files are fsynced, and only then is the page acknowledged, with
 a later request (invariant 12; the protocol: collector/delivery_client.py).
 The request for the next page goes out before a page is written (asking
 ahead, when completion offers it), so completion reads it while the client
-formats, writes and fsyncs. A broker that goes away is retried with
+formats and writes; a page's fsync runs on a thread (`Syncing`) while the
+next page is written, and its ack goes with the first request after it. A broker that goes away is retried with
 backoff (pipeline/broker_client.py); with `follow` the client keeps going
 until the job is finished.
 """
