@@ -206,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     clients = {"this tree": REPO}
     sections = {
         "dispatch": {"session_max_batches": 8},
+        "metrics": {"bind": ""},  # not read here; a fixed port clashes with other brokers
         "workers": {"local": 2, "engine": "echo", "batch_items": 1024, "batch_tokens": 1024 * 512},
     }
     broker = BenchBroker(root / "broker", [MODEL], sections=sections)
@@ -329,10 +330,13 @@ def method_notes(jobs: list[Job], clients: dict[str, Path]) -> list[str]:
         "fsynced; the outputs are removed before each fetch. Client CPU: its rusage at exit; "
         "completion CPU: /proc/<pid>/stat over the fetch.",
         "Reading it: on a shared machine the items/s rows follow the load (the load "
-        "average above); the CPU rows and the paired ratio compare the clients. The client "
-        "and completion take turns (one page of a job in flight: the next FETCH carries the "
-        "ack of a page only once it is fsynced), so items per CPU second of the two together "
-        "is about what two idle cores would deliver, fsync waits aside.",
+        "average above); the CPU rows and the paired ratio compare the clients. A client that "
+        "asks for a page only once the last is written and fsynced (the baseline, `--all` "
+        "included) takes turns with completion; one that asks ahead (docs/completion.md, "
+        '"Delivery") has completion read the next page while it writes one, and fsyncs a '
+        "page on a thread while it writes the next, so its items/s is bounded by the busier "
+        "process, the client: on an idle 2-core host about 1 / (client CPU per item), "
+        "start-up aside.",
         "Clients: "
         + ", ".join(clients)
         + ("; run alternately, each repeat in that order." if len(clients) > 1 else "."),

@@ -102,27 +102,33 @@ class JobView:
         before, they would go out with no custom_id. (An index at PART_BASE and above is a
         fan-out part, for the line table to say.)"""
         index = np.asarray(indexes, np.int64)
-        if len(self._spans[0]) != len(self.first_lines):
-            firsts = np.array(sorted(self.first_lines), np.int64)
-            chunks = self.progress.chunks
-            lasts = [chunks[self.first_lines[f]].last for f in firsts.tolist()]
-            self._spans = (firsts, np.array(lasts, np.int64))
-        firsts, lasts = self._spans
+        firsts, lasts = self._committed()
         lines = index + 1
         at = np.searchsorted(firsts, lines, side="right") - 1
         inside = (at >= 0) & (lines <= lasts[np.maximum(at, 0)]) if len(firsts) else at >= 0
         return inside | (index >= PART_BASE)
 
+    def _committed(self) -> tuple[np.ndarray, np.ndarray]:
+        """(first line, last line) of each committed chunk, sorted; made again only when a
+        chunk was committed since (a results page asks for every page)."""
+        if len(self._spans[0]) != len(self.first_lines):
+            firsts = np.array(sorted(self.first_lines), np.int64)
+            chunks = self.progress.chunks
+            lasts = [chunks[self.first_lines[f]].last for f in firsts.tolist()]
+            self._spans = (firsts, np.array(lasts, np.int64))
+        return self._spans
+
     def take_rejected(self) -> list[list[Any]]:
         taken, self.rejected = self.rejected, []
         return taken
 
-    def custom_ids(self, indexes: list[int]) -> list[str | None]:
-        """The custom_id of each item index (None when the line had no readable one)."""
-        if not indexes:
+    def custom_ids(self, indexes) -> list[str | None]:
+        """The custom_id of each item index (a list or an int array; None when the line had no
+        readable one)."""
+        if not len(indexes):
             return []
         lines = np.asarray(indexes, np.int64) + 1
-        firsts = np.array(sorted(self.first_lines), np.int64)
+        firsts = self._committed()[0]
         at = np.searchsorted(firsts, lines, side="right") - 1
         out = np.full(len(lines), None, dtype=object)
         for k in np.unique(at).tolist():

@@ -4,16 +4,22 @@
 runs `ResultsClient.fetch`. Each page is written to OUT and ERR (lines a file
 already holds are skipped, so a re-run after a crash writes each custom_id
 once), both files are fsynced, and only then is the page acknowledged, with
-the next request (invariant 12; the protocol: collector/delivery_client.py). A broker that goes away is retried with
+a later request (invariant 12; the protocol: collector/delivery_client.py).
+The request for the next page goes out before a page is written (asking
+ahead, when completion offers it), so completion reads it while the client
+formats and writes; a page's fsync runs on a thread (`Syncing`) while the
+next page is written, and its ack goes with the first request after it. A broker that goes away is retried with
 backoff (pipeline/broker_client.py); with `follow` the client keeps going
 until the job is finished.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from time import monotonic as now
 from typing import Any
 
 import numpy as np
@@ -24,6 +30,7 @@ from collector.delivery.result_page import ExportContext, ResultPage
 from collector.delivery_client import Delivery
 from pipeline import wire
 from pipeline.broker_client import BrokerClient
+from pipeline.errors import FabricError, WireError
 from pipeline.ragged import Ragged
 
 MT = wire.MessageType
@@ -35,6 +42,30 @@ class FetchReport:
     errors: int = 0  # error lines written in this run
     pages: int = 0
     info: dict[str, Any] | None = None
+
+
+class Syncing:
+    """A page's files fsynced on a thread, while the client writes the next page; `wait`
+    returns the page once both are on disk (and raises what the fsync raised)."""
+
+    def __init__(self, files: tuple[ResultFile, ...], page: int) -> None:
+        self.page = page
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._sync, args=(files,), daemon=True)
+        self.thread.start()
+
+    def _sync(self, files: tuple[ResultFile, ...]) -> None:
+        try:
+            for file in files:
+                file.sync()
+        except BaseException as exc:  # handed to the caller of wait()
+            self.error = exc
+
+    def wait(self) -> int:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.page
 
 
 class ResultsClient(BrokerClient):
@@ -67,10 +98,10 @@ class ResultsClient(BrokerClient):
             fields["limit"] = page_items
         delivery = Delivery(job_id, fields)
 
-        def ask() -> wire.Message:
+        def ask(meta: dict[str, Any] | None = None) -> wire.Message:
             return self.request(
                 MT.FETCH,
-                delivery.ask(time.monotonic()),
+                meta or delivery.ask(now()),
                 MT.RESULT_PAGE,
                 attempts=1_000_000 if follow else None,
                 patient=follow,
@@ -78,29 +109,80 @@ class ResultsClient(BrokerClient):
             )
 
         message = ask()  # files are made only once the broker answered
+        syncing: Syncing | None = None  # the last page written, fsynced on a thread meanwhile
         with ResultFile.open(out_path) as out, ResultFile.open(err_path) as err:
-            while True:
-                info = message.meta
-                report.info = info
-                a = message.arrays
-                n = len(a["index"])
-                if n:
-                    self._write(job_id, info, a, decoders, out, err, report)
-                    out.sync()
-                    err.sync()  # both on disk: only now may the page be acknowledged
-                    delivery.written(info)
-                    delivery.durable(time.monotonic())
-                    report.pages += 1
+            try:
+                while True:
+                    info = message.meta
+                    report.info = info
+                    a = message.arrays
+                    n = len(a["index"])
+                    if n:
+                        ahead = delivery.ahead(info, now())  # the next page, read meanwhile
+                        sent = ahead is not None and self._send_ahead(ahead, follow)
+                        self._write(job_id, info, a, decoders, out, err, report)
+                        report.pages += 1
+                        if ahead is None:  # one page at a time (an older completion)
+                            out.sync()
+                            err.sync()  # both on disk: only now may the page be acknowledged
+                            delivery.written(info)
+                            delivery.durable(now())
+                            message = ask()
+                        else:  # the page before is durable once its fsync is done
+                            if syncing is not None:
+                                delivery.durable_page(syncing.wait(), now())
+                            syncing = Syncing((out, err), int(info.get("page") or 0))
+                            # unanswered in time: asked again with a new req, as any request
+                            message = self._answer(delivery, sent) or ask(delivery.again(now()))
+                        if progress is not None:
+                            progress(report)
+                        continue
+                    if delivery.ack:  # a durable page not acknowledged yet: that first
+                        message = ask()
+                        continue
+                    if syncing is not None:  # the last page written: durable, then acked
+                        delivery.durable_page(syncing.wait(), now())
+                        syncing = None
+                        message = ask()
+                        continue
+                    if not follow or delivery.done(info, n):
+                        return report
                     if progress is not None:
-                        progress(report)
+                        progress(report)  # nothing new: a periodic line still says where it is
+                    time.sleep(poll_s)  # nothing new yet: the job is still running
                     message = ask()
-                    continue
-                if not follow or delivery.done(info, n):
-                    return report
-                if progress is not None:
-                    progress(report)  # nothing new: a periodic line still says where it stands
-                time.sleep(poll_s)  # nothing new yet: the job is still running
-                message = ask()
+            finally:
+                if syncing is not None:
+                    syncing.thread.join()  # never close a file under its fsync
+
+    def _send_ahead(self, meta: dict[str, Any], follow: bool) -> bool:
+        """Send a FETCH without waiting for its answer; False if it could not go (it is then
+        sent again as a request, once the page in hand is written)."""
+        try:
+            self.contact.before_send(follow or self.patient)
+            self.send(MT.FETCH, meta)
+        except FabricError:
+            return False
+        return True
+
+    def _answer(self, delivery: Delivery, sent: bool) -> wire.Message | None:
+        """The RESULT_PAGE answering the FETCH sent ahead, if it comes within `timeout_s`
+        (None: the caller sends it again, retried with backoff as any request)."""
+        deadline = now() + self.timeout_s
+        while sent and (left := deadline - now()) > 0:
+            try:
+                message = wire.recv(self.socket, self.contact.wait_ms(left))
+            except WireError:
+                return None
+            if message is None:
+                self.contact.silent()
+                continue
+            self.contact.heard()
+            if message.type == MT.RESULT_PAGE and delivery.counts(message.meta):
+                return message
+            if message.type == MT.ERROR:
+                raise FabricError(f"the broker at {self.address} says: {message.meta['reason']}")
+        return None
 
     def _write(self, job_id, info, a, decoders, out, err, report) -> None:
         models = {int(k): v for k, v in info["models"].items()}

@@ -3,7 +3,11 @@
 Completion's exact counters (the items of a job that have a result, those
 that have an error result) and the vector sink's (the items of a job it has
 stored) are such sets. They are rebuilt from what is on disk, never from a
-stored count, so they count distinct items however often one arrives.
+stored count, so they count distinct items however often one arrives. The
+set's size is kept as indexes are added (only the indexes not in it yet
+count, each once), so `count` is free: a status or a results page asks it
+for every answer, and summing the bitmap each time was quadratic in the
+job's size.
 """
 
 from __future__ import annotations
@@ -14,10 +18,11 @@ import numpy as np
 class IndexBitmap:
     """Item indexes 0 .. 2**32 - 1 (int arrays), present or not."""
 
-    __slots__ = ("bits",)
+    __slots__ = ("bits", "size")
 
     def __init__(self, size: int = 1024) -> None:
         self.bits = np.zeros(size, dtype=bool)
+        self.size = 0  # distinct indexes in the set: count()
 
     def add(self, index: np.ndarray) -> None:
         """Put these indexes in the set (the bitmap grows to hold the largest)."""
@@ -29,7 +34,13 @@ class IndexBitmap:
             grown = np.zeros(max(top + 1, 2 * len(self.bits)), dtype=bool)
             grown[: len(self.bits)] = self.bits
             self.bits = grown
-        self.bits[index] = True
+        fresh = index[~self.bits[index]]
+        if not len(fresh):
+            return
+        self.bits[fresh] = True
+        if len(fresh) > 1 and not (fresh[1:] > fresh[:-1]).all():
+            fresh = np.unique(fresh)  # an index twice in one call counts once
+        self.size += len(fresh)
 
     def has(self, index: np.ndarray) -> np.ndarray:
         """True for each index in the set (False for any past the bitmap's end)."""
@@ -41,4 +52,4 @@ class IndexBitmap:
 
     def count(self) -> int:
         """How many distinct indexes are in the set."""
-        return int(self.bits.sum())
+        return self.size

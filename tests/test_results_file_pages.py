@@ -63,3 +63,25 @@ def test_a_sync_with_nothing_new_does_not_reach_the_disk(tmp_path, monkeypatch):
         err.write_page(*page("a"))
         err.sync()
         assert len(synced) == 2
+
+
+def test_a_page_appended_while_a_sync_runs_on_another_thread_waits_for_the_next(
+    tmp_path, monkeypatch
+):
+    """The results client fsyncs a page on a thread while it appends the next: a flag cleared
+    when the fsync returned took that next page for synced, and its sync never ran."""
+    synced = []
+    real = os.fsync
+
+    def fsync(fd):
+        synced.append(fd)
+        if len(synced) == 1:  # the next page lands while this fsync runs
+            out.write_page(*page("b"))
+        real(fd)
+
+    with ResultFile.open(tmp_path / "out.jsonl") as out:
+        out.write_page(*page("a"))
+        monkeypatch.setattr(os, "fsync", fsync)
+        out.sync()
+        out.sync()  # "b" came after the first fsync began: this one must reach the disk
+        assert len(synced) == 2

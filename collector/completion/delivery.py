@@ -1,12 +1,17 @@
 """Delivery pages: FETCH -> RESULT_PAGE, each page marked delivered once the client acks it.
 
-A client fetches a page, writes and fsyncs it, and acknowledges it with its
-next FETCH (`ack`); only then are those results marked delivered (invariant
-12). One page per job is outstanding, whoever asked: a FETCH without the
-matching ack means the client lost the page, which is sent again (the
-client's output files drop what they already hold, so a custom_id is written
-once). `all: true` reads every stored result from the client's `cursors` and
-never marks anything delivered.
+A client fetches a page, writes and fsyncs it, and acknowledges it with a
+later FETCH (`ack`); only then are those results marked delivered (invariant
+12). A client may ask for the next page while it still writes one: its FETCH
+names the pages it holds (`hold`, received and not yet acknowledged), and the
+new page leaves their results out; completion says it understands `hold` with
+`ahead: true` in every RESULT_PAGE (an older completion does not, and its
+clients ask one page at a time). The pages a job has out (at most
+`MAX_OUTSTANDING`) are kept whoever asked: a FETCH that neither acks nor
+holds one of them means the client lost it, and it is forgotten, its results
+sent again (the client's output files drop what they already hold, so a
+custom_id is written once). `all: true` reads every stored result from the
+client's `cursors` and never marks anything delivered.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from collector.job_view import JobView
 from router.intern_table import InternTable
 
 MAX_PAGE_ITEMS = 65536
+MAX_OUTSTANDING = 4  # pages of one job sent and not yet acknowledged (`hold` keeps the newest)
 # A page's custom_ids travel in its metadata (pipeline/wire: at most 1 MiB with the job's
 # counters, model names and shapes): 4,096 ids of 512 characters do not fit, so such a page is
 # halved until its ids take at most this many bytes of JSON.
@@ -34,7 +40,8 @@ class PageDelivery:
         self.completion_log = completion_log
         self.shapes = shapes
         self.page_items = page_items  # a FETCH without `limit` gets this many at most
-        self.pages: dict[str, tuple[int, list]] = {}  # job -> (page id, where) awaiting its ack
+        # job -> its pages (page id, where) sent and awaiting their ack, oldest first
+        self.pages: dict[str, list[tuple[int, list]]] = {}
         self.next_page = 1
         self.delivered = 0  # results marked delivered (metrics)
 
@@ -52,11 +59,28 @@ class PageDelivery:
         return job_id in self.pages
 
     def acknowledge(self, job_id: str, meta: dict) -> None:
-        """Mark the job's outstanding page delivered if this FETCH acks it (and forget it
-        either way). DiskFullError: marked in memory, made durable by a later sync."""
-        outstanding = self.pages.pop(job_id, None)
-        if outstanding is not None and meta.get("ack") == outstanding[0]:
-            self.delivered += self.completion_log.delivered(job_id, outstanding[1])
+        """Mark the job's page that this FETCH acks (`ack`) delivered, keep those it holds
+        (`hold`), and forget the others. DiskFullError: marked in memory, made durable by a
+        later sync."""
+        ack, hold = meta.get("ack"), meta.get("hold") or []
+        if not isinstance(hold, list) or not all(type(h) is int for h in hold):
+            raise ValueError(f"hold is {hold!r}; it must be a list of page ids")
+        outstanding = self.pages.pop(job_id, [])
+        kept = [(page_id, where) for page_id, where in outstanding if page_id in hold]
+        if kept:
+            self.pages[job_id] = kept[-(MAX_OUTSTANDING - 1) :]
+        for page_id, where in outstanding:
+            if page_id == ack:
+                self.delivered += self.completion_log.delivered(job_id, where)
+
+    def _held(self, job_id: str) -> dict[int, np.ndarray] | None:
+        """Completion segment id -> slots of the job's pages the client holds (left out of
+        its next page)."""
+        held: dict[int, list[np.ndarray]] = {}
+        for _, where in self.pages.get(job_id, ()):
+            for segment_id, slots in where:
+                held.setdefault(segment_id, []).append(slots)
+        return {s: np.concatenate(parts) for s, parts in held.items()} or None
 
     def page(self, view: JobView, meta: dict, info: Callable[[], dict]) -> tuple[dict, dict]:
         """The RESULT_PAGE (meta, arrays) answering this FETCH, headed by `info()`, the job's
@@ -67,17 +91,18 @@ class PageDelivery:
         cursors = (  # a negative cursor would count from a segment's end
             {int(s): max(0, int(k)) for s, k in meta.get("cursors", [])} if everything else None
         )
-        page = self.completion_log.page(job_id, limit, cursors, everything, view.known)
-        custom_ids = view.custom_ids(page.index.tolist())
+        skip = None if everything else self._held(job_id)
+        page = self.completion_log.page(job_id, limit, cursors, everything, view.known, skip)
+        custom_ids = view.custom_ids(page.index)
         while len(page) > 1 and len(orjson.dumps(custom_ids)) > CUSTOM_ID_BYTES:
             limit = max(1, len(page) // 2)  # long custom_ids: a smaller page fits a message
-            page = self.completion_log.page(job_id, limit, cursors, everything, view.known)
-            custom_ids = view.custom_ids(page.index.tolist())
+            page = self.completion_log.page(job_id, limit, cursors, everything, view.known, skip)
+            custom_ids = view.custom_ids(page.index)
         page_id = 0
         if len(page) and not everything:
             page_id = self.next_page
             self.next_page += 1
-            self.pages[job_id] = (page_id, page.where)
+            self.pages.setdefault(job_id, []).append((page_id, page.where))
         models = self.completion_log.models
         names = {
             str(m): (models.get(m) or {}).get("model", "") for m in np.unique(page.model).tolist()
@@ -91,6 +116,7 @@ class PageDelivery:
             "shapes": shapes,
             "cursors": [[s, k] for s, k in page.next.items()],
             "req": meta.get("req", 0),  # echoed: a sink tells a stale answer from the current one
+            "ahead": True,  # this completion keeps the pages a FETCH holds (`hold`)
         }
         arrays = {
             "index": page.index,

@@ -73,11 +73,14 @@ def read_page(
     cursors: dict[int, int] | None = None,
     everything: bool = False,
     ready: Callable[[np.ndarray], np.ndarray] | None = None,
+    skip: dict[int, np.ndarray] | None = None,
 ) -> Page:
     """Up to `limit` undelivered results of the job, oldest first; with `everything`,
     delivered ones too, from `cursors` (as returned in `Page.next`). `ready`, when given
     (not with `everything`), says per item index which results may go now: the others stay
-    LIVE, unread and uncounted (parts of fan-out lines not done yet, line_pages.py)."""
+    LIVE, unread and uncounted (parts of fan-out lines not done yet, line_pages.py). `skip`
+    (not with `everything`): completion segment id -> slots left out, the results of pages
+    the client holds and has not acknowledged yet (collector/completion/delivery.py)."""
     cursors = dict(cursors or {})
     where: list[tuple[int, np.ndarray]] = []
     parts = []
@@ -97,6 +100,10 @@ def read_page(
             job.first_undelivered[segment_id] = begin
             states = seg.markers[begin:] & STATE_MASK
         wanted = (states != EMPTY) if everything else (states == LIVE)
+        held = None if everything or not skip else skip.get(segment_id)
+        if held is not None and len(held):
+            held = held[held >= begin] - begin
+            wanted[held[held < len(wanted)]] = False
         slots = np.flatnonzero(wanted) + begin
         if ready is not None and not everything and len(slots):
             slots = slots[ready(seg.slots["index"][slots].astype(np.int64))]

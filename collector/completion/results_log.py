@@ -379,9 +379,11 @@ class CompletionLog:
         cursors: dict[int, int] | None = None,
         everything: bool = False,
         known: Callable[[np.ndarray], np.ndarray] | None = None,
+        skip: dict[int, np.ndarray] | None = None,
     ) -> Page:
         """Up to `limit` undelivered results of the job, oldest first; `known` (per item
-        index) leaves out those whose line is not committed yet (collector/job_view.py).
+        index) leaves out those whose line is not committed yet (collector/job_view.py);
+        `skip` (completion segment id -> slots) those of pages sent and not acknowledged yet.
 
         With `everything`, delivered ones too, from `cursors` (completion segment
         id -> first slot not yet read, as returned in `Page.next`).
@@ -393,7 +395,7 @@ class CompletionLog:
         ready = ready_rows(job, table) if fanned and not everything else None
         if known is not None and not everything:
             ready = known if ready is None else _both(ready, known)
-        page = read_page(job, readers, limit, cursors, everything, ready)
+        page = read_page(job, readers, limit, cursors, everything, ready, skip)
         if not fanned or not len(page):
             return page
         return whole_lines(page, job, readers, table, everything, limit)

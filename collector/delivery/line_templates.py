@@ -108,7 +108,12 @@ def json_rows(words: np.ndarray, starts: np.ndarray, counts: np.ndarray, dtype: 
         if count == 0:
             column[rows] = [b""] * len(rows)
             continue
-        block = words[ranges(starts[rows], counts[rows])].view(dtype).reshape(len(rows), count)
+        first = int(starts[rows[0]])
+        if (starts[rows] == first + count * np.arange(len(rows))).all():  # back to back: a view
+            block = words[first : first + count * len(rows)]
+        else:
+            block = words[ranges(starts[rows], counts[rows])]
+        block = block.view(dtype).reshape(len(rows), count)
         text = orjson.dumps(block.astype(dtype[1:], copy=False), option=_NUMPY)
         column[rows] = text[2:-2].split(b"],[")
     return column.tolist()

@@ -100,7 +100,7 @@ INVALID_RESULT: Final = "invalid_result"  # a stored result that cannot be rende
 
 _BARE_CODE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _DUMPS_OPTIONS = orjson.OPT_APPEND_NEWLINE | orjson.OPT_SERIALIZE_NUMPY
-_HEX = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
+_HEX_PAIRS = np.frombuffer(b"".join(b"%02x" % i for i in range(256)), dtype="<u2")  # byte -> hex
 _CUSTOM_ID_KEY = "custom_id:"
 _NONE = (np.zeros(0, dtype=np.int64), {})  # a Checked's errors and invalid, when none
 _U64 = np.uint64
@@ -460,10 +460,7 @@ def _request_id_hex(job_id: str, index: np.ndarray) -> np.ndarray:
     x = (x ^ (x >> _U64(27))) * _U64(0x94D049BB133111EB)
     x = x ^ (x >> _U64(31))
     raw = x.astype(">u8").view(np.uint8).reshape(len(x), 32)
-    digits = np.empty((len(x), 32, 2), dtype=np.uint8)
-    digits[:, :, 0] = _HEX[raw >> 4]
-    digits[:, :, 1] = _HEX[raw & 15]
-    return digits.reshape(len(x), 64)
+    return np.take(_HEX_PAIRS, raw).view(np.uint8).reshape(len(x), 64)  # two digits a byte
 
 
 def _split_error(payload: bytes) -> tuple[str, str]:

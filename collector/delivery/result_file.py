@@ -16,11 +16,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import orjson
 
 from collector.delivery.lines import line_key, split_lines
 from pipeline.durable import fsync_dir
 from pipeline.errors import FabricError
+
+NEWLINE = ord("\n")
 
 
 class ResultFileError(FabricError):
@@ -47,7 +50,11 @@ class ResultFile:
         self._fd = fd
         self._keys = keys
         self._failed: str | None = None
-        self._unsynced = True  # written since the last sync (at open: the sync is the first)
+        # appends made, and how many of them the last finished sync covers (at open: the
+        # first sync is needed); counted, not flagged, so that a sync running on another
+        # thread while the next page is appended never takes that page for synced
+        self._writes = 1
+        self._synced = 0
 
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> ResultFile:
@@ -121,7 +128,7 @@ class ResultFile:
         if not data:
             return
         view = memoryview(data)
-        self._unsynced = True
+        self._writes += 1
         try:
             while view:
                 view = view[os.write(self._fd, view) :]
@@ -140,7 +147,7 @@ class ResultFile:
         self._check_usable()
         if data and not data.endswith(b"\n"):
             raise ValueError(f"write_page got {len(keys)} keys and a buffer of partial lines")
-        lines = data.count(b"\n")
+        lines = int(np.count_nonzero(np.frombuffer(data, np.uint8) == NEWLINE))  # 6x bytes.count
         if lines != len(keys):
             raise ValueError(f"write_page got {lines} lines but {len(keys)} keys")
         if self._keys.isdisjoint(keys):
@@ -157,10 +164,13 @@ class ResultFile:
         return self.write(split_lines(data), keys)
 
     def sync(self) -> None:
-        """fsync: everything written so far is on disk when this returns (a no-op when nothing
-        was written since the last sync)."""
+        """fsync: everything written before this call is on disk when it returns (a no-op
+        when nothing was written since the last sync). It may run on another thread while
+        the caller appends more (collector/results_client.py): those appends wait for the
+        next sync."""
         self._check_usable()
-        if not self._unsynced:
+        writes = self._writes
+        if self._synced >= writes:
             return
         try:
             os.fsync(self._fd)
@@ -170,7 +180,7 @@ class ResultFile:
                 f"syncing output file {self.path} failed: {exc.strerror}; what was written "
                 "since the last sync may be lost: run again, and the file is re-read"
             ) from exc
-        self._unsynced = False
+        self._synced = max(self._synced, writes)
 
     def close(self) -> None:
         """Close the file (without a sync: call `sync` first to keep what was written)."""
