@@ -19,18 +19,14 @@ that CPython ships, assembly/demo.py):
 
 Writes its section of docs/BENCHMARKS.md.
 
-    python bench/engine_overhead.py --lists [--per-line 64] [--items N] [--repeats 3]
+    python bench/engine_overhead.py --lists [--per-line 64] [--items N] [--repeats 4]
 
 compares instead, through the same pipeline, the corpus sent as embeddings
 `input` lists of `--per-line` strings (fan-out: one item per string, joined
 back into one response line) with the same strings one per line: items/s of
-each and their ratio, target within 5%. The repeats are paired and
-interleaved (single then lists, then lists then single, ...): each pair's
-ratio is one sample, and the section gives their median and spread. Each
-run first sends a warm-up job and waits for it (the worker's model loaded,
-its lanes run once), then times the real one; it also reports the CPU
-seconds each stage and the results client spent per 1,000 items, so a cost
-of fan-out shows where it is. Writes its own section.
+each and their ratio, target within 5%, in paired, interleaved repeats, with
+the batches the engine ran and the CPU of each stage to tell a cost of
+fan-out from engine noise (bench/engine_lists.py). Writes its own section.
 """
 
 from __future__ import annotations
@@ -49,6 +45,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.batch_log_worker import read_batches  # noqa: E402
 from bench.machine import command_line, describe, load_average  # noqa: E402
 from bench.report import Row, render_section, write_section  # noqa: E402
 
@@ -125,14 +122,29 @@ def stage_cpu(data_root: Path) -> dict[str, float]:
     return out
 
 
+def process_cpu(pid: int) -> float:
+    """CPU seconds (user + system) process `pid` has spent so far."""
+    import psutil
+
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
+
+
 def pipeline(
-    root: Path, texts: list[str], per_line: int = 1, cpu: dict[str, float] | None = None
+    root: Path,
+    texts: list[str],
+    per_line: int = 1,
+    cpu: dict[str, float] | None = None,
+    batches: dict | None = None,
 ) -> float:
     """Seconds from the first submitted line to the last result delivered (one local worker);
     `per_line` > 1 sends the texts as embeddings `input` lists of that many strings. A warm-up
     job (the first 128 texts, in the same form) runs to the end before the clock starts.
     `cpu`, when given, gets each stage's CPU seconds over the timed job (and `client`: this
-    process's, which submits and fetches)."""
+    process's, which submits and fetches). `batches`, when given, gets the batches the engine
+    ran for the timed job (`log`: bench/batch_log_worker.py's records) and the job's wall-clock
+    `began` and `ended`: the worker is then started by this bench as that logging worker,
+    with the options the supervisor would give it, and the broker runs with `local = 0`."""
     from assembly.demo import write_config
     from collector.results_client import ResultsClient
     from config import load_settings
@@ -146,8 +158,12 @@ def pipeline(
     text = config.read_text().replace("prefetch = 2", "prefetch = 2\ntarget_batch_s = 0.0")
     config.write_text(text)
     settings = load_settings(config)
+    broker_config, worker = config, None
+    if batches is not None:
+        broker_config = root / "broker.toml"
+        broker_config.write_text(text.replace("local = 1", "local = 0"))
     broker = subprocess.Popen(
-        [sys.executable, str(REPO / "run.py"), "--config", str(config)],
+        [sys.executable, str(REPO / "run.py"), "--config", str(broker_config)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         cwd=REPO,
@@ -155,11 +171,21 @@ def pipeline(
     try:
         with Producer(settings.ingest.bind, timeout_s=30.0, attempts=20, patient=True) as producer:
             producer.catalog()  # the broker is up (its workers load the model meanwhile)
+            if batches is not None:
+                log = root / "batches.log"
+                worker = subprocess.Popen(
+                    [sys.executable, str(REPO / "bench" / "batch_log_worker.py"), config, log],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    cwd=REPO,
+                )
             producer.submit_file(warm, "warm-up")
             with ResultsClient(settings.completion.bind, timeout_s=10.0, patient=True) as client:
                 client.fetch("warm-up", str(root / "warm.out"), str(root / "warm.err"), follow=True)
             before, client_before = stage_cpu(settings.data_path), time.process_time()
-            began = time.perf_counter()
+            if worker is not None:
+                before["worker-0"] = process_cpu(worker.pid)
+            began, began_wall = time.perf_counter(), time.time()
             job = f"bench-{time.time_ns()}"
             producer.submit_file(corpus, job)
         with ResultsClient(settings.completion.bind, timeout_s=10.0, patient=True) as client:
@@ -169,26 +195,38 @@ def pipeline(
         seconds = time.perf_counter() - began
         if cpu is not None:
             after = stage_cpu(settings.data_path)
+            if worker is not None:
+                after["worker-0"] = process_cpu(worker.pid)
             cpu.update({k: after[k] - before[k] for k in after if k in before})
             cpu["client"] = time.process_time() - client_before
+        if batches is not None:
+            batches["began"], batches["ended"] = began_wall, began_wall + seconds
+            logged = read_batches(log)
+            batches["log"] = logged[logged["began"] >= began_wall]
         lines = -(-len(texts) // per_line)
         assert report.written == lines, (report.written, report.errors)
         return seconds
     finally:
-        broker.send_signal(signal.SIGTERM)
-        broker.wait(timeout=60)
+        for process in (worker, broker):
+            if process is not None:
+                process.send_signal(signal.SIGTERM)
+                process.wait(timeout=60)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, help="3; with --lists 4 (pairs, even)")
     parser.add_argument("--dir", default=str(REPO / "var" / "bench-engine"))
     parser.add_argument("--lists", action="store_true", help="list input against one per line")
     parser.add_argument("--per-line", type=int, default=64, help="strings per list line")
     parser.add_argument("--items", type=int, default=0, help="use the first N texts (0: all)")
     args = parser.parse_args()
     if args.lists:
+        from bench.engine_lists import lists_against_single
+
+        args.repeats = args.repeats or 4
         return lists_against_single(args)
+    args.repeats = args.repeats or 3
     from assembly.demo import corpus
 
     started = time.monotonic()
@@ -257,107 +295,6 @@ def main() -> int:
     )
     print(body)
     write_section(DOC, "bench/engine_overhead.py", body)
-    subprocess.run(["rm", "-rf", str(bench_dir)], check=False)
-    return 0
-
-
-def lists_against_single(args) -> int:
-    """The corpus as `input` lists of `per_line` strings against one string per line, both
-    through the whole pipeline: items/s of each, and their ratio (target within 5%)."""
-    from assembly.demo import corpus
-
-    started = time.monotonic()
-    bench_dir = Path(args.dir)
-    subprocess.run(["rm", "-rf", str(bench_dir)], check=True)
-    bench_dir.mkdir(parents=True)
-    facts = describe(bench_dir)
-    texts = corpus()
-    if args.items:
-        texts = texts[: args.items]
-    single, lists = [], []
-    cpu: dict[str, dict[str, list[float]]] = {"single": {}, "lists": {}}
-    loads = [load_average()]
-    for r in range(args.repeats):  # paired, interleaved: drift touches both of a pair alike
-        order = ("single", "lists") if r % 2 == 0 else ("lists", "single")
-        for kind in order:
-            per_line = 1 if kind == "single" else args.per_line
-            spent: dict[str, float] = {}
-            rate = len(texts) / pipeline(bench_dir / f"{kind}{r}", texts, per_line, spent)
-            (single if kind == "single" else lists).append(rate)
-            for label, seconds in spent.items():
-                cpu[kind].setdefault(label, []).append(1000 * seconds / len(texts))
-            shown = ", ".join(f"{k} {v:.1f}" for k, v in sorted(spent.items()))
-            print(f"{kind}: {rate:.0f} items/s; CPU s: {shown}", file=sys.stderr)
-        loads.append(load_average())
-    ratios = tuple(a / b for a, b in zip(lists, single, strict=True))
-    cpu_rows = []
-    for label in sorted(set(cpu["single"]) & set(cpu["lists"])):
-        for kind in ("single", "lists"):
-            cpu_rows.append(
-                Row(f"4 CPU, {label}", f"{kind}: CPU s per 1,000 items", tuple(cpu[kind][label]))
-            )
-    rows = [
-        Row("1 one string per line", "submit -> last result delivered: items/s", tuple(single)),
-        Row(
-            f"2 lists of {args.per_line}",
-            "submit -> last line delivered: items/s",
-            tuple(lists),
-        ),
-        Row(
-            "3 ratio",
-            "lists / one per line, % (paired by repeat)",
-            tuple(100 * x for x in ratios),
-        ),
-        Row(
-            "3 ratio",
-            "its distance from 100%, % (median of the pairs)",
-            (abs(100 * float(np.median(ratios)) - 100),),
-            target="< 5%",
-            below=5.0,
-        ),
-        *cpu_rows,
-    ]
-    facts["load average at end"] = load_average()
-    facts["load average after each pair"] = "; ".join(loads[1:])
-    notes = [
-        f"Corpus: the first {len(texts)} paragraphs of the Python documentation topics "
-        f"(pydoc_data), as `run.py demo` uses them; lists of {args.per_line} consecutive "
-        "paragraphs per line, or one per line.",
-        "Both through `run.py --config` as `run.py demo` writes it (one local minilm worker, "
-        "batch_items 64, target_batch_s 0), timed from the first submitted line until "
-        "`ResultsClient.fetch(follow=True)` has written and fsynced every line. A list line's "
-        "strings are its parts: each is an item of its own lane (docs/completion.md, "
-        '"Lines and parts"), joined back into one line by completion and the client.',
-        "Paired, interleaved repeats (single then lists, then lists then single, ...), each "
-        "run on a fresh broker after a warm-up job of the first 128 texts has been delivered "
-        "(the worker's model loaded, its lanes run once): the ratio of each pair is one sample, "
-        "given as median and spread. `4 CPU` rows: CPU seconds per 1,000 items of each stage "
-        "process and of the results client (this process: submit and fetch) over the timed job.",
-        "Found by profiling the client: a page of fan-out lines was rendered twice (once for "
-        "its lines, once for their keys) and every rendered row parsed back from JSON for the "
-        "join, about 4 times the client's cost of the same rows one per line; now the keys "
-        "come without rendering and the join takes the rows as dicts (collector/delivery/"
-        "lines.py, join.py), byte-identical output. Completion read, checksummed and dropped "
-        "the rows of lines not done yet on every page (twice its CPU); now it skips them "
-        "before reading (collector/completion/line_pages.py `ready_rows`).",
-        "Found by the CPU rows: with equal CPU per stage, lists took a third longer in wall "
-        "time. A chunk is a number of lines, and nothing of it reaches the worker before all "
-        "of it is logged: 20 lines of 64 were one chunk of the whole job, where one per line "
-        "started the worker after the first 512 lines. The submit client now sizes a new "
-        "job's chunks from its first line's parts (ingest/chunk_size.py): 8 lines of 64 here.",
-    ]
-    body = render_section(
-        "Engine overhead: list input (bench/engine_overhead.py --lists)",
-        "Embeddings `input` lists (fan-out and join) against the same strings one per line, "
-        "through the whole pipeline with the `minilm` engine.",
-        command_line(),
-        time.monotonic() - started,
-        facts,
-        rows,
-        notes,
-    )
-    print(body)
-    write_section(DOC, "bench/engine_overhead.py --lists", body)
     subprocess.run(["rm", "-rf", str(bench_dir)], check=False)
     return 0
 
