@@ -57,6 +57,7 @@ log = logging.getLogger("fabric.api")
 EXPIRED_CODE = "batch_expired"
 CANCELLED_CODE = "cancelled"  # the code completion gives a cancelled item's error line
 FETCH_EVERY_S = 1.0  # a running batch's results are fetched this often (and when it ends)
+CANCEL_WAIT_S = 5.0  # a job not known this long after its validation stopped is sent its lines
 ENDED = (JobState.COMPLETED, JobState.CANCELLED)  # broker job states whose results are all in
 
 
@@ -85,6 +86,7 @@ class BatchDriver:
         self._submitting: dict[str, Future] = {}
         # batches being validated, their lines sent as they check out (api/batch_validation.py)
         self._validating: dict[str, tuple[Future, threading.Event, Path]] = {}
+        self._uncancelled: dict[str, float] = {}  # batch id -> first failed cancel of its job
 
     def close(self) -> None:
         for _, stop, _ in self._validating.values():
@@ -241,10 +243,13 @@ class BatchDriver:
         if not record.get("job_cancelled"):
             try:
                 self._cancel_job(batch_id)
-            except FabricError as exc:  # its first chunk is still on the way: the next pass
+            except FabricError as exc:  # no chunk of it committed yet: the next pass
+                first = self._uncancelled.setdefault(batch_id, time.monotonic())
                 log.info("batch %s: its job cannot be cancelled yet (%s)", batch_id, exc)
-                self._submitted(record)
+                if time.monotonic() - first >= CANCEL_WAIT_S:  # none is coming: make the job
+                    self._submitted(record)
                 return
+            self._uncancelled.pop(batch_id, None)
             record["job_cancelled"] = True
             self.batches.put(record)
         if self._submitted(record):

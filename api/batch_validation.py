@@ -15,7 +15,7 @@ still read to list every bad line. Then:
 
 | the batch                       | what the driver does with the job                       |
 |---------------------------------|---------------------------------------------------------|
-| OpenAI's default (bad lines fail it) | cancels it, then sends it the rest of the file so that it finishes (`cancelled`) and expires like any job; lines sent before the bad one may have run; no output file is made |
+| OpenAI's default (bad lines fail it) | cancels it, then sends it the rest of the file so that it finishes (`cancelled`; `completed` if every line ran before the cancel reached it) and expires like any job; lines sent before the bad one may have run; no output file is made |
 | `fabric_accept_partial`, lines of another url | resumes it from a copy of the file with those lines blank (the chunks sent are the same in the copy) |
 | `fabric_accept_partial`, other bad lines | nothing: they go in the job, where they become error lines |
 
@@ -52,7 +52,7 @@ class Checked:
     lines: int = 0  # non-blank lines
     wrong_url: dict[int, str | None] = field(default_factory=dict)  # {line: custom_id}
     sent_all: bool = False  # every chunk is in the job: the job is complete
-    job: bool = False  # the job exists (some chunk was sent, now or before a restart)
+    job: bool = False  # the job may exist: a chunk was sent (now, or before a restart)
 
     def add(self, chunk: InputChunk, endpoint: str) -> None:
         """The errors of one chunk, and its lines whose url is not the batch's endpoint."""
@@ -101,12 +101,16 @@ def check_and_send(
     source = iter_batch_input(path, producer.settings(lines), chunk_lines=lines)
 
     def good_chunks() -> Iterator[InputChunk]:
+        first = True
         for chunk in source:
             checked.add(chunk, endpoint)
             bad = checked.wrong_url or (checked.errors and not accept_partial)
             if bad or stop.is_set():
                 raise Held
-            checked.job = True
+            # the submit client sends a chunk once it holds the next (to mark the last one):
+            # taking this one sends the one before
+            checked.job = checked.job or not first
+            first = False
             yield chunk
 
     try:
