@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ from api.batch_store import (
 from api.errors import ApiError, invalid, not_found
 from api.file_store import PURPOSE_INPUT, FileStore
 from api.keys import KeyRing
+from api.route_stats import CountRequests, RouteStats
 from api.upload import UploadParser, receive_upload
 
 READ_BLOCK = 1 << 20
@@ -55,29 +55,6 @@ def parse_window(text: Any) -> int:
     return int(match[1]) * UNIT_S[match[2]]
 
 
-class RouteStats:
-    """Requests answered and seconds spent, per route template: the stage's metrics
-    (`fabric_api_requests_total`, `fabric_api_request_seconds_total`)."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.requests: dict[tuple[str, str, str], int] = {}
-        self.seconds: dict[tuple[str, str], float] = {}
-
-    def add(self, route: str, method: str, status: int, seconds: float) -> None:
-        with self.lock:
-            key = (route, method, str(status))
-            self.requests[key] = self.requests.get(key, 0) + 1
-            self.seconds[(route, method)] = self.seconds.get((route, method), 0.0) + seconds
-
-    def stats(self) -> dict:
-        with self.lock:
-            return {
-                "fabric_api_requests_total": dict(self.requests),
-                "fabric_api_request_seconds_total": dict(self.seconds),
-            }
-
-
 def make_app(settings, root: Path, endpoints: tuple[str, ...]) -> FastAPI:
     """The app over `<data_dir>/api` (`root`); `endpoints`: the urls the broker's models serve.
     `app.state.route_stats` counts the requests (RouteStats)."""
@@ -85,16 +62,8 @@ def make_app(settings, root: Path, endpoints: tuple[str, ...]) -> FastAPI:
     batches = BatchStore(root)
     keys = KeyRing(settings.api.keys_file)
     app = FastAPI(title="Inference Fabric: OpenAI Batch API", docs_url=None, redoc_url=None)
-    route_stats = app.state.route_stats = RouteStats()
-
-    @app.middleware("http")
-    async def _count(request: Request, call_next):
-        started = time.perf_counter()
-        response = await call_next(request)
-        route = request.scope.get("route")
-        path = getattr(route, "path", "unmatched")
-        route_stats.add(path, request.method, response.status_code, time.perf_counter() - started)
-        return response
+    app.state.route_stats = RouteStats()
+    app.add_middleware(CountRequests, stats=app.state.route_stats)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:

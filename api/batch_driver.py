@@ -6,11 +6,12 @@
     in_progress --(cancel)--> cancelling --> cancelled     (results made so far are kept)
     in_progress --(expires_at)--> expired                  (unfinished items: batch_expired lines)
 
-A batch is a broker job whose id is the batch id: the driver submits the input
-file with the producer SDK (`Producer.submit_file`, given the chunks validation
-made, so the file is parsed once; acknowledged once every
-item is durable; run again after a crash, it resumes with the chunks already
-acknowledged) and fetches the results with the results client
+A batch is a broker job whose id is the batch id: while validating, the driver
+sends the input's lines with the producer SDK as they check out
+(api/batch_validation.py: the file is parsed once, and the broker starts on the
+first lines while the last are checked; `Producer.submit_file` is acknowledged
+once every item is durable; run again after a crash, it resumes with the chunks
+already acknowledged) and fetches the results with the results client
 (`ResultsClient.fetch`, which appends to the batch's output and error files,
 fsyncs them and only then acknowledges each page: each custom_id lands once
 across the two files, whatever crashes). There is no queue of its own: the
@@ -25,13 +26,12 @@ deadlines first (a hint, docs/dispatch.md); expiry ends a batch at its deadline.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import orjson
 
 from api.batch_store import (
@@ -43,12 +43,11 @@ from api.batch_store import (
     TERMINAL,
     BatchStore,
 )
+from api.batch_validation import Checked, check_and_send, error
 from api.file_store import PURPOSE_OUTPUT, FileRecord, FileStore, output_file_id
 from collector.delivery.lines import line_key
 from collector.delivery.result_file import ResultFile
 from collector.results_client import ResultsClient
-from ingest.batch_input import iter_batch_input
-from ingest.input_chunk import InputChunk
 from ingest.submit_client import Producer
 from pipeline.durable import write_whole
 from pipeline.errors import FabricError
@@ -57,9 +56,8 @@ from pipeline.job_states import JobState
 log = logging.getLogger("fabric.api")
 EXPIRED_CODE = "batch_expired"
 CANCELLED_CODE = "cancelled"  # the code completion gives a cancelled item's error line
-KEEP_PARSED_BYTES = 256 << 20  # validated chunks kept for submission, at most (a larger file
-# is parsed again when it is submitted)
 FETCH_EVERY_S = 1.0  # a running batch's results are fetched this often (and when it ends)
+CANCEL_WAIT_S = 5.0  # a job not known this long after its validation stopped is sent its lines
 ENDED = (JobState.COMPLETED, JobState.CANCELLED)  # broker job states whose results are all in
 
 
@@ -86,8 +84,13 @@ class BatchDriver:
         # counted meanwhile; the producer is used on that thread only.
         self._submitter = ThreadPoolExecutor(1, thread_name_prefix="submit")
         self._submitting: dict[str, Future] = {}
+        # batches being validated, their lines sent as they check out (api/batch_validation.py)
+        self._validating: dict[str, tuple[Future, threading.Event, Path]] = {}
+        self._uncancelled: dict[str, float] = {}  # batch id -> first failed cancel of its job
 
     def close(self) -> None:
+        for _, stop, _ in self._validating.values():
+            stop.set()  # a pass cut here is run again at the next start
         self._submitter.shutdown(wait=True, cancel_futures=True)
 
     def step(self) -> dict[str, int]:
@@ -114,10 +117,11 @@ class BatchDriver:
         cancel_at = self.batches.cancel_requested(batch_id)
         status = record["status"]
         if status == "validating":
-            if cancel_at is not None:
-                self._end(record, "cancelled", now, cancelling_at=cancel_at)
-            elif record["expires_at"] is not None and now >= record["expires_at"]:
-                self._expire_unsubmitted(record, now)
+            expired = record["expires_at"] is not None and now >= record["expires_at"]
+            if record.get("ending") is not None:
+                self._close_job_then_end(record, now)
+            elif cancel_at is not None or expired:
+                self._stop_validating(record, "cancelled" if cancel_at is not None else "expired")
             else:
                 self._validate_and_submit(record)
             return
@@ -134,19 +138,46 @@ class BatchDriver:
 
     # ---- validating ------------------------------------------------------------------------
     def _validate_and_submit(self, record: dict[str, Any]) -> None:
+        """Start checking the batch's lines, sending them as its job as they check out (on the
+        submit thread); once that pass ended, the batch is in_progress or failed."""
         batch_id = record["id"]
-        source = self.files.get(record["input_file_id"])
-        if source is None:
-            self._fail(record, [_error("file_not_found", None, "the input file was deleted")])
+        running = self._validating.get(batch_id)
+        if running is None:
+            source = self.files.get(record["input_file_id"])
+            if source is None:
+                self._fail(record, [error("file_not_found", None, "the input file was deleted")])
+                return
+            stop = threading.Event()
+            path = self.files.content_path(source)
+            future = self._submitter.submit(
+                check_and_send,
+                self.producer,
+                path,
+                batch_id,
+                record["endpoint"],
+                accept_partial=_accepts_partial(record),
+                deadline=record["expires_at"],
+                stop=stop,
+            )
+            self._validating[batch_id] = (future, stop, path)
+            log.info("batch %s: validating, its lines sent as job %s", batch_id, batch_id)
             return
-        path = self.files.content_path(source)
-        chunk_lines = int(self.catalog.catalog()["chunk_items"])
-        settings = self.catalog.settings(chunk_lines)
-        checked = _check_lines(path, record["endpoint"], settings)
-        errors, lines, wrong_url = checked.errors, checked.lines, checked.wrong_url
-        partial = str((record.get("metadata") or {}).get(ACCEPT_PARTIAL_KEY, "")).lower()
-        if errors and partial not in ("true", "1", "yes"):
-            self._fail(record, errors)
+        future, _, path = running
+        if not future.done():
+            return
+        del self._validating[batch_id]
+        try:
+            checked = future.result()
+        except FabricError as exc:  # the broker is restarting: validated again on the next pass
+            log.warning("batch %s: validation stopped (%s); starting it again", batch_id, exc)
+            return
+        self._validated(record, checked, path)
+
+    def _validated(self, record: dict[str, Any], checked: Checked, path: Path) -> None:
+        batch_id = record["id"]
+        errors, wrong_url = checked.errors, checked.wrong_url
+        if errors and not _accepts_partial(record):
+            self._end_validating(record, {"status": "failed", "errors": errors}, path, checked.job)
             return
         source_path = str(path)
         if wrong_url:  # kept out of the job: their error lines are written here, blank lines sent
@@ -157,30 +188,80 @@ class BatchDriver:
             output_file_id=output_file_id(batch_id, "output"),
             local_errors=len(wrong_url),
             submit_path=source_path,
-            submitted=False,
-            request_counts={"total": lines, "completed": 0, "failed": len(errors)},
+            submitted=checked.sent_all,
+            request_counts={"total": checked.lines, "completed": 0, "failed": len(errors)},
         )
         self._register(record, "output", OUTPUT)
         self.batches.put(record)
-        if checked.chunks is not None and not wrong_url:  # sent as checked, not parsed again
-            self._submit(record, (chunk_lines, checked.chunks))
-        else:
+        if not checked.sent_all:  # the rest of the lines, from the copy without wrong urls
             self._submit(record)
 
-    def _submit(
-        self, record: dict[str, Any], parsed: tuple[int, list[InputChunk]] | None = None
+    def _stop_validating(self, record: dict[str, Any], status: str) -> None:
+        """A batch cancelled or expired while validating: its pass is stopped (the next passes
+        look again until it has), then the batch ends as `status`."""
+        batch_id = record["id"]
+        running = self._validating.get(batch_id)
+        job = self.catalog.job_status(batch_id)["exists"]
+        path = None
+        if running is not None:
+            future, stop, path = running
+            stop.set()
+            if not future.done():
+                return
+            del self._validating[batch_id]
+            job = job or future.exception() is not None or future.result().job
+        elif job:
+            source = self.files.get(record["input_file_id"])
+            path = self.files.content_path(source) if source is not None else None
+        self._end_validating(record, {"status": status}, path, job)
+
+    def _end_validating(
+        self, record: dict[str, Any], ending: dict[str, Any], path: Path | None, job: bool
     ) -> None:
-        """Start (or, after a restart, resume) sending the input as the batch's job; `parsed`:
-        (chunk lines, the chunks validation made of it), sent instead of parsing it again."""
+        """End a batch before in_progress (`ending`: its status, and errors for `failed`);
+        `job`: some of its lines may be in its job, which is closed first."""
+        if job and path is not None:
+            record.update(ending=ending, submit_path=str(path), submitted=False)
+            self.batches.put(record)
+            self._close_job_then_end(record, int(time.time()))
+            return
+        now = int(time.time())
+        if ending["status"] == "failed":
+            self._fail(record, ending["errors"])
+        elif ending["status"] == "cancelled":
+            cancel_at = self.batches.cancel_requested(record["id"])
+            self._end(record, "cancelled", now, cancelling_at=cancel_at)
+        else:
+            self._expire_unsubmitted(record, now)
+
+    def _close_job_then_end(self, record: dict[str, Any], now: int) -> None:
+        """A batch ending while validating, with lines in its job: the job is cancelled, then
+        sent the rest of the file, so that it finishes (`cancelled`: the rest is not run) and
+        its results expire like any job's, where a job never sent its last chunk would stay
+        `validating` for ever; then the batch ends. Each step is safe to repeat."""
+        batch_id = record["id"]
+        if not record.get("job_cancelled"):
+            try:
+                self._cancel_job(batch_id)
+            except FabricError as exc:  # no chunk of it committed yet: the next pass
+                first = self._uncancelled.setdefault(batch_id, time.monotonic())
+                log.info("batch %s: its job cannot be cancelled yet (%s)", batch_id, exc)
+                if time.monotonic() - first >= CANCEL_WAIT_S:  # none is coming: make the job
+                    self._submitted(record)
+                return
+            self._uncancelled.pop(batch_id, None)
+            record["job_cancelled"] = True
+            self.batches.put(record)
+        if self._submitted(record):
+            self._end_validating(record, record.pop("ending"), None, False)
+
+    def _submit(self, record: dict[str, Any]) -> None:
+        """Start (or, after a restart, resume) sending the input as the batch's job."""
         batch_id = record["id"]
         if batch_id not in self._submitting:
             path = record["submit_path"]
             self._submitting[batch_id] = self._submitter.submit(
-                self.producer.submit_file,
-                path,
-                batch_id,
-                parsed=parsed,
-                deadline=record["expires_at"],
+                self.producer.submit_file, path, batch_id, deadline=record["expires_at"]
             )
             log.info("batch %s: submitting %s as job %s", batch_id, path, batch_id)
 
@@ -362,10 +443,6 @@ def _counts(info: dict[str, Any], record: dict[str, Any]) -> dict[str, int]:
     }
 
 
-def _error(code: str, line: int | None, message: str, param: str | None = None) -> dict[str, Any]:
-    return {"code": code, "line": line, "message": message, "param": param}
-
-
 def _error_line(batch_id: str, number: int, custom_id, code: str, message: str) -> bytes:
     line = {
         "id": f"{batch_id}-line-{number}",
@@ -374,6 +451,12 @@ def _error_line(batch_id: str, number: int, custom_id, code: str, message: str) 
         "error": {"code": code, "message": message},
     }
     return orjson.dumps(line, option=orjson.OPT_APPEND_NEWLINE)
+
+
+def _accepts_partial(record: dict[str, Any]) -> bool:
+    """Whether the batch's metadata chose to run its good lines despite bad ones."""
+    value = str((record.get("metadata") or {}).get(ACCEPT_PARTIAL_KEY, ""))
+    return value.lower() in ("true", "1", "yes")
 
 
 def _custom_ids(path: Path):
@@ -386,61 +469,6 @@ def _custom_ids(path: Path):
                 except (orjson.JSONDecodeError, AttributeError):
                     custom_id = None
                 yield number, custom_id if isinstance(custom_id, str) else None
-
-
-@dataclass
-class Checked:
-    """What validation found in an input file."""
-
-    errors: list[dict[str, Any]]  # OpenAI's {code, line, message, param}, in line order
-    lines: int  # non-blank lines
-    wrong_url: dict[int, str | None]  # {line: custom_id} of lines for another endpoint
-    chunks: list[InputChunk] | None  # the checked chunks; None past KEEP_PARSED_BYTES
-
-
-def _check_lines(path: Path, endpoint: str, settings) -> Checked:
-    """One pass of the broker's own line checks (`iter_batch_input`, as `run.py submit` runs
-    them) plus the batch's endpoint, keeping the chunks while they fit in KEEP_PARSED_BYTES."""
-    errors: list[dict[str, Any]] = []
-    wrong_url: dict[int, str | None] = {}
-    lines = 0
-    chunks: list[InputChunk] | None = []
-    kept = 0
-    for chunk in iter_batch_input(path, settings):
-        lines += len(chunk.custom_ids) + len(chunk.errors)
-        if chunks is not None:
-            kept += _chunk_bytes(chunk)
-            if kept <= KEEP_PARSED_BYTES:
-                chunks.append(chunk)
-            else:
-                chunks = None
-        errors += [_error(e.code, e.line, e.message) for e in chunk.errors]
-        off = [k for k, shape in enumerate(chunk.shapes) if shape.endpoint != endpoint]
-        if not off:
-            continue
-        for item in np.flatnonzero(np.isin(chunk.shape_index, off)).tolist():
-            number = int(chunk.line[item])
-            url = chunk.shapes[int(chunk.shape_index[item])].endpoint
-            wrong_url[number] = chunk.custom_ids[item]
-            errors.append(
-                _error(
-                    "invalid_url",
-                    number,
-                    f"line {number}: url {url!r} is not the batch's endpoint {endpoint!r}; "
-                    "every request of a batch uses its endpoint",
-                    "url",
-                )
-            )
-    errors.sort(key=lambda e: e["line"] or 0)
-    return Checked(errors, lines, wrong_url, chunks)
-
-
-def _chunk_bytes(chunk: InputChunk) -> int:
-    """About how much memory a chunk holds: its arrays, its custom_ids and prompt texts."""
-    arrays = (chunk.line, chunk.model_index, chunk.shape_index, chunk.tokens, chunk.offsets)
-    size = sum(a.nbytes for a in arrays) + sum(map(len, chunk.custom_ids))
-    size += sum(len(str(t)) for t in chunk.texts)
-    return size + 64 * (len(chunk.custom_ids) + len(chunk.texts)) + 256 * len(chunk.errors)
 
 
 def _rewrite_codes(path: Path, old: str, new: str) -> None:

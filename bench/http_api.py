@@ -188,6 +188,17 @@ def bench_cli(root: Path, source: Path, lines: int) -> float:
         broker.close()
 
 
+def http_parser() -> str:
+    """The HTTP/1.1 parser uvicorn runs the api stage with: httptools when installed, else h11."""
+    try:
+        import httptools
+    except ImportError:
+        import h11
+
+        return f"h11 {h11.__version__} (httptools not installed)"
+    return f"httptools {httptools.__version__}"
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--size", type=int, default=1 << 30, help="upload bytes (1 GiB)")
@@ -208,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     root.mkdir()
     facts = machine.describe(args.dir)
     facts["CPU and I/O pressure at start"] = pressure()
+    facts["HTTP parser (uvicorn's pick)"] = http_parser()
     started = time.perf_counter()
     uploads, http, cli = [], [], []
     try:
@@ -264,10 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         f"End to end: {args.lines:,} echo /v1/completions lines of 16 token ids, one local echo "
         "worker, a fresh broker each; HTTP polls batches.retrieve every 0.2 s and downloads the "
         "output file; the CLI runs `submit`, then `results --follow` (one after the other, as a "
-        "user would). HTTP runs OpenAI's validation first (every line checked before any is "
-        "queued, so a bad line fails the batch with nothing run) and then sends the chunks "
-        "that check made, so each path parses the file once; `submit` overlaps its parsing "
-        "with the broker's work, HTTP cannot.",
+        "user would). Each path parses the file once and overlaps that with the broker's "
+        "work: HTTP's validation sends each chunk as it checks out (api/batch_validation.py).",
         f"Sizes: --size {args.size:,} ({args.size / mib:,.0f} MiB"
         + (", not the default 1 GiB" if args.size != 1 << 30 else "")
         + f"), --lines {args.lines:,}, --repeat {args.repeat}. On a shared machine the "

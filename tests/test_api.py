@@ -14,6 +14,7 @@ import orjson
 import pytest
 from fastapi.testclient import TestClient
 
+from api import upload as upload_module
 from api.app import PARTIAL_HEADER, make_app, parse_window
 from api.batch_store import BatchStore
 from api.errors import ApiError
@@ -400,6 +401,33 @@ def test_only_the_head_of_an_upload_is_parsed_and_a_line_cut_by_its_end_is_no_er
         whole = JsonlChecker(check_bytes=len(data))
         whole.feed(data)
         whole.finish()
+
+
+def test_an_upload_fed_in_odd_pieces_past_several_writeback_steps_is_stored_whole(
+    tmp_path, monkeypatch
+):
+    """The file part is written from views of each chunk as it lies, the disk asked to start
+    writing every WRITEBACK_BYTES: the stored bytes are the file's, whatever the pieces."""
+    monkeypatch.setattr(upload_module, "WRITEBACK_BYTES", 1 << 16)
+    data = jsonl(4000)  # about 300 KB: several writeback steps
+    body = (
+        b'--B\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+        b'--B\r\nContent-Disposition: form-data; name="file"; filename="a.jsonl"\r\n\r\n'
+        + data
+        + b"\r\n--B--\r\n"
+    )
+    parser = upload_module.UploadParser("multipart/form-data; boundary=B", tmp_path / "up", 1 << 30)
+    for start in range(0, len(body), 7919):  # pieces that cut lines and the boundary
+        parser.feed(body[start : start + 7919])
+    parser.finish()
+    parser.sync()
+    parser.close()
+    assert (tmp_path / "up").read_bytes() == data
+    assert (parser.size, parser.fields, parser.filename) == (
+        len(data),
+        {"purpose": b"batch"},
+        "a.jsonl",
+    )
 
 
 def test_requests_are_counted_per_route_template(client):

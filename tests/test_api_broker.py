@@ -18,7 +18,7 @@ from fastapi.testclient import TestClient
 from openai.types import Batch, Completion, CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion
 
-from api import batch_driver
+from api import batch_driver, batch_validation
 from api.app import make_app
 from api.batch_store import BatchStore
 from api.file_store import FileStore
@@ -30,6 +30,7 @@ from pipeline.topology import client_address
 
 GENERATE = '["/v1/embeddings", "/v1/chat/completions", "/v1/completions"]'
 DONE = ("completed", "failed", "expired", "cancelled")
+FINISHED = ("cancelled", "completed")  # a job's end states (a cancel can come after its last item)
 BODY_TYPES = {
     "/v1/embeddings": CreateEmbeddingResponse,
     "/v1/chat/completions": ChatCompletion,
@@ -206,7 +207,7 @@ def test_the_driver_parses_an_input_file_once(fast, tmp_path, monkeypatch):
         parses.append(path)
         return iter_batch_input(path, *args, **kwargs)
 
-    monkeypatch.setattr(batch_driver, "iter_batch_input", counted)
+    monkeypatch.setattr(batch_validation, "iter_batch_input", counted)
     monkeypatch.setattr(submit_client, "iter_batch_input", counted)
     root = tmp_path / "api"
     app = TestClient(make_app(broker.settings, root, ("/v1/embeddings",)))
@@ -231,6 +232,150 @@ def test_the_driver_parses_an_input_file_once(fast, tmp_path, monkeypatch):
     out = app.get(f"/v1/files/{batch['output_file_id']}/content").content.splitlines()
     assert_each_once([orjson.loads(x) for x in out], [], custom_ids)
     assert len(parses) == 1
+
+
+def chunk_in_job(ingest: str, job_id: str, chunk: int) -> bool:
+    """Whether chunk `chunk` of job `job_id` is committed within 30 s."""
+    producer = Producer(ingest)
+    try:
+        committed = lambda: chunk in producer.job_status(job_id).get("committed", [])  # noqa: E731
+        return wait_for(committed, f"chunk {chunk} of {job_id} in the job", timeout_s=30)
+    except AssertionError:
+        return False
+    finally:
+        producer.close()
+
+
+def drive_one_batch(broker, tmp_path: Path, monkeypatch, at_chunk_3, until: str):
+    """One 1,000-line batch (5 chunks) through a driver of its own over the broker's ingest
+    and completion ports, in process; `at_chunk_3(batch_id, root)` runs on the validation's
+    thread as it reads chunk 3. Returns (the batch object, its custom_ids) once `until`."""
+    ingest = client_address(broker.settings.ingest.bind)
+    made = {}
+
+    def watched(path, *args, **kwargs):
+        for chunk in iter_batch_input(path, *args, **kwargs):
+            if chunk.index == 3:
+                at_chunk_3(made["id"], root)
+            yield chunk
+
+    monkeypatch.setattr(batch_validation, "iter_batch_input", watched)
+    root = tmp_path / "api"
+    app = TestClient(make_app(broker.settings, root, ("/v1/embeddings",)))
+    path = tmp_path / "in.jsonl"
+    custom_ids = requests_file(path, 1000, "/v1/embeddings")
+    file = app.post("/v1/files", files={"file": path.read_bytes()}, data={"purpose": "batch"})
+    body = {"input_file_id": file.json()["id"], "endpoint": "/v1/embeddings"}
+    made["id"] = app.post("/v1/batches", json=body).json()["id"]
+    producers = (Producer(ingest), Producer(ingest))
+    results = ResultsClient(client_address(broker.settings.completion.bind))
+    driver = batch_driver.BatchDriver(FileStore(root), BatchStore(root), producers, results)
+    try:
+        wait_for(lambda: driver.step()[until], f"the batch to be {until}", timeout_s=120)
+    finally:
+        driver.close()
+        results.close()
+        for producer in producers:
+            producer.close()
+    batch = app.get(f"/v1/batches/{made['id']}").json()
+    out = batch["output_file_id"] and app.get(f"/v1/files/{batch['output_file_id']}/content")
+    return batch, custom_ids, [orjson.loads(x) for x in out.content.splitlines()] if out else []
+
+
+def test_lines_are_sent_while_later_ones_are_still_checked(fast, tmp_path, monkeypatch):
+    """Validation sends the chunks that checked out as the batch's job while it checks the
+    rest (api/batch_validation.py): chunk 0 is in the job before chunk 3 is read."""
+    broker, _ = fast
+    seen = []
+
+    def check(batch_id: str, root: Path) -> None:
+        seen.append(chunk_in_job(client_address(broker.settings.ingest.bind), batch_id, 0))
+
+    _, custom_ids, out = drive_one_batch(broker, tmp_path, monkeypatch, check, "completed")
+    assert seen == [True]
+    assert_each_once(out, [], custom_ids)
+
+
+def test_a_batch_cancelled_while_its_lines_are_sent_ends_cancelled_and_so_does_its_job(
+    fast, tmp_path, monkeypatch
+):
+    """Cancelled while validation sends its lines: the pass stops, the job is cancelled and
+    sent the rest of the file, so it finishes (not left `validating` for ever) with every item
+    retired."""
+    broker, _ = fast
+    ids = []
+
+    def cancel(batch_id: str, root: Path) -> None:
+        ids.append(batch_id)
+        BatchStore(root).request_cancel(batch_id)
+
+    batch, _, out = drive_one_batch(broker, tmp_path, monkeypatch, cancel, "cancelled")
+    assert batch["status"] == "cancelled" and batch["in_progress_at"] is None and out == []
+    results = ResultsClient(client_address(broker.settings.completion.bind))
+    try:
+        # cancelled; or completed, when its lines all ran before the cancel reached it
+        ended = lambda: results.job_status(ids[0])["state"] in FINISHED  # noqa: E731
+        wait_for(ended, "the batch's job to finish", timeout_s=60)
+        job = results.job_status(ids[0])
+    finally:
+        results.close()
+    assert job["total"] == job["completed"] + job["failed"] == 1000
+
+
+def late_bad_line(path: Path, url: str = "/v1/embeddings", bad_url: str = "/v1/embeddings"):
+    """1,000 good lines but line 901, past the first chunks; (good custom_ids, the bad one)."""
+    good = requests_file(path, 1000, url)
+    lines = path.read_bytes().splitlines(keepends=True)
+    body = {"model": "nope" if bad_url == url else "echo", "prompt_token_ids": [1, 2]}
+    bad = {"custom_id": "q900", "method": "POST", "url": bad_url, "body": body}
+    lines[900] = orjson.dumps(bad) + b"\n"
+    path.write_bytes(b"".join(lines))
+    return good - {"q900"}, "q900"
+
+
+def test_a_bad_line_after_lines_were_sent_fails_the_batch_and_cancels_its_job(fast, tmp_path):
+    """The chunks before the bad line's were sent while it was checked: the batch fails as
+    OpenAI's does (every bad line listed, no output file); its job is cancelled and sent the
+    rest of the file, so that it finishes (a job never sent its last chunk never would)."""
+    broker, client = fast
+    late_bad_line(tmp_path / "in.jsonl")
+    file = upload(client, tmp_path / "in.jsonl")
+    made = client.batches.create(
+        input_file_id=file.id, endpoint="/v1/embeddings", completion_window="24h"
+    )
+    batch = finish(client, made.id)
+    assert batch.status == "failed" and [e.line for e in batch.errors.data] == [901]
+    assert batch.output_file_id is None and batch.error_file_id is None
+    results = ResultsClient(client_address(broker.settings.completion.bind))
+    try:
+        ended = lambda: results.job_status(batch.id)["state"] in FINISHED  # noqa: E731
+        wait_for(ended, "the batch's job to finish", timeout_s=60)
+        job = results.job_status(batch.id)
+    finally:
+        results.close()
+    assert job["total"] == job["completed"] + job["failed"] == 1000
+
+
+def test_accept_partial_with_a_late_line_of_another_url_runs_every_other_line_once(fast, tmp_path):
+    """The sending stops at the chunk with the line of another url; the job resumes from the
+    copy of the file without it (the chunks already sent are the same there)."""
+    _, client = fast
+    good, bad = late_bad_line(tmp_path / "in.jsonl", bad_url="/v1/completions")
+    file = upload(client, tmp_path / "in.jsonl")
+    batch = finish(
+        client,
+        client.batches.create(
+            input_file_id=file.id,
+            endpoint="/v1/embeddings",
+            completion_window="24h",
+            metadata={"fabric_accept_partial": "true"},
+        ).id,
+    )
+    assert batch.status == "completed", batch
+    out, err = lines_of(client, batch.output_file_id), lines_of(client, batch.error_file_id)
+    assert_each_once(out, err, good | {bad})
+    assert [e["custom_id"] for e in err] == [bad] and err[0]["error"]["code"] == "invalid_url"
+    assert batch.request_counts.model_dump() == {"total": 1000, "completed": 999, "failed": 1}
 
 
 def bad_file(path: Path) -> tuple[set[str], dict[int, str]]:

@@ -18,16 +18,19 @@ import pytest
 from broker import Broker, free_port, write_config, write_jsonl
 from conftest import assert_check_clean, wait_for
 
+from ingest.submit_client import Producer
+from pipeline.topology import client_address
+
 LIVENESS_S = 120  # a batch ends this soon after the last kill
 MAX_KILLS = 10
 SLOW = 'engine = "simulated"\noptions = {tokens_per_s = 4000.0}'
 
 
-def start(tmp_path: Path) -> tuple[Broker, openai.OpenAI, int]:
+def start(tmp_path: Path, worker_keys: str = SLOW) -> tuple[Broker, openai.OpenAI, int]:
     port = free_port()
     # max_restarts (in [supervisor], which `extra` continues): the kills are not a crash loop
     extra = f'max_restarts = 1000\n[api]\nenabled = true\nbind = "127.0.0.1:{port}"\n'
-    config = write_config(tmp_path, extra=extra, workers=1, worker_keys=SLOW)
+    config = write_config(tmp_path, extra=extra, workers=1, worker_keys=worker_keys)
     broker = Broker(config, stderr_path=tmp_path / "broker.err").start()
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", max_retries=0)
     return broker, client, port
@@ -123,6 +126,39 @@ def test_whole_broker_killed_at_each_phase_resumes_and_completes_once(tmp_path):
         broker.stop()
         assert_check_clean(broker.data_dir)
     finally:
+        broker.close()
+
+
+@pytest.mark.slow
+def test_whole_broker_killed_while_validation_sends_lines_resumes_and_completes_once(tmp_path):
+    """Killed while the batch is still validating and its first chunks are already in its job
+    (api/batch_validation.py sends lines as they check out): the pass runs again, resumes the
+    job after the chunks it holds, and the batch completes with each custom_id once."""
+    broker, client, _ = start(tmp_path, worker_keys="")  # the echo engine
+    producer = None
+    try:
+        n = 20_000  # 100 chunks: validation takes a while
+        path = tmp_path / "in.jsonl"
+        write_jsonl(path, n, seed=9)
+        file = client.files.create(file=(path.name, path.read_bytes()), purpose="batch")
+        made = client.batches.create(
+            input_file_id=file.id, endpoint="/v1/embeddings", completion_window="24h"
+        )
+        producer = Producer(client_address(broker.settings.ingest.bind))
+
+        def sending():
+            committed = producer.job_status(made.id).get("committed", [])
+            batch = retrieve(client, made.id)
+            return committed and batch is not None and batch.status == "validating"
+
+        wait_for(sending, "validation to be sending lines", timeout_s=LIVENESS_S)
+        restart(broker)
+        assert_exactly_once(client, finish(client, made.id), n)
+        broker.stop()
+        assert_check_clean(broker.data_dir)
+    finally:
+        if producer is not None:
+            producer.close()
         broker.close()
 
 
