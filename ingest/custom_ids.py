@@ -4,8 +4,8 @@ A Python `set` of the id strings costs about 100 bytes per id (the str
 object plus the table slot), 100 MB per million items. This set keeps only a
 128-bit digest per id (ingest/id_digest.py, vectorised), two uint64 columns
 sorted by hi, and for each run an index of where each range of hi values
-starts (one int64 per 8 to 16 ids), and a prefilter (16 to 32 bits per id,
-below): about 19 bytes per id at rest, 19 MB per million, and about 40
+starts (one int64 per 8 to 16 ids), and a prefilter (8 to 16 bits per id,
+below): about 18 bytes per id at rest, 18 MB per million, and about 40
 bytes per id for a moment while the largest runs merge. Digests are
 deterministic (unlike `hash()`), so they agree between processes; they live
 only in memory (the job journal keeps the ids).
@@ -28,9 +28,9 @@ bucket, a few steps for every id of the batch at once.
 Most ids looked up are new (a job's ids are unique), and a search in every
 run cost the front about 0.5 us per id in a job of a million. So the set
 also keeps a prefilter: one bit per value of hi's top bits, set for every id
-added, with at least FILTER_BITS_PER_ID bits per id (2 more bytes per id). A
+added, with FILTER_BITS_PER_ID to twice that many bits per id. A
 clear bit says "not in the set" for sure; only the ids whose bit is set (all
-that are in the set, and about 1 in 16 of those that are not) are searched
+that are in the set, and 1 in 8 to 16 of those that are not) are searched
 for in the runs. When the set outgrows it the filter doubles (or more) and is
 rebuilt from the runs, which are sorted by hi, so a rebuild is linear.
 """
@@ -45,10 +45,10 @@ import numpy as np
 from ingest.id_digest import str_digests
 
 IDS_PER_BUCKET = 8  # at least; at most twice that (buckets are a power of two)
-FILTER_BITS_PER_ID = 16  # at least: about 6% of the ids not in the set pass the prefilter
+FILTER_BITS_PER_ID = 8  # at least: 6% to 12% of the ids not in the set pass the prefilter
 FILTER_MIN_BITS = 12  # log2 of the smallest prefilter (4096 bits)
 MERGE_FAN_IN = 4  # runs merged at once
-DIRECT_SEARCH_MAX = 256  # fewer ids than this: one binary search each beats the bucket loop
+DIRECT_SEARCH_MAX = 512  # fewer ids than this: one binary search each beats the bucket loop
 
 
 @dataclass(frozen=True, eq=False)
