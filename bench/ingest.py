@@ -153,7 +153,7 @@ def method_notes(plan: Plan) -> list[str]:
         "Growth with the backlog is judged between the ends of the first and the last submit "
         "(the same point in a job's life); the growth from 25% of the first submit also "
         "includes the front's state for the job being submitted (its custom_id digests and "
-        "their index, about 17 B per item, and allocator high water), which it drops when "
+        "their index and prefilter, about 18 B per item, and allocator high water), which it drops when "
         "the job is done.",
         "Text (step 4) is timed the same way with `Producer.submit_file(path, job_id)`: per "
         "tokeniser process, end to end (the producer parses and checks each line, the front "

@@ -8,6 +8,11 @@ writes one KEYED record per group into the ring of the writer that owns the
 key (a stable hash of the key, so a key always maps to one writer). A full
 writer ring stops the router from reading more: backpressure reaches the
 front and, through it, the producers.
+
+Groups of same-length items are views of the input record (no copy), so an
+input record is released only once every group cut from it is in a writer
+ring: released earlier, its bytes could be overwritten by the front's next
+record while a group still waits for room.
 """
 
 from __future__ import annotations
@@ -92,19 +97,24 @@ class RouterStage(Stage):
         self.wakeups = wire.Inbox(wakeups, self.log, "a front or tokenizer")
         self.outlet = Outlet(self.context, settings, f"router-{self.index}", "writer")
         self.pending: deque[tuple[int, Keyed]] = deque()  # groups waiting for room in a writer ring
+        self.held: list = []  # input rings whose last record `pending` still points into
         self.routed = 0
 
     def _shape_ids(self, shapes: list[dict]) -> np.ndarray:
         return np.array([self.shapes.id_for(shape) for shape in shapes], dtype=np.int64)
 
     def _flush_pending(self) -> bool:
-        """Put waiting groups into writer rings; True when none are left."""
+        """Put waiting groups into writer rings, then release the input records they came
+        from; True when none are left."""
         while self.pending:
             writer, keyed = self.pending[0]
             if not self.outlet.try_put(writer, put_keyed, keyed):
                 return False
             self.pending.popleft()
             self.routed += len(keyed.index)
+        for ring in self.held:
+            ring.release()
+        self.held = []
         return True
 
     def step(self, now: float) -> None:
@@ -130,11 +140,11 @@ class RouterStage(Stage):
                     self.log.error("ring %s: %s; batch dropped", port.name, exc)
                 for keyed in groups:
                     writer = writer_for(keyed.model, keyed.shape, keyed.lane, len(self.outlet))
-                    for piece in split_keyed(keyed):  # copies: the ring can be released
+                    for piece in split_keyed(keyed):  # may be views of the record
                         self.pending.append((writer, piece))
             else:
                 self.log.error("ring %s: unexpected record kind %d; dropped", port.name, kind)
-            ring.release()
+            self.held.append(ring)  # released once its groups are placed
             if not self._flush_pending():
                 return
         # Idle: wait once for a wakeup, then take the others already queued.
