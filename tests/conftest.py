@@ -1,4 +1,5 @@
-"""Shared fixtures: real data dirs, item batches, and the closing consistency check."""
+"""Shared fixtures: real data dirs, item batches, and the closing consistency check; and how
+the two test processes share the suite (`pytest_collection_modifyitems`)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,41 @@ def assert_check_clean(data_dir: DataDir) -> None:
 
     report = check_data_dir(data_dir)
     assert report.clean, "\n".join(f.line() for f in report.remaining)
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_collection_modifyitems(config, items) -> None:
+    """Share the suite between the pytest-xdist processes test by test (`--dist loadgroup`),
+    the long tests first, so that no process is left alone with a heavy file at the end:
+
+    - a test that uses a module-scoped fixture of its own module (a broker shared by the
+      module's tests) joins the xdist group of that module, so the fixture is made once;
+    - a test marked `xdist_group` (SmolLM2's: tests/smollm2.py `needs_model`) keeps its group;
+    - `slow` tests and groups go first (they take seconds to a minute each), then the rest in
+      file order, which fills the gaps; `--no-loadscope-reorder` keeps this order."""
+    first: list = []
+    rest: list = []
+    for item in items:
+        grouped = item.get_closest_marker("xdist_group") is not None
+        if not grouped and _uses_a_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+            grouped = True
+        heavy = grouped or item.get_closest_marker("slow") is not None
+        (first if heavy else rest).append(item)
+    items[:] = first + rest
+
+
+def _uses_a_module_fixture(item) -> bool:
+    """`item` uses a fixture scoped to its module and defined there."""
+    module = item.nodeid.split("::")[0]
+    fixtures = getattr(item, "_fixtureinfo", None)
+    if fixtures is None:
+        return False
+    return any(
+        defs[-1].scope == "module" and defs[-1].baseid == module
+        for defs in fixtures.name2fixturedefs.values()
+        if defs
+    )
 
 
 @pytest.fixture
