@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+import xdist_schedule
 
 from pipeline.datadir import DataDir
 from pipeline.segment_append import SegmentAppender, SegmentIds
@@ -46,26 +47,45 @@ def assert_check_clean(data_dir: DataDir) -> None:
     assert report.clean, "\n".join(f.line() for f in report.remaining)
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_configure(config) -> None:
+    if not hasattr(config, "workerinput"):  # the controller (or a run without xdist)
+        xdist_schedule.share_groups_dir()
+
+
+def pytest_unconfigure(config) -> None:
+    if not hasattr(config, "workerinput"):
+        xdist_schedule.remove_groups_dir()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    return xdist_schedule.make_scheduler(config, log)
+
+
 def pytest_collection_modifyitems(config, items) -> None:
-    """Share the suite between the pytest-xdist processes test by test (`--dist loadgroup`),
-    the long tests first, so that no process is left alone with a heavy file at the end:
+    """Share the suite between the pytest-xdist processes test by test
+    (tests/xdist_schedule.py), the long tests first, so that no process is left alone with a
+    heavy file at the end:
 
     - a test that uses a module-scoped fixture of its own module (a broker shared by the
-      module's tests) joins the xdist group of that module, so the fixture is made once;
-    - a test marked `xdist_group` (SmolLM2's: tests/smollm2.py `needs_model`) keeps its group;
+      module's tests) is grouped with the module, so the fixture is made once;
+    - a test marked `xdist_group` (SmolLM2's: tests/smollm2.py `needs_model`) is in that group;
     - `slow` tests and groups go first (they take seconds to a minute each), then the rest in
       file order, which fills the gaps; `--no-loadscope-reorder` keeps this order."""
     first: list = []
     rest: list = []
+    groups: dict[str, str] = {}
     for item in items:
-        grouped = item.get_closest_marker("xdist_group") is not None
-        if not grouped and _uses_a_module_fixture(item):
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
-            grouped = True
-        heavy = grouped or item.get_closest_marker("slow") is not None
+        mark = item.get_closest_marker("xdist_group")
+        if mark is not None:
+            groups[item.nodeid] = str(mark.args[0])
+        elif _uses_a_module_fixture(item):
+            groups[item.nodeid] = item.module.__name__
+        heavy = item.nodeid in groups or item.get_closest_marker("slow") is not None
         (first if heavy else rest).append(item)
     items[:] = first + rest
+    if hasattr(config, "workerinput"):
+        xdist_schedule.write_groups(config.workerinput["workerid"], groups)
 
 
 def _uses_a_module_fixture(item) -> bool:
