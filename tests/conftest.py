@@ -70,8 +70,9 @@ def pytest_collection_modifyitems(config, items) -> None:
     - a test that uses a module-scoped fixture of its own module (a broker shared by the
       module's tests) is grouped with the module, so the fixture is made once;
     - a test marked `xdist_group` (SmolLM2's: tests/smollm2.py `needs_model`) is in that group;
-    - `slow` tests and groups go first (they take seconds to a minute each), then the rest in
-      file order, which fills the gaps; `--no-loadscope-reorder` keeps this order."""
+    - `slow` tests, tests that ask for a longer timeout than the default, and groups go first
+      (they take seconds to a minute each), then the rest in file order, which fills the gaps;
+      `--no-loadscope-reorder` keeps this order."""
     first: list = []
     rest: list = []
     groups: dict[str, str] = {}
@@ -82,10 +83,19 @@ def pytest_collection_modifyitems(config, items) -> None:
         elif _uses_a_module_fixture(item):
             groups[item.nodeid] = item.module.__name__
         heavy = item.nodeid in groups or item.get_closest_marker("slow") is not None
+        heavy = heavy or _asks_for_more_time(item)
         (first if heavy else rest).append(item)
     items[:] = first + rest
     if hasattr(config, "workerinput"):
         xdist_schedule.write_groups(config.workerinput["workerid"], groups)
+
+
+def _asks_for_more_time(item) -> bool:
+    """`item` is marked `timeout(N)` with N over the configured default: it says it is long."""
+    mark = item.get_closest_marker("timeout")
+    if mark is None or not mark.args:
+        return False
+    return float(mark.args[0]) > float(item.config.getini("timeout") or 0)  # pytest-timeout's
 
 
 def _uses_a_module_fixture(item) -> bool:
