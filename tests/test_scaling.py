@@ -26,6 +26,7 @@ from conftest import assert_check_clean, skip_or_fail, wait_for
 
 from gpu.worker.options import WorkerOptions
 from pipeline import exitcodes
+from pipeline.errors import FabricError
 
 HOSTS = 3  # authorized worker hosts; one more host holds a key nobody authorized
 FAST = "lease_s = 6.0\nsession_timeout_s = 2.0\nreregister_grace_s = 0.5\nreport_s = 0.3"
@@ -136,8 +137,11 @@ def test_workers_on_other_hosts_join_with_their_keys(tmp_path, hosts):
             )
 
         def workers_seen() -> list[dict]:
-            done = run_py("status", "--json", "--config", str(config))
-            return json.loads(done.stdout)["workers"] if done.returncode == 0 else []
+            """What `status --json` lists, asked in-process (polled: not an interpreter each)."""
+            try:
+                return b.broker_status(attempts=1)["workers"]
+            except FabricError:
+                return []
 
         def sessions() -> int:
             return len(workers_seen())
@@ -156,6 +160,9 @@ def test_workers_on_other_hosts_join_with_their_keys(tmp_path, hosts):
             "dispatch to count every result retired",
         )
         assert len(retired) == HOSTS  # the stranger never joined
+        shown = run_py("status", "--json", "--config", str(config))  # the command says the same
+        assert shown.returncode == 0, shown.stderr
+        assert sorted(w["retired"] for w in json.loads(shown.stdout)["workers"]) == sorted(retired)
         assert all(n > 0 for n in retired), retired  # every authorized host did work
     finally:
         for proc, _ in workers:

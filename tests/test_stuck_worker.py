@@ -35,7 +35,9 @@ from gpu.engines.base import TransientEngineError
 from gpu.worker.options import WorkerOptions
 from gpu.worker.session import Worker
 
-TOKENS_PER_S = 10  # the simulated engine: a 4-item batch of 100 tokens each runs 40 s
+# The simulated engine: a 4-item batch of 100 tokens each runs 20 s, which outlasts the stop
+# (session timeout 2 s, a cancel and a submit: about 6 s quiet); 40 s proved nothing more.
+TOKENS_PER_S = 20
 AFTER_RESUME_S = 60.0  # the bound: what is left of that batch, then the next job
 
 
@@ -64,7 +66,7 @@ def test_a_worker_resumed_after_its_items_were_retired_still_runs_new_work(
 ):
     b = broker(workers=0)
     slow = tmp_path / "a.jsonl"
-    write_lines(slow, 8, tokens=100)  # two batches of 4: one runs (40 s), one waits
+    write_lines(slow, 8, tokens=100)  # two batches of 4: one runs (20 s), one waits
     assert submit(b.config, slow, "--job-id", "a").returncode == 0
     worker = workers(b, "simulated", f"tokens_per_s={TOKENS_PER_S}", batch_items=4, prefetch=2)
     wait_for(

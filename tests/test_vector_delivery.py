@@ -22,7 +22,11 @@ from broker import REPO, WORDS, Broker, submit, write_config
 from conftest import assert_check_clean, wait_for
 
 from collector.vectors.shard import IDS_DTYPE, shard_paths
+from config import load_settings
 from pipeline import exitcodes
+from pipeline.errors import FabricError
+from pipeline.security import client_curve
+from pipeline.topology import client_address
 
 NEEDLE = "w5 w6 w7 w8"
 SIM_WORKER = 'model = "sim"\nsimulated_tokens_per_s = 5e6\nbatch_items = 64\ntarget_batch_s = 0'
@@ -66,15 +70,21 @@ def stats(config: Path) -> dict:
 
 
 def store_rows(config: Path, name: str) -> int:
-    """Rows of store `name`; 0 while the vectors stage is being restarted (nothing listens)."""
-    done = cli(config, "vectors", "stats", "--json")
-    if done.returncode == exitcodes.UNAVAILABLE:
+    """Rows of store `name`, as `vectors stats --json` lists them, asked in-process (tests poll
+    it: a command per poll costs an interpreter); 0 while the vectors stage is being restarted
+    (nothing listens)."""
+    from collector.vectors.client import VectorsClient
+
+    settings = load_settings(config)
+    address = client_address(settings.vectors.bind)
+    try:
+        with VectorsClient(
+            address, timeout_s=2.0, attempts=1, curve=client_curve(settings.security)
+        ) as client:
+            stores = client.stats()["stores"]
+    except FabricError:
         return 0
-    assert done.returncode == 0, done.stderr
-    for store in json.loads(done.stdout)["stores"]:
-        if store["name"] == name:
-            return store["rows"]
-    return 0
+    return next((store["rows"] for store in stores if store["name"] == name), 0)
 
 
 def delivered(b: Broker, job: str) -> bool:
