@@ -275,16 +275,16 @@ def _strings(line: int, parts: int) -> list[str]:
 
 
 @pytest.mark.slow
-def test_a_16000_item_list_job_survives_a_broker_kill_with_each_line_once_and_whole(
+def test_a_64000_item_list_job_survives_a_broker_kill_with_each_line_once_and_whole(
     tmp_path, broker
 ):
-    """250 lines of 64 strings (five chunks: the kill finds some lines done and most not;
-    1,000 lines proved nothing more): kill -9 of the whole broker mid-run, start it again,
-    resume the submit if it was cut: every line once, whole, its 64 parts in input order, none
+    """1,000 lines of 64 strings (the size issue 18 names): kill -9 of the whole broker
+    mid-run, start it again, resume the submit if it was cut: every line once, whole, its 64
+    parts in input order, none
     computed into another line (the echo engine embeds a part as its own token ids)."""
     from tokenizers import Tokenizer
 
-    lines_n, parts = 250, 64
+    lines_n, parts = 1000, 64
     b = broker(workers=1, chunk_items=50)  # chunks of 3,200 items
     lines = [embed(f"l{i}", input=_strings(i, parts)) for i in range(lines_n)]
     data = write(tmp_path / "big.jsonl", lines)
