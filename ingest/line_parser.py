@@ -199,11 +199,14 @@ def _request(obj: dict[str, Any], custom_id: str, catalog: ModelCatalog) -> Pars
             f"{catalog.max_parts} per line (ingest.max_inputs_per_line): split it into "
             "several lines",
         )
-    id_tokens = sum(len(p) for p in prompts if isinstance(p, np.ndarray)) * n
-    if id_tokens > catalog.max_line_tokens:
-        raise Rejected(LINE_TOO_MANY_TOKENS, too_many_tokens(id_tokens, catalog.max_line_tokens))
     first = prompts[0]
     ids = first if isinstance(first, np.ndarray) else None
+    if ids is not None:  # all token ids (`_prompts` takes no list of text and ids mixed)
+        id_tokens = sum(len(p) for p in prompts) * n
+        if id_tokens > catalog.max_line_tokens:
+            raise Rejected(
+                LINE_TOO_MANY_TOKENS, too_many_tokens(id_tokens, catalog.max_line_tokens)
+            )
     text = None if ids is not None else first
     shape = parse_shape(body, url)
     if shape.top_logprobs is not None and not model.logprobs:
