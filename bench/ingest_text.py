@@ -117,9 +117,11 @@ def bench_text(plan: Plan, outcome: Outcome, profile: bool = False) -> list[Row]
     rows = _alone(root, tokenizer, source, n, n_tokens)
     cores = len(os.sched_getaffinity(0))
     alone: dict[int, float] = {}
+    alone_cpu: dict[int, float] = {}  # CPU seconds per line
     for processes in (1, 2):
         threads = max(1, cores // processes)  # as each tokeniser process gets (share_cores)
         alone[processes], cpu_per_line = _tokenize_alone(root, tokenizer, source, threads)
+        alone_cpu[processes] = cpu_per_line
         share = f"on {threads} thread(s) (one tokeniser's share with {_processes(processes)})"
         rows += [
             Row(STEP, f"alone: tokenize_chunk {share}, lines/s", (alone[processes],)),
@@ -172,6 +174,13 @@ def bench_text(plan: Plan, outcome: Outcome, profile: bool = False) -> list[Row]
                 STEP,
                 f"CPU us per line: all processes ({label}); {cores} cores / this = the bound",
                 tuple(1e6 * sum(v) for v in zip(*cpu.values(), strict=True)),
+            ),
+            Row(
+                STEP,
+                f"tokenize_chunk alone's CPU per line / all processes' ({label}): end to end "
+                "/ alone when the cores bound both, whatever else runs",
+                tuple(alone_cpu[processes] / sum(v) for v in zip(*cpu.values(), strict=True)),
+                percent=True,
             ),
         ]
     if len(end_to_end) == 2:
