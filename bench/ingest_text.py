@@ -11,12 +11,21 @@ file is known without tokenising it here.
 `Producer.submit_file` into a broker whose model has the tokenizer, with 1
 and then 2 tokeniser processes, K times each (a new job each time); and the
 two halves of the work alone in this process, without a broker.
+
+Step 4 alone (no disk, fabric or Redis steps; nothing written to the docs):
+
+    .venv/bin/python bench/ingest_text.py [--text-lines N] [--repeat K] [--dir PATH]
+                                          [--profile]
+
+`--profile` also samples every broker stage and the producer with py-spy
+during one more, untimed submit per process count (bench/ingest_profile.py).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
-import statistics
+import shutil
 import subprocess
 import sys
 import time
@@ -25,9 +34,12 @@ from pathlib import Path
 import numpy as np
 import orjson
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import ingest_profile, machine
 from bench.ingest_broker import BenchBroker, Model, cpu_times, write_config
 from bench.ingest_common import CHUNK_ITEMS, SEED, WINDOW, Outcome, Plan, progress
-from bench.report import Row
+from bench.report import Row, markdown_table
 from ingest.submit_client import Producer
 from pipeline.errors import BrokerUnavailableError
 
@@ -85,8 +97,16 @@ def write_batch_file(
     return int(counts.sum())
 
 
-def bench_text(plan: Plan, outcome: Outcome) -> list[Row]:
-    """Step 4: the file through `submit_file`, with 1 and 2 tokeniser processes."""
+PROFILE_S = 6
+
+
+def bench_text(plan: Plan, outcome: Outcome, profile: bool = False) -> list[Row]:
+    """Step 4: the file through `submit_file`, with 1 and 2 tokeniser processes.
+
+    Rows: each half alone; tokenize_chunk alone on one tokeniser's share of
+    the cores; end to end with 1 and 2 processes; end to end against the
+    tokenisers alone (per process); the 2/1 scaling; the CPU of each process.
+    """
     rng = np.random.default_rng(SEED + 4)
     root = plan.root / "text"
     root.mkdir()
@@ -96,23 +116,27 @@ def bench_text(plan: Plan, outcome: Outcome) -> list[Row]:
     n, n_tokens = plan.text_lines, write_batch_file(source, plan.text_lines, MODEL, words, rng)
     rows = _alone(root, tokenizer, source, n, n_tokens)
     cores = len(os.sched_getaffinity(0))
+    alone: dict[int, float] = {}
+    alone_cpu: dict[int, float] = {}  # CPU seconds per line
     for processes in (1, 2):
         threads = max(1, cores // processes)  # as each tokeniser process gets (share_cores)
-        rows.append(
-            Row(
-                STEP,
-                f"alone: tokenize_chunk on {threads} thread(s) (one tokeniser's share with "
-                f"{_processes(processes)}), lines/s",
-                (_tokenize_alone(root, tokenizer, source, threads),),
-            )
-        )
+        alone[processes], cpu_per_line = _tokenize_alone(root, tokenizer, source, threads)
+        alone_cpu[processes] = cpu_per_line
+        share = f"on {threads} thread(s) (one tokeniser's share with {_processes(processes)})"
+        rows += [
+            Row(STEP, f"alone: tokenize_chunk {share}, lines/s", (alone[processes],)),
+            Row(STEP, f"alone: tokenize_chunk {share}, CPU us per line", (1e6 * cpu_per_line,)),
+        ]
+    end_to_end: dict[int, list[float]] = {}
     for processes in (1, 2):
         broker = BenchBroker(
             root / f"broker-{processes}", [Model(MODEL, str(tokenizer))], processes
         )
         try:
             broker.start()
-            seconds = _submits(plan, broker, source, processes, outcome)
+            seconds, cpu = _submits(plan, broker, source, processes)
+            if profile:
+                outcome.profile += _profile(plan, broker, source, processes)
             code = broker.stop()
             outcome.checks.append(
                 (f"step 4 broker ({_processes(processes)}) stopped: exit code {code}", code == 0)
@@ -126,14 +150,50 @@ def bench_text(plan: Plan, outcome: Outcome) -> list[Row]:
         finally:
             broker.close()
         label = _processes(processes)
+        end_to_end[processes] = [n / s for s in seconds]
         rows += [
-            Row(STEP, f"submit_file lines/s, {label}, end to end", tuple(n / s for s in seconds)),
+            Row(STEP, f"submit_file lines/s, {label}, end to end", tuple(end_to_end[processes])),
             Row(
                 STEP,
                 f"submit_file tokens/s, {label}, end to end",
                 tuple(n_tokens / s for s in seconds),
             ),
+            Row(
+                STEP,
+                f"end to end / tokenize_chunk alone, per tokeniser process ({label})",
+                tuple(r / (processes * alone[processes]) for r in end_to_end[processes]),
+                percent=True,
+                target=">= 90%",
+                at_least=0.9,
+            ),
+            *[
+                Row(STEP, f"CPU us per line: {who} ({label})", tuple(1e6 * x for x in v))
+                for who, v in cpu.items()
+            ],
+            Row(
+                STEP,
+                f"CPU us per line: all processes ({label}); {cores} cores / this = the bound",
+                tuple(1e6 * sum(v) for v in zip(*cpu.values(), strict=True)),
+            ),
+            Row(
+                STEP,
+                f"tokenize_chunk alone's CPU per line / all processes' ({label}): end to end "
+                "/ alone when the cores bound both, whatever else runs",
+                tuple(alone_cpu[processes] / sum(v) for v in zip(*cpu.values(), strict=True)),
+                percent=True,
+            ),
         ]
+    if len(end_to_end) == 2:
+        pairs = zip(end_to_end[2], end_to_end[1], strict=True)  # paired by repeat
+        rows.append(
+            Row(
+                STEP,
+                "scaling: end to end with 2 tokeniser processes / with 1",
+                tuple(two / one for two, one in pairs),
+                target=f">= 1.8 while cores are free ({cores} here)",
+                at_least=1.8 if cores >= 4 else None,
+            )
+        )
     outcome.notes.append(
         f"Step 4: {n:,} lines of {WORDS_PER_LINE[0]}-{WORDS_PER_LINE[1]} words "
         f"({n_tokens / n:.1f} tokens per line on average) from a WordLevel vocabulary of "
@@ -144,15 +204,20 @@ def bench_text(plan: Plan, outcome: Outcome) -> list[Row]:
         "'Alone' rows run one half of the work without a broker: the SDK's parse and check "
         "of the whole file, then tokenize_chunk on its chunks (in this process, on the "
         "library's default pool; and in a fresh process per thread count, as a tokeniser "
-        "process with 1 or 2 siblings would run it)."
+        "process with 1 or 2 siblings would run it). 'Per tokeniser process' divides the end "
+        "to end rate by the processes times tokenize_chunk alone on one process's share; "
+        "the CPU rows (user + system seconds from /proc/<pid>/stat over each submit, per line) "
+        "say what shares the cores (the producer runs in this process): no rate end to end "
+        "can pass the cores divided by the CPU per line of all processes together."
     )
     return rows
 
 
 def _submits(
-    plan: Plan, broker: BenchBroker, source: Path, processes: int, outcome: Outcome
-) -> list[float]:
-    """Time K submits of the file; note the CPU each process used (median over the submits)."""
+    plan: Plan, broker: BenchBroker, source: Path, processes: int
+) -> tuple[list[float], dict[str, list[float]]]:
+    """Time K submits of the file; return their seconds and each process's CPU seconds per
+    line (those under 2% of a core left out)."""
     watched = {**broker.pids(), "producer (bench)": os.getpid()}
     seconds, cpu = [], {label: [] for label in watched}
     with Producer(broker.address, window=WINDOW, timeout_s=10, attempts=2) as sdk:
@@ -162,7 +227,7 @@ def _submits(
             report = sdk.submit_file(source, f"text-{os.getpid()}-{processes}-{k}")
             seconds.append(time.perf_counter() - started)
             for label, pid in watched.items():
-                cpu[label].append((sum(cpu_times(pid)) - before[label]) / seconds[-1])
+                cpu[label].append((sum(cpu_times(pid)) - before[label]) / plan.text_lines)
             if report.stored != plan.text_lines:
                 raise RuntimeError(
                     f"stored {report.stored:,} of {plan.text_lines:,} lines: {report.errors[:3]}"
@@ -171,12 +236,35 @@ def _submits(
                 f"step 4: {_processes(processes)}, run {k + 1}: "
                 f"{plan.text_lines / seconds[-1]:,.0f} lines/s"
             )
-    outcome.notes.append(
-        f"Step 4 CPU with {_processes(processes)}, % of one core (median over the submits): "
-        + ", ".join(f"{label} {100 * statistics.median(v):.0f}%" for label, v in cpu.items())
-        + "."
-    )
-    return seconds
+    lines = plan.text_lines
+    busy = {
+        label: v
+        for label, v in cpu.items()
+        if any(x * lines >= 0.02 * t for x, t in zip(v, seconds, strict=True))
+    }
+    return seconds, busy
+
+
+def _profile(plan: Plan, broker: BenchBroker, source: Path, processes: int) -> list[str]:
+    """py-spy on every stage and the producer during more (untimed) submits of the file."""
+    binary = ingest_profile.py_spy()
+    if binary is None:
+        return ["Profile skipped: py-spy is not installed."]
+    pids = {**broker.pids(), "producer (bench)": os.getpid()}
+    done = {"submits": 0, "seconds": 0.0}
+    with Producer(broker.address, window=WINDOW, timeout_s=10, attempts=2) as sdk:
+
+        def keep_busy() -> None:
+            started = time.perf_counter()
+            sdk.submit_file(source, f"profile-{os.getpid()}-{processes}-{done['submits']}")
+            done["submits"] += 1
+            done["seconds"] += time.perf_counter() - started
+
+        progress(f"step 4: profiling {', '.join(pids)} for {PROFILE_S} s")
+        out = plan.root / f"profile-text-{processes}"
+        profiles = ingest_profile.profile(binary, pids, PROFILE_S, out, keep_busy)
+    rate = done["submits"] * plan.text_lines / max(done["seconds"], 1e-9)
+    return [f"**Step 4 with {_processes(processes)}**", "", *ingest_profile.render(profiles, rate)]
 
 
 def _processes(n: int) -> str:
@@ -203,14 +291,15 @@ from ingest.tokenize import load_tokenizers, tokenize_chunk
 settings = load_settings(sys.argv[1])
 tokenizers = load_tokenizers(settings)
 chunks = list(iter_batch_input(sys.argv[2], settings, chunk_lines=CHUNK_ITEMS))
-started = time.perf_counter()
+started, cpu = time.perf_counter(), time.process_time()
 lines = sum(tokenize_chunk(chunk, tokenizers, settings).n_items for chunk in chunks)
-print(lines / (time.perf_counter() - started))
+print(lines / (time.perf_counter() - started), (time.process_time() - cpu) / lines)
 """
 
 
-def _tokenize_alone(root: Path, tokenizer: Path, source: Path, threads: int) -> float:
-    """tokenize_chunk's lines/s over the file in a fresh process with a pool of `threads`."""
+def _tokenize_alone(root: Path, tokenizer: Path, source: Path, threads: int) -> tuple[float, float]:
+    """tokenize_chunk over the file in a fresh process with a pool of `threads`: its lines/s
+    and its CPU seconds per line (every thread of the process)."""
     home = root / f"alone-{threads}"
     home.mkdir(exist_ok=True)
     config = write_config(home, [Model(MODEL, str(tokenizer))])
@@ -223,7 +312,8 @@ def _tokenize_alone(root: Path, tokenizer: Path, source: Path, threads: int) -> 
         text=True,
         check=True,
     )
-    return float(done.stdout.split()[-1])
+    rate, cpu = done.stdout.split()[-2:]
+    return float(rate), float(cpu)
 
 
 def _alone(root: Path, tokenizer: Path, source: Path, n: int, n_tokens: int) -> list[Row]:
@@ -247,3 +337,37 @@ def _alone(root: Path, tokenizer: Path, source: Path, n: int, n_tokens: int) -> 
         Row(STEP, "alone: tokenize_chunk, lines/s", (n / tokenize_s,)),
         Row(STEP, "alone: tokenize_chunk, tokens/s", (n_tokens / tokenize_s,)),
     ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Step 4 alone: print its table (and profiles with --profile); the docs are not touched."""
+    parser = argparse.ArgumentParser(description="bench/ingest.py step 4 (text) alone")
+    parser.add_argument("--text-lines", type=int, default=200_000)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--dir", type=Path, default=REPO / "var" / "bench-ingest")
+    parser.add_argument("--profile", action="store_true", help="py-spy every process")
+    args = parser.parse_args(argv)
+    if args.text_lines < 1 or args.repeat < 1:
+        parser.error("need --text-lines >= 1 and --repeat >= 1")
+    args.dir.mkdir(parents=True, exist_ok=True)
+    root = args.dir / f"text-{os.getpid()}"
+    root.mkdir()
+    outcome = Outcome()
+    try:
+        rows = bench_text(
+            Plan(root, CHUNK_ITEMS, args.repeat, args.text_lines, "off"), outcome, args.profile
+        )
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print(markdown_table(rows))
+    print()
+    for label, ok in outcome.checks:
+        print(f"- [{'x' if ok else ' '}] {label}")
+    print(f"- load average at end: {machine.load_average()}")
+    for line in [*outcome.notes, "", *outcome.profile]:
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

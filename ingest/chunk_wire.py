@@ -23,6 +23,7 @@ is checked again by the front before it is used.
 
 from __future__ import annotations
 
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -58,13 +59,22 @@ def _blob(strings: list[str]) -> tuple[np.ndarray, np.ndarray]:
     return np.frombuffer(b"".join(encoded), dtype=np.uint8), offsets
 
 
+def _texts(loaded: list) -> tuple:
+    """The chunk's prompts from their JSON: strings as they are, chat messages as tuples."""
+    if all(map(isinstance, loaded, repeat(str))):  # text only: no loop in Python
+        return tuple(loaded)
+    return tuple(t if isinstance(t, str) else tuple((str(r), str(c)) for r, c in t) for t in loaded)
+
+
 def _json_array(value: Any) -> np.ndarray:
     return np.frombuffer(orjson.dumps(value), dtype=np.uint8)
 
 
 def chunk_to_wire(chunk: InputChunk) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     ids, ids_offsets = _blob(list(chunk.custom_ids))
-    texts = [t if isinstance(t, str) else [list(m) for m in t] for t in chunk.texts]
+    texts = list(chunk.texts)  # strings as they are (no loop in Python); chat as lists
+    if not all(map(isinstance, texts, repeat(str))):
+        texts = [t if isinstance(t, str) else [list(m) for m in t] for t in texts]
     errors = [[e.line, e.custom_id, e.code, e.message] for e in chunk.errors]
     meta = {
         "index": chunk.index,
@@ -111,10 +121,7 @@ def chunk_from_wire(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> Inpu
         _check(n == 0 or int(arrays["model_index"].max()) < len(models), "model_index out of range")
         _check(n == 0 or int(arrays["shape_index"].max()) < len(shapes), "shape_index out of range")
         custom_ids = _strings(arrays["ids"].tobytes(), ids_offsets)
-        texts = tuple(
-            t if isinstance(t, str) else tuple((str(r), str(c)) for r, c in t)
-            for t in orjson.loads(arrays["texts"].tobytes())
-        )
+        texts = _texts(orjson.loads(arrays["texts"].tobytes()))
         text_items = arrays["text_items"].astype(np.int64)
         _check(len(text_items) == len(texts), "text_items and texts disagree")
         _check(

@@ -38,6 +38,7 @@ table is what delivery reads per item; `None` (float) is left out of
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Final
@@ -110,7 +111,7 @@ def parse_shape(body: Mapping[str, Any], endpoint: str) -> Shape:
     """
     priority = _integer(body, "priority", DEFAULT_PRIORITY, 0, MAX_PRIORITY)
     if endpoint == EMBEDDINGS:
-        return Shape(endpoint, None, None, None, None, (), priority, _encoding(body))
+        return _embedding_shape(priority, _encoding(body))
     if endpoint == RESPONSES and body.get("max_output_tokens") is not None:
         name = "max_output_tokens"  # from a request body; a stored shape says max_tokens
     elif "max_completion_tokens" in body and body["max_completion_tokens"] is not None:
@@ -133,6 +134,12 @@ def parse_shape(body: Mapping[str, Any], endpoint: str) -> Shape:
         priority=priority,
         top_logprobs=_logprobs(body, endpoint),
     )
+
+
+@functools.lru_cache(maxsize=64)
+def _embedding_shape(priority: int, encoding_format: str | None) -> Shape:
+    """One shared Shape per embeddings (priority, encoding): not built again for every line."""
+    return Shape(EMBEDDINGS, None, None, None, None, (), priority, encoding_format)
 
 
 def _logprobs(body: Mapping[str, Any], endpoint: str) -> int | None:

@@ -27,7 +27,8 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping, Sequence
-from itertools import chain
+from itertools import chain, repeat
+from operator import attrgetter
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +48,8 @@ from ingest.line_errors import (
 from ingest.line_parser import TEXT_FIELD, TextPrompt, too_many_tokens
 from pipeline.errors import TokenizerError
 from pipeline.ragged import offsets_of
+
+_IDS = attrgetter("ids")
 
 
 class ModelTokenizer:
@@ -96,14 +99,17 @@ class ModelTokenizer:
     def encode(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         """Token ids of `texts`: flat uint32 tokens, and int64 offsets (len(texts) + 1)."""
         encodings = self._tokenizer.encode_batch_fast(list(texts), add_special_tokens=True)
-        ids = [encoding.ids for encoding in encodings]
-        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+        # no Python loop per text: len() and .ids are mapped in C, the ids flattened by fromiter
+        lengths = np.fromiter(map(len, encodings), dtype=np.int64, count=len(encodings))
         offsets = offsets_of(lengths)
-        tokens = np.fromiter(chain.from_iterable(ids), dtype=np.uint32, count=int(offsets[-1]))
+        ids = chain.from_iterable(map(_IDS, encodings))
+        tokens = np.fromiter(ids, dtype=np.uint32, count=int(offsets[-1]))
         return tokens, offsets
 
     def encode_prompts(self, prompts: Sequence[TextPrompt]) -> tuple[np.ndarray, np.ndarray]:
         """`encode` for parsed prompts: strings as they are, chat messages rendered first."""
+        if all(map(isinstance, prompts, repeat(str))):  # text only: no loop in Python
+            return self.encode(prompts)
         return self.encode([p if isinstance(p, str) else self.render(p) for p in prompts])
 
 
@@ -153,7 +159,10 @@ def tokenize_chunk(
                 "ingest.tokenize.load_tokenizers(settings)"
             )
         picked = np.flatnonzero(item_models == m)
-        tokens, offsets = tokenizer.encode_prompts([chunk.texts[j] for j in picked.tolist()])
+        if len(picked) == len(items):  # one model (the usual chunk): its texts as they are
+            tokens, offsets = tokenizer.encode_prompts(chunk.texts)
+        else:
+            tokens, offsets = tokenizer.encode_prompts([chunk.texts[j] for j in picked.tolist()])
         groups.append(TokenGroup(items[picked], tokens, offsets))
     tokenized = chunk.with_tokens(groups)
     largest_lane = settings.broker.lanes[-1]

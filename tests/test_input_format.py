@@ -783,3 +783,24 @@ def test_the_vocabulary_comes_from_the_config_else_the_tokenizer_else_the_engine
         assert error.code == "token_out_of_range"
         assert f"[1] = {ids[model]} is beyond the vocabulary" in error.message
         assert f"it has {ids[model]} tokens" in error.message
+
+
+def test_embedding_lines_of_one_shape_share_one_shape_instead_of_one_per_line():
+    from ingest.request_shape import parse_shape
+
+    data = jsonl(
+        *(request(f"e{i}", "/v1/embeddings", model="embedder", input="x") for i in range(3)),
+        request("f", "/v1/embeddings", model="embedder", input="x", encoding_format="float"),
+        request("b", "/v1/embeddings", model="embedder", input="x", encoding_format="base64"),
+        request("p", "/v1/embeddings", model="embedder", input="x", priority=3),
+    )
+    [chunk] = parse(data)
+    assert chunk.shape_index.tolist() == [0, 0, 0, 0, 1, 2]
+    plain = Shape("/v1/embeddings", None, None, None, None, (), 0)
+    assert chunk.shapes == (
+        plain,
+        Shape("/v1/embeddings", None, None, None, None, (), 0, "base64"),
+        Shape("/v1/embeddings", None, None, None, None, (), 3),
+    )
+    body = {"model": "embedder", "input": "x"}
+    assert parse_shape(body, "/v1/embeddings") is parse_shape(dict(body), "/v1/embeddings")
