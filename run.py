@@ -208,7 +208,10 @@ def _decoders(args: argparse.Namespace) -> dict:
 
 
 def _results(args: argparse.Namespace) -> int:
+    from collector.delivery.heap import keep_freed_memory
     from collector.results_client import ResultsClient
+
+    keep_freed_memory()  # each page's buffers reused, not faulted in afresh
 
     err_path = args.errors or f"{args.output}.errors.jsonl"
     tty = sys.stderr.isatty()
