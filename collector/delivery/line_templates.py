@@ -5,7 +5,10 @@ the token ids or the embedding, the counts), so a page's lines are built as a
 template (the constant bytes between those values, fixed by the form, the
 model and the creation time) and one column of bytes per value: numbers
 converted by numpy, token ids and embeddings serialised by orjson one 2-D
-array per row length, custom_ids by orjson each. `fill` interleaves constants
+array per row length, custom_ids by orjson in one call. A value that takes
+one of two forms (finish_reason) is a column of two shared objects, or a
+constant folded into its neighbours when the page has one form only; values
+repeated across lines (usage) are rendered once each. `fill` interleaves constants
 and columns into one list with slice assignments and joins it: no Python
 runs per line. The bytes are exactly what orjson gives for the line's dict
 (collector/delivery/lines.py `format_lines_one_by_one` builds those dicts;
