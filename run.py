@@ -208,7 +208,10 @@ def _decoders(args: argparse.Namespace) -> dict:
 
 
 def _results(args: argparse.Namespace) -> int:
+    from collector.delivery.heap import keep_freed_memory
     from collector.results_client import ResultsClient
+
+    keep_freed_memory()  # each page's buffers reused, not faulted in afresh
 
     err_path = args.errors or f"{args.output}.errors.jsonl"
     tty = sys.stderr.isatty()
@@ -403,12 +406,17 @@ def _prog() -> str:
     return "fabric" if os.path.basename(sys.argv[0] or "") == "fabric" else "run.py"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """Every command's parser; with `only` (a command named on the command line) that one's
+    alone, so that a command imports only the modules it uses (the batch, vectors and worker
+    parsers come from their own modules: numpy, zmq and more, ~0.5 s of a short command)."""
     parser = argparse.ArgumentParser(prog=_prog(), description="Inference Fabric broker")
     commands = parser.add_subparsers(dest="command", required=True)
-    from collector.oneshot import add_parser as add_batch_parser
+    wanted = (only,) if only in COMMANDS else COMMANDS
+    if "batch" in wanted:
+        from collector.oneshot import add_parser as add_batch_parser
 
-    add_batch_parser(commands)
+        add_batch_parser(commands)
     demo = commands.add_parser("demo", help="embed the Python docs with MiniLM, end to end")
     demo.add_argument("--dir", default="var/demo", help="where the demo keeps its broker and files")
     demo.add_argument("--workers", type=int, default=1, help="local minilm worker processes")
@@ -497,15 +505,19 @@ def build_parser() -> argparse.ArgumentParser:
     cancel.add_argument("job", help="the job id")
     client_options(cancel, "completion")
     cancel.set_defaults(handler=_cancel)
-    from collector.vectors.cli import add_parser as add_vectors_parser
+    if "vectors" in wanted:
+        from collector.vectors.cli import add_parser as add_vectors_parser
 
-    add_vectors_parser(commands, client_options, _vectors)
-    worker = commands.add_parser("worker", help="a worker process: pulls batches, runs an engine")
-    from gpu.worker.options import WorkerOptions
+        add_vectors_parser(commands, client_options, _vectors)
+    if "worker" in wanted:
+        worker = commands.add_parser(
+            "worker", help="a worker process: pulls batches, runs an engine"
+        )
+        from gpu.worker.options import WorkerOptions
 
-    WorkerOptions.add_arguments(worker)
-    key_options(worker)
-    worker.set_defaults(handler=_worker)
+        WorkerOptions.add_arguments(worker)
+        key_options(worker)
+        worker.set_defaults(handler=_worker)
     return parser
 
 
@@ -519,7 +531,8 @@ def serve_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     serving = bool(argv) and argv[0] not in (*COMMANDS, "-h", "--help")
-    args = (serve_parser() if serving else build_parser()).parse_args(argv)
+    parser = serve_parser() if serving else build_parser(argv[0] if argv else None)
+    args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )

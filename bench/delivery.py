@@ -71,6 +71,7 @@ class Fetch:
     seconds: float
     client_cpu_s: float
     completion_cpu_s: float
+    client_sys_s: float  # of client_cpu_s, in the kernel (writes, page faults, fsync)
     digest: str  # sha256 of OUT, then ERR
 
 
@@ -164,7 +165,8 @@ def fetch(
                 lines += chunk.count(b"\n") if path == out else 0
     if lines != job.items:
         raise RuntimeError(f"{out}: {lines:,} lines for {job.items:,} items")
-    return Fetch(seconds, usage.ru_utime + usage.ru_stime, completion_cpu, digest.hexdigest())
+    cpu = usage.ru_utime + usage.ru_stime
+    return Fetch(seconds, cpu, completion_cpu, usage.ru_stime, digest.hexdigest())
 
 
 def spy(pid: int, path: Path) -> subprocess.Popen:
@@ -285,6 +287,11 @@ def rows_of(jobs: list[Job], clients: dict[str, Path], runs) -> tuple[list[Row],
                     at_least=TARGET if current else None,
                 ),
                 Row(job.name, f"{what}: client CPU, s", tuple(f.client_cpu_s for f in done)),
+                Row(
+                    job.name,
+                    f"{what}: of which in the kernel, s",
+                    tuple(f.client_sys_s for f in done),
+                ),
                 Row(
                     job.name, f"{what}: completion CPU, s", tuple(f.completion_cpu_s for f in done)
                 ),

@@ -214,7 +214,10 @@ class ResultsClient(BrokerClient):
                 job_id, model, shapes, decoders.get(model), int(info.get("created_ns") or 0)
             )
             rendered = render_page(page, context)
-            report.written += out.write_page(rendered.out, rendered.out_keys)
+            if rendered.out_custom_ids is not None:  # keys by custom_id, none made per line
+                report.written += out.write_custom_ids(rendered.out, rendered.out_custom_ids)
+            else:
+                report.written += out.write_page(rendered.out, rendered.out_keys)
             report.errors += err.write_page(rendered.err, rendered.err_keys)
 
 

@@ -118,7 +118,7 @@ KILLED_CLIENT = textwrap.dedent(
 
     address, job, out, err, when, state = sys.argv[1:]
     deliveries, count = [], [0]
-    ahead, write_page, durable_page = Delivery.ahead, ResultFile.write_page, Delivery.durable_page
+    ahead, write_page, durable_page = Delivery.ahead, ResultFile._write_page, Delivery.durable_page
 
     def kill_at(nth):
         count[0] += 1
@@ -131,17 +131,17 @@ KILLED_CLIENT = textwrap.dedent(
         deliveries.append(self)
         return ahead(self, page, now)
 
-    def write(self, data, keys):
+    def write(self, data, keys, given):  # under write_page and write_custom_ids
         if when == "write" and self.path == Path(out):
             kill_at(3)  # page 3: page 2 is fsynced on a thread, page 4 asked for
-        return write_page(self, data, keys)
+        return write_page(self, data, keys, given)
 
     def durable(self, page, now):
         durable_page(self, page, now)
         if when == "durable" and page:
             kill_at(2)  # page 2 fsynced, its ack not sent; page 3 written, page 4 asked for
 
-    Delivery.ahead, ResultFile.write_page, Delivery.durable_page = asked, write, durable
+    Delivery.ahead, ResultFile._write_page, Delivery.durable_page = asked, write, durable
     with ResultsClient(address, 10.0) as client:
         client.fetch(job, out, err, page_items=300)
     """

@@ -85,3 +85,27 @@ def test_a_page_appended_while_a_sync_runs_on_another_thread_waits_for_the_next(
         out.sync()
         out.sync()  # "b" came after the first fsync began: this one must reach the disk
         assert len(synced) == 2
+
+
+def test_a_page_given_by_its_custom_ids_is_deduplicated_with_every_other_key(tmp_path):
+    """`write_custom_ids` (the client's templated pages: no `custom_id:` string per line) and
+    `write_page` share one set of keys, read back at open, and a custom_id never meets the
+    id of a line that has none (`{"id": "x", "custom_id": null}` is not custom_id x)."""
+    path = tmp_path / "out.jsonl"
+    null_x = b'{"id":"x","custom_id":null}\n'
+    with ResultFile.open(path) as out:
+        assert out.write_page(null_x, ["id:x"]) == 1
+        assert out.write_page(*page("a")) == 1
+        data, _ = page("a", "x", "b")
+        assert out.write_custom_ids(data, ["a", "x", "b"]) == 2  # a was there: line by line
+        data, _ = page("c", "c")
+        assert out.write_custom_ids(data, ["c", "c"]) == 1  # twice in one page: once
+        assert "custom_id:x" in out and "id:x" in out and "custom_id:c" in out
+        assert out.write_page(*page("b", "d")) == 1
+        out.sync()
+    assert path.read_bytes() == null_x + page("a", "x", "b", "c", "d")[0]
+    with ResultFile.open(path) as again:  # the same keys, from the file
+        data, _ = page("x", "e")
+        assert again.write_custom_ids(data, ["x", "e"]) == 1
+        assert again.write_page(b'{"id":"x","custom_id":null}\n', ["id:x"]) == 0
+        assert len(again) == 7

@@ -23,6 +23,7 @@ from collector.delivery.result_page import ExportContext, ResultPage
 from pipeline.token_logprobs import pack
 
 EMBED, BASE64, CHAT, COMPLETE, CHAT_SCORED, COMPLETE_SCORED, RESPOND = 1, 2, 3, 4, 5, 6, 7
+COMPLETE_LONG = 8
 SHAPES = {
     EMBED: {"endpoint": "/v1/embeddings", "max_tokens": None},
     BASE64: {"endpoint": "/v1/embeddings", "max_tokens": None, "encoding_format": "base64"},
@@ -31,6 +32,7 @@ SHAPES = {
     CHAT_SCORED: {"endpoint": "/v1/chat/completions", "max_tokens": 3, "top_logprobs": 2},
     COMPLETE_SCORED: {"endpoint": "/v1/completions", "max_tokens": 8, "top_logprobs": 2},
     RESPOND: {"endpoint": "/v1/responses", "max_tokens": 5, "temperature": 0.5},
+    COMPLETE_LONG: {"endpoint": "/v1/completions", "max_tokens": 8},
 }
 CREATED_NS = 1_700_000_123_456_789_000
 MODEL = 'tiny-"model"-é'
@@ -159,6 +161,23 @@ def random_page(n: int = 3000, seed: int = 5) -> ResultPage:
 PAGES = {"mixed": mixed_page, "fanout": fanout_page, "random": random_page}
 
 
+def alike_page(finishes: str) -> ResultPage:
+    """Rows of one length per form, as a real job's page mostly is (the templates' short
+    cuts: one orjson block split without a column; one finish_reason folded into the fixed
+    part, or two when the lines reach different max_tokens)."""
+    long = COMPLETE_LONG if finishes == "two" else COMPLETE
+    items = [
+        (0, "a", COMPLETE, 7, tokens(1, 2, 3)),  # max_tokens 3: "length"
+        (1, "bb", long, 8, tokens(40_000, 5, 6)),  # "stop" under COMPLETE_LONG
+        (2, "ccc-\u00e9", COMPLETE, 9, tokens(7, 8, 9)),
+        (3, None, CHAT, 1, tokens(10, 11, 12, 13)),
+        (4, "chat-2", CHAT, 2, tokens(14, 15, 16, 17)),
+        (5, "e1", EMBED, 3, floats(0.5, -1.25)),
+        (6, "e2", EMBED, 3, floats(1e-7, 3.0)),
+    ]
+    return page_of(items)
+
+
 def context(with_decode: bool) -> ExportContext:
     return ExportContext(
         "job-7", MODEL, SHAPES, decode=decode if with_decode else None, created_ns=CREATED_NS
@@ -195,6 +214,19 @@ def test_templates_write_the_bytes_of_the_line_by_line_formatter(name, with_deco
     assert rendered.out == out  # every byte, in page order
     assert rendered.out_keys == keys
     assert len(rendered.out_keys) == rendered.out.count(b"\n")
+
+
+@pytest.mark.parametrize("with_decode", [False, True], ids=["no tokenizer", "tokenizer"])
+@pytest.mark.parametrize("finishes", ["one", "two"])
+def test_pages_of_alike_rows_write_the_bytes_of_the_line_by_line_formatter(finishes, with_decode):
+    from collector.delivery.lines import render_page
+
+    page, ctx = alike_page(finishes), context(with_decode)
+    rendered = render_page(page, ctx)
+    out, keys = one_by_one(page, ctx)
+    assert rendered.out == out
+    assert rendered.out_keys == keys
+    assert (b'"finish_reason":"stop"' in out) == (finishes == "two")
 
 
 @pytest.mark.parametrize("with_decode", [False, True], ids=["no tokenizer", "tokenizer"])

@@ -8,4 +8,5 @@
 | `join.py` | the parts of a fan-out line joined into one response |
 | `responses.py`, `logprobs.py` | /v1/responses bodies; logprobs in OpenAI's shapes |
 | `result_file.py` | `ResultFile`: an output file that holds each key at most once, synced before an ack |
+| `heap.py` | `run.py results` keeps freed page buffers for the next page (glibc thresholds) |
 """

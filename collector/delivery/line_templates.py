@@ -5,7 +5,10 @@ the token ids or the embedding, the counts), so a page's lines are built as a
 template (the constant bytes between those values, fixed by the form, the
 model and the creation time) and one column of bytes per value: numbers
 converted by numpy, token ids and embeddings serialised by orjson one 2-D
-array per row length, custom_ids by orjson each. `fill` interleaves constants
+array per row length, custom_ids by orjson in one call. A value that takes
+one of two forms (finish_reason) is a column of two shared objects, or a
+constant folded into its neighbours when the page has one form only; values
+repeated across lines (usage) are rendered once each. `fill` interleaves constants
 and columns into one list with slice assignments and joins it: no Python
 runs per line. The bytes are exactly what orjson gives for the line's dict
 (collector/delivery/lines.py `format_lines_one_by_one` builds those dicts;
@@ -52,6 +55,8 @@ def fill(pieces: Sequence[Piece], n: int) -> bytes:
     i-th entry). Adjacent constants are merged first."""
     merged: list[Piece] = []
     for piece in pieces:
+        if isinstance(piece, bytes) and not piece:
+            continue
         if isinstance(piece, bytes) and merged and isinstance(merged[-1], bytes):
             merged[-1] += piece
         else:
@@ -75,6 +80,16 @@ def fixed(parts: Sequence[bytes | np.ndarray], n: int) -> list[bytes]:
         )
         at += width
     return matrix.view(f"S{at}").reshape(-1).tolist()  # never ends in NUL: nothing is cut
+
+
+def choice(which: np.ndarray, yes: bytes, no: bytes) -> Piece:
+    """`yes` where `which` holds, else `no`: one constant when every line takes the same, else
+    a column of the two objects (no bytes made per line)."""
+    if which.all():
+        return yes
+    if not which.any():
+        return no
+    return np.array([no, yes], dtype=object)[which.astype(np.intp)].tolist()
 
 
 def per_value(values: np.ndarray, render: Callable[[int], bytes]) -> list[bytes]:
@@ -102,6 +117,14 @@ def json_rows(words: np.ndarray, starts: np.ndarray, counts: np.ndarray, dtype: 
     `1,2,3` (no brackets): orjson serialises each group of rows of one length as one 2-D
     array, split at its row boundaries (numbers hold no `]`)."""
     n = len(counts)
+    if n and (counts == counts[0]).all() and counts[0]:  # one row length: one block, no column
+        count, first = int(counts[0]), int(starts[0])
+        if (starts == first + count * np.arange(n)).all():
+            block = words[first : first + count * n]
+        else:
+            block = words[ranges(starts, counts)]
+        block = block.view(dtype).reshape(n, count)
+        return orjson.dumps(block.astype(dtype[1:], copy=False), option=_NUMPY)[2:-2].split(b"],[")
     column = np.empty(n, dtype=object)
     for count in np.unique(counts).tolist():
         rows = np.flatnonzero(counts == count)
@@ -184,10 +207,12 @@ def lines(
     body += b"%d" % created + b',"model":' + model_json + b',"choices":[{"index":0,'
     body += b'"message":{"role":"assistant","content":' if chat else b'"text":'
     after_text = (b"}" if chat else b"") + b',"logprobs":null,"finish_reason":"'
+    finish = choice(counts >= max_tokens, b'length","token_ids":[', b'stop","token_ids":[')
     if decode is None:
-        pieces.append(
-            fixed([response, request_ids, head, request_ids, body + b'""' + after_text], n)
-        )
+        tail = body + b'""' + after_text
+        if isinstance(finish, bytes):  # every line ends alike: in the fixed column too
+            tail, finish = tail + finish, b""
+        pieces.append(fixed([response, request_ids, head, request_ids, tail], n))
     else:
         words_l = words.tolist()
         spans = zip(starts.tolist(), counts.tolist(), strict=True)
@@ -196,12 +221,11 @@ def lines(
             [orjson.dumps(decode(words_l[s : s + c])) for s, c in spans],
             after_text,
         ]
-    finish = np.where(counts >= max_tokens, b'length","token_ids":[', b'stop","token_ids":[')
     counts = np.asarray(counts, dtype=np.int64)
     usage = b']}],"usage":{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d}}}'
     usage += b',"error":null}\n'
     pieces += [
-        finish.tolist(),
+        finish,
         json_rows(words, starts, counts, "<u4"),
         per_value(
             (prompts << 32) | counts,

@@ -109,12 +109,21 @@ _U64 = np.uint64
 @dataclass(frozen=True)
 class RenderedPage:
     """A page rendered: its output lines and its error lines, each as one buffer of whole
-    lines in page order, and each line's key (`line_key`) in the same order."""
+    lines in page order, and each line's key (`line_key`) in the same order. When every
+    output line has a custom_id, `out_custom_ids` holds them (the keys are made only if
+    asked for: `ResultFile.write_custom_ids` takes the custom_ids as they are)."""
 
     out: bytes
-    out_keys: list[str]
+    keys_of_out: list[str] | None  # None: "custom_id:" + each of out_custom_ids
     err: bytes
     err_keys: list[str]
+    out_custom_ids: list[str] | None = None
+
+    @property
+    def out_keys(self) -> list[str]:
+        if self.keys_of_out is not None:
+            return self.keys_of_out
+        return list(map(_CUSTOM_ID_KEY.__add__, self.out_custom_ids or []))
 
 
 def render_page(page: ResultPage, context: ExportContext) -> RenderedPage:
@@ -125,9 +134,9 @@ def render_page(page: ResultPage, context: ExportContext) -> RenderedPage:
         out_lines, err_lines, out_keys, err_keys = _joined_page(page, context)
         return RenderedPage(b"".join(out_lines), out_keys, b"".join(err_lines), err_keys)
     checked = check_page(page, context)
-    out, out_keys = _render_results(page, context, checked)
+    out, out_keys, out_custom_ids = _render_results(page, context, checked)
     err_lines, err_keys = _error_lines(page, context, checked)
-    return RenderedPage(out, out_keys, b"".join(err_lines), err_keys)
+    return RenderedPage(out, out_keys, b"".join(err_lines), err_keys, out_custom_ids)
 
 
 def format_page(page: ResultPage, context: ExportContext) -> tuple[list[bytes], list[bytes]]:
@@ -245,24 +254,24 @@ def line_key(custom_id: str | None, line_id: str) -> str:
 
 def _render_results(
     page: ResultPage, context: ExportContext, checked: Checked
-) -> tuple[bytes, list[str]]:
-    """(output lines as one buffer, their keys) for the checked results, in page order: each
-    form's results a whole page at once (line_templates.py), the rest one by one."""
+) -> tuple[bytes, list[str] | None, list[str] | None]:
+    """(output lines as one buffer, their keys, or None and their custom_ids when none is
+    null) for the checked results, in page order: each form's results a whole page at once
+    (line_templates.py), the rest one by one."""
     results = checked.results
     if not len(results):
-        return b"", []
+        return b"", [], None
     hex_ids = _request_id_hex(context.job_id, page.index[results])
     custom_ids = page.custom_ids
     if len(results) != len(custom_ids):
         custom_ids = np.asarray(custom_ids, dtype=object)[results].tolist()
+    keys: list[str] | None = None  # None: every line's key is its custom_id's
     if None in custom_ids:
         ids = np.ascontiguousarray(hex_ids[:, :32]).view("S32").reshape(-1).tolist()
         keys = [
             line_key(c, "batch_req_" + line_id.decode())
             for c, line_id in zip(custom_ids, ids, strict=True)
         ]
-    else:
-        keys = list(map(_CUSTOM_ID_KEY.__add__, custom_ids))
     forms = _forms(page, context, checked)
     offsets = np.asarray(page.offsets, dtype=np.int64)
     starts = offsets[results]
@@ -296,12 +305,13 @@ def _render_results(
                 decode=context.decode,
             )
         buffers.append((rows, data))
+    bare = None if keys is not None else list(custom_ids)
     if len(buffers) == 1:
-        return buffers[0][1], keys
+        return buffers[0][1], keys, bare
     by_row = np.empty(len(results), dtype=object)  # forms mixed in one page: back in page order
     for rows, data in buffers:
         by_row[rows] = split_lines(data)
-    return b"".join(by_row.tolist()), keys
+    return b"".join(by_row.tolist()), keys, bare
 
 
 def _forms(page: ResultPage, context: ExportContext, checked: Checked) -> np.ndarray:

@@ -5,6 +5,11 @@
 it has none), and `sync()` makes them durable: the client acknowledges a page
 to the broker only after both of its files are synced (invariant 12), and a
 re-run after a crash rewrites nothing it already has (invariant 5).
+
+In memory a file keeps each key as its bare custom_id, or `("id", id)` for a
+line without one (a tuple never equals a custom_id): the client hands a page
+of templated lines over as its custom_ids (`write_custom_ids`), with no
+`custom_id:` string made per line.
 """
 
 from __future__ import annotations
@@ -19,11 +24,22 @@ from typing import Any
 import numpy as np
 import orjson
 
-from collector.delivery.lines import line_key, split_lines
+from collector.delivery.lines import split_lines
 from pipeline.durable import fsync_dir
 from pipeline.errors import FabricError
 
 NEWLINE = ord("\n")
+CUSTOM_ID_KEY, ID_KEY = "custom_id:", "id:"  # lines.py `line_key`
+Held = str | tuple[str, str]  # a key as the file's set holds it (`held`)
+
+
+def held(key: str) -> Held:
+    """A `line_key` as the set holds it: the bare custom_id, or ("id", id)."""
+    if key.startswith(CUSTOM_ID_KEY):
+        return key[len(CUSTOM_ID_KEY) :]
+    if key.startswith(ID_KEY):
+        return ("id", key[len(ID_KEY) :])
+    raise ValueError(f"{key!r} is not a line key (custom_id:C or id:I, from line_key)")
 
 
 class ResultFileError(FabricError):
@@ -43,7 +59,7 @@ class ResultFile:
     (an exclusive lock), so two clients never append to one path.
     """
 
-    def __init__(self, path: Path, fd: int, keys: set[str], cut_bytes: int) -> None:
+    def __init__(self, path: Path, fd: int, keys: set[Held], cut_bytes: int) -> None:
         """Use `ResultFile.open`."""
         self.path = path
         self.cut_bytes = cut_bytes  # bytes of a torn last line cut at open (0 if none)
@@ -95,7 +111,7 @@ class ResultFile:
         return cls(path, fd, keys, size - good_bytes)
 
     def __contains__(self, key: str) -> bool:
-        return key in self._keys
+        return held(key) in self._keys
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -109,11 +125,9 @@ class ResultFile:
         self._check_usable()
         if len(lines) != len(keys):
             raise ValueError(f"write got {len(lines)} lines but {len(keys)} keys")
-        new_keys: dict[
-            str, None
-        ] = {}  # insertion-ordered, so a key repeated in `lines` counts once
+        new_keys: dict[Held, None] = {}  # insertion-ordered: a key repeated counts once
         new_lines = []
-        for line, key in zip(lines, keys, strict=True):
+        for line, key in zip(lines, map(held, keys), strict=True):
             if key not in self._keys and key not in new_keys:
                 if not line.endswith(b"\n"):
                     raise ValueError(f"line for key {key!r} does not end with a newline")
@@ -144,6 +158,14 @@ class ResultFile:
         is not yet in the file; return how many were appended. A page
         whose keys are all new is written as it is, in one piece; otherwise line by line,
         as `write`."""
+        return self._write_page(data, list(map(held, keys)), keys)
+
+    def write_custom_ids(self, data: bytes, custom_ids: Sequence[str]) -> int:
+        """`write_page` for lines that all have a custom_id (none null): line i's key is
+        `custom_id:` + `custom_ids[i]`, without that string being made."""
+        return self._write_page(data, custom_ids, None)
+
+    def _write_page(self, data: bytes, keys: Sequence[Held], given: Sequence[str] | None) -> int:
         self._check_usable()
         if data and not data.endswith(b"\n"):
             raise ValueError(f"write_page got {len(keys)} keys and a buffer of partial lines")
@@ -161,7 +183,9 @@ class ResultFile:
                     raise
                 return len(keys)
             self._keys.difference_update(keys)  # a key twice in the page: none was there before
-        return self.write(split_lines(data), keys)
+        if given is None:
+            given = list(map(CUSTOM_ID_KEY.__add__, keys))
+        return self.write(split_lines(data), given)
 
     def sync(self) -> None:
         """fsync: everything written before this call is on disk when it returns (a no-op
@@ -203,9 +227,10 @@ class ResultFile:
         self.close()
 
 
-def _read_keys(path: Path, file: Any) -> tuple[set[str], int, int]:
-    """(keys, bytes of whole lines, file size); raise ResultFileError at the first bad line."""
-    keys: set[str] = set()
+def _read_keys(path: Path, file: Any) -> tuple[set[Held], int, int]:
+    """(keys as held, bytes of whole lines, file size); raise ResultFileError at the first bad
+    line."""
+    keys: set[Held] = set()
     good_bytes = 0
     file.seek(0)
     for number, line in enumerate(file, 1):
@@ -224,7 +249,7 @@ def _read_keys(path: Path, file: Any) -> tuple[set[str], int, int]:
             raise _not_ours(path, number, f"custom_id is {custom_id!r}, not a string or null")
         if not isinstance(line_id, str):
             raise _not_ours(path, number, f"id is {line_id!r}, not a string")
-        keys.add(line_key(custom_id, line_id))
+        keys.add(("id", line_id) if custom_id is None else custom_id)
         good_bytes += len(line)
     return keys, good_bytes, good_bytes
 
