@@ -6,6 +6,7 @@ record of the batches its engine ran (bench/batch_log_worker.py):
 
 | part                     | what it is                                                  |
 |--------------------------|-------------------------------------------------------------|
+| (submit)                 | first submitted line -> the last one acknowledged (durable): overlaps the rest |
 | start                    | first submitted line -> the engine starts its first batch (front, tokeniser, router, writer, dispatch) |
 | engine                   | the sum of the engine's batch times in the pipeline          |
 | gaps                     | the engine idle between two batches (the worker had none queued) |
@@ -34,6 +35,7 @@ def timeline(batches: dict, alone_s: float) -> dict[str, float]:
     gaps = np.maximum(0.0, log["began"][1:] - ends[:-1]) if len(log) > 1 else np.zeros(0)
     return {
         "wall": wall,
+        "submit": float(batches["submitted"] - batches["began"]),
         "start": float(log["began"][0] - batches["began"]),
         "engine": float(log["seconds"].sum()),
         "gaps": float(gaps.sum()),
