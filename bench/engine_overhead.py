@@ -14,10 +14,19 @@ that CPython ships, assembly/demo.py):
    threads, same lanes, batches of 64, no adaptive sizing), timed from the
    first submitted line until the results client has written and fsynced
    the last result;
-3. the ratio of the two: target >= 90% (the broker costs <= 10%), and
-   padding waste < 20% of tokens.
+3. the ratio of the two: target >= 97% (the broker costs <= 3%, issue 19),
+   and padding waste < 20% of tokens;
+4. where the pipeline's time went (bench/engine_timeline.py), from the
+   worker's record of its batches (bench/batch_log_worker.py: the worker is
+   started by the bench, the broker runs with `local = 0`): first line to
+   first batch, the engine's time against the engine alone's, gaps between
+   batches, last batch to last result fsynced; each as a share of the wall
+   time, so the table says what bounds the ratio;
+5. the CPU seconds each process took over the timed job: what the engine's
+   threads competed with for the cores.
 
-Writes its section of docs/BENCHMARKS.md.
+Writes its section of docs/BENCHMARKS.md unless `--no-docs`; `--items N`
+runs the first N texts only.
 
     python bench/engine_overhead.py --lists [--per-line 64] [--items N] [--repeats 4]
 
@@ -325,6 +334,15 @@ def main() -> int:
         "every result; submit, dispatch, the engine, completion and delivery overlap on the "
         "same 2 cores.",
         "Padding waste: lane slots carrying no token / all lane slots of the batches.",
+        "The worker is local worker 0 of that config (2 threads), started by the bench as "
+        "bench/batch_log_worker.py (the broker at `local = 0`) so that it records each batch: "
+        "the `4 timeline` rows come from that record over the timed job. `4 cost` rows: each "
+        "part as a share of the pipeline's wall time; with `engine slower than alone` (the "
+        "engine's own time in the pipeline less the engine alone's in the same repeat: other "
+        "processes on its cores, or other batches, see `batches`) they add up to 100% - the "
+        "ratio. `5 CPU` rows: CPU seconds of each process over the timed job per 1,000 items "
+        "(`client`: this process, which submits and fetches); on a loaded host a slow run "
+        "inflates the idle share of these, which is time-proportional.",
     ]
     body = render_section(
         "Engine overhead (bench/engine_overhead.py)",
