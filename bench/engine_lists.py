@@ -181,7 +181,8 @@ def lists_against_single(args) -> int:
         notes(n, args.per_line, work),
     )
     print(body)
-    write_section(DOC, "bench/engine_overhead.py --lists", body)
+    if not args.no_docs:
+        write_section(DOC, "bench/engine_overhead.py --lists", body)
     subprocess.run(["rm", "-rf", str(bench_dir)], check=False)
     return 0
 

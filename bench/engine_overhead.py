@@ -1,6 +1,6 @@
 """What the broker costs a real engine: `minilm` alone against the whole pipeline, same corpus.
 
-    python bench/engine_overhead.py [--repeats 3]
+    python bench/engine_overhead.py [--repeats 3] [--dir DIR] [--no-docs]
 
 In one run, on the demo corpus (the paragraphs of the Python documentation
 that CPython ships, assembly/demo.py):
@@ -14,10 +14,19 @@ that CPython ships, assembly/demo.py):
    threads, same lanes, batches of 64, no adaptive sizing), timed from the
    first submitted line until the results client has written and fsynced
    the last result;
-3. the ratio of the two: target >= 90% (the broker costs <= 10%), and
-   padding waste < 20% of tokens.
+3. the ratio of the two: target >= 97% (the broker costs <= 3%, issue 19),
+   and padding waste < 20% of tokens;
+4. where the pipeline's time went (bench/engine_timeline.py), from the
+   worker's record of its batches (bench/batch_log_worker.py: the worker is
+   started by the bench, the broker runs with `local = 0`): first line to
+   first batch, the engine's time against the engine alone's, gaps between
+   batches, last batch to last result fsynced; each as a share of the wall
+   time, so the table says what bounds the ratio;
+5. the CPU seconds each process took over the timed job: what the engine's
+   threads competed with for the cores.
 
-Writes its section of docs/BENCHMARKS.md.
+Writes its section of docs/BENCHMARKS.md unless `--no-docs`; `--items N`
+runs the first N texts only.
 
     python bench/engine_overhead.py --lists [--per-line 64] [--items N] [--repeats 4]
 
@@ -46,6 +55,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.batch_log_worker import read_batches  # noqa: E402
+from bench.engine_timeline import BROKER, broker_cpu, cost_shares, timeline  # noqa: E402
 from bench.machine import command_line, describe, load_average  # noqa: E402
 from bench.report import Row, render_section, write_section  # noqa: E402
 
@@ -188,6 +198,7 @@ def pipeline(
             began, began_wall = time.perf_counter(), time.time()
             job = f"bench-{time.time_ns()}"
             producer.submit_file(corpus, job)
+            submitted = time.time()  # every line acknowledged: durable in the input log
         with ResultsClient(settings.completion.bind, timeout_s=10.0, patient=True) as client:
             report = client.fetch(
                 job, str(root / "out.jsonl"), str(root / "err.jsonl"), follow=True
@@ -201,6 +212,7 @@ def pipeline(
             cpu["client"] = time.process_time() - client_before
         if batches is not None:
             batches["began"], batches["ended"] = began_wall, began_wall + seconds
+            batches["submitted"] = submitted
             logged = read_batches(log)
             batches["log"] = logged[logged["began"] >= began_wall]
         lines = -(-len(texts) // per_line)
@@ -213,6 +225,29 @@ def pipeline(
                 process.wait(timeout=60)
 
 
+def timeline_rows(parts, shares, spent, items: int) -> list[Row]:
+    """Rows 4 and 5: where the pipeline's wall time went, and who else took CPU meanwhile."""
+    labels = {
+        "submit": "first line submitted -> last acknowledged (overlaps the rest), s",
+        "start": "first line submitted -> the engine's first batch, s",
+        "engine": "engine busy in the pipeline, s",
+        "alone": "engine alone (same repeat), s",
+        "gaps": "engine idle between batches, s",
+        "largest gap": "largest of those gaps, s",
+        "tail": "last batch done -> last result fsynced, s",
+    }
+    rows = [Row("4 timeline", label, tuple(parts[name])) for name, label in labels.items()]
+    rows += [Row("4 timeline", name, tuple(parts[name])) for name in ("batches", "items per batch")]
+    rows += [
+        Row("4 cost", f"{name}, % of the pipeline's wall", tuple(shares[name])) for name in shares
+    ]
+    for label in sorted(spent, key=lambda k: -max(spent[k])):
+        if label == BROKER or max(spent[label]) >= 0.05:
+            per = tuple(1000 * v / items for v in spent[label])
+            rows.append(Row("5 CPU", f"{label}: CPU s per 1,000 items", per))
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, help="3; with --lists 4 (pairs, even)")
@@ -220,6 +255,7 @@ def main() -> int:
     parser.add_argument("--lists", action="store_true", help="list input against one per line")
     parser.add_argument("--per-line", type=int, default=64, help="strings per list line")
     parser.add_argument("--items", type=int, default=0, help="use the first N texts (0: all)")
+    parser.add_argument("--no-docs", action="store_true", help="do not rewrite the docs")
     args = parser.parse_args()
     if args.lists:
         from bench.engine_lists import lists_against_single
@@ -235,16 +271,31 @@ def main() -> int:
     bench_dir.mkdir(parents=True)
     facts = describe(bench_dir)
     texts = corpus()
+    if args.items:
+        texts = texts[: args.items]
     ids = tokenised(texts)
     batches = lane_batches(ids)
     alone, piped = [], []
+    parts: dict[str, list[float]] = {}  # the timeline of each pipeline run (engine_timeline.py)
+    shares: dict[str, list[float]] = {}
+    spent: dict[str, list[float]] = {}  # CPU seconds by process over each timed job
     real = slots = 0
     for r in range(args.repeats):
         seconds, real, slots = engine_alone(batches)
         alone.append(len(texts) / seconds)
         print(f"engine alone: {alone[-1]:.0f} items/s", file=sys.stderr)
-        piped.append(len(texts) / pipeline(bench_dir / f"run{r}", texts))
-        print(f"pipeline: {piped[-1]:.0f} items/s", file=sys.stderr)
+        cpu, record = {}, {}
+        piped.append(len(texts) / pipeline(bench_dir / f"run{r}", texts, 1, cpu, record))
+        run = timeline(record, seconds)
+        for name, value in run.items():
+            parts.setdefault(name, []).append(value)
+        for name, value in cost_shares(run).items():
+            shares.setdefault(name, []).append(value)
+        for name, value in broker_cpu(cpu).items():
+            spent.setdefault(name, []).append(value)
+        shown = ", ".join(f"{k} {v:.2f}" for k, v in run.items())
+        used = ", ".join(f"{k} {v:.2f}" for k, v in sorted(cpu.items()))
+        print(f"pipeline: {piped[-1]:.0f} items/s; s: {shown}; CPU s: {used}", file=sys.stderr)
     ratios = tuple(p / a for p, a in zip(piped, alone, strict=True))
     waste = 1 - real / slots
     rows = [
@@ -266,9 +317,10 @@ def main() -> int:
             "3 overhead",
             "pipeline / engine alone, % (paired by repeat)",
             tuple(100 * x for x in ratios),
-            target=">= 90%",
-            at_least=90.0,
+            target=">= 97%",
+            at_least=97.0,
         ),
+        *timeline_rows(parts, shares, spent, len(texts)),
     ]
     facts["load average at end"] = load_average()
     notes = [
@@ -282,6 +334,15 @@ def main() -> int:
         "every result; submit, dispatch, the engine, completion and delivery overlap on the "
         "same 2 cores.",
         "Padding waste: lane slots carrying no token / all lane slots of the batches.",
+        "The worker is local worker 0 of that config (2 threads), started by the bench as "
+        "bench/batch_log_worker.py (the broker at `local = 0`) so that it records each batch: "
+        "the `4 timeline` rows come from that record over the timed job. `4 cost` rows: each "
+        "part as a share of the pipeline's wall time; with `engine slower than alone` (the "
+        "engine's own time in the pipeline less the engine alone's in the same repeat: other "
+        "processes on its cores, or other batches, see `batches`) they add up to 100% - the "
+        "ratio. `5 CPU` rows: CPU seconds of each process over the timed job per 1,000 items "
+        "(`client`: this process, which submits and fetches); on a loaded host a slow run "
+        "inflates the idle share of these, which is time-proportional.",
     ]
     body = render_section(
         "Engine overhead (bench/engine_overhead.py)",
@@ -294,7 +355,8 @@ def main() -> int:
         notes,
     )
     print(body)
-    write_section(DOC, "bench/engine_overhead.py", body)
+    if not args.no_docs:
+        write_section(DOC, "bench/engine_overhead.py", body)
     subprocess.run(["rm", "-rf", str(bench_dir)], check=False)
     return 0
 

@@ -152,6 +152,52 @@ def test_re_registration_never_changes_a_batch_under_the_engine():
         worker.close()
 
 
+def test_a_finished_batch_ends_the_workers_wait_and_its_results_go_at_once():
+    """The network thread waits on its socket; a batch the engine finishes meanwhile ends that
+    wait, so its results go within the same step (and the next step asks for the next batch), not
+    at the poll's timeout: each batch's results were up to a poll late, the job's last one too."""
+    import threading
+    import time
+
+    engine = _Gate()
+    worker, sent, work = _worker_with(engine, prefetch=1)
+    try:
+        work(1, [0, 1])
+        release = threading.Timer(0.2, engine.go.set)  # the engine finishes during the wait
+        release.start()
+        began = time.monotonic()
+        worker.step(timeout_ms=10_000)
+        waited = time.monotonic() - began
+        release.join()
+        assert "RESULTS" in _kinds(sent), _kinds(sent)
+        assert waited < 5.0, f"the step waited {waited:.1f} s for a batch done after 0.2 s"
+        worker.step(timeout_ms=0)
+        assert "WORK_REQUEST" in _kinds(sent)  # its slot is free: the next batch asked for
+    finally:
+        engine.go.set()
+        worker.close()
+
+
+def test_an_idle_worker_waits_for_the_broker_until_its_next_timer():
+    """Woken by messages and finished batches, the worker waits on its own timers only: it
+    woke every 20 ms, more than 1% of a core idle or beside a busy engine."""
+    worker, _, _ = _worker_with(EchoEngine())
+    waits = []
+    worker.connection.poll = lambda timeout_ms: waits.append(timeout_ms) or False
+    try:
+        worker.step()
+        assert waits[-1] > 20, waits  # nothing due: the longest wait (IDLE_WAIT_MS)
+        worker.pause_until = worker.now() + 0.03  # a pause ends in 30 ms: waited for exactly
+        worker.step()
+        assert 0 < waits[-1] <= 30, waits
+        worker.registered = False  # registering: the next hello, due in 50 ms
+        worker.next_try = worker.now() + 0.05
+        worker.step()
+        assert 0 < waits[-1] <= 50, waits
+    finally:
+        worker.close()
+
+
 def test_a_worker_whose_engine_failed_on_a_batch_it_no_longer_holds_hands_back_and_exits():
     from conftest import wait_for
 

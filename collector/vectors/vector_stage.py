@@ -89,8 +89,7 @@ class VectorStage(Stage):
 
     # ---- the loop --------------------------------------------------------------------
     def step(self, now: float) -> None:
-        wait_ms = max(0, min(self.poll_ms, int((self.next_flush - now) * 1000)))
-        events = dict(self.poller.poll(wait_ms))
+        events = dict(self.poller.poll(self._wait_ms(now)))
         now = time.monotonic()
         if self.completion in events:
             self._read_pages(now)
@@ -108,6 +107,14 @@ class VectorStage(Stage):
                 wire.send(self.completion, MT.FETCH, meta)
             except FabricError as exc:
                 self.log.debug("could not ask completion yet: %s", exc)
+
+    def _wait_ms(self, now: float) -> int:
+        """How long to wait for a message: no job to deliver and nothing to flush, until the
+        next look for jobs (a user's request still ends the wait), so an idle stage does not
+        wake 100 times a second beside the engines; else at most `poll_ms`, to the flush."""
+        if not self.sink.jobs and not self.stores.pending():
+            return max(0, int((self.next_discover - now) * 1000))
+        return max(0, min(self.poll_ms, int((self.next_flush - now) * 1000)))
 
     def _flush(self, now: float) -> None:
         if not self.stores.pending():

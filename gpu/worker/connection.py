@@ -48,6 +48,8 @@ class Connection:
         secure_client(self.socket, self.curve)
         self.socket.connect(self.broker)
         self.inbox = wire.Inbox(self.socket, log, "the broker")
+        self.poller = zmq.Poller()
+        self.poller.register(self.socket, zmq.POLLIN)
         if self.heartbeat:
             self.pinger = wire.open_socket(self.context, zmq.DEALER)
             self.pinger.setsockopt(zmq.IMMEDIATE, 1)
@@ -69,9 +71,14 @@ class Connection:
         except FabricError:
             return False
 
+    def watch(self, fd: int) -> None:
+        """Let a readable `fd` (the engine's outcomes) end `poll`'s wait too."""
+        self.poller.register(fd, zmq.POLLIN)
+
     def poll(self, timeout_ms: int) -> bool:
-        """Whether dispatch sent something, waiting at most `timeout_ms`."""
-        return bool(self.socket.poll(timeout_ms, zmq.POLLIN))
+        """Whether dispatch sent something, waiting at most `timeout_ms` or until a watched
+        fd is readable."""
+        return self.socket in dict(self.poller.poll(timeout_ms))
 
     def messages(self, most: int) -> Iterator[wire.Message]:
         """Up to `most` waiting messages from dispatch (a malformed one logged and skipped)."""

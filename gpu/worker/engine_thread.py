@@ -2,7 +2,10 @@
 
 The network thread (`gpu/worker/session.py`) queues batches with `put` and
 reads outcomes with `outcomes`; a queued batch is either started here or
-taken back there (`unqueue`), never both (`claim`).
+taken back there (`unqueue`), never both (`claim`). Each outcome also makes
+`wake_fd` readable, so the network thread, waiting on its sockets with that
+fd beside them, sends a batch's results and asks for the next one as soon as
+the engine is done, not at its next poll timeout.
 
 | outcome     | when                                                            |
 |-------------|-----------------------------------------------------------------|
@@ -13,7 +16,9 @@ taken back there (`unqueue`), never both (`claim`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -41,6 +46,9 @@ class EngineThread:
         self.tokens_per_s: float | None = None  # the engine's measured speed
         self.prompt_tokens = 0  # of the batches the engine finished (reported)
         self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self.wake_fd, self._wake_w = os.pipe()  # readable when an outcome is waiting
+        os.set_blocking(self.wake_fd, False)
+        os.set_blocking(self._wake_w, False)
 
     @property
     def name(self) -> str:
@@ -53,6 +61,14 @@ class EngineThread:
         """Ask the thread to end after its batch; wait for it at most `timeout_s`."""
         self.ready.put(None)
         self.thread.join(timeout=timeout_s)
+
+    def close(self) -> None:
+        """Release `wake_fd` once nothing polls it (after `stop`); while the thread still
+        runs (a hung engine, past `stop`'s wait) it may yet write, so the pipe stays."""
+        if not self.thread.is_alive() and self.wake_fd >= 0:
+            os.close(self.wake_fd)
+            os.close(self._wake_w)
+            self.wake_fd = self._wake_w = -1
 
     def is_alive(self) -> bool:
         return self.thread.is_alive()
@@ -71,6 +87,8 @@ class EngineThread:
 
     def outcomes(self) -> Iterator[Done]:
         """The outcomes the engine produced since the last call."""
+        with contextlib.suppress(BlockingIOError):  # first: a later outcome wakes again
+            os.read(self.wake_fd, 4096)
         while True:
             try:
                 yield self.done.get_nowait()
@@ -85,6 +103,12 @@ class EngineThread:
         self.tokens_per_s = (
             rate if self.tokens_per_s is None else 0.7 * self.tokens_per_s + 0.3 * rate
         )
+
+    def _tell(self, done: Done) -> None:
+        """One outcome for the network thread, which `wake_fd` wakes."""
+        self.done.put(done)
+        with contextlib.suppress(BlockingIOError):  # full: it is readable already
+            os.write(self._wake_w, b"\0")
 
     def _loop(self) -> None:
         while True:
@@ -114,11 +138,11 @@ class EngineThread:
                         f"for {len(held.items)} items"
                     )
                 self.prompt_tokens += int(held.lengths.sum())
-                self.done.put(Done(held.batch_id, "ok", result))
+                self._tell(Done(held.batch_id, "ok", result))
             except TransientEngineError as exc:
                 self.running = None
-                self.done.put(Done(held.batch_id, "transient", reason=str(exc)))
+                self._tell(Done(held.batch_id, "transient", reason=str(exc)))
             except Exception as exc:  # the engine is broken: never retry against it
                 log.exception("engine %s failed", self.engine.name)
-                self.done.put(Done(held.batch_id, "broken", reason=f"{type(exc).__name__}: {exc}"))
+                self._tell(Done(held.batch_id, "broken", reason=f"{type(exc).__name__}: {exc}"))
                 return

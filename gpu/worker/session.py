@@ -66,6 +66,9 @@ RESEND_S = 10.0  # results unacknowledged this long are sent again
 MAX_UNACKNOWLEDGED_BATCHES = 32  # results held for completion past this: the worker stops asking
 FIRST_BATCH_TOKENS = 4096  # the first request's token budget, before the engine is measured
 NO_ANSWER_WARN_S = 5.0  # registering this long without any answer: say so, and why it may be
+# The longest wait for a message: broker messages and finished batches end it at once, timers
+# (hello, ping, report, a pause) are waited for exactly; this bounds only the watchdog's look.
+IDLE_WAIT_MS = 100
 
 
 class Worker:
@@ -109,6 +112,7 @@ class Worker:
     def open(self) -> None:
         self.engine.load()
         self.connection.open()
+        self.connection.watch(self.engine_thread.wake_fd)  # a finished batch ends the wait
         self.engine_thread.start()
         log.info(
             "worker session %s for model %s on %s (engine %s)",
@@ -121,6 +125,7 @@ class Worker:
     def close(self) -> None:
         self.engine_thread.stop(timeout_s=1.0)
         self.connection.close()
+        self.engine_thread.close()  # its wake fd, which the connection polled
 
     def token_budget(self) -> int:
         """Tokens to ask for: what the engine does in about `target_batch_s` (within bounds)."""
@@ -134,7 +139,9 @@ class Worker:
         return max(1, min(limit, int(tokens_per_s * target)))
 
     # ---- the network thread --------------------------------------------------------------
-    def step(self, timeout_ms: int = 20) -> None:
+    def step(self, timeout_ms: int | None = None) -> None:
+        """One turn: timers, finished batches, then wait for the broker at most `timeout_ms`
+        (default: until the next timer, `IDLE_WAIT_MS` at most; a finished batch ends it)."""
         now = self.now()
         self._ping(now)
         if not self.registered and now >= self.next_try:
@@ -153,13 +160,26 @@ class Worker:
             if now - self.last_report >= self.report_s:
                 self._report(now)
             self._resend(now)
-        if self.connection.poll(timeout_ms):
+        if self.connection.poll(self.wait_ms(now) if timeout_ms is None else timeout_ms):
             for message in self.connection.messages(64):
                 self.last_heard = self.now()
                 self.unanswered_since = None
                 self._handle(message, self.last_heard)
         self._read_pings()
+        self._take_done(self.now())  # a batch finished during the wait: its results go now
         self._track_idle(now)
+
+    def wait_ms(self, now: float) -> int:
+        """How long `step` may wait: to the next due timer, `IDLE_WAIT_MS` at most. It woke
+        every 20 ms, which idle (or while the engine computes) cost more than 1% of a core
+        beside an engine that wants them all."""
+        due = [self.next_ping if self.options.heartbeat is not None else math.inf]
+        if self.registered:
+            due.append(self.last_report + self.report_s)
+            due.append(self.pause_until if self.pause_until > now else math.inf)
+        else:
+            due.append(self.next_try)
+        return max(0, min(IDLE_WAIT_MS, math.ceil((min(due) - now) * 1000)))
 
     def _track_idle(self, now: float) -> None:
         busy = any(h.state in ("queued", "running") for h in self.held.values())
