@@ -6,7 +6,8 @@ the file twice and de-quantises it), so:
 | helper                 | what it gives                                                   |
 |------------------------|-----------------------------------------------------------------|
 | `loaded_engine()`      | one `TransformersEngine` (default model, one thread) per test process, shared by every in-process test |
-| `broker_with_worker(...)` | a real broker and one transformers worker process of its own on the saved weights, for the broker tests |
+| `broker_with_worker(...)` | a real broker and one transformers worker process of its own on the saved weights |
+| `smol_broker` (fixture)   | one such broker, model `smol` on every endpoint, shared by the broker tests of the session (import it into the test module) |
 | `model_dir(shared)`    | the same weights saved as a Hugging Face directory (safetensors and tokenizer.json), written once per session under `shared` (a lock keeps the pytest-xdist processes from writing it twice); a worker started with `--option model=DIR` loads it in a second instead of parsing the GGUF again |
 
 The broker tests prove that results flow through a broker (log probabilities,
@@ -90,8 +91,34 @@ def model_dir(shared: Path) -> Path:
     return target
 
 
+SMOL_TOML = """
+[[models]]
+name = "smol"
+engine = "transformers"
+tokenizer = "{tokenizer}"
+max_tokens = 512
+"""  # every endpoint of the engine: completions, chat and responses
+
+
+@pytest.fixture(scope="session")
+def smol_broker(tmp_path_factory):
+    """One real broker with model `smol` and one transformers worker of its own, shared by the
+    broker tests of the SmolLM2 process (they run in one pytest-xdist process, and each runs
+    jobs of its own ids): a broker start and a worker's torch import and model load each cost
+    seconds of CPU. At the end of the session the broker must stop cleanly and its data dir
+    must check clean."""
+    from conftest import assert_check_clean
+
+    from pipeline import exitcodes
+
+    with broker_with_worker(tmp_path_factory.mktemp("smol-broker"), tmp_path_factory) as b:
+        yield b
+        assert b.stop() == exitcodes.OK, b.stderr
+    assert_check_clean(b.data_dir)
+
+
 @contextlib.contextmanager
-def broker_with_worker(tmp_path: Path, tmp_path_factory, model_toml: str):
+def broker_with_worker(tmp_path: Path, tmp_path_factory, model_toml: str = SMOL_TOML):
     """A real broker (no local workers) whose config ends with `model_toml` (formatted with
     `tokenizer`), and one `run.py worker` of its own for model `smol` on the transformers
     engine, loading the saved weights (`model_dir`); both are killed and closed after."""

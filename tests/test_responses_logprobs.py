@@ -14,19 +14,20 @@ import json
 
 import numpy as np
 import pytest
+import smollm2
 from broker import submit
-from conftest import assert_check_clean
 from openai.types.responses import Response
-from smollm2 import broker_with_worker, needs_model
+from smollm2 import needs_model
 from test_dispatch_pipeline import cli
-from test_token_logprobs import SMOL, read, scored_result
+from test_token_logprobs import read, scored_result
 
 from collector.delivery.lines import format_page
 from collector.delivery.result_page import ExportContext, ResultPage
 from gpu.worker.results import results_message
-from pipeline import exitcodes
 
 RESPONSES = "/v1/responses"
+
+smol_broker = smollm2.smol_broker  # the fixture: one SmolLM2 broker for the session
 
 
 def responses_line(model: str = "smol", custom_id: str = "r", **body) -> dict:
@@ -129,37 +130,33 @@ def test_logprobs_without_alternatives_pack_for_a_batch():
 @needs_model
 @pytest.mark.slow
 @pytest.mark.timeout(300)  # the first model test of a session saves SmolLM2 (tests/smollm2.py)
-def test_responses_logprobs_come_back_through_a_real_broker(tmp_path, tmp_path_factory):
-    with broker_with_worker(tmp_path, tmp_path_factory, SMOL) as b:
-        greedy = {"max_output_tokens": 3, "temperature": 0}
-        lines = [
-            responses_line(custom_id="top", top_logprobs=2, **greedy),
-            responses_line(custom_id="inc", include=["message.output_text.logprobs"], **greedy),
-            responses_line(custom_id="plain", **greedy),
-        ]
-        path = tmp_path / "in.jsonl"
-        path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-        assert submit(b.config, path, "--job-id", "rlp").returncode == 0
-        out = tmp_path / "out.jsonl"
-        fetched = cli(b, "results", "rlp", "-o", str(out), "--follow", timeout_s=300)
-        assert fetched.returncode == 0, fetched.stderr
-        bodies = {
-            r["custom_id"]: Response.model_validate(r["response"]["body"])
-            for r in map(json.loads, out.read_text().splitlines())
-        }
-        plain = bodies["plain"].output[0].content[0]
-        assert plain.logprobs == [] and bodies["plain"].top_logprobs is None
-        for key, alternatives in (("top", 2), ("inc", 0)):
-            response = bodies[key]
-            [text] = response.output[0].content
-            assert text.text == plain.text  # greedy, all three
-            assert "".join(t.token for t in text.logprobs) == text.text
-            assert len(text.logprobs) == response.usage.output_tokens == 3
-            assert all(
-                t.logprob <= 0 and len(t.top_logprobs) == alternatives for t in text.logprobs
-            )
-            assert response.top_logprobs == alternatives
-        top = bodies["top"].output[0].content[0].logprobs
-        assert all(t.top_logprobs[0].token == t.token for t in top)  # greedy: the best
-        assert b.stop() == exitcodes.OK
-    assert_check_clean(b.data_dir)
+def test_responses_logprobs_come_back_through_a_real_broker(tmp_path, smol_broker):
+    b = smol_broker  # stopped, and its data dir checked, at the end of the session
+    greedy = {"max_output_tokens": 3, "temperature": 0}
+    lines = [
+        responses_line(custom_id="top", top_logprobs=2, **greedy),
+        responses_line(custom_id="inc", include=["message.output_text.logprobs"], **greedy),
+        responses_line(custom_id="plain", **greedy),
+    ]
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert submit(b.config, path, "--job-id", "rlp").returncode == 0
+    out = tmp_path / "out.jsonl"
+    fetched = cli(b, "results", "rlp", "-o", str(out), "--follow", timeout_s=300)
+    assert fetched.returncode == 0, fetched.stderr
+    bodies = {
+        r["custom_id"]: Response.model_validate(r["response"]["body"])
+        for r in map(json.loads, out.read_text().splitlines())
+    }
+    plain = bodies["plain"].output[0].content[0]
+    assert plain.logprobs == [] and bodies["plain"].top_logprobs is None
+    for key, alternatives in (("top", 2), ("inc", 0)):
+        response = bodies[key]
+        [text] = response.output[0].content
+        assert text.text == plain.text  # greedy, all three
+        assert "".join(t.token for t in text.logprobs) == text.text
+        assert len(text.logprobs) == response.usage.output_tokens == 3
+        assert all(t.logprob <= 0 and len(t.top_logprobs) == alternatives for t in text.logprobs)
+        assert response.top_logprobs == alternatives
+    top = bodies["top"].output[0].content[0].logprobs
+    assert all(t.top_logprobs[0].token == t.token for t in top)  # greedy: the best

@@ -16,11 +16,11 @@ import json
 import numpy as np
 import orjson
 import pytest
+import smollm2
 from broker import submit
-from conftest import assert_check_clean
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
-from smollm2 import broker_with_worker, loaded_engine, needs_model
+from smollm2 import loaded_engine, needs_model
 from test_dispatch_pipeline import cli
 from test_transformers_engine import batch_of, outputs
 
@@ -31,7 +31,7 @@ from config import load_settings
 from gpu.engines.base import EngineResult
 from gpu.worker.results import results_message
 from ingest.batch_input import iter_batch_input
-from pipeline import exitcodes, token_logprobs
+from pipeline import token_logprobs
 from pipeline.result_kinds import ResultKind
 
 CHAT = "/v1/chat/completions"
@@ -39,6 +39,8 @@ MODELS = [
     {"name": "echoed", "engine": "echo", "tokenizer": "tokenizer.json"},
     {"name": "smol", "engine": "transformers", "tokenizer": "tokenizer.json"},
 ]
+
+smol_broker = smollm2.smol_broker  # the fixture: one SmolLM2 broker for the session
 
 
 def read(line: dict):
@@ -233,57 +235,44 @@ def test_the_engines_logprobs_are_the_models_own():
             assert (result.top_ids[:, 0] == result.tokens).all()
 
 
-SMOL = """
-[[models]]
-name = "smol"
-engine = "transformers"
-tokenizer = "{tokenizer}"
-max_tokens = 128
-"""
-
-
 @needs_model
 @pytest.mark.slow
 @pytest.mark.timeout(300)  # the first model test of a session saves SmolLM2 (tests/smollm2.py)
-def test_logprobs_come_back_through_a_real_broker(tmp_path, tmp_path_factory):
-    with broker_with_worker(tmp_path, tmp_path_factory, SMOL) as b:
-        lines = [
-            chat_line(logprobs=True, top_logprobs=2, max_tokens=4, temperature=0)
-            | {"custom_id": "c"},
-            {
-                "custom_id": "p",
-                "method": "POST",
-                "url": "/v1/completions",
-                "body": {"model": "smol", "prompt": "One, two,", "logprobs": 1, "max_tokens": 3},
-            },
-            chat_line(max_tokens=4, temperature=0) | {"custom_id": "plain"},
-        ]
-        path = tmp_path / "in.jsonl"
-        path.write_bytes(b"".join(orjson.dumps(line) + b"\n" for line in lines))
-        assert submit(b.config, path, "--job-id", "lp").returncode == 0
-        out = tmp_path / "out.jsonl"
-        fetched = cli(b, "results", "lp", "-o", str(out), "--follow", timeout_s=300)
-        assert fetched.returncode == 0, fetched.stderr
-        bodies = {
-            r["custom_id"]: r["response"]["body"]
-            for r in map(json.loads, out.read_text().splitlines())
-        }
-        chat = ChatCompletion.model_validate(bodies["c"])
-        plain = ChatCompletion.model_validate(bodies["plain"])
-        assert plain.choices[0].logprobs is None
-        assert chat.choices[0].message.content == plain.choices[0].message.content  # greedy both
-        content = chat.choices[0].logprobs.content
-        assert "".join(c.token for c in content) == chat.choices[0].message.content
-        assert all(c.logprob <= 0 and len(c.top_logprobs) == 2 for c in content)
-        assert all(c.top_logprobs[0].token == c.token for c in content)  # greedy: the best
-        completion = Completion.model_validate(bodies["p"])
-        assert len(completion.choices[0].logprobs.tokens) == completion.usage.completion_tokens == 3
-        status = json.loads(cli(b, "status", "lp", "--json").stdout)
-        assert status["usage"]["completion_tokens"] == sum(
-            body["usage"]["completion_tokens"] for body in bodies.values()
-        )
-        assert b.stop() == exitcodes.OK
-    assert_check_clean(b.data_dir)
+def test_logprobs_come_back_through_a_real_broker(tmp_path, smol_broker):
+    b = smol_broker  # stopped, and its data dir checked, at the end of the session
+    lines = [
+        chat_line(logprobs=True, top_logprobs=2, max_tokens=4, temperature=0) | {"custom_id": "c"},
+        {
+            "custom_id": "p",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": "smol", "prompt": "One, two,", "logprobs": 1, "max_tokens": 3},
+        },
+        chat_line(max_tokens=4, temperature=0) | {"custom_id": "plain"},
+    ]
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b"".join(orjson.dumps(line) + b"\n" for line in lines))
+    assert submit(b.config, path, "--job-id", "lp").returncode == 0
+    out = tmp_path / "out.jsonl"
+    fetched = cli(b, "results", "lp", "-o", str(out), "--follow", timeout_s=300)
+    assert fetched.returncode == 0, fetched.stderr
+    bodies = {
+        r["custom_id"]: r["response"]["body"] for r in map(json.loads, out.read_text().splitlines())
+    }
+    chat = ChatCompletion.model_validate(bodies["c"])
+    plain = ChatCompletion.model_validate(bodies["plain"])
+    assert plain.choices[0].logprobs is None
+    assert chat.choices[0].message.content == plain.choices[0].message.content  # greedy both
+    content = chat.choices[0].logprobs.content
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+    assert all(c.logprob <= 0 and len(c.top_logprobs) == 2 for c in content)
+    assert all(c.top_logprobs[0].token == c.token for c in content)  # greedy: the best
+    completion = Completion.model_validate(bodies["p"])
+    assert len(completion.choices[0].logprobs.tokens) == completion.usage.completion_tokens == 3
+    status = json.loads(cli(b, "status", "lp", "--json").stdout)
+    assert status["usage"]["completion_tokens"] == sum(
+        body["usage"]["completion_tokens"] for body in bodies.values()
+    )
 
 
 def test_the_vllm_engine_turns_vllms_logprobs_into_the_same_arrays(monkeypatch):
