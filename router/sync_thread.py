@@ -69,6 +69,10 @@ class SyncThread:
         self.in_flight = ticket
         self._todo.put(ticket)
 
+    def back(self) -> bool:
+        """True when the ticket in flight is back, ready to collect without waiting."""
+        return self.in_flight is not None and not self._done.empty()
+
     def collect(self, timeout: float | None) -> Ticket | None:
         """The in-flight ticket once its fdatasyncs returned, waiting at most `timeout` seconds
         (None: until it is back); None if none is in flight or it is still syncing."""

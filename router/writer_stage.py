@@ -166,12 +166,16 @@ class WriterStage(Stage):
         return self.wakeups.socket in ready, self.syncer.fd in ready
 
     def _gather(self, now: float, batch: Batch) -> None:
-        """The group-commit window: take what arrives while the last step's sync is in flight,
-        or, with none in flight, for `writers.flush_ms`."""
+        """The group-commit window: take what arrives until the last step's sync is back (then
+        its chunks are answered and this batch handed over at once, so a producer's window
+        is not held up by a long batch), or, with none in flight, for `writers.flush_ms`."""
         taken = 0
         if self.syncer.in_flight is not None:
             while taken < MAX_RECORDS_PER_STEP:
-                if not self._backlog():
+                if self._backlog():
+                    if self.syncer.back():
+                        return
+                else:
                     woken, back = self._wait(self.poll_ms)
                     if back or not woken:
                         return
