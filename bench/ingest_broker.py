@@ -71,7 +71,7 @@ def write_config(
     an ingest benchmark measures a log that nothing consumes. `sections` is
     merged over the base, key by key.
     """
-    sockets = [socket.socket() for _ in range(5)]  # all bound at once: five distinct ports
+    sockets = [socket.socket() for _ in range(6)]  # all bound at once: six distinct ports
     for s in sockets:
         s.bind(("127.0.0.1", 0))
     ports = [s.getsockname()[1] for s in sockets]
@@ -91,6 +91,7 @@ def write_config(
         "completion": {"bind": f"tcp://127.0.0.1:{ports[3]}"},
         "vectors": {"bind": f"tcp://127.0.0.1:{ports[4]}"},
         "workers": {"local": 0},
+        "metrics": {"bind": f"127.0.0.1:{ports[5]}"},  # not the default: another broker may run
     }
     for name, keys in (sections or {}).items():
         base.setdefault(name, {}).update(keys)

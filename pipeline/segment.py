@@ -291,21 +291,41 @@ class Segment:
         With `drop_pages`, the slots appended since the last sync then leave the
         page cache (POSIX_FADV_DONTNEED on just that range).
         """
+        end = self._end
+        self.fdatasync()
+        self.synced(end, drop_pages)
+
+    def fdatasync(self) -> None:
+        """The fdatasync alone: durable is every write that returned before this was called.
+
+        It touches only the file descriptor, so another thread may call it while the owner
+        appends (a writer's sync thread, router/sync_thread.py); the owner must not close the
+        segment until it returns, and calls `synced()` afterwards on its own thread.
+        """
         try:
             os.fdatasync(self._fd)
         except OSError as exc:
             raise disk_error(exc, self.path, "syncing") from exc
-        if self._end is not None and self._end > self._synced_end:
+
+    def synced(self, end: int | None, drop_pages: bool = False) -> None:
+        """Bookkeeping after an fdatasync that began once slots ..`end` were written (the
+        value of `end_slot` then): with `drop_pages`, those slots leave the page cache."""
+        if end is not None and end > self._synced_end:
             if drop_pages:
                 slot_bytes = self.header.slot_bytes
                 start = self.header.slots_offset + self._synced_end * slot_bytes
                 os.posix_fadvise(
                     self._fd,
                     start,
-                    (self._end - self._synced_end) * slot_bytes,
+                    (end - self._synced_end) * slot_bytes,
                     os.POSIX_FADV_DONTNEED,
                 )
-            self._synced_end = self._end
+            self._synced_end = end
+
+    @property
+    def end_slot(self) -> int | None:
+        """The next free slot (None for a segment not created in this life)."""
+        return self._end
 
     def release_slots(self, first: int, last: int) -> None:
         """Unmap this process's pages of slots first..last (the file and its data stay).

@@ -163,14 +163,44 @@ class SegmentAppender:
             self._ready.append(segment)
             room += segment.capacity
 
-    def sync(self) -> None:
-        """Make every append so far durable; then release segments rotated out."""
-        for segment in self._dirty:
-            segment.sync(self.drop_synced_pages)
-        for segment in self._dirty:
-            if segment is not self._current:
-                segment.close()
+    @property
+    def dirty(self) -> bool:
+        """True while something appended or sealed is not yet handed to a sync."""
+        return bool(self._dirty)
+
+    def begin_sync(self) -> list[tuple[Segment, int | None]]:
+        """Hand over what needs syncing: each segment written or sealed since the last hand-off,
+        with its end then. The caller fdatasyncs each (`Segment.fdatasync`, safe on another
+        thread while appends go on) and then calls `end_sync` with the outcome, on this
+        appender's thread; until then no segment of the list is closed."""
+        batch = [(segment, segment.end_slot) for segment in self._dirty]
         self._dirty = []
+        return batch
+
+    def end_sync(self, batch: list[tuple[Segment, int | None]], ok: bool) -> None:
+        """After the fdatasyncs of a `begin_sync` batch: on success, drop the synced pages and
+        close the segments rotated out that nothing written since still needs; on failure,
+        the segments are synced again by the next batch."""
+        if not ok:
+            self._dirty[:0] = [s for s, _ in batch if s not in self._dirty]
+            return
+        for segment, end in batch:
+            segment.synced(end, self.drop_synced_pages)
+        for segment, _ in batch:
+            if segment is not self._current and segment not in self._dirty:
+                segment.close()
+
+    def sync(self) -> None:
+        """Make every append so far durable (one fdatasync per segment written since the last
+        sync: group commit); then release segments rotated out."""
+        batch = self.begin_sync()
+        try:
+            for segment, _ in batch:
+                segment.fdatasync()
+        except BaseException:
+            self.end_sync(batch, ok=False)
+            raise
+        self.end_sync(batch, ok=True)
 
     def maybe_rotate(self, now_s: float | None = None) -> bool:
         """Seal the current segment if it has been idle for `idle_s`; True if it did."""

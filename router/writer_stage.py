@@ -2,29 +2,42 @@
 
 Each writer owns the keys (model, shape, lane) that hash to it, one
 SegmentAppender per key. A step takes every KEYED record waiting in its
-rings, appends them, syncs every segment it touched (one fdatasync each:
-group commit), releases the rings, and only then tells the front how many
-items of which chunk are durable (APPEND_ACK). A record whose deadline has
-passed is dropped unappended: the front has given up on that chunk and its
-producer will retry it. A full disk answers the chunk with a retryable error
-(nothing of a failed append is stored, and a failed group commit fails every
-chunk of the step), logged once, not once per chunk (pipeline/disk_full.py);
-the writer goes on and the next append tries the disk again; with nothing to
-append it probes the disk once a second, so "disk writable again" is said
-once space is freed whether or not more work comes.
+rings (up to MAX_RECORDS_PER_STEP), appends them, releases the rings, and
+hands every segment it touched to its sync thread (router/sync_thread.py:
+one fdatasync each, group commit). While the disk syncs step k, step k+1
+appends the records that arrived meanwhile (the in-flight sync is its
+group-commit window); step k's chunks are answered (APPEND_ACK: how many
+items of which chunk are durable) only once its ticket is back, and step
+k+1's segments are handed over only then: one sync in flight, in order.
+So the disk does not idle while the writer appends, nor the writer while
+the disk syncs. With no sync in flight, `writers.flush_ms` is the window.
+
+A record whose deadline has passed is dropped unappended: the front has
+given up on that chunk and its producer will retry it. A full disk answers
+the chunk with a retryable error (nothing of a failed append is stored, and
+a failed sync fails exactly the chunks of its step; the next step's appends
+go on and its sync tries those segments again), logged once, not once per
+chunk (pipeline/disk_full.py); with nothing to append it probes the disk
+once a second, so "disk writable again" is said once space is freed whether
+or not more work comes.
+
+Threads: the writer's thread owns the appenders and segments; the sync
+thread only fdatasyncs the descriptors of the ticket it holds, and the
+writer closes none of them before the ticket is back (the hand-off rule is
+in router/sync_thread.py).
 
 Stage logic takes its clock from `step(now)` (CLOCK_MONOTONIC seconds): a
 record's deadline and the full-disk episode are judged on it, so a test can
-drive a writer on a clock of its own. Two things use real time on purpose:
-the group-commit window (`writers.flush_ms`, a real wait for more records;
-records it takes are judged on the step's `now`) and the fsync latency it
-measures.
+drive a writer on a clock of its own. Real time is used on purpose for the
+group-commit window (a real wait for more records or for the disk; records
+it takes are judged on the step's `now`) and the fsync latency it measures.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter, defaultdict
+from dataclasses import dataclass, field
 
 import numpy as np
 import zmq
@@ -41,8 +54,23 @@ from pipeline.segment_append import SegmentAppender, SegmentIds
 from pipeline.segment_format import KIND_INPUT, SegmentKey, slot_bytes_for
 from pipeline.stage import Stage
 from pipeline.topology import internal_address, rings_to
+from router.sync_thread import SyncThread, Ticket
 
 MAX_RECORDS_PER_STEP = 256
+Chunk = tuple[int, int]  # (job_no, chunk)
+
+
+@dataclass
+class Batch:
+    """What one step appended, answered once its sync is back."""
+
+    durable: dict[Chunk, int] = field(default_factory=lambda: defaultdict(int))  # items placed
+    failed: dict[Chunk, str] = field(default_factory=dict)  # chunk -> why refused
+    placed: dict[int, int] = field(default_factory=dict)  # segment id -> end of what it placed
+    syncs: list = field(default_factory=list)  # (appender, its begin_sync list)
+
+    def __bool__(self) -> bool:
+        return bool(self.durable or self.failed)
 
 
 class WriterStage(Stage):
@@ -72,8 +100,11 @@ class WriterStage(Stage):
         self.dispatch = wire.open_socket(
             self.context, zmq.PUSH, connect=internal_address(settings, "dispatch")
         )
-        self.placed: dict[int, int] = {}  # segment id -> end of what this step appended
         self.appended = 0
+        self.syncer = SyncThread(f"writer-{self.index}-sync")
+        self.poller = zmq.Poller()  # a wakeup (records waiting) or the disk (a sync back)
+        self.poller.register(self.wakeups.socket, zmq.POLLIN)
+        self.poller.register(self.syncer.fd, zmq.POLLIN)
         self.flush_s = settings.writers.flush_ms / 1000
         self.appended_by_key: Counter = Counter()  # (model, lane) -> items appended (metrics)
         self.fsync_s = Histogram(FSYNC_BUCKETS_S)  # one group commit per observation
@@ -109,33 +140,93 @@ class WriterStage(Stage):
         return None
 
     def step(self, now: float) -> None:
-        self.wakeups.drain(0 if self._backlog() else self.poll_ms)  # the rings hold the work
-        durable: dict[tuple[int, int], int] = defaultdict(int)
-        failed: dict[tuple[int, int], str] = {}
-        taken = self._take(now, durable, failed)
-        if taken and self.flush_s > 0:  # the group-commit window: let more arrive first
+        if not self._backlog():  # wait for records, or for the disk to answer the last step
+            self._wait(self.poll_ms)
+        self.wakeups.drain(0)  # the rings hold the work
+        self._collect(now, wait=False)  # answers go out as soon as the disk gave them
+        batch = Batch()
+        if self._take(now, batch):
+            self._gather(now, batch)
+        if self.syncer.in_flight is not None and (batch or self._dirty()):
+            self._collect(now, wait=True)  # one sync in flight, in order
+        if self.syncer.in_flight is None:
+            if self._dirty():
+                self._submit(batch)
+            elif batch:  # every record refused or dropped: nothing to sync
+                self._answer(batch, None, now)
+            elif self.disk.full and self.disk.ready(now):
+                self._probe_disk(now)
+        self.disk.settle(now)
+        for appender in self.appenders.values():
+            appender.maybe_rotate(now)  # a seal is synced with the next hand-off
+
+    def _wait(self, wait_ms: int) -> tuple[bool, bool]:
+        """Wait up to `wait_ms` for a wakeup or the in-flight sync; (woken, sync back)."""
+        ready = dict(self.poller.poll(wait_ms))
+        return self.wakeups.socket in ready, self.syncer.fd in ready
+
+    def _gather(self, now: float, batch: Batch) -> None:
+        """The group-commit window: take what arrives until the last step's sync is back (then
+        its chunks are answered and this batch handed over at once, so a producer's window
+        is not held up by a long batch), or, with none in flight, for `writers.flush_ms`."""
+        taken = 0
+        if self.syncer.in_flight is not None:
+            while taken < MAX_RECORDS_PER_STEP:
+                if self._backlog():
+                    if self.syncer.back():
+                        return
+                else:
+                    woken, back = self._wait(self.poll_ms)
+                    if back or not woken:
+                        return
+                    self.wakeups.drain(0)
+                taken += self._take(now, batch)
+        elif self.flush_s > 0:
             deadline = time.monotonic() + self.flush_s
             while taken < MAX_RECORDS_PER_STEP:
                 left_ms = int((deadline - time.monotonic()) * 1000)
                 if left_ms <= 0 or not self.wakeups.drain(left_ms, most=1):
-                    break
-                taken += self._take(now, durable, failed)
-        if durable:
-            began = time.perf_counter()
-            try:
-                for appender in self.appenders.values():
-                    appender.sync()
-            except DiskFullError as exc:  # not durable: no chunk of this step is acknowledged
-                self.disk.failed(exc, now)
-                failed.update({chunk: str(exc) for chunk in durable if chunk not in failed})
-                self.placed.clear()  # dispatch finds what did reach the disk by its rescan
-            else:
-                self.fsync_s.observe(time.perf_counter() - began)
-                self.disk.succeeded(now)
-                self._announce()
-        elif self.disk.full and self.disk.ready(now):
-            self._probe_disk(now)
-        for (job_no, chunk), count in durable.items():
+                    return
+                taken += self._take(now, batch)
+
+    def _dirty(self) -> bool:
+        return any(appender.dirty for appender in self.appenders.values())
+
+    def _submit(self, batch: Batch) -> None:
+        """Hand every segment written or sealed since the last hand-off to the sync thread."""
+        segments = []
+        for appender in self.appenders.values():
+            if appender.dirty:
+                handed = appender.begin_sync()
+                batch.syncs.append((appender, handed))
+                segments.extend(segment for segment, _ in handed)
+        self.syncer.submit(Ticket(segments, batch))
+
+    def _collect(self, now: float, wait: bool) -> None:
+        """Take the in-flight sync back if it is (waiting for it if `wait`), and answer its
+        step's chunks: acknowledged if every fdatasync returned, refused if one failed."""
+        ticket = self.syncer.collect(None if wait else 0)
+        if ticket is None:
+            return
+        batch: Batch = ticket.payload  # type: ignore[assignment]
+        for appender, handed in batch.syncs:
+            appender.end_sync(handed, ok=ticket.error is None)
+        if ticket.error is not None and not isinstance(ticket.error, DiskFullError):
+            raise ticket.error  # an I/O error: the stage exits and its supervisor restarts it
+        if ticket.error is None:
+            self.fsync_s.observe(ticket.seconds)
+        self._answer(batch, ticket.error, now)
+
+    def _answer(self, batch: Batch, error: BaseException | None, now: float) -> None:
+        failed = batch.failed
+        if error is not None:  # not durable: no chunk of this step is acknowledged
+            self.disk.failed(error, now)
+            failed.update({chunk: str(error) for chunk in batch.durable if chunk not in failed})
+            # dispatch finds what did reach the disk by its rescan
+        elif batch.syncs:
+            self.disk.succeeded(now)
+            self._announce(batch.placed)
+        for (job_no, chunk), count in batch.durable.items():
             if (job_no, chunk) not in failed:
                 self._tell(
                     wire.MessageType.APPEND_ACK, {"job_no": job_no, "chunk": chunk, "count": count}
@@ -147,13 +238,6 @@ class WriterStage(Stage):
                 {"reason": reason, "job_no": job_no, "chunk": chunk},
                 wire.Flag.RETRYABLE,
             )
-        self.disk.settle(now)
-        for appender in self.appenders.values():
-            if appender.maybe_rotate(now):
-                try:
-                    appender.sync()
-                except DiskFullError as exc:  # the seal is written again at the next sync
-                    self.disk.failed(exc, now)
 
     def _probe_disk(self, now: float) -> None:
         """With nothing to append while the disk is full, try it: sync what a failed sync left
@@ -168,7 +252,7 @@ class WriterStage(Stage):
         else:
             self.disk.succeeded(now)
 
-    def _take(self, now: float, durable: dict, failed: dict) -> int:
+    def _take(self, now: float, batch: Batch) -> int:
         """Append every waiting record (up to the step's limit); returns how many were taken.
 
         Rings are released as soon as their records are appended: the slots are
@@ -184,13 +268,11 @@ class WriterStage(Stage):
                 if record is None:
                     break
                 taken += 1
-                self._append(port.name, *record, now, durable, failed)
+                self._append(port.name, *record, now, batch)
             ring.release()
         return taken
 
-    def _append(
-        self, ring: str, kind: int, payload, now: float, durable: dict, failed: dict
-    ) -> None:
+    def _append(self, ring: str, kind: int, payload, now: float, batch: Batch) -> None:
         if kind != KEYED:
             self.log.error("ring %s: unexpected record kind %d; dropped", ring, kind)
             return
@@ -205,7 +287,7 @@ class WriterStage(Stage):
         if keyed.deadline_ns < round(now * 1e9):  # `now` is CLOCK_MONOTONIC, like deadline_ns
             self.log.warning("job %d chunk %d: past its deadline; dropped unappended", *chunk)
             return
-        if chunk in failed:
+        if chunk in batch.failed:
             return
         try:
             placed = self._appender((keyed.model, keyed.shape, keyed.lane)).append(
@@ -215,26 +297,25 @@ class WriterStage(Stage):
                 keyed.lengths,
                 keyed.tokens,
             )
-            durable[chunk] += len(keyed.index)
+            batch.durable[chunk] += len(keyed.index)
             self.appended_by_key[(keyed.model, str(keyed.lane))] += len(keyed.index)
             for segment_id, first, count in placed.tolist():
-                self.placed[segment_id] = max(self.placed.get(segment_id, 0), first + count)
+                batch.placed[segment_id] = max(batch.placed.get(segment_id, 0), first + count)
             self.disk.succeeded(now)
         except DiskFullError as exc:  # the front tells the producer, who sends it again
-            failed[chunk] = str(exc)
+            batch.failed[chunk] = str(exc)
             self.disk.failed(exc, now)
             self.disk.refused()
 
-    def _announce(self) -> None:
+    def _announce(self, placed: dict[int, int]) -> None:
         """Tell dispatch what is durable now; a lost notice is found by its rescan."""
-        for segment_id, end in self.placed.items():
+        for segment_id, end in placed.items():
             try:
                 wire.send(
                     self.dispatch, wire.MessageType.APPENDED, {"segment": segment_id, "end": end}
                 )
             except FabricError:
                 break
-        self.placed.clear()
 
     def stats(self, now: float) -> dict:
         """Items appended per (model, lane) and group-commit latency (docs/metrics.md)."""
@@ -265,10 +346,12 @@ class WriterStage(Stage):
         while time.monotonic() < deadline:
             before = self.appended
             self.step(time.monotonic())
-            if self.appended == before and not self._backlog():
+            if self.appended == before and not self._backlog() and self.syncer.in_flight is None:
                 break
 
     def close(self) -> None:
+        self._collect(time.monotonic(), wait=True)  # answer the last step before going
+        self.syncer.close()
         for appender in self.appenders.values():
             try:
                 appender.close()

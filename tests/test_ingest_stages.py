@@ -2,10 +2,14 @@
 
 A malformed message on their wakeup socket is logged, counted and skipped
 (pipeline/wire/sockets.py Inbox), never raised out of step(); a writer judges a
-record's deadline on the `now` it is given; a router keeps an input record until the groups
+record's deadline on the `now` it is given, appends the next step's records while
+the last step's segments sync and answers a chunk only once its sync is back
+(failed exactly when that sync failed); a router keeps an input record until the groups
 cut from it are in a writer ring."""
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 import pytest
@@ -16,8 +20,10 @@ from conftest import wait_for
 from config import load_settings
 from pipeline import wire
 from pipeline.datadir import DataDir
+from pipeline.errors import DiskFullError
 from pipeline.ring import Ring
 from pipeline.ring_records import KEYED, Items, Keyed, put_items, put_keyed, read_keyed
+from pipeline.segment import Segment
 from pipeline.topology import internal_address, rings_to
 from router.router_stage import RouterStage
 from router.writer_stage import WriterStage
@@ -72,7 +78,8 @@ def test_a_writer_judges_a_record_s_deadline_on_its_own_clock(tmp_path):
 
     try:
         assert put_keyed(ring, keyed(0)) is not None
-        stage.step(deadline_s - 1)
+        # acknowledged once its sync is back, in this step or a later one
+        wait_for(lambda: stage.step(deadline_s - 1) or stage.appended, "the ack", 10)
         ack = wire.recv(front, 5000)
         assert ack is not None and ack.type == wire.MessageType.APPEND_ACK
         assert (ack.meta["chunk"], ack.meta["count"]) == (0, 2) and stage.appended == 2
@@ -86,6 +93,150 @@ def test_a_writer_judges_a_record_s_deadline_on_its_own_clock(tmp_path):
         stage.close()
         ring.close()
         Ring.unlink(spec.name)
+
+
+class GatedSync:
+    """Segment.fdatasync held until `gate` is set (at most `hold_s`, then noted in `held_too_long`
+    and let through, so a writer that syncs on its own thread fails its test instead of hanging
+    it); the first one raises a full disk if `fail_first`."""
+
+    def __init__(self, monkeypatch, fail_first: bool = False, hold_s: float = 5.0) -> None:
+        self.gate = threading.Event()
+        self.began = 0
+        self.returned = 0
+        self.held_too_long = 0
+        self.fail_first = fail_first
+        real = Segment.fdatasync
+
+        def fdatasync(segment: Segment) -> None:
+            self.began += 1
+            if not self.gate.wait(hold_s):
+                self.held_too_long += 1
+            if self.fail_first and self.began == 1:
+                raise DiskFullError(f"{segment.path}: disk full while syncing (test)")
+            real(segment)
+            self.returned += 1
+
+        monkeypatch.setattr(Segment, "fdatasync", fdatasync)
+
+
+class SteppedWriter:
+    """A writer stage with one input ring and the front's end of its answers, in this process."""
+
+    def __init__(self, tmp_path) -> None:
+        self.settings = load_settings(write_config(tmp_path), {"writers": {"flush_ms": 0}})
+        DataDir(self.settings.data_path).ensure()
+        (self.spec,) = rings_to(self.settings, "writer-0")
+        self.ring = Ring.create(self.spec.name, 1 << 20)
+        self.stage = WriterStage(self.settings, 0)
+        self.stage.open()
+        self.context = zmq.Context()
+        self.front = wire.open_socket(
+            self.context, zmq.PULL, bind=internal_address(self.settings, "front")
+        )
+        self.answers: dict[int, wire.Message] = {}  # chunk -> its answer
+
+    def release_after_second_append(self, sync: GatedSync) -> list[int]:
+        """Set `sync.gate` once the stage has appended its second record (chunk 1); the list
+        gets how many fdatasyncs had returned by then."""
+        returned_then: list[int] = []
+        append = self.stage._append
+
+        def watched_append(*args) -> None:
+            append(*args)
+            if sum(self.stage.appended_by_key.values()) == 4 and not returned_then:
+                returned_then.append(sync.returned)
+                sync.gate.set()
+
+        self.stage._append = watched_append
+        return returned_then
+
+    def put(self, chunk: int) -> None:
+        tokens = np.full((2, 4), chunk + 1, dtype=np.uint32)
+        index = np.array([2 * chunk, 2 * chunk + 1], np.uint32)
+        record = Keyed(7, chunk, 2**62, "echo", 1, 64, index, np.full(2, 4, np.uint32), tokens)
+        assert put_keyed(self.ring, record) is not None
+
+    def step_until_answered(self, chunks: set[int]) -> None:
+        def answered() -> bool:
+            self.stage.step(1000.0)
+            while (message := wire.recv(self.front, 0)) is not None:
+                self.answers[message.meta["chunk"]] = message
+            return chunks <= self.answers.keys()
+
+        wait_for(answered, f"answers for chunks {sorted(chunks)}", 20)
+
+    def close(self) -> None:
+        self.front.close(0)
+        self.context.term()
+        self.stage.close()
+        self.ring.close()
+        Ring.unlink(self.spec.name)
+
+
+def test_a_writer_appends_the_next_step_while_the_last_syncs_and_acks_only_after_it(
+    tmp_path, monkeypatch
+):
+    """Step 1's fdatasync is held until the writer has appended chunk 1: step 1 returns
+    without waiting for it, step 2 takes and appends chunk 1 while it is held, and no
+    APPEND_ACK leaves before an fdatasync has returned; then both chunks are acknowledged."""
+    sync = GatedSync(monkeypatch)
+    writer = SteppedWriter(tmp_path)
+    returned_at_chunk_1 = writer.release_after_second_append(sync)
+    acked_before_sync: list[int] = []
+    tell = writer.stage._tell
+
+    def watched_tell(msg_type, meta, flags=0) -> None:
+        if msg_type == wire.MessageType.APPEND_ACK and sync.returned == 0:
+            acked_before_sync.append(meta["chunk"])
+        tell(msg_type, meta, flags)
+
+    writer.stage._tell = watched_tell
+    try:
+        writer.put(0)
+        writer.stage.step(1000.0)
+        wait_for(lambda: sync.began, "step 1's sync to begin", 10)
+        assert not sync.held_too_long, "step 1 waited for its own fdatasync"
+        assert writer.stage.appended == 0 and wire.recv(writer.front, 0) is None
+        writer.put(1)
+        writer.step_until_answered({0, 1})
+        assert returned_at_chunk_1 == [0], "chunk 1 must be appended while step 1's sync is held"
+        for chunk in (0, 1):
+            answer = writer.answers[chunk]
+            assert answer.type == wire.MessageType.APPEND_ACK and answer.meta["count"] == 2
+        assert not acked_before_sync, "an APPEND_ACK left before its fdatasync returned"
+        assert writer.stage.appended == 4 and not sync.held_too_long
+    finally:
+        sync.gate.set()
+        writer.close()
+
+
+def test_a_failed_sync_refuses_exactly_its_step_s_chunks_while_the_next_step_goes_on(
+    tmp_path, monkeypatch
+):
+    """Step 1's fdatasync fails with a full disk after chunk 1 was appended (held until then):
+    chunk 0 gets a retryable error, chunk 1 (synced by its own step, which syncs the segment
+    again) an APPEND_ACK, and the full-disk episode is opened."""
+    sync = GatedSync(monkeypatch, fail_first=True)
+    writer = SteppedWriter(tmp_path)
+    returned_at_chunk_1 = writer.release_after_second_append(sync)
+    try:
+        writer.put(0)
+        writer.stage.step(1000.0)
+        wait_for(lambda: sync.began, "step 1's sync to begin", 10)
+        assert not sync.held_too_long, "step 1 waited for its own fdatasync"
+        writer.put(1)
+        writer.step_until_answered({0, 1})
+        assert returned_at_chunk_1 == [0], "chunk 1 must be appended while step 1's sync is held"
+        refused, acked = writer.answers[0], writer.answers[1]
+        assert refused.type == wire.MessageType.ERROR and refused.retryable
+        assert "disk full" in refused.meta["reason"]
+        assert acked.type == wire.MessageType.APPEND_ACK and acked.meta["count"] == 2
+        assert writer.stage.appended == 2 and writer.stage.disk.episode
+        assert sync.returned >= 1, "chunk 1's step synced the segment again"
+    finally:
+        sync.gate.set()
+        writer.close()
 
 
 def test_a_router_waiting_for_a_full_writer_ring_keeps_its_input_record(tmp_path):
