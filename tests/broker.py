@@ -9,8 +9,10 @@ import sys
 import urllib.request
 from collections import Counter
 from pathlib import Path
+from subprocess import CompletedProcess
 
 import numpy as np
+from client_commands import run_cli
 from conftest import wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -245,16 +247,12 @@ class Broker:
             Ring.unlink(ring.name)
 
 
-def submit(
-    config: Path, path: Path, *args: str, timeout_s: float = 120
-) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(REPO / "run.py"), "submit", str(path), "--config", str(config), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        cwd=REPO,
-    )
+def submit(config: Path, path: Path, *args: str, timeout_s: float = 120) -> CompletedProcess:
+    """`run.py submit PATH --config CONFIG ARGS`, run in this process
+    (tests/client_commands.py): what it printed and its exit code. `timeout_s` is kept for
+    callers; the command's own --timeout and --attempts bound it here, pytest-timeout the test."""
+    del timeout_s
+    return run_cli("submit", str(path), "--config", str(config), *args)
 
 
 def seq_counts(data_dir: DataDir) -> Counter:

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import zmq
 from broker import REPO, Broker, write_config, write_jsonl
+from client_commands import run_cli
 from conftest import assert_check_clean, wait_for
 
 from config import load_settings
@@ -42,13 +43,8 @@ REFUSED_WAIT_S = 1.5  # a port that lets a client in answers a PING within milli
 
 
 def run_py(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(REPO / "run.py"), *args],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=timeout_s,
-    )
+    """`run.py ARGS`, run in this process (tests/client_commands.py)."""
+    return run_cli(*args)
 
 
 @pytest.fixture(scope="module")

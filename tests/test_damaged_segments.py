@@ -13,13 +13,13 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
-from broker import REPO, Broker, submit, write_config, write_jsonl
+from broker import Broker, submit, write_config, write_jsonl
+from client_commands import run_cli
 from conftest import assert_check_clean, wait_for
 
 from pipeline import exitcodes
@@ -34,13 +34,8 @@ JOB_END_S = 60  # the job ends within this after the restart (a few hundred echo
 
 
 def cli(config: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "run.py", *args, "--config", str(config)],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=120,
-    )
+    """`run.py ARGS --config CONFIG`, run in this process (tests/client_commands.py)."""
+    return run_cli(*args, "--config", str(config))
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ import numpy as np
 import orjson
 import pytest
 from broker import REPO, Broker, seq_counts, submit, write_config
+from client_commands import run_cli
 from conftest import appender, assert_check_clean, make_batch, small_tmpfs, wait_for
 
 from collector.completion.record_format import FIRST_SEGMENT_BYTES
@@ -147,13 +148,8 @@ def write_items(path: Path, prefix: str, n: int) -> set[str]:
 
 
 def run_py(config: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "run.py", *args, "--config", str(config)],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=120,
-    )
+    """`run.py ARGS --config CONFIG`, run in this process (tests/client_commands.py)."""
+    return run_cli(*args, "--config", str(config))
 
 
 def results_once(config: Path, job: str, out: Path) -> Counter:

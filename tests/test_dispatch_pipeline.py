@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from broker import REPO, Broker, submit, write_config, write_jsonl
+from client_commands import run_cli
 from conftest import assert_check_clean, wait_for
 
 from collector.results_client import DispatchClient
@@ -105,14 +106,9 @@ def workers():
 
 
 def cli(b: Broker, *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
-    """`python run.py ARGS --config <the broker's>`, captured."""
-    return subprocess.run(
-        [sys.executable, "run.py", *args, "--config", str(b.config)],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=timeout_s,
-    )
+    """`python run.py ARGS --config <the broker's>`, captured (run in this process:
+    tests/client_commands.py; `timeout_s` is the old subprocess bound, unused)."""
+    return run_cli(*args, "--config", str(b.config))
 
 
 def job_info(b: Broker, job: str) -> dict:

@@ -28,7 +28,11 @@ from pipeline import exitcodes
 @pytest.fixture(scope="module")
 def broker(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("first-contact")
-    b = Broker(write_config(tmp_path), stderr_path=tmp_path / "broker.err").start()
+    # a killed worker's session is dropped within 5 s (not 30), so that the next test's job is
+    # not handed to it: test_a_job_whose_items_are_all_with_workers_is_in_progress waits for that
+    sessions = "session_timeout_s = 5.0\nreport_s = 0.5"
+    config = write_config(tmp_path, dispatch=sessions)
+    b = Broker(config, stderr_path=tmp_path / "broker.err").start()
     yield b
     b.close()
 
@@ -218,6 +222,9 @@ def test_a_job_whose_items_are_all_with_workers_is_in_progress(broker, tmp_path)
     finally:
         worker.kill()
         worker.wait(timeout=30)
+    wait_for(  # its session gone: a later test's job on this broker is queued, not handed to it
+        lambda: broker.broker_status()["workers"] == [], "the killed worker's session to be dropped"
+    )
 
 
 def test_a_cancel_is_not_throughput(broker, tmp_path):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,7 +22,8 @@ import numpy as np
 import orjson
 import pytest
 import zmq
-from broker import REPO, Broker, submit, write_config, write_jsonl
+from broker import Broker, submit, write_config, write_jsonl
+from client_commands import run_cli
 from conftest import wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -51,13 +51,8 @@ FUZZ = settings(
 
 
 def cli(config: Path, *args: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "run.py", *args, "--config", str(config)],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=timeout_s,
-    )
+    """`run.py ARGS --config CONFIG`, run in this process (tests/client_commands.py)."""
+    return run_cli(*args, "--config", str(config))
 
 
 @pytest.fixture(scope="module")

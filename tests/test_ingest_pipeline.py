@@ -12,6 +12,10 @@ from conftest import assert_check_clean, small_tmpfs, wait_for
 
 from pipeline import exitcodes, wire
 
+# A chunk that a killed stage took with it is sent again after 4 s (--timeout), up to 20 tries:
+# 80 s of patience in all, as 10 tries of 8 s were, with less of it spent waiting on each loss.
+KILLED_STAGE_PATIENCE = ("--chunk-lines", "100", "--timeout", "4", "--attempts", "20")
+
 
 def job_no(broker: Broker, job_id: str) -> int:
     return json.loads((broker.data_dir.root / "jobs" / job_id / "job.json").read_text())["job_no"]
@@ -74,9 +78,7 @@ def test_sigkill_a_stage_mid_submit_loses_and_duplicates_nothing(tmp_path, broke
     outcome = {}
 
     def run() -> None:
-        outcome["result"] = submit(
-            b.config, data, "--job-id", "killed", "--chunk-lines", "100", "--timeout", "8"
-        )
+        outcome["result"] = submit(b.config, data, "--job-id", "killed", *KILLED_STAGE_PATIENCE)
 
     thread = threading.Thread(target=run)
     thread.start()
@@ -211,9 +213,7 @@ def test_concurrent_producers_with_a_writer_killed_each_get_their_job_exactly_on
     outcomes = {}
 
     def run(job_id: str, data) -> None:
-        outcomes[job_id] = submit(
-            b.config, data, "--job-id", job_id, "--chunk-lines", "100", "--timeout", "8"
-        )
+        outcomes[job_id] = submit(b.config, data, "--job-id", job_id, *KILLED_STAGE_PATIENCE)
 
     threads = [
         threading.Thread(target=run, args=(job_id, data)) for job_id, (data, _) in jobs.items()

@@ -9,13 +9,13 @@ import re
 import socket
 import struct
 import subprocess
-import sys
 from pathlib import Path
 from urllib.request import urlopen
 
 import numpy as np
 import pytest
-from broker import REPO, Broker, submit, write_config
+from broker import Broker, submit, write_config
+from client_commands import run_cli
 from conftest import assert_check_clean, wait_for
 
 from collector.results_client import DispatchClient, ResultsClient
@@ -37,13 +37,8 @@ def broker(tmp_path):
 
 
 def cli(b: Broker, *args: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "run.py", *args, "--config", str(b.config)],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=timeout_s,
-    )
+    """`run.py ARGS --config <the broker's>`, run in this process (tests/client_commands.py)."""
+    return run_cli(*args, "--config", str(b.config))
 
 
 EMPTY_FILES = {"empty": b"", "bom": b"\xef\xbb\xbf", "blank": b"\n  \n\r\n"}

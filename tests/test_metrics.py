@@ -19,6 +19,7 @@ from collections import Counter
 from pathlib import Path
 
 from broker import REPO, Broker, submit, write_config, write_jsonl
+from client_commands import run_cli
 from conftest import wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -136,13 +137,8 @@ def scrape_when(url: str, what: str, check) -> list:
 
 
 def run_py(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "run.py", *args],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=timeout_s,
-    )
+    """`run.py ARGS`, run in this process (tests/client_commands.py)."""
+    return run_cli(*args)
 
 
 def test_a_scrape_during_and_after_a_run_matches_what_was_submitted_and_retired(tmp_path):

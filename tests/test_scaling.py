@@ -22,6 +22,7 @@ import sys
 
 import pytest
 from broker import REPO, Broker, write_config, write_jsonl
+from client_commands import run_cli
 from conftest import assert_check_clean, skip_or_fail, wait_for
 
 from gpu.worker.options import WorkerOptions
@@ -69,13 +70,8 @@ def hosts():
 
 
 def run_py(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(REPO / "run.py"), *args],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=60,
-    )
+    """`run.py ARGS`, run in this process (tests/client_commands.py)."""
+    return run_cli(*args)
 
 
 def test_workers_on_other_hosts_join_with_their_keys(tmp_path, hosts):

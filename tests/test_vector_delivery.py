@@ -13,12 +13,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from broker import REPO, WORDS, Broker, submit, write_config
+from broker import WORDS, Broker, submit, write_config
+from client_commands import run_cli
 from conftest import assert_check_clean, wait_for
 
 from collector.vectors.shard import IDS_DTYPE, shard_paths
@@ -54,13 +54,8 @@ def write_texts(path: Path, n: int, seed: int = 0, bad_every: int = 0) -> int:
 
 
 def cli(config: Path, *args: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(REPO / "run.py"), *args, "--config", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        cwd=REPO,
-    )
+    """`run.py ARGS --config CONFIG`, run in this process (tests/client_commands.py)."""
+    return run_cli(*args, "--config", str(config))
 
 
 def stats(config: Path) -> dict:

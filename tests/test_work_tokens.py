@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import zmq
 from broker import REPO, Broker, submit, write_config
+from client_commands import run_cli
 from conftest import assert_check_clean, wait_for
 
 from collector.results_client import DispatchClient
@@ -190,13 +191,7 @@ def job_state(b: Broker, job: str) -> str:
 
 def fetched_vectors(b: Broker, job: str, out: Path) -> dict[str, list[float]]:
     """custom_id -> embedding of every result line; asserts no error lines and none twice."""
-    got = subprocess.run(
-        [sys.executable, "run.py", "results", job, "-o", str(out), "--config", str(b.config)],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=120,
-    )
+    got = run_cli("results", job, "-o", str(out), "--config", str(b.config))
     assert got.returncode == 0, got.stderr
     errors = Path(f"{out}.errors.jsonl")
     assert not errors.exists() or not errors.read_text().strip(), errors.read_text()
