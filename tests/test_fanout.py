@@ -292,6 +292,9 @@ def test_a_64000_item_list_job_survives_a_broker_kill_with_each_line_once_and_wh
     lines = [embed(f"l{i}", input=_strings(i, parts)) for i in range(lines_n)]
     data = write(tmp_path / "big.jsonl", lines)
     cmd = [sys.executable, "run.py", "submit", str(data), "--job-id", "big", "--chunk-lines", "50"]
+    # a chunk lost with the killed broker is sent again after 5 s, not 30 (the broker stores
+    # nothing twice); 20 tries of 5 s: 100 s of patience for one chunk
+    cmd += ["--timeout", "5", "--attempts", "20"]
     cmd.append("--config")  # --chunk-lines: submit would size chunks by parts (64 items each)
     producer = subprocess.Popen(
         [*cmd, str(b.config)], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
