@@ -1,5 +1,5 @@
 """Shared fixtures: real data dirs, item batches, and the closing consistency check; and how
-the two test processes share the suite (`pytest_collection_modifyitems`)."""
+the three test processes share the suite (`pytest_collection_modifyitems`)."""
 
 from __future__ import annotations
 
