@@ -31,12 +31,11 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-from bench.engine_overhead import DOC, pipeline
-from bench.machine import command_line, describe, load_average
+from bench.engine_overhead import DOC, fresh_run, pipeline
+from bench.machine import command_line, load_average
 from bench.report import Row, render_section, write_section
 
 KINDS = ("single", "lists")
@@ -62,16 +61,8 @@ def batch_figures(batches: dict, items: int) -> dict[str, float]:
 def lists_against_single(args) -> int:
     """The corpus as `input` lists of `per_line` strings against one string per line, both
     through the whole pipeline: items/s of each, and their ratio (target within 5%)."""
-    from assembly.demo import corpus
-
     started = time.monotonic()
-    bench_dir = Path(args.dir)
-    subprocess.run(["rm", "-rf", str(bench_dir)], check=True)
-    bench_dir.mkdir(parents=True)
-    facts = describe(bench_dir)
-    texts = corpus()
-    if args.items:
-        texts = texts[: args.items]
+    bench_dir, facts, texts = fresh_run(args)
     n = len(texts)
     rate: dict[str, list[float]] = {k: [] for k in KINDS}
     cpu: dict[str, dict[str, list[float]]] = {k: {} for k in KINDS}

@@ -248,6 +248,17 @@ def timeline_rows(parts, shares, spent, items: int) -> list[Row]:
     return rows
 
 
+def fresh_run(args) -> tuple[Path, dict[str, str], list[str]]:
+    """An empty `--dir`, the machine's facts, and the demo corpus (its first `--items` texts)."""
+    from assembly.demo import corpus
+
+    bench_dir = Path(args.dir)
+    subprocess.run(["rm", "-rf", str(bench_dir)], check=True)
+    bench_dir.mkdir(parents=True)
+    texts = corpus()
+    return bench_dir, describe(bench_dir), texts[: args.items] if args.items else texts
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, help="3; with --lists 4 (pairs, even)")
@@ -263,16 +274,8 @@ def main() -> int:
         args.repeats = args.repeats or 4
         return lists_against_single(args)
     args.repeats = args.repeats or 3
-    from assembly.demo import corpus
-
     started = time.monotonic()
-    bench_dir = Path(args.dir)
-    subprocess.run(["rm", "-rf", str(bench_dir)], check=True)
-    bench_dir.mkdir(parents=True)
-    facts = describe(bench_dir)
-    texts = corpus()
-    if args.items:
-        texts = texts[: args.items]
+    bench_dir, facts, texts = fresh_run(args)
     ids = tokenised(texts)
     batches = lane_batches(ids)
     alone, piped = [], []
