@@ -11,8 +11,10 @@ of kernel CPU per output line, a tenth of the client's CPU).
 `keep_freed_memory` raises glibc's mmap and trim thresholds for the process
 that calls it, so those blocks are reused page after page (the process keeps
 up to `TRIM_BYTES` of freed memory). `run.py results` calls it: the command
-is a process of its own. A library caller (tests, the one-shot batch) is left
-alone. Elsewhere than glibc it does nothing.
+is a process of its own. A library caller (`ResultsClient`, the one-shot
+batch) is left alone; a test that runs the command inside its own process
+(tests/client_commands.py) takes the setting with it, which only keeps more
+freed memory there. Elsewhere than glibc it does nothing.
 """
 
 from __future__ import annotations
