@@ -62,12 +62,12 @@ from pipeline import wire
 from pipeline.datadir import DataDir
 from pipeline.disk_full import FullDisk
 from pipeline.errors import DiskFullError, FabricError, IngestError, WireError
-from pipeline.job_files import check_job_id
+from pipeline.job_files import ChunkEntry, Landing, check_job_id
 from pipeline.job_states import JobState
 from pipeline.outlet import Outlet
 from pipeline.ring_records import put_items, split_items
 from pipeline.security import ServerGate
-from pipeline.stage import Stage
+from pipeline.stage import Stage, broker_epoch
 from pipeline.topology import internal_address
 
 MT = wire.MessageType
@@ -119,6 +119,11 @@ class FrontStage(Stage):
         self.unsent: deque[Inflight] = deque()
         self.replies: list[tuple[tuple[bytes, ...], MT, dict[str, Any], int, Any]] = []
         self.jobs_by_no: dict[int, Job] = {}
+        # a retried chunk an earlier front of this broker life sent on waits here until that
+        # try can no longer land: (job_no, chunk) -> (its latest message, when it may go)
+        self.parked: dict[tuple[int, int], tuple[wire.Message, float]] = {}
+        self.epoch = broker_epoch()
+        self.life = time.monotonic_ns()  # this front's life, in the accept records it writes
         self.stopping = False
         self.disk = FullDisk(self.log, "chunks are refused, retryably")
 
@@ -130,6 +135,8 @@ class FrontStage(Stage):
             self._read_inbox()
         accepting = not self.stopping and not self.unsent and not self.inflight.full
         fresh: list[Inflight] = []
+        if accepting and self.parked:
+            fresh += self._unpark(now)
         if accepting and self.producers in events:
             refuse = lambda route, reason: self._reply(route, MT.ERROR, {"reason": reason})  # noqa: E731
             for message in wire.requests(
@@ -219,6 +226,8 @@ class FrontStage(Stage):
         if flight is not None:
             flight.route = route  # answer the latest sender
             return None
+        if self._park(job, number, state, message, now):
+            return None
         nbytes = sum(a.nbytes for a in message.arrays.values())
         busy = self.inflight.busy(route, nbytes)
         if busy is not None:
@@ -250,11 +259,48 @@ class FrontStage(Stage):
             digests=checked.digests,
             nbytes=nbytes,
         )
-        if state is None:
-            job.accept(number, chunk.first_line, chunk.last_line)
-            self.registry.touch(job)
+        landing = Landing(self.epoch, self.life, deadline_ns)
+        job.accept(number, chunk.first_line, chunk.last_line, landing=landing)  # every try
+        self.registry.touch(job)
         self.inflight.add(flight)
         return flight
+
+    def _park(
+        self, job: Job, number: int, earlier: ChunkEntry | None, message: wire.Message, now: float
+    ) -> bool:
+        """Hold a retried chunk while a try that an earlier front of this broker life sent on
+        may still land (the front was restarted alone: the router, writers and tokenizers
+        behind it may still hold that try's records until their deadline). Checked and
+        reconciled now, the two tries would both land. True when the chunk waits."""
+        key = (job.job_no, number)
+        if key in self.parked:  # sent again while it waits: answer the latest sender
+            self.parked[key] = (message, self.parked[key][1])
+            return True
+        landing = earlier.landing if earlier is not None else None
+        if landing is None or landing.epoch != self.epoch or landing.life == self.life:
+            return False  # a new broker life starts with empty rings; this front knows its own
+        until = landing.deadline_ns / 1e9 + DEADLINE_MARGIN_S  # writers drop records after it
+        if until <= now:
+            return False
+        self.parked[key] = (message, until)
+        self.log.info(
+            "job %s chunk %d: an earlier front's try may still land for %.1f s; it waits",
+            job.job_id,
+            number,
+            until - now,
+        )
+        return True
+
+    def _unpark(self, now: float) -> list[Inflight]:
+        """The parked chunks whose earlier try can no longer land, handled as just received."""
+        started = []
+        for key, (message, until) in list(self.parked.items()):
+            if until <= now:
+                del self.parked[key]
+                flight = self._handle(message, now)
+                if flight is not None:
+                    started.append(flight)
+        return started
 
     def _check(self, job: Job, chunk: InputChunk, earlier, hashed: Digests) -> Checked:
         """Check the chunk again, and find what an earlier attempt already stored."""

@@ -19,7 +19,7 @@ from typing import Any
 from ingest.custom_ids import CustomIdSet
 from pipeline.counter import DurableCounter
 from pipeline.errors import IngestError
-from pipeline.job_files import JOB_ID, ChunkEntry, ChunkProgress, JobFiles
+from pipeline.job_files import JOB_ID, ChunkEntry, ChunkProgress, JobFiles, Landing
 from pipeline.job_states import JobState
 from pipeline.records import RecordLog
 from pipeline.segment import disk_error
@@ -109,8 +109,16 @@ class Job:
             else:  # the front's commit: checked for repeats already (CustomIdSet.add_new)
                 self.custom_ids.add_new(digests)
 
-    def accept(self, chunk: int, first: int, last: int, now_ns: int | None = None) -> None:
-        """Record that chunk `chunk` may start landing in the log (durable at flush)."""
+    def accept(
+        self,
+        chunk: int,
+        first: int,
+        last: int,
+        now_ns: int | None = None,
+        landing: Landing | None = None,
+    ) -> None:
+        """Record that chunk `chunk` may start landing in the log (durable at flush); the front
+        records every try it sends on, with its `landing` (pipeline/job_files.py)."""
         record = {
             "e": "accept",
             "c": chunk,
@@ -118,6 +126,8 @@ class Job:
             "last": last,
             "ns": now_ns or time.time_ns(),
         }
+        if landing is not None:
+            record.update(ep=landing.epoch, life=landing.life, dl=landing.deadline_ns)
         self.journal.append(record)
         self._apply(record)
 

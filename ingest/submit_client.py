@@ -11,7 +11,9 @@ durable in the broker's log, so when `submit_*` returns, the producer may
 exit. A chunk that fails retryably (a full disk, a busy broker) is sent
 again after a backoff of 0.2 s doubling to 5 s (`on_retry` hears of each;
 pipeline/broker_client.py `backoff_s`), one that gets no answer in
-`timeout_s` at once; the broker stores nothing twice. Small requests (the
+`timeout_s` at once, and every one still unanswered when the connection was
+lost as soon as it is back (a restarted broker or front: pipeline/reconnect_watch.py);
+the broker stores nothing twice. Small requests (the
 catalog, a job's status) go through the one request loop of every client
 (pipeline/broker_client.py). If the broker stays silent,
 BrokerUnavailableError (pipeline/errors.py) says how far the job got; running the same submit
@@ -46,6 +48,7 @@ from ingest.request_shape import Shape
 from pipeline import wire
 from pipeline.broker_client import BrokerClient, backoff_s
 from pipeline.errors import BrokerUnavailableError, IngestError
+from pipeline.reconnect_watch import ReconnectWatch
 from pipeline.security import ClientCurve
 
 MT = wire.MessageType
@@ -105,6 +108,19 @@ class Producer(BrokerClient):
         self._catalog: dict[str, Any] | None = None
         self._backing_off: dict[int, tuple[float, str]] = {}  # chunk -> (resend at, why)
         self.on_retry: RetryHook | None = None  # told of each retryable failure (a full disk)
+
+    def _connect(self) -> None:
+        watch = getattr(self, "_watch", None)  # None on the first connect, from __init__
+        if watch is not None:
+            watch.close()
+        super()._connect()
+        self._watch = ReconnectWatch(self.socket)
+
+    def close(self) -> None:
+        if getattr(self, "_watch", None) is not None:
+            self._watch.close()
+            self._watch = None
+        super().close()
 
     # ---- small requests --------------------------------------------------------------------
     def _request(self, msg_type: MT, meta: dict[str, Any], answer: MT) -> dict[str, Any]:
@@ -283,7 +299,8 @@ class Producer(BrokerClient):
         """Wait for one answer; resend chunks that failed retryably or went unanswered.
 
         A chunk that failed retryably waits out its backoff in `_backing_off`
-        while the answers to the others keep coming.
+        while the answers to the others keep coming. One unanswered when the
+        connection was lost is sent again as soon as it is back.
         """
         now = time.monotonic()
         for number, (due, why) in list(self._backing_off.items()):
@@ -297,8 +314,15 @@ class Producer(BrokerClient):
             if number not in self._backing_off
         ]
         wait_s = max(0.0, min(deadlines) - time.monotonic())
-        message = wire.recv(self.socket, int(wait_s * 1000) + 1)
+        self._watch.wait(int(wait_s * 1000) + 1)
+        lost_at = self._watch.back()
+        message = wire.recv(self.socket, 0)
         now = time.monotonic()
+        if lost_at is not None:  # every chunk it was carrying then is gone with the old peer
+            for number, (meta, arrays, sent, tries) in list(pending.items()):
+                if number not in self._backing_off and sent <= lost_at:
+                    why = "the connection to the broker was lost"
+                    self._retry(job_id, pending, number, meta, arrays, tries, why)
         if message is None:
             for number, (meta, arrays, sent, tries) in list(pending.items()):
                 if number not in self._backing_off and now - sent >= self.timeout_s:

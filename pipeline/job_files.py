@@ -17,7 +17,7 @@ Chunk events in `chunks.log`, in order of their durability:
 
 | record                                                         | meaning |
 |----------------------------------------------------------------|---------|
-| `{"e": "accept", "c", "first", "last", "ns"}`                  | chunk c (lines first..last) may have items in the log from here on |
+| `{"e": "accept", "c", "first", "last", "ns"}` (+ `"ep", "life", "dl"`) | chunk c (lines first..last) may have items in the log from here on; written for every try the front sends on, with that try's landing: the broker life (`ep`), the front's life (`life`) and the writers' CLOCK_MONOTONIC deadline (`dl`, ns) for its records (absent in older journals) |
 | `{"e": "commit", "c", "first", "last", "lines", "ids", "stored", "errors", "final"}` (+ `"parts"`) | every item of chunk c is durable; `lines`/`ids` map line numbers to custom_ids (one entry per line); `stored` counts lines; `errors` are the rejected lines (`[line, custom_id, code, message]`); `parts`, only when some stored line has several parts: `[line, k, first]` per such line, its parts 1..k-1 at indexes first..first+k-2 (docs/completion.md, "Lines and parts"), with a fourth entry `n` when the line asked for n > 1 samples of each prompt (parts i*n..i*n+n-1 share prompt i; absent: 1, every part its own prompt, as in every older journal); a record without `parts` (every older journal) has one part per line |
 | `{"e": "state", "state"}`                                      | the front moved the job to `validating` or `queued` |
 
@@ -149,15 +149,27 @@ def _first_int(path: Path) -> int | None:
 
 
 # ---- chunks.log ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Landing:
+    """Where a try of a chunk that the front sent on may still land: records of it may reach
+    the log until `deadline_ns` (CLOCK_MONOTONIC; writers drop them after it), in broker life
+    `epoch` (pipeline/stage.py broker_epoch), sent on by the front's life `life`."""
+
+    epoch: int
+    life: int
+    deadline_ns: int
+
+
 @dataclass
 class ChunkEntry:
     """One chunk as the journal tells it."""
 
     first: int
     last: int
-    accepted_ns: int
+    accepted_ns: int  # its first accept: items of it may be in segments sealed after this
     committed: dict[str, Any] | None = None  # its first commit's stored, errors, final
     span: tuple[int, int] | None = None  # where that commit record lies in chunks.log
+    landing: Landing | None = None  # its last try's, when recorded
 
 
 class ChunkProgress:
@@ -178,9 +190,11 @@ class ChunkProgress:
         """Fold one record in; True when it is a chunk's first commit (the one that counts)."""
         kind = record.get("e")
         if kind == "accept":
-            self.chunks.setdefault(
+            chunk = self.chunks.setdefault(
                 record["c"], ChunkEntry(record["first"], record["last"], record["ns"])
             )
+            if "dl" in record:
+                chunk.landing = Landing(int(record["ep"]), int(record["life"]), int(record["dl"]))
         elif kind == "commit":
             chunk = self.chunks.setdefault(
                 record["c"], ChunkEntry(record["first"], record["last"], 0)

@@ -31,6 +31,14 @@ EPOCH_ENV = "FABRIC_EPOCH"  # the broker life's epoch, set by the supervisor for
 DISK_FULL_EXIT = 75
 
 
+def broker_epoch() -> int:
+    """The epoch of this broker life, set by the supervisor (0 when run alone)."""
+    try:
+        return int(os.environ.get(EPOCH_ENV, "0"))
+    except ValueError:
+        return 0
+
+
 @dataclass(frozen=True)
 class StageSpec:
     """What the supervisor starts: stage `name`, instance `index`, of class `stage`.

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import zmq
@@ -117,3 +118,43 @@ def test_backoff_doubles_from_a_fifth_of_a_second_to_five_with_jitter():
     for tries in range(1, 10):
         base = backoff_s(tries, jitter=False)
         assert 0.5 * base <= backoff_s(tries) <= 1.5 * base <= 1.5 * MAX_BACKOFF_S
+
+
+def test_a_chunk_lost_with_a_dead_front_is_sent_again_as_soon_as_a_new_one_answers(tmp_path):
+    """The front dies holding a chunk it never answered; a new front binds the same address:
+    the producer sends the chunk again as soon as it is connected to the new one
+    (pipeline/reconnect_watch.py), not after its 30 s answer timeout."""
+    import numpy as np
+
+    def first(message):
+        if message.type == MT.JOB_STATUS:
+            return (MT.JOB_INFO, {"job": "j", "exists": False})
+        return None  # the chunk: taken, never answered
+
+    def second(message):
+        assert message.type == MT.SUBMIT_CHUNK
+        meta = {"job": "j", "chunk": message.meta["chunk"], "stored": 3, "state": "queued"}
+        return (MT.CHUNK_ACK, meta)
+
+    old = SilentBroker(tmp_path, reply=first)
+    done: dict = {}
+    with Producer(old.address, timeout_s=30.0) as producer:
+        rows = np.arange(1, 7, dtype=np.uint32).reshape(3, 2)
+        sending = threading.Thread(
+            target=lambda: done.update(report=producer.submit_tokens("j", "m", rows, chunk_lines=3))
+        )
+        sending.start()
+        deadline = time.monotonic() + 10
+        while old.heard < 2 and time.monotonic() < deadline:  # the status request, the chunk
+            time.sleep(0.01)
+        assert old.heard == 2
+        old.close()  # the front dies with the chunk
+        new = SilentBroker(tmp_path, reply=second)
+        try:
+            started = time.monotonic()
+            sending.join(20)
+            took = time.monotonic() - started
+        finally:
+            new.close()
+    assert not sending.is_alive() and done["report"].stored == 3
+    assert new.heard == 1 and took < 5  # at the reconnect, far under the 30 s timeout

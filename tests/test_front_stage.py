@@ -76,3 +76,71 @@ def test_a_chunk_past_its_deadline_is_answered_retryably_on_the_front_s_own_cloc
     assert answer is not None and answer.type == MT.CHUNK_ERROR and answer.retryable
     assert answer.meta["chunk"] == 0 and "timed out" in answer.meta["reason"]
     assert stage.registry.get("clocked").chunks[0].committed is None
+
+
+def test_a_front_restarted_alone_holds_a_retried_chunk_until_the_first_try_cannot_land(
+    tmp_path, monkeypatch
+):
+    """The front dies with a chunk's first try still behind it (a tokenizer, the router or a
+    writer may hold its records until their deadline): the restarted front of the same broker
+    life must not check and send the retry before then, or both tries would land. A new broker
+    life (every stage and ring new) takes the retry at once."""
+    settings = load_settings(write_config(tmp_path))
+    DataDir(settings.data_path).ensure()
+    timeout_s = settings.ingest.chunk_timeout_s
+    meta, arrays = text_chunk(tmp_path, settings, "restarted")
+    context = zmq.Context()
+    opened: list = []
+
+    def front_life(epoch: str):
+        """A front of broker life `epoch`, a producer and a tokenizer connected to it."""
+        monkeypatch.setenv("FABRIC_EPOCH", epoch)  # what the supervisor sets for its stages
+        stage = FrontStage(settings, 0)
+        stage.open()
+        producer = wire.open_socket(context, zmq.DEALER, connect=settings.ingest.bind)
+        tokenizer = wire.open_socket(
+            context, zmq.PULL, connect=internal_address(settings, "tokenize")
+        )
+        opened.append((stage, producer, tokenizer))
+        return stage, producer, tokenizer
+
+    def dies() -> None:
+        stage, producer, tokenizer = opened.pop()
+        producer.close(0)
+        tokenizer.close(0)
+        stage.close()
+
+    def sent_on(stage, now: float) -> bool:
+        stage.step(now)
+        return bool(stage.inflight) and not stage.unsent
+
+    try:
+        first, producer, tokenizer = front_life("1")
+        wire.send(producer, MT.SUBMIT_CHUNK, meta, arrays)
+        wait_for(lambda: sent_on(first, T0), "the first try to be sent on", 10)
+        assert wire.recv(tokenizer, 5000).type == MT.TOKENIZE  # never answered
+        dies()
+
+        second, producer, tokenizer = front_life("1")  # restarted alone, same broker life
+        wire.send(producer, MT.SUBMIT_CHUNK, meta, arrays)
+        wait_for(lambda: second.step(T0 + 1) or second.parked, "the retry to be held", 10)
+        wire.send(producer, MT.SUBMIT_CHUNK, meta, arrays)  # sent again while it waits
+        for now in (T0 + 2, T0 + timeout_s + DEADLINE_MARGIN_S - 0.001):
+            second.step(now)
+            assert not second.inflight and wire.recv(tokenizer, 50) is None, now
+        later = T0 + timeout_s + DEADLINE_MARGIN_S + 0.001  # the first try can no longer land
+        wait_for(lambda: sent_on(second, later), "the retry to be sent on", 10)
+        assert not second.parked
+        retry = wire.recv(tokenizer, 5000)
+        assert retry is not None and retry.type == MT.TOKENIZE
+        assert retry.meta["deadline_ns"] == round((later + timeout_s) * 1e9)
+        dies()
+
+        third, producer, tokenizer = front_life("2")  # a new broker life
+        wire.send(producer, MT.SUBMIT_CHUNK, meta, arrays)
+        wait_for(lambda: sent_on(third, later + 1), "the retry to be sent on at once", 10)
+        assert not third.parked and wire.recv(tokenizer, 5000).type == MT.TOKENIZE
+    finally:
+        while opened:
+            dies()
+        context.term()

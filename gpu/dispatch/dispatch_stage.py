@@ -33,7 +33,6 @@ items a token of this data dir covers.
 from __future__ import annotations
 
 import collections
-import os
 import time
 
 import numpy as np
@@ -58,7 +57,7 @@ from pipeline.datadir import DataDir
 from pipeline.errors import FabricError
 from pipeline.job_files import JobFiles
 from pipeline.security import ServerGate
-from pipeline.stage import EPOCH_ENV, Stage
+from pipeline.stage import Stage, broker_epoch
 from pipeline.topology import internal_address
 from router.intern_table import InternTable
 
@@ -76,14 +75,6 @@ def cancelled_jobs(data_root, log) -> set[int]:
         else:
             found.add(job_no)
     return found
-
-
-def broker_epoch() -> int:
-    """The epoch of this broker life, set by the supervisor (0 when run alone)."""
-    try:
-        return int(os.environ.get(EPOCH_ENV, "0"))
-    except ValueError:
-        return 0
 
 
 class DispatchStage(Stage):
