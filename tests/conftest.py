@@ -1,5 +1,6 @@
-"""Shared fixtures: real data dirs, item batches, and the closing consistency check; and how
-the three test processes share the suite (`pytest_collection_modifyitems`)."""
+"""Shared fixtures: real data dirs, item batches, and the closing consistency check; how the
+three test processes share the suite (`pytest_collection_modifyitems`); and the compiled
+bytecode every process of the run reads (tests/bytecode.py)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,19 @@ import subprocess
 import threading
 import time
 
+import bytecode
 import numpy as np
 import pytest
+import smollm2
 import xdist_schedule
 
 from pipeline.datadir import DataDir
 from pipeline.segment_append import SegmentAppender, SegmentIds
 from pipeline.segment_format import KIND_INPUT, SegmentKey, slot_bytes_for
+
+# One SmolLM2 broker for the session (tests/smollm2.py). Defined here, once: a fixture
+# bound in each test module would be one fixture per module, and one broker and worker each.
+smol_broker = smollm2.smol_broker
 
 LANE = 64
 KEY = SegmentKey(KIND_INPUT, "minilm", shape=1, lane=LANE)
@@ -49,6 +56,7 @@ def assert_check_clean(data_dir: DataDir) -> None:
 
 def pytest_configure(config) -> None:
     if not hasattr(config, "workerinput"):  # the controller (or a run without xdist)
+        bytecode.compile_for_children()  # before the test processes start (tests/bytecode.py)
         xdist_schedule.share_groups_dir()
 
 

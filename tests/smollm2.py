@@ -7,7 +7,7 @@ the file twice and de-quantises it), so:
 |------------------------|-----------------------------------------------------------------|
 | `loaded_engine()`      | one `TransformersEngine` (default model, one thread) per test process, shared by every in-process test |
 | `broker_with_worker(...)` | a real broker and one transformers worker process of its own on the saved weights |
-| `smol_broker` (fixture)   | one such broker, model `smol` on every endpoint, shared by the broker tests of the session (import it into the test module) |
+| `smol_broker` (fixture)   | one such broker, model `smol` on every endpoint, shared by the broker tests of the session (bound in tests/conftest.py, so that it is one fixture) |
 | `model_dir(shared)`    | the same weights saved as a Hugging Face directory (safetensors and tokenizer.json), written once per session under `shared` (a lock keeps the pytest-xdist processes from writing it twice); a worker started with `--option model=DIR` loads it in a second instead of parsing the GGUF again |
 
 The broker tests prove that results flow through a broker (log probabilities,

@@ -14,7 +14,6 @@ import json
 
 import numpy as np
 import pytest
-import smollm2
 from broker import submit
 from openai.types.responses import Response
 from smollm2 import needs_model
@@ -26,8 +25,6 @@ from collector.delivery.result_page import ExportContext, ResultPage
 from gpu.worker.results import results_message
 
 RESPONSES = "/v1/responses"
-
-smol_broker = smollm2.smol_broker  # the fixture: one SmolLM2 broker for the session
 
 
 def responses_line(model: str = "smol", custom_id: str = "r", **body) -> dict:

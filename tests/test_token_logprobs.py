@@ -16,7 +16,6 @@ import json
 import numpy as np
 import orjson
 import pytest
-import smollm2
 from broker import submit
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
@@ -39,8 +38,6 @@ MODELS = [
     {"name": "echoed", "engine": "echo", "tokenizer": "tokenizer.json"},
     {"name": "smol", "engine": "transformers", "tokenizer": "tokenizer.json"},
 ]
-
-smol_broker = smollm2.smol_broker  # the fixture: one SmolLM2 broker for the session
 
 
 def read(line: dict):
