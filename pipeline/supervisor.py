@@ -5,7 +5,9 @@
 1. Refuse a bind beyond loopback that nothing authenticates, and unreadable
    keys (pipeline/security.py; exit 3); set the umask to 0o077, so every file
    the broker and its stages create is the owner's alone. Take the data dir's
-   exclusive lock (a second broker on it exits 4); check what would stop a
+   exclusive lock (a second broker on it exits 4); wait (up to 10 s) for the
+   stages of a broker life killed a moment ago, still exiting and holding its
+   ports (their pids in the last report); check what would stop a
    stage at start (pipeline/preflight.py: files the config names load, ports
    are free; exit 3 with the cause); start the fork server the stages come from (it
    imports the stage modules meanwhile), the heartbeat port and the metrics thread
@@ -73,7 +75,7 @@ from pipeline.security import (
 )
 from pipeline.stage import DISK_FULL_EXIT, EPOCH_ENV, StageSpec, stage_main
 from pipeline.stage_restarts import last_error_line, log_size
-from pipeline.supervisor_report import MAX_DEATHS, REPORT_FILE, write_report
+from pipeline.supervisor_report import MAX_DEATHS, REPORT_FILE, left_from_last_life, write_report
 from pipeline.topology import RING_BYTES, RingSpec
 
 log = logging.getLogger("fabric.supervisor")
@@ -82,6 +84,7 @@ WORKER_MAX_BACKOFF_S = 60.0  # a crash-looping local worker is restarted at leas
 PRELOADED = {"numpy", "zmq", "orjson", "pipeline.stage", "config"}  # besides the stage modules
 STARTING_POLL_S = 0.02  # while a stage starts, how often its ready event is looked at
 DISK_FULL_BACKOFF_S = 5.0  # a stage that stopped on a full disk (DISK_FULL_EXIT) waits this much
+LAST_LIFE_WAIT_S = 10.0  # the longest wait at start for the stages of a broker life just killed
 
 
 def describe_exit(exitcode: int | None) -> str:
@@ -155,7 +158,7 @@ class Supervisor:
         # Stage processes come from a fork server that imported the stage modules once (a
         # fresh interpreter each, as with spawn, costs about 0.5 s of CPU per stage start).
         self._context = multiprocessing.get_context("forkserver")
-        modules = {child.spec.stage.__module__ for child in self._children}
+        modules = {child.spec.module for child in self._children}
         self._context.set_forkserver_preload(sorted(PRELOADED | modules))
         self._stop = False
         self.failure: str | None = None
@@ -184,6 +187,16 @@ class Supervisor:
         for job in lost:
             log.error("%s; recorded as corrupt_input error results", job.line())
 
+    def _outlive_last_life(self) -> None:
+        """Wait (up to LAST_LIFE_WAIT_S) for the stages of a broker life killed a moment ago:
+        they die with it, but not at once, and until then they hold its ports."""
+        deadline = time.monotonic() + LAST_LIFE_WAIT_S
+        while left := left_from_last_life(self.data_dir.root):
+            if time.monotonic() >= deadline:
+                log.warning("stages of the last broker life still run (pids %s)", left)
+                return
+            time.sleep(0.05)
+
     def start(self) -> None:
         """Lock, recover, collect, and start every stage.
 
@@ -195,6 +208,7 @@ class Supervisor:
         ServerKeys.load(security)  # a bad key file stops the start here, not in every stage
         os.umask(0o077)  # inherited by every stage: data dir files are the owner's alone
         self.data_dir.lock()
+        self._outlive_last_life()
         try:  # what would stop a stage at start: files named in the config, ports in use
             preflight(self.settings, self.housekeeping.check_files)
         except ConfigError:

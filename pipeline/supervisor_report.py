@@ -84,3 +84,33 @@ def all_up(report: dict[str, Any] | None, supervisor_pid: int | None = None) -> 
     if supervisor_pid is not None and report.get("pid") != supervisor_pid:
         return False
     return all(s["state"] == "up" for s in report["stages"])
+
+
+def left_from_last_life(data_root: Path) -> list[int]:
+    """Pids of the stages the last report names that still run and were started before it was
+    last written: a broker life killed a moment ago, whose stages are still exiting (they die
+    with their fork server, which dies with its supervisor). A pid taken since by another
+    process started later, so it is left out."""
+    path = Path(data_root) / REPORT_FILE
+    report = read_report(data_root)
+    if report is None:
+        return []
+    try:
+        written = path.stat().st_mtime
+        stat_lines = Path("/proc/stat").read_text().splitlines()
+        boot = next(int(line.split()[1]) for line in stat_lines if line.startswith("btime "))
+    except (OSError, StopIteration, ValueError):
+        return []
+    tick = os.sysconf("SC_CLK_TCK")
+    left = []
+    for pid in stage_pids(report).values():
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue  # gone
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if fields[0] == "Z":
+            continue  # exited; only its parent's wait is left
+        if boot + int(fields[19]) / tick <= written + 1.0:
+            left.append(pid)
+    return left

@@ -148,7 +148,14 @@ class Broker:
         )
         if self.stderr_path is not None:
             err.close()
-        wait_for(self.all_up, "every stage to be up", timeout_s=60)
+        wait_for(
+            lambda: self.all_up() or self.proc.poll() is not None,
+            "every stage to be up",
+            timeout_s=60,
+        )
+        if self.proc.poll() is not None:  # it exited at start: say why at once
+            said = self.stderr_path.read_text() if self.stderr_path else self.proc.stderr.read()
+            raise AssertionError(f"the broker exited ({self.proc.returncode}) at start: {said}")
         return self
 
     def supervisor_log(self) -> str:

@@ -193,3 +193,42 @@ def test_status_lists_from_the_report_only_local_workers_that_died(tmp_path):
     write_report(tmp_path, {"pid": 1, "running": False, "stages": stages, "deaths": []})
     assert read_restarts(tmp_path) == []  # a stopped broker's report says nothing of now
     assert read_restarts(tmp_path / "nowhere") == []
+
+
+def test_a_broker_started_right_after_a_kill_waits_for_the_last_lifes_stages(tmp_path):
+    """The stages of a broker life just killed die with it, but not at once, and hold its
+    ports meanwhile. A new broker started at once must wait for them (the last report names
+    their pids), not refuse its ports as taken by another program."""
+    import time
+
+    import orjson
+    from broker import Broker, write_config
+
+    config = write_config(tmp_path)
+    b = Broker(config, stderr_path=tmp_path / "broker.err")
+    host, port = b.settings.ingest.bind[len("tcp://") :].rsplit(":", 1)
+    holder = subprocess.Popen(  # the last life's front, still exiting: it holds ingest.bind
+        [
+            sys.executable,
+            "-c",
+            "import socket, sys, time; s = socket.socket(); "
+            f"s.bind(({host!r}, {port})); s.listen(); print('held', flush=True); time.sleep(2)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        b.data_dir.root.mkdir(parents=True, exist_ok=True)
+        report = {"pid": 1, "epoch": 1, "running": True, "ready": True, "deaths": []}
+        report["stages"] = [{"stage": "front-0", "pid": holder.pid, "state": "up"}]
+        (b.data_dir.root / "supervisor.json").write_bytes(orjson.dumps(report))
+        started = time.monotonic()
+        b.start()  # every stage up: it waited for the holder, then bound the port
+        assert holder.poll() is not None and time.monotonic() - started < 30
+        assert b.stop() == exitcodes.OK, (tmp_path / "broker.err").read_text()
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()
+        b.close()
