@@ -72,6 +72,7 @@ from pipeline.topology import internal_address
 
 MT = wire.MessageType
 MAX_REPORTS_PER_STEP = 4096  # writer and tokenizer reports read in one step
+IDLE_WAIT_S = 0.2  # the longest wait for a message when nothing waits for a ring
 
 
 class FrontStage(Stage):
@@ -129,7 +130,7 @@ class FrontStage(Stage):
 
     # ---- the loop ------------------------------------------------------------------------
     def step(self, now: float) -> None:
-        events = dict(self.poller.poll(self.poll_ms))
+        events = dict(self.poller.poll(self._wait_ms(now)))
         self.guard.step(now)  # cut connections over the caps before they are read
         if self.inbox.socket in events:
             self._read_inbox()
@@ -158,6 +159,17 @@ class FrontStage(Stage):
         self._send_replies()
         self._unload_finished()
         self.disk.settle(now)
+
+    def _wait_ms(self, now: float) -> int:
+        """How long the step may wait for a message: `poll_ms` while records wait for room in
+        a ring, else up to IDLE_WAIT_S (deadlines are seconds long) or a parked chunk's time.
+        Messages wake it at once, so an idle front wakes 5 times a second, not 50."""
+        if self.unsent:
+            return self.poll_ms
+        due = now + IDLE_WAIT_S
+        if self.parked:
+            due = min(due, min(until for _, until in self.parked.values()))
+        return max(0, int((due - now) * 1000))
 
     # ---- requests from producers ------------------------------------------------------------
     def _handle(self, message: wire.Message, now: float) -> Inflight | None:

@@ -153,8 +153,7 @@ class CompletionStage(Stage):
     def step(self, now: float) -> None:
         if self.next_flush is None:
             self.next_flush = now + self.flush_s
-        wait_ms = max(0, min(self.poll_ms, int((self.next_flush - now) * 1000)))
-        events = dict(self.poller.poll(wait_ms))
+        events = dict(self.poller.poll(self._wait_ms(now)))
         if self.inbox.socket in events or self.deferred or self.probe is not None:
             self._read_inbox(now)
         self._sync_outputs(now)  # outputs durable, then their tombstones written
@@ -167,6 +166,15 @@ class CompletionStage(Stage):
             self.next_tidy = now + TIDY_S
             self._tidy(now)
             self.disk.settle(now)
+
+    def _wait_ms(self, now: float) -> int:
+        """How long the next step may wait for a message: `poll_ms` while results wait for the
+        disk (a full disk: deferred, a probe, unsynced outputs), else until the next flush or
+        tidy. Messages wake it at once, so an idle stage wakes 10 times a second, not 100."""
+        if self.deferred or self.probe is not None or self.completion_log.unsynced:
+            return self.poll_ms
+        due = min(self.next_flush, self.next_tidy)
+        return max(0, int((due - now) * 1000))
 
     def _sync_outputs(self, now: float) -> None:
         """The group commit; then the jobs given results finish if they are done."""
