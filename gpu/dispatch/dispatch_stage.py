@@ -159,8 +159,9 @@ class DispatchStage(Stage):
     # ---- the loop --------------------------------------------------------------------------
     def step(self, now: float) -> None:
         timeout = 0 if self.to_completion.waiting else self.poll_ms
-        if self.parked:
-            timeout = min(timeout, 5)
+        release = self.state.next_release(now) if self.parked else None
+        if release is not None:  # a parked request may be served once the grace is over
+            timeout = min(timeout, max(0, int((release - now) * 1000)))
         events = dict(self.poller.poll(timeout))
         if self.inbox.socket in events:
             self._read_inbox(now)

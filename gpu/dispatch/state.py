@@ -159,6 +159,12 @@ class DispatchState:
             and (now is None or w.not_before <= now)
         ]
 
+    def next_release(self, now: float) -> float | None:
+        """The earliest time after `now` at which a segment held back (`not_before`) with work
+        may be handed out, or None."""
+        held = [w.not_before for w in self._work.values() if w.not_before > now and w.has_work()]
+        return min(held) if held else None
+
     def cancel_job(self, job_no: int) -> int:
         """Take every queued item of `job_no` out of dispatch; they come back in `take_outcomes`.
 
