@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import subprocess
 import sys
 import urllib.request
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from subprocess import CompletedProcess
 
@@ -27,8 +29,25 @@ from pipeline.topology import client_address, free_loopback_ports, ring_specs
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _port_block() -> Iterator[int]:
+    """This test process's own ports, 10000 + 1000 * N for pytest-xdist's worker gwN, in turn:
+    no two test processes pick the same port, and none is in the kernel's ephemeral range
+    (which outgoing connections take from, even while a killed broker restarts)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]
+    base = 10_000 + 1000 * (int(worker) % 10 if worker.isdigit() else 0)
+    return itertools.cycle(range(base, base + 1000))
+
+
+_PORTS = _port_block()
+
+
+def free_ports(n: int) -> list[int]:
+    """n free loopback ports of this test process's block (pipeline/topology.py checks each)."""
+    return free_loopback_ports(n, candidates=itertools.islice(_PORTS, 1000))
+
+
 def free_port() -> int:
-    return free_loopback_ports(1)[0]
+    return free_ports(1)[0]
 
 
 WORDS = [f"w{i}" for i in range(1000)]
@@ -66,7 +85,7 @@ def write_config(
     and `sim` (the simulated engine's 384-dim embeddings of the same text). `broker_keys`
     are more lines for the [broker] section."""
     tokenizer = build_tokenizer(tmp_path / "tokenizer.json")
-    ports = free_loopback_ports(6)
+    ports = free_ports(6)
     text = f"""
 [broker]
 data_dir = "{data_dir or tmp_path / "data"}"
