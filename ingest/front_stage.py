@@ -29,7 +29,10 @@ bounds that). The answers besides refusals are built in ingest/front_answers.py.
 A chunk that does not complete by its deadline (a stage died and its rings
 were replaced, a disk stalled) is answered with a retryable error; writers
 drop records past that deadline. A retried chunk that was accepted before is
-reconciled: items already in the log are counted, not stored again.
+reconciled: items already in the log are counted, not stored again. After the
+front alone restarted, a retried chunk that an earlier front of this broker
+life sent on waits (`parked`) until that try's records can no longer land,
+then is reconciled: the stages behind the front did not die with it.
 
 The front reads no clock: `step(now)` is given the monotonic time (seconds),
 and every deadline, the writers' CLOCK_MONOTONIC `deadline_ns` included, is
