@@ -8,6 +8,7 @@ import time
 
 import pytest
 import zmq
+from conftest import wait_for
 
 from collector.results_client import DispatchClient, ResultsClient
 from collector.vectors.client import VectorsClient
@@ -144,10 +145,7 @@ def test_a_chunk_lost_with_a_dead_front_is_sent_again_as_soon_as_a_new_one_answe
             target=lambda: done.update(report=producer.submit_tokens("j", "m", rows, chunk_lines=3))
         )
         sending.start()
-        deadline = time.monotonic() + 10
-        while old.heard < 2 and time.monotonic() < deadline:  # the status request, the chunk
-            time.sleep(0.01)
-        assert old.heard == 2
+        wait_for(lambda: old.heard == 2, "the status request and the chunk", timeout_s=10)
         old.close()  # the front dies with the chunk
         new = SilentBroker(tmp_path, reply=second)
         try:

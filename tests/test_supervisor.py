@@ -199,7 +199,7 @@ def test_a_broker_started_right_after_a_kill_waits_for_the_last_lifes_stages(tmp
     """The stages of a broker life just killed die with it, but not at once, and hold its
     ports meanwhile. A new broker started at once must wait for them (the last report names
     their pids), not refuse its ports as taken by another program."""
-    import time
+    import threading
 
     import orjson
     from broker import Broker, write_config
@@ -211,21 +211,32 @@ def test_a_broker_started_right_after_a_kill_waits_for_the_last_lifes_stages(tmp
         [
             sys.executable,
             "-c",
-            "import socket, sys, time; s = socket.socket(); "
-            f"s.bind(({host!r}, {port})); s.listen(); print('held', flush=True); time.sleep(2)",
+            "import socket, sys; s = socket.socket(); "
+            f"s.bind(({host!r}, {port})); s.listen(); print('held', flush=True); sys.stdin.read()",
         ],
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     )
+    lock = b.data_dir.root / "broker.lock"
     try:
         assert holder.stdout.readline().strip() == "held"
         b.data_dir.root.mkdir(parents=True, exist_ok=True)
         report = {"pid": 1, "epoch": 1, "running": True, "ready": True, "deaths": []}
         report["stages"] = [{"stage": "front-0", "pid": holder.pid, "state": "up"}]
         (b.data_dir.root / "supervisor.json").write_bytes(orjson.dumps(report))
-        started = time.monotonic()
-        b.start()  # every stage up: it waited for the holder, then bound the port
-        assert holder.poll() is not None and time.monotonic() - started < 30
+        starting = threading.Thread(target=b.start, daemon=True)
+        starting.start()
+        wait_for(
+            lambda: (
+                b.proc is not None and lock.exists() and lock.read_text().strip() == str(b.proc.pid)
+            ),
+            "the new broker to take the data dir's lock",
+        )
+        assert b.proc.poll() is None and not b.all_up()  # it waits for the last life's front
+        holder.stdin.close()  # which exits now
+        starting.join(60)
+        assert b.all_up(), (tmp_path / "broker.err").read_text()
         assert b.stop() == exitcodes.OK, (tmp_path / "broker.err").read_text()
     finally:
         holder.kill()
