@@ -245,3 +245,27 @@ def test_bad_items_fail_alone_next_to_good_ones(engine, prompts):
     )
     too_long = engine.run(batch_of([prompts[1]], lane=64, max_tokens=8190))
     assert "passes the model's context of 8192 tokens" in too_long.errors[0]
+
+
+def test_a_gguf_load_reads_the_file_once_and_builds_one_name_map(tmp_path):
+    """transformers reads a GGUF's metadata twice and builds gguf's TensorNameMap once per
+    sub-module (half of the 34 CPU-s SmolLM2 took to load): during a load both are memos, and
+    the originals are back after it."""
+    import gguf
+
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(2)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with te._gguf_memos(True):
+        first = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(str(path)) is first and len(first.fields) == 5
+        names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is names
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader, name_map)
+    with te._gguf_memos(False):  # a model directory: nothing is patched
+        assert gguf.GGUFReader is reader
