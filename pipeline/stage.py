@@ -42,8 +42,8 @@ def broker_epoch() -> int:
 
 @dataclass(frozen=True)
 class StageSpec:
-    """What the supervisor starts: stage `name`, instance `index`, of class `stage`: the
-    class, or its reference `"module:Class"`.
+    """What the supervisor starts: stage `name`, instance `index`, of the class that `stage`
+    names, `"module:Class"`.
 
     The stage table (assembly/stages.py) names the classes by reference; the ground floor
     names none. So the supervisor never imports a stage module (about 0.4 s of CPU at every
@@ -53,7 +53,7 @@ class StageSpec:
 
     name: str
     index: int
-    stage: type[Stage] | str
+    stage: str  # "module:Class"
     critical: bool = True  # a crash loop of a critical stage stops the broker; others (local
     # workers) are restarted forever, with backoff (pipeline/supervisor.py)
 
@@ -64,13 +64,9 @@ class StageSpec:
     @property
     def module(self) -> str:
         """The module that defines the stage class."""
-        if isinstance(self.stage, str):
-            return self.stage.partition(":")[0]
-        return self.stage.__module__
+        return self.stage.partition(":")[0]
 
     def stage_class(self) -> type[Stage]:
-        if not isinstance(self.stage, str):
-            return self.stage
         module, _, name = self.stage.partition(":")
         return getattr(importlib.import_module(module), name)
 

@@ -7,8 +7,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from stages import CrashStage, IdleStage
-
 from config import load_settings
 from pipeline import exitcodes
 from pipeline.errors import DataDirLockedError
@@ -16,7 +14,7 @@ from pipeline.stage import StageSpec
 from pipeline.supervisor import Supervisor
 from pipeline.topology import free_loopback_ports
 
-STAGES = {"idle": IdleStage, "crash": CrashStage}
+STAGES = {"idle": "stages:IdleStage", "crash": "stages:CrashStage"}  # tests/procs/stages.py
 
 
 def main() -> int:
