@@ -94,6 +94,7 @@ class Producer(BrokerClient):
         requires them. `patient`: wait for a broker that is not listening yet (one just
         started) instead of failing fast; `on_waiting` hears once "waiting for the broker at
         ADDR" (pipeline/first_contact.py)."""
+        self._watch: ReconnectWatch | None = None  # made with each socket (`_connect`)
         super().__init__(
             address,
             timeout_s,
@@ -110,14 +111,13 @@ class Producer(BrokerClient):
         self.on_retry: RetryHook | None = None  # told of each retryable failure (a full disk)
 
     def _connect(self) -> None:
-        watch = getattr(self, "_watch", None)  # None on the first connect, from __init__
-        if watch is not None:
-            watch.close()
+        if self._watch is not None:
+            self._watch.close()
         super()._connect()
         self._watch = ReconnectWatch(self.socket)
 
     def close(self) -> None:
-        if getattr(self, "_watch", None) is not None:
+        if self._watch is not None:
             self._watch.close()
             self._watch = None
         super().close()
