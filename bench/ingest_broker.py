@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,7 +26,7 @@ from assembly.stages import stage_specs
 from config import load_settings
 from pipeline.ring import Ring
 from pipeline.supervisor_report import all_up, read_report, stage_pids
-from pipeline.topology import ring_specs, run_dir
+from pipeline.topology import free_loopback_ports, ring_specs, run_dir
 
 REPO = Path(__file__).resolve().parent.parent
 SEGMENT_BYTES = 256 << 20
@@ -37,9 +36,7 @@ STOP_TIMEOUT_S = 120.0
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_loopback_ports(1)[0]
 
 
 @dataclass(frozen=True)
@@ -71,12 +68,7 @@ def write_config(
     an ingest benchmark measures a log that nothing consumes. `sections` is
     merged over the base, key by key.
     """
-    sockets = [socket.socket() for _ in range(6)]  # all bound at once: six distinct ports
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
+    ports = free_loopback_ports(6)
     base: dict[str, dict[str, object]] = {
         "broker": {"data_dir": str(root / "data"), "segment_bytes": SEGMENT_BYTES},
         "ingest": {
