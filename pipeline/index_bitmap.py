@@ -7,12 +7,15 @@ stored count, so they count distinct items however often one arrives. The
 set's size is kept as indexes are added (only the indexes not in it yet
 count, each once), so `count` is free: a status or a results page asks it
 for every answer, and summing the bitmap each time was quadratic in the
-job's size.
+job's size. `ItemIndexSet` keeps a job's item indexes in two such bitmaps, one
+for lines and one for fan-out parts (pipeline/item_seq.py).
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from pipeline.item_seq import PART_BASE
 
 
 class IndexBitmap:
@@ -53,3 +56,38 @@ class IndexBitmap:
     def count(self) -> int:
         """How many distinct indexes are in the set."""
         return self.size
+
+
+class ItemIndexSet:
+    """A job's item indexes (pipeline/item_seq.py), present or not: a line's own index
+    (below PART_BASE) in `lines`, a fan-out part's in `parts` at index - PART_BASE. One bitmap
+    over both regions would be 2**31 bools (2 GiB) as soon as a job has a second part."""
+
+    __slots__ = ("lines", "parts")
+
+    def __init__(self) -> None:
+        self.lines = IndexBitmap()
+        self.parts = IndexBitmap()
+
+    def add(self, index: np.ndarray) -> None:
+        index = np.asarray(index, dtype=np.int64)
+        high = index >= PART_BASE
+        if high.any():
+            self.parts.add(index[high] - PART_BASE)
+            index = index[~high]
+        self.lines.add(index)
+
+    def has(self, index: np.ndarray) -> np.ndarray:
+        """True for each index in the set."""
+        index = np.asarray(index, dtype=np.int64)
+        high = index >= PART_BASE
+        if not high.any():
+            return self.lines.has(index)
+        out = np.zeros(len(index), dtype=bool)
+        out[~high] = self.lines.has(index[~high])
+        out[high] = self.parts.has(index[high] - PART_BASE)
+        return out
+
+    def count(self) -> int:
+        """How many distinct indexes are in the set, lines' and parts' together."""
+        return self.lines.count() + self.parts.count()

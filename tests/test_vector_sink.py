@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import logging
+import tracemalloc
 
 import numpy as np
 import pytest
 
 from collector.vectors.sink import VectorSink
 from collector.vectors.store_catalog import StoreSet
+from pipeline.item_seq import PART_BASE
 from pipeline.job_files import JobFiles
 from pipeline.result_kinds import ResultKind
 
@@ -195,4 +197,37 @@ def test_a_rotation_that_fails_midway_stores_each_row_once_after_the_retry(tmp_p
     stores.flush()
     ids = np.concatenate([np.asarray(i) for i in store.ids()]) & np.uint64(0xFFFFFFFF)
     assert sorted(ids.tolist()) == [0, 1, 2, 3, 4, 5]
+    stores.close()
+
+
+def test_a_fan_out_page_keeps_its_parts_in_a_small_set_and_skips_them_when_sent_again(
+    sink, tmp_path
+):
+    """A part's item index is PART_BASE and up (pipeline/item_seq.py): the set of stored items
+    holds it at index - PART_BASE, not as bit 2**31 of one bitmap (2 GiB, grown and copied
+    while the stage answers nobody)."""
+    rng = np.random.default_rng(2)
+    vectors = rng.standard_normal((3, DIM))
+    parts = {"item": np.array([0, PART_BASE, PART_BASE + 1]), "part": np.array([0, 1, 2])}
+    meta = fetch(sink)
+    info, arrays = page([0, 0, 0], vectors, page_id=1, req=meta["req"])
+    tracemalloc.start()  # numpy's buffers are traced too
+    try:
+        sink.on_page(info, {**arrays, **parts}, 0.0)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20, f"{peak} bytes for one page of 3 rows"
+    have = sink.jobs["j"].have
+    assert have.count() == 3 and have.has(parts["item"]).all()
+    sink.stores.flush()
+    sink.flushed(0.0)
+    sink.stores.close()
+    stores = StoreSet(tmp_path / "vectors", "float32", 1 << 20)  # a restart: rebuilt from the ids
+    again = VectorSink(stores, JobFiles(tmp_path), 100, LOG)
+    meta = fetch(again)
+    info, arrays = page([0, 0, 0], vectors, page_id=1, req=meta["req"])
+    again.on_page(info, {**arrays, **parts}, 0.0)
+    _, store = stores.get("docs")
+    assert store.pending_rows == 0 and again.jobs["j"].skipped == 3
     stores.close()

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.index_bitmap import IndexBitmap
+from pipeline.index_bitmap import ItemIndexSet
 from pipeline.item_seq import PART_BASE
 from pipeline.line_table import LineTable
 from pipeline.segment import Segment
@@ -35,10 +35,8 @@ class JobResults:
     def __init__(self, job_id: str) -> None:
         self.job_id = job_id
         self.appenders: dict[int, SegmentAppender] = {}  # size class -> its open segment
-        self.has_result = IndexBitmap()  # indexes below PART_BASE
-        self.failed = IndexBitmap()
-        self.part_result = IndexBitmap()  # part-region indexes, at index - PART_BASE
-        self.part_failed = IndexBitmap()
+        self.results = ItemIndexSet()  # the items with a result or an error result
+        self.failed = ItemIndexSet()  # those with an error result
         self.readers: dict[int, Segment] = {}  # completion segment id -> a handle for delivery
         self.first_undelivered: dict[int, int] = {}  # per completion segment: all before delivered
         self.segments_changed = True  # the directory may hold segments `readers` lacks
@@ -75,51 +73,38 @@ class JobResults:
     def mark(self, index: np.ndarray, failed: np.ndarray | None = None) -> None:
         """Items `index` have a result; those where `failed` is True an error result."""
         index = np.asarray(index, dtype=np.int64)
-        high = index >= PART_BASE
-        if high.any():
-            self.part_result.add(index[high] - PART_BASE)
-            if failed is not None:
-                self.part_failed.add(index[high & failed] - PART_BASE)
-            low = ~high
-            index, failed = index[low], None if failed is None else failed[low]
-        self.has_result.add(index)
+        self.results.add(index)
         if failed is not None:
             self.failed.add(index[failed])
 
     def seen(self, index: np.ndarray) -> np.ndarray:
         """True for each item that has a result already."""
-        index = np.asarray(index, dtype=np.int64)
-        high = index >= PART_BASE
-        if not high.any():
-            return self.has_result.has(index)
-        out = np.zeros(len(index), dtype=bool)
-        out[~high] = self.has_result.has(index[~high])
-        out[high] = self.part_result.has(index[high] - PART_BASE)
-        return out
+        return self.results.has(index)
 
     @property
     def completed(self) -> int:
         """Distinct items with a result or an error result."""
-        return self.has_result.count() + self.part_result.count()
+        return self.results.count()
 
     @property
     def failures(self) -> int:
-        return self.failed.count() + self.part_failed.count()
+        return self.failed.count()
 
     def line_counts(self, table: LineTable | None) -> tuple[int, int]:
         """(lines done, lines failed): a line is done when every part has a result or an
         error result, and failed when it is done and any part has an error result."""
-        done, failed = self.has_result.count(), self.failed.count()
+        results, failures = self.results, self.failed
+        done, failed = results.lines.count(), failures.lines.count()
         if table is None or not len(table):
             return done, failed
         lines = table.lines
-        all_done = table.done(self.has_result, self.part_result)
-        first_failed = self.failed.has(lines)
-        any_failed = table.failed(self.failed, self.part_failed)
-        done -= int((self.has_result.has(lines) & ~all_done).sum())
+        all_done = table.done(results.lines, results.parts)
+        first_failed = failures.lines.has(lines)
+        any_failed = table.failed(failures.lines, failures.parts)
+        done -= int((results.lines.has(lines) & ~all_done).sum())
         failed += int((all_done & any_failed).sum()) - int(first_failed.sum())
         return done, failed
 
     def lines_done(self, table: LineTable, lines: np.ndarray) -> np.ndarray:
         """True for each of fan-out `lines` whose every part has a result."""
-        return table.done(self.has_result, self.part_result, lines)
+        return table.done(self.results.lines, self.results.parts, lines)

@@ -50,7 +50,7 @@ from collector.delivery_client import Delivery
 from collector.vectors.store_catalog import StoreSet
 from ingest.jobs import DELIVER_FILE, DELIVER_VECTORS
 from pipeline.errors import FabricError, IngestError
-from pipeline.index_bitmap import IndexBitmap
+from pipeline.index_bitmap import ItemIndexSet
 from pipeline.item_seq import index_of, job_of, seq_of
 from pipeline.job_files import JobFiles
 from pipeline.ragged import Ragged
@@ -69,7 +69,7 @@ class SinkJob:
     job_no: int
     deliver: str  # "vectors" or "vectors:STORE"
     delivery: Delivery  # FETCH, the req echo, ack once the stores are flushed
-    have: IndexBitmap = field(default_factory=IndexBitmap)  # the item indexes stored
+    have: ItemIndexSet = field(default_factory=ItemIndexSet)  # the item indexes stored
     stored: int = 0
     skipped: int = 0
     errors: int = 0
