@@ -64,6 +64,10 @@ class SegmentCollector:
                 self._pending.discard(path)
         return result
 
+    def next_step_s(self) -> float | None:
+        """When `step` next has something to do (None: nothing pending)."""
+        return self._next_try_s if self._pending else None
+
     def step(self, now_s: float) -> CollectResult:
         """Retry pending removals, at most once every `retry_s`."""
         if not self._pending or now_s < self._next_try_s:

@@ -83,8 +83,43 @@ MAX_BACKOFF_S = 30.0
 WORKER_MAX_BACKOFF_S = 60.0  # a crash-looping local worker is restarted at least this often
 PRELOADED = {"numpy", "zmq", "orjson", "pipeline.stage", "config"}  # besides the stage modules
 STARTING_POLL_S = 0.02  # while a stage starts, how often its ready event is looked at
+IDLE_WAIT_S = 1.0  # the longest wait with nothing due: a stage's exit or a signal wakes it at once
 DISK_FULL_BACKOFF_S = 5.0  # a stage that stopped on a full disk (DISK_FULL_EXIT) waits this much
 LAST_LIFE_WAIT_S = 10.0  # the longest wait at start for the stages of a broker life just killed
+
+
+class _SignalWake:
+    """A pipe that a signal writes a byte to (signal.set_wakeup_fd), so that SIGTERM ends the
+    supervisor's wait at once instead of at its next timeout. `fd` is None where wakeup fds
+    cannot be set (not the main thread): the loop's timeouts still see the stop flag."""
+
+    def __init__(self) -> None:
+        self.fd: int | None = None
+        self._write: int | None = None
+        self._previous = -1
+        read, write = os.pipe()
+        os.set_blocking(read, False)
+        os.set_blocking(write, False)
+        try:
+            self._previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        except ValueError:  # not the main thread
+            os.close(read)
+            os.close(write)
+            return
+        self.fd, self._write = read, write
+
+    def drain(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self.fd, 512):
+                pass
+
+    def close(self) -> None:
+        if self.fd is None:
+            return
+        signal.set_wakeup_fd(self._previous)
+        os.close(self.fd)
+        os.close(self._write)
+        self.fd = self._write = None
 
 
 def describe_exit(exitcode: int | None) -> str:
@@ -271,12 +306,15 @@ class Supervisor:
         """Start, supervise until SIGTERM or a crash loop, stop; returns the exit code."""
         signal.signal(signal.SIGTERM, self.request_stop)
         signal.signal(signal.SIGINT, self.request_stop)
+        wake = _SignalWake()
         self.start()
         try:
             while not self._stop and self.failure is None:
-                self.step(time.monotonic())
-                self._wait(STARTING_POLL_S if self._starting() else 0.1)
+                now = time.monotonic()
+                self.step(now)
+                self._wait(self._wait_s(now), wake)
         finally:
+            wake.close()
             self.stop()
             self.data_dir.unlock()
         if self.failure is not None:
@@ -292,10 +330,27 @@ class Supervisor:
         """A stage process runs that has not yet set its ready event."""
         return any(c.process is not None and not c.up for c in self._children)
 
-    def _wait(self, timeout_s: float) -> None:
-        """Wait until a child exits or `timeout_s` passes (no busy loop)."""
+    def _wait_s(self, now: float) -> float:
+        """How long the loop may sleep: until a restart, a collector retry or a sweep is due
+        (at most IDLE_WAIT_S), or STARTING_POLL_S while a stage starts (its ready event is
+        looked at, not waited on). A stage's exit and a signal end the wait sooner."""
+        if self._starting():
+            return STARTING_POLL_S
+        due = [now + IDLE_WAIT_S]
+        due += [c.restart_at for c in self._children if c.restart_at is not None]
+        if self.collector is not None:
+            due.append(self.next_sweep)
+            if (retry := self.collector.next_step_s()) is not None:
+                due.append(retry)
+        return min(IDLE_WAIT_S, max(0.0, min(due) - now))
+
+    def _wait(self, timeout_s: float, wake: _SignalWake) -> None:
+        """Wait until a child exits, a signal arrives or `timeout_s` passes (no busy loop)."""
         sentinels = [c.process.sentinel for c in self._children if c.process is not None]
-        multiprocessing.connection.wait(sentinels, timeout=timeout_s)
+        if wake.fd is not None:
+            sentinels.append(wake.fd)
+        if wake.fd in multiprocessing.connection.wait(sentinels, timeout=timeout_s):
+            wake.drain()
 
     # ---- one step ----------------------------------------------------------
     def step(self, now: float) -> None:

@@ -170,10 +170,14 @@ class CompletionStage(Stage):
     def _wait_ms(self, now: float) -> int:
         """How long the next step may wait for a message: `poll_ms` while results wait for the
         disk (a full disk: deferred, a probe, unsynced outputs), else until the next flush or
-        tidy. Messages wake it at once, so an idle stage wakes 10 times a second, not 100."""
-        if self.deferred or self.probe is not None or self.completion_log.unsynced:
+        tidy (the flush only while it has tombstones, acks or hand-backs to send). Messages
+        wake it at once, so an idle stage wakes once a second, not 100 times."""
+        log = self.completion_log
+        if self.deferred or self.probe is not None or log.unsynced:
             return self.poll_ms
-        due = min(self.next_flush, self.next_tidy)
+        due = self.next_tidy
+        if log.tombstones_pending or self.intake.acks or self.intake.hand_back:
+            due = min(self.next_flush, due)
         return max(0, int((due - now) * 1000))
 
     def _sync_outputs(self, now: float) -> None:

@@ -346,6 +346,11 @@ class CompletionLog:
         """True while stored results wait for `sync_outputs()` (nothing may be acknowledged)."""
         return bool(self._dirty or self._to_retire)
 
+    @property
+    def tombstones_pending(self) -> bool:
+        """True while DEAD markers wait for `flush_tombstones()`."""
+        return bool(self._pending)
+
     def sync_outputs(self) -> None:
         """Make stored results durable, then write their inputs' DEAD markers (invariant 3).
 

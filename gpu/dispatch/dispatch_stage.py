@@ -79,7 +79,8 @@ def cancelled_jobs(data_root, log) -> set[int]:
 
 class DispatchStage(Stage):
     name = "dispatch"
-    poll_ms = 20
+    poll_ms = 20  # while lease records wait for their group commit (dispatch.sync_ms)
+    idle_poll_ms = 100  # otherwise: workers and the inbox wake it; this is for the timers
 
     def open(self) -> None:
         settings = self.settings
@@ -158,7 +159,12 @@ class DispatchStage(Stage):
 
     # ---- the loop --------------------------------------------------------------------------
     def step(self, now: float) -> None:
-        timeout = 0 if self.to_completion.waiting else self.poll_ms
+        if self.to_completion.waiting:
+            timeout = 0
+        elif self.file.pending_entries or self.file.failing:
+            timeout = self.poll_ms
+        else:
+            timeout = self.idle_poll_ms
         release = self.state.next_release(now) if self.parked else None
         if release is not None:  # a parked request may be served once the grace is over
             timeout = min(timeout, max(0, int((release - now) * 1000)))
