@@ -24,6 +24,15 @@ from pipeline.segment_format import KIND_INPUT, SegmentKey, slot_bytes_for
 # bound in each test module would be one fixture per module, and one broker and worker each.
 smol_broker = smollm2.smol_broker
 
+FUZZ_SCALE = float(os.environ.get("FABRIC_FUZZ_SCALE", "1"))
+
+
+def fuzz_examples(n: int) -> int:
+    """A property test's example budget: `n` in the suite, which must stay inside its minutes
+    on 2 cores; FABRIC_FUZZ_SCALE=10 pytest tests/test_wire.py (say) runs ten times as many."""
+    return max(1, round(n * FUZZ_SCALE))
+
+
 LANE = 64
 KEY = SegmentKey(KIND_INPUT, "minilm", shape=1, lane=LANE)
 SLOT_BYTES = slot_bytes_for(LANE * 4)
@@ -129,17 +138,26 @@ def rng() -> np.random.Generator:
     return np.random.default_rng(1234)
 
 
-def wait_for(condition, what: str, timeout_s: float = 30.0, interval_s: float = 0.02):
-    """Poll `condition` until it returns something truthy; fail after `timeout_s`."""
+FIRST_POLL_S = 0.02  # wait_for's first pause; each next one is half again as long, up to its cap
+
+
+def wait_for(condition, what: str, timeout_s: float = 30.0, interval_s: float = 0.25):
+    """Poll `condition` until it returns something truthy; fail after `timeout_s`.
+
+    The pauses grow from 20 ms to `interval_s`: a condition met at once is seen at once, and
+    a long wait does not ask the broker 50 times a second (a status poll costs about 5 ms of
+    CPU across the test and the stages that answer it, on a suite bound by its CPU)."""
     deadline = time.monotonic() + timeout_s
     pause = threading.Event()
+    pause_s = min(FIRST_POLL_S, interval_s)
     while True:
         value = condition()
         if value:
             return value
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        pause.wait(interval_s)
+        pause.wait(pause_s)
+        pause_s = min(pause_s * 1.5, interval_s)
 
 
 def skip_or_fail(reason: str) -> None:

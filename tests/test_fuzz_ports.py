@@ -24,7 +24,7 @@ import pytest
 import zmq
 from broker import Broker, submit, write_config, write_jsonl
 from client_commands import run_cli
-from conftest import wait_for
+from conftest import fuzz_examples, wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -43,7 +43,7 @@ reregister_grace_s = 0.5
 report_s = 0.3
 max_message_bytes = 1048576"""
 FUZZ = settings(
-    max_examples=150,
+    max_examples=fuzz_examples(80),
     deadline=None,
     database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],

@@ -14,7 +14,7 @@ import numpy as np
 import orjson
 import pytest
 import zmq
-from conftest import make_batch
+from conftest import fuzz_examples, make_batch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -34,7 +34,10 @@ from pipeline.segment_format import KIND_INPUT, SegmentKey, slot_bytes_for
 
 MT = wire.MessageType
 FUZZ = settings(
-    max_examples=200, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=fuzz_examples(100),
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
 )
 DTYPES = ["|u1", "<u4", "<i8", "<u8", "<f8", "|V3", ITEM_DTYPE, [("segment", "<u4")]]
 

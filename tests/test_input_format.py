@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 import pytest
+from conftest import fuzz_examples
 from hypothesis import HealthCheck, event, given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
@@ -731,7 +732,9 @@ LINES = st.lists(
 )
 
 
-@hsettings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@hsettings(
+    max_examples=fuzz_examples(120), deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(LINES, st.integers(1, 6))
 def test_random_lines_never_raise_and_every_line_is_accounted_for(lines, chunk_lines):
     data = b"\n".join(line.replace(b"\n", b" ") for line in lines)

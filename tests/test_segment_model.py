@@ -7,7 +7,7 @@ import shutil
 import tempfile
 
 import numpy as np
-from conftest import appender, make_batch
+from conftest import appender, fuzz_examples, make_batch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -110,7 +110,7 @@ class SegmentLogMachine(RuleBasedStateMachine):
 
 TestSegmentLog = SegmentLogMachine.TestCase
 TestSegmentLog.settings = settings(
-    max_examples=60,
+    max_examples=fuzz_examples(30),
     stateful_step_count=30,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],

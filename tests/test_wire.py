@@ -12,6 +12,7 @@ import numpy as np
 import orjson
 import pytest
 import zmq
+from conftest import fuzz_examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -316,13 +317,13 @@ def check(frames) -> None:
         array.tobytes()  # every decoded array is fully readable
 
 
-@settings(max_examples=400, deadline=None, database=None)
+@settings(max_examples=fuzz_examples(150), deadline=None, database=None)
 @given(st.lists(st.binary(max_size=40), max_size=5))
 def test_decode_of_random_frames_only_raises_wire_error(frames):
     check(frames)
 
 
-@settings(max_examples=600, deadline=None, database=None)
+@settings(max_examples=fuzz_examples(200), deadline=None, database=None)
 @given(st.data())
 def test_decode_of_plausible_headers_only_raises_wire_error(data):
     """Mostly well-formed headers and envelopes, so the checks deep inside are reached too."""
@@ -362,7 +363,7 @@ def claimed_bytes(dtype: object, shape: object) -> int:
         return -1
 
 
-@settings(max_examples=600, deadline=None, database=None)
+@settings(max_examples=fuzz_examples(200), deadline=None, database=None)
 @given(st.data())
 def test_decode_of_hostile_array_specs_only_raises_wire_error(data):
     """One array whose frame often has exactly the size its spec claims, so decode gets far."""
@@ -378,7 +379,10 @@ def test_decode_of_hostile_array_specs_only_raises_wire_error(data):
 
 
 @settings(
-    max_examples=400, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=fuzz_examples(150),
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
 )
 @given(st.data())
 def test_decode_of_mutated_valid_messages_only_raises_wire_error(data):

@@ -252,7 +252,9 @@ def test_a_worker_whose_engine_thread_ended_or_took_no_work_hands_back_and_exits
         )  # a SIGSTOP
         stuck.step(0)
         assert stuck.exit_code is None  # the process itself did not run: the clock restarts
-        wait_for(lambda: (stuck.step(0), stuck.exit_code is not None)[1], "the watchdog")
+        wait_for(  # looked at often: a long gap between looks reads as a SIGSTOP
+            lambda: (stuck.step(0), stuck.exit_code is not None)[1], "the watchdog", interval_s=0.02
+        )
         assert "takes no work" in stuck.broken
         assert [a["items"]["slot"].tolist() for k, _, a in sent if k.name == "HAND_BACK"] == [
             [0, 1]
