@@ -83,7 +83,7 @@ def group_by_key(items: Items, shape_ids: np.ndarray, lanes: np.ndarray) -> list
 
 class RouterStage(Stage):
     name = "router"
-    poll_ms = 200  # idle: every ring put sends a wakeup; this is the fallback
+    poll_ms = 50
 
     def open(self) -> None:
         settings = self.settings

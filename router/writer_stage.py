@@ -75,7 +75,7 @@ class Batch:
 
 class WriterStage(Stage):
     name = "writer"
-    poll_ms = 200  # idle: every ring put sends a wakeup; this is the fallback
+    poll_ms = 50
 
     def open(self) -> None:
         settings = self.settings
