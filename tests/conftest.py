@@ -1,5 +1,5 @@
 """Shared fixtures: real data dirs, item batches, and the closing consistency check; how the
-four test processes share the suite (`pytest_collection_modifyitems`); and the compiled
+six test processes share the suite (`pytest_collection_modifyitems`); and the compiled
 bytecode every process of the run reads (tests/bytecode.py)."""
 
 from __future__ import annotations

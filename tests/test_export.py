@@ -10,6 +10,7 @@ every line parses. This module is also that writer:
 from __future__ import annotations
 
 import os
+import pickle
 import resource
 import signal
 import subprocess
@@ -487,15 +488,16 @@ def export(out_path: Path, err_path: Path, pages: list[tuple], on_synced=None) -
                 on_synced(number)
 
 
-def child_main(out_path: str, err_path: str, file_bytes: str) -> None:
-    """Render every page first, so a kill lands in writes and syncs, then export them.
+def child_main(out_path: str, err_path: str, pages_path: str, file_bytes: str) -> None:
+    """Read the pages the test rendered (`saved_pages`) first, so a kill lands in writes and
+    syncs, then export them.
 
     A `file_bytes` limit above 0 caps each file's size (RLIMIT_FSIZE): the
     write that crosses it stops mid-line and the child dies of the error.
     """
     if int(file_bytes):
         resource.setrlimit(resource.RLIMIT_FSIZE, (int(file_bytes), int(file_bytes)))
-    pages = rendered(crash_pages())
+    pages = pickle.loads(Path(pages_path).read_bytes())
 
     def ack(number: int) -> None:
         sys.stdout.write(f"synced {number}\n")
@@ -504,13 +506,22 @@ def child_main(out_path: str, err_path: str, file_bytes: str) -> None:
     export(Path(out_path), Path(err_path), pages, on_synced=ack)
 
 
+def saved_pages(tmp_path: Path) -> tuple[list[tuple], Path]:
+    """The crash job's pages rendered once, and the file the writer children read them from
+    (rendering them costs each child about a second of CPU)."""
+    pages = rendered(crash_pages())
+    path = tmp_path / "pages.pickle"
+    path.write_bytes(pickle.dumps(pages))
+    return pages, path
+
+
 class Writer:
     """The writer child; the highest page it acknowledged is read from its stdout."""
 
-    def __init__(self, out_path: Path, err_path: Path, file_bytes: int = 0) -> None:
+    def __init__(self, out_path: Path, err_path: Path, pages: Path, file_bytes: int = 0) -> None:
         env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, str(out_path), str(err_path), str(file_bytes)],
+            [sys.executable, __file__, str(out_path), str(err_path), str(pages), str(file_bytes)],
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,
@@ -559,11 +570,11 @@ def assert_exported_once(out_path: Path, err_path: Path, pages: list) -> None:
 
 def test_writer_killed_mid_run_then_finished_writes_each_line_once(tmp_path):
     out_path, err_path = tmp_path / "out.jsonl", tmp_path / "err.jsonl"
-    pages = rendered(crash_pages())
+    pages, pages_path = saved_pages(tmp_path)
     total_bytes = sum(len(line) for page in pages for line in page[0])
     rng = np.random.default_rng(5)
     for _ in range(4):  # kill at a random point, restart from the files, kill again
-        writer = Writer(out_path, err_path)
+        writer = Writer(out_path, err_path, pages_path)
         grown_to = int(rng.integers(1, total_bytes // 3))
         wait_for(
             lambda: out_path.exists() and out_path.stat().st_size > grown_to,  # noqa: B023
@@ -578,10 +589,10 @@ def test_writer_killed_mid_run_then_finished_writes_each_line_once(tmp_path):
 
 def test_writer_dead_mid_line_leaves_a_torn_line_that_reopen_cuts(tmp_path):
     out_path, err_path = tmp_path / "out.jsonl", tmp_path / "err.jsonl"
-    pages = rendered(crash_pages())
+    pages, pages_path = saved_pages(tmp_path)
     first_page_bytes = sum(len(line) for line in pages[0][0])
     limit = first_page_bytes + len(pages[1][0][0]) // 2  # half way into page 1's first line
-    writer = Writer(out_path, err_path, file_bytes=limit)
+    writer = Writer(out_path, err_path, pages_path, file_bytes=limit)
     assert writer.stop(kill=False) == 0
     assert writer.proc.returncode != 0
     assert out_path.stat().st_size == limit
@@ -594,4 +605,4 @@ def test_writer_dead_mid_line_leaves_a_torn_line_that_reopen_cuts(tmp_path):
 
 
 if __name__ == "__main__":
-    child_main(*sys.argv[1:4])
+    child_main(*sys.argv[1:5])
