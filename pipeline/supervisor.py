@@ -306,8 +306,8 @@ class Supervisor:
         """Start, supervise until SIGTERM or a crash loop, stop; returns the exit code."""
         signal.signal(signal.SIGTERM, self.request_stop)
         signal.signal(signal.SIGINT, self.request_stop)
-        wake = _SignalWake()
         self.start()
+        wake = _SignalWake()  # after recovery, whose forked scanners would inherit it
         try:
             while not self._stop and self.failure is None:
                 now = time.monotonic()

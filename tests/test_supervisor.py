@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,12 +22,13 @@ from pipeline.supervisor_report import read_report
 SUPERVISE = Path(__file__).resolve().parent / "procs" / "supervise.py"
 
 
-def supervise(data_dir: DataDir, *stages: str) -> subprocess.Popen:
+def supervise(data_dir: DataDir, *stages: str, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, str(SUPERVISE), str(data_dir.root), *stages],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -54,8 +56,8 @@ def stage_report(data_dir: DataDir, label: str) -> dict:
 def broker(data_dir):
     procs = []
 
-    def start(*stages: str) -> subprocess.Popen:
-        proc = supervise(data_dir, *stages)
+    def start(*stages: str, env: dict | None = None) -> subprocess.Popen:
+        proc = supervise(data_dir, *stages, env=env)
         procs.append(proc)
         return proc
 
@@ -243,3 +245,20 @@ def test_a_broker_started_right_after_a_kill_waits_for_the_last_lifes_stages(tmp
         holder.wait()
         holder.stdout.close()
         b.close()
+
+
+def test_sigterm_ends_an_idle_supervisors_wait_at_once(data_dir, broker):
+    """An idle supervisor sleeps until a stage exits or something is due (pipeline/supervisor.py
+    `_wait_s`); a signal must end that sleep, not the next timeout: here the longest idle wait
+    is 60 s, and the broker must have stopped well before."""
+    proc = broker("idle:1", env={"FABRIC_TEST_IDLE_WAIT_S": "60"})
+    wait_for(lambda: pid_of(data_dir, "idle-0"), "idle-0 to start")
+    # reported up: the loop has left its 20 ms looks at a starting stage for its idle wait
+    wait_for(lambda: stage_report(data_dir, "idle-0")["state"] == "up", "idle-0 to be up")
+    asked = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _out, err = proc.communicate(timeout=60)
+    took = time.monotonic() - asked
+    assert proc.returncode == exitcodes.OK, err
+    assert drained(data_dir, "idle-0")
+    assert took < 10, f"SIGTERM to exit took {took:.1f} s"

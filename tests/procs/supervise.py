@@ -1,14 +1,17 @@
-"""Run a Supervisor over test stages: `python supervise.py DATA_DIR NAME:COUNT ...`."""
+"""Run a Supervisor over test stages: `python supervise.py DATA_DIR NAME:COUNT ...`.
+
+FABRIC_TEST_IDLE_WAIT_S, if set, is the supervisor's longest idle wait (IDLE_WAIT_S)."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from config import load_settings
-from pipeline import exitcodes
+from pipeline import exitcodes, supervisor
 from pipeline.errors import DataDirLockedError
 from pipeline.stage import StageSpec
 from pipeline.supervisor import Supervisor
@@ -34,6 +37,8 @@ def main() -> int:
             "supervisor": {"restart_backoff_s": 0.1, "max_restarts": 3, "restart_window_s": 30.0},
         },
     )
+    if wait_s := os.environ.get("FABRIC_TEST_IDLE_WAIT_S"):
+        supervisor.IDLE_WAIT_S = float(wait_s)
     specs = []
     for arg in sys.argv[2:]:
         name, count = arg.split(":")
