@@ -75,3 +75,10 @@ def chunk_ack(
     }
     errors = (LineError(int(a), b, str(c), str(d)) for a, b, c, d in record["errors"])
     return meta, 0, errors_to_wire(errors)
+
+
+def chunk_error(meta: dict[str, Any], reason: str) -> dict[str, Any]:
+    """A CHUNK_ERROR's meta for the chunk a request's `meta` names (as well as it can)."""
+    chunk = meta.get("chunk")
+    number = chunk if isinstance(chunk, int) and chunk >= 0 else 0
+    return {"job": str(meta.get("job", "")), "chunk": number, "reason": reason}

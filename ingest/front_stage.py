@@ -29,10 +29,9 @@ bounds that). The answers besides refusals are built in ingest/front_answers.py.
 A chunk that does not complete by its deadline (a stage died and its rings
 were replaced, a disk stalled) is answered with a retryable error; writers
 drop records past that deadline. A retried chunk that was accepted before is
-reconciled: items already in the log are counted, not stored again. After the
-front alone restarted, a retried chunk that an earlier front of this broker
-life sent on waits (`parked`) until that try's records can no longer land,
-then is reconciled: the stages behind the front did not die with it.
+reconciled: items already in the log are counted, not stored again; after the
+front alone restarted, only once the earlier try can no longer land
+(ingest/parked_chunks.py).
 
 The front reads no clock: `step(now)` is given the monotonic time (seconds),
 and every deadline, the writers' CLOCK_MONOTONIC `deadline_ns` included, is
@@ -59,6 +58,7 @@ from ingest.inflight import DEADLINE_MARGIN_S, Inflight, InflightChunks
 from ingest.input_chunk import InputChunk
 from ingest.jobs import DELIVER_FILE, Job, JobRegistry, parse_deadline_field, parse_deliver
 from ingest.line_errors import LineError
+from ingest.parked_chunks import ParkedChunks
 from ingest.peer_guard import PeerGuard
 from ingest.reconcile import stored_indexes
 from pipeline import wire
@@ -104,12 +104,7 @@ class FrontStage(Stage):
             settings.ingest.max_peer_connections,
             self.log,
         )
-        self.inflight = InflightChunks(
-            settings.ingest.max_chunks_in_flight,
-            settings.ingest.producer_chunks_in_flight,
-            settings.ingest.max_inflight_bytes,
-            settings.ingest.producer_inflight_bytes,
-        )
+        self.inflight = InflightChunks.from_settings(settings.ingest)
         inbox = wire.open_socket(self.context, zmq.PULL, bind=internal_address(settings, "front"))
         self.inbox = wire.Inbox(inbox, self.log, "a writer or tokenizer")
         self.tokenize = wire.open_socket(
@@ -123,11 +118,11 @@ class FrontStage(Stage):
         self.unsent: deque[Inflight] = deque()
         self.replies: list[tuple[tuple[bytes, ...], MT, dict[str, Any], int, Any]] = []
         self.jobs_by_no: dict[int, Job] = {}
-        # a retried chunk an earlier front of this broker life sent on waits here until that
-        # try can no longer land: (job_no, chunk) -> (its latest message, when it may go)
-        self.parked: dict[tuple[int, int], tuple[wire.Message, float]] = {}
         self.epoch = broker_epoch()
         self.life = time.monotonic_ns()  # this front's life, in the accept records it writes
+        # a retried chunk an earlier front of this broker life sent on waits here until that
+        # try can no longer land (ingest/parked_chunks.py)
+        self.parked = ParkedChunks(self.epoch, self.life)
         self.stopping = False
         self.disk = FullDisk(self.log, "chunks are refused, retryably")
 
@@ -170,8 +165,8 @@ class FrontStage(Stage):
         if self.unsent:
             return self.poll_ms
         due = now + IDLE_WAIT_S
-        if self.parked:
-            due = min(due, min(until for _, until in self.parked.values()))
+        if (parked := self.parked.next_s()) is not None:
+            due = min(due, parked)
         return max(0, int((due - now) * 1000))
 
     # ---- requests from producers ------------------------------------------------------------
@@ -189,9 +184,8 @@ class FrontStage(Stage):
                 self._refuse(route, meta, str(exc))
             except DiskFullError as exc:  # creating the job's files: the producer retries
                 self.log.warning("job %r: %s", meta.get("job"), exc)
-                self._chunk_error(
-                    route, str(meta.get("job", "")), _int(meta.get("chunk")), str(exc)
-                )
+                error = front_answers.chunk_error(meta, str(exc))
+                self._reply(route, MT.CHUNK_ERROR, error, wire.Flag.RETRYABLE)
             except WireError as exc:
                 self._refuse(route, meta, f"malformed chunk: {exc}")
             except Exception:  # a bug must not turn one chunk into a crash loop
@@ -284,38 +278,23 @@ class FrontStage(Stage):
         self, job: Job, number: int, earlier: ChunkEntry | None, message: wire.Message, now: float
     ) -> bool:
         """Hold a retried chunk while a try that an earlier front of this broker life sent on
-        may still land (the front was restarted alone: the router, writers and tokenizers
-        behind it may still hold that try's records until their deadline). Checked and
-        reconciled now, the two tries would both land. True when the chunk waits."""
+        may still land (ingest/parked_chunks.py). True when the chunk waits."""
         key = (job.job_no, number)
-        if key in self.parked:  # sent again while it waits: answer the latest sender
-            self.parked[key] = (message, self.parked[key][1])
-            return True
-        landing = earlier.landing if earlier is not None else None
-        if landing is None or landing.epoch != self.epoch or landing.life == self.life:
-            return False  # a new broker life starts with empty rings; this front knows its own
-        until = landing.deadline_ns / 1e9 + DEADLINE_MARGIN_S  # writers drop records after it
-        if until <= now:
-            return False
-        self.parked[key] = (message, until)
-        self.log.info(
-            "job %s chunk %d: an earlier front's try may still land for %.1f s; it waits",
-            job.job_id,
-            number,
-            until - now,
-        )
-        return True
+        again = key in self.parked.waiting  # sent again while it waits: the latest sender
+        waits = self.parked.hold(key, earlier, message, now)
+        if waits is not None and not again:
+            self.log.info(
+                "job %s chunk %d: an earlier front's try may still land for %.1f s; it waits",
+                job.job_id,
+                number,
+                waits,
+            )
+        return waits is not None
 
     def _unpark(self, now: float) -> list[Inflight]:
         """The parked chunks whose earlier try can no longer land, handled as just received."""
-        started = []
-        for key, (message, until) in list(self.parked.items()):
-            if until <= now:
-                del self.parked[key]
-                flight = self._handle(message, now)
-                if flight is not None:
-                    started.append(flight)
-        return started
+        started = [self._handle(message, now) for message in self.parked.due(now)]
+        return [flight for flight in started if flight is not None]
 
     def _check(self, job: Job, chunk: InputChunk, earlier, hashed: Digests) -> Checked:
         """Check the chunk again, and find what an earlier attempt already stored."""
@@ -476,15 +455,11 @@ class FrontStage(Stage):
     # ---- answers ----------------------------------------------------------------------------
     def _refuse(self, route: tuple[bytes, ...], meta: dict[str, Any], reason: str) -> None:
         self.log.warning("refused a chunk: %s", reason)
-        self._reply(
-            route,
-            MT.CHUNK_ERROR,
-            {"job": str(meta.get("job", "")), "chunk": _int(meta.get("chunk")), "reason": reason},
-        )
+        self._reply(route, MT.CHUNK_ERROR, front_answers.chunk_error(meta, reason))
 
     def _chunk_error(self, route, job_id: str, number: int, reason: str) -> None:
         """A retryable CHUNK_ERROR: the producer sends the chunk again later."""
-        meta = {"job": job_id, "chunk": number, "reason": reason}
+        meta = front_answers.chunk_error({"job": job_id, "chunk": number}, reason)
         self._reply(route, MT.CHUNK_ERROR, meta, wire.Flag.RETRYABLE)
 
     def _reply(
@@ -520,7 +495,3 @@ class FrontStage(Stage):
             sock.close(0)
         self.gate.close()
         self.context.term()
-
-
-def _int(value: Any) -> int:
-    return value if isinstance(value, int) and value >= 0 else 0

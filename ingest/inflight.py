@@ -99,6 +99,16 @@ class InflightChunks:
         self.producer_bytes = producer_bytes  # ingest.producer_inflight_bytes
         self.by_key: dict[tuple[int, int], Inflight] = {}
 
+    @classmethod
+    def from_settings(cls, ingest) -> InflightChunks:
+        """The caps of the `[ingest]` settings."""
+        return cls(
+            ingest.max_chunks_in_flight,
+            ingest.producer_chunks_in_flight,
+            ingest.max_inflight_bytes,
+            ingest.producer_inflight_bytes,
+        )
+
     def __len__(self) -> int:
         return len(self.by_key)
 

@@ -54,7 +54,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from pipeline import announce, exitcodes
@@ -73,7 +73,9 @@ from pipeline.security import (
     loose_authorized_keys,
     loose_permissions,
 )
+from pipeline.signal_wake import SignalWake
 from pipeline.stage import DISK_FULL_EXIT, EPOCH_ENV, StageSpec, stage_main
+from pipeline.stage_child import StageChild, describe_exit
 from pipeline.stage_restarts import last_error_line, log_size
 from pipeline.supervisor_report import MAX_DEATHS, REPORT_FILE, left_from_last_life, write_report
 from pipeline.topology import RING_BYTES, RingSpec
@@ -86,52 +88,6 @@ STARTING_POLL_S = 0.02  # while a stage starts, how often its ready event is loo
 IDLE_WAIT_S = 1.0  # the longest wait with nothing due: a stage's exit or a signal wakes it at once
 DISK_FULL_BACKOFF_S = 5.0  # a stage that stopped on a full disk (DISK_FULL_EXIT) waits this much
 LAST_LIFE_WAIT_S = 10.0  # the longest wait at start for the stages of a broker life just killed
-
-
-class _SignalWake:
-    """A pipe that a signal writes a byte to (signal.set_wakeup_fd), so that SIGTERM ends the
-    supervisor's wait at once instead of at its next timeout. `fd` is None where wakeup fds
-    cannot be set (not the main thread): the loop's timeouts still see the stop flag."""
-
-    def __init__(self) -> None:
-        self.fd: int | None = None
-        self._write: int | None = None
-        self._previous = -1
-        read, write = os.pipe()
-        os.set_blocking(read, False)
-        os.set_blocking(write, False)
-        try:
-            self._previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
-        except ValueError:  # not the main thread
-            os.close(read)
-            os.close(write)
-            return
-        self.fd, self._write = read, write
-
-    def drain(self) -> None:
-        with contextlib.suppress(BlockingIOError):
-            while os.read(self.fd, 512):
-                pass
-
-    def close(self) -> None:
-        if self.fd is None:
-            return
-        signal.set_wakeup_fd(self._previous)
-        os.close(self.fd)
-        os.close(self._write)
-        self.fd = self._write = None
-
-
-def describe_exit(exitcode: int | None) -> str:
-    """'exit code 3' or 'signal SIGKILL' for a multiprocessing exitcode."""
-    if exitcode is None:
-        return "still running"
-    if exitcode < 0:
-        try:
-            return f"signal {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"signal {-exitcode}"
-    return f"exit code {exitcode}"
 
 
 def _fresh_ring(ring: RingSpec) -> None:
@@ -156,23 +112,6 @@ class Housekeeping:
     collector: Any = None
 
 
-@dataclass
-class _Child:
-    spec: StageSpec
-    process: multiprocessing.process.BaseProcess | None = None
-    deaths: deque[float] = field(default_factory=deque)
-    restart_at: float | None = None
-    ready: Any = None  # a multiprocessing Event the stage sets once it is up (opened)
-    started_at: float = 0.0
-    in_a_row: int = 0  # deaths since it last ran restart_window_s without dying
-    total_deaths: int = 0
-    last_exit: str = ""
-    last_error: str | None = None
-    log_offset: int = 0  # where its log ended when it last started
-    starts: int = 0
-    up: bool = False  # its process set its ready event
-
-
 class Supervisor:
     """Owns the stage processes of one broker."""
 
@@ -189,7 +128,7 @@ class Supervisor:
         self.data_dir = DataDir(settings.data_path)
         self.housekeeping = housekeeping or Housekeeping()
         self.collector = self.housekeeping.collector
-        self._children = [_Child(spec) for spec in specs]
+        self._children = [StageChild(spec) for spec in specs]
         # Stage processes come from a fork server that imported the stage modules once (a
         # fresh interpreter each, as with spawn, costs about 0.5 s of CPU per stage start).
         self._context = multiprocessing.get_context("forkserver")
@@ -307,7 +246,7 @@ class Supervisor:
         signal.signal(signal.SIGTERM, self.request_stop)
         signal.signal(signal.SIGINT, self.request_stop)
         self.start()
-        wake = _SignalWake()  # after recovery, whose forked scanners would inherit it
+        wake = SignalWake()  # after recovery, whose forked scanners would inherit it
         try:
             while not self._stop and self.failure is None:
                 now = time.monotonic()
@@ -344,7 +283,7 @@ class Supervisor:
                 due.append(retry)
         return min(IDLE_WAIT_S, max(0.0, min(due) - now))
 
-    def _wait(self, timeout_s: float, wake: _SignalWake) -> None:
+    def _wait(self, timeout_s: float, wake: SignalWake) -> None:
         """Wait until a child exits, a signal arrives or `timeout_s` passes (no busy loop)."""
         sentinels = [c.process.sentinel for c in self._children if c.process is not None]
         if wake.fd is not None:
@@ -388,7 +327,7 @@ class Supervisor:
             log.info("every stage is up")
             announce.say("ready")
 
-    def _say_start_failure(self, child: _Child, how: str) -> None:
+    def _say_start_failure(self, child: StageChild, how: str) -> None:
         """A stage that died before it was up: its last error line, on the terminal, once."""
         if child.ready is None or child.ready.is_set():
             return
@@ -398,7 +337,7 @@ class Supervisor:
             self.said_failures.add(line)
             announce.say(f"stage {child.spec.label} died at start ({how}): {line}")
 
-    def _on_death(self, child: _Child, now: float) -> None:
+    def _on_death(self, child: StageChild, now: float) -> None:
         how = describe_exit(child.process.exitcode)
         child.last_error = last_error_line(
             self.data_dir.log / f"{child.spec.label}.log", child.log_offset
@@ -447,7 +386,7 @@ class Supervisor:
         death["restart_in_s"] = backoff
         log.warning("stage %s died (%s); restarting it in %.1f s", child.spec.label, how, backoff)
 
-    def _restart_later(self, child: _Child, now: float, how: str) -> None:
+    def _restart_later(self, child: StageChild, now: float, how: str) -> None:
         """A local worker died: restart it after a backoff that doubles with each death in a
         row (capped at WORKER_MAX_BACKOFF_S), never give up, and say so in the supervisor's report and
         the metrics. Giving up would stop all work silently while dispatch has not yet
@@ -471,34 +410,11 @@ class Supervisor:
         )
         self.metrics_hub.waiting(child.spec.label, child.restart_at, child.in_a_row)
 
-    def _stage_state(self, child: _Child) -> str:
-        if child.process is not None:
-            return "up" if child.up else "starting"
-        return "restarting" if child.restart_at is not None and self.running else "stopped"
-
     def _write_report(self) -> None:
         """Replace `<data_dir>/supervisor.json` (pipeline/supervisor_report.py) with the
         state of every stage now."""
         now, now_ns = time.monotonic(), time.time_ns()
-        stages = [
-            {
-                "stage": c.spec.label,
-                "pid": c.process.pid if c.process is not None else 0,
-                "state": self._stage_state(c),
-                "critical": c.spec.critical,
-                "restarts": max(0, c.starts - 1),
-                "deaths": c.total_deaths,
-                "deaths_in_a_row": c.in_a_row,
-                "last_exit": c.last_exit,
-                "last_error": c.last_error,
-                "restart_at_ns": (
-                    now_ns + int(max(0.0, c.restart_at - now) * 1e9)
-                    if c.process is None and c.restart_at is not None
-                    else 0
-                ),
-            }
-            for c in self._children
-        ]
+        stages = [c.report_entry(now, now_ns, self.running) for c in self._children]
         report = {
             "pid": os.getpid(),
             "epoch": self.epoch,
@@ -512,7 +428,7 @@ class Supervisor:
         except OSError as exc:  # a full disk: the log lines still say it
             log.warning("cannot write %s: %s", REPORT_FILE, exc)
 
-    def _spawn(self, child: _Child, now: float) -> None:
+    def _spawn(self, child: StageChild, now: float) -> None:
         child.ready = self._context.Event()
         child.log_offset = log_size(self.data_dir.log / f"{child.spec.label}.log")
         process = self._context.Process(

@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from gpu.work_protocol import ITEM_DTYPE
 from pipeline import item_seq
+from pipeline.segment_format import COUNT_WORD, SLOT_HEADER_WORDS
+
+if TYPE_CHECKING:
+    from gpu.dispatch.segment_queue import SegmentQueue
 
 log = logging.getLogger("fabric.dispatch")
 
@@ -38,6 +43,38 @@ class Batch:
     started: bool = True  # the worker may have started it (False once a report says queued)
     answered: bool = False  # its results passed through dispatch (retire pending)
     handed_s: float = 0.0  # monotonic: when it was handed out (or adopted)
+
+    @classmethod
+    def of_slots(
+        cls,
+        batch_id: int,
+        session: str,
+        work: SegmentQueue,
+        slots,
+        seqs,
+        words,
+        lease_s: float,
+        suspect: bool,
+        now: float,
+    ) -> Batch:
+        """A batch of `work`'s segment's `slots`, read as `words` (their seqs `seqs`), handed
+        out `now` on a lease of `lease_s`."""
+        segment, lane = work.segment, work.segment.key.lane
+        return cls(
+            batch_id=batch_id,
+            session=session,
+            segment_id=segment.segment_id,
+            model=work.model,
+            shape=segment.key.shape,
+            lane=lane,
+            items=items_of(segment.segment_id, slots, seqs),
+            lengths=words[:, COUNT_WORD].copy(),
+            tokens=words[:, SLOT_HEADER_WORDS : SLOT_HEADER_WORDS + lane],  # a view of `words`
+            slots=words,
+            deadline_s=now + lease_s,
+            suspect=suspect,
+            handed_s=now,
+        )
 
 
 @dataclass(eq=False)

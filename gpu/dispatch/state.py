@@ -46,8 +46,6 @@ from pipeline import item_seq
 from pipeline.segment import Segment
 from pipeline.segment_format import (
     CHECKSUM_WORD,
-    COUNT_WORD,
-    SLOT_HEADER_WORDS,
     live_markers,
     slot_checksums,
 )
@@ -272,21 +270,8 @@ class DispatchState:
         if len(slots) == 0:
             return None
         work.mark_out(slots)
-        lane = segment.key.lane
-        batch = Batch(
-            batch_id=self._next_batch_id,
-            session=session,
-            segment_id=segment.segment_id,
-            model=work.model,
-            shape=segment.key.shape,
-            lane=lane,
-            items=items_of(segment.segment_id, slots, seqs),
-            lengths=words[:, COUNT_WORD].copy(),
-            tokens=words[:, SLOT_HEADER_WORDS : SLOT_HEADER_WORDS + lane],  # a view of `slots`
-            slots=words,
-            deadline_s=now + self.lease_s,
-            suspect=suspect,
-            handed_s=now,
+        batch = Batch.of_slots(
+            self._next_batch_id, session, work, slots, seqs, words, self.lease_s, suspect, now
         )
         self._next_batch_id += 1
         self._add_lease(batch, work)
