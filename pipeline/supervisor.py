@@ -20,7 +20,9 @@
    event, and the last error line of one that dies before it was up. A stage that dies has its
    rings replaced before it restarts (what they held is dropped: the front
    times those chunks out and producers send them again).
-4. Loop on `step(now)`: a stage that died is logged (which, exit code or
+4. Loop on `step(now)`, sleeping in between until a stage exits, a signal
+   arrives or a restart, collector retry or sweep is due (at most
+   IDLE_WAIT_S): a stage that died is logged (which, exit code or
    signal) and restarted after a backoff that doubles with each recent
    death; more than `supervisor.max_restarts` deaths of one stage within
    `restart_window_s` stop the broker with exit code 5 and one clear line.
@@ -104,7 +106,7 @@ class Housekeeping:
     when recovery found damage, before any stage starts, isolate damaged input segments
     and give lost items their error results; returns the losses (each with `.line()`).
     `collector`: removes finished segment files (`offer(summaries)`, `step(now)`,
-    `sweep(data_dir, retention_s)`).
+    `sweep(data_dir, retention_s)`; `next_step_s()`: when `step` has a retry due, or None).
     """
 
     check_files: Callable[[Any], None] | None = None
