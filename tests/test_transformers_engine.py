@@ -261,11 +261,11 @@ def test_a_gguf_load_reads_the_file_once_and_builds_one_name_map(tmp_path):
     writer.write_tensors_to_file()
     writer.close()
     reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    with te._gguf_memos(True):
+    with te.gguf_memos(True):
         first = gguf.GGUFReader(path)
         assert gguf.GGUFReader(str(path)) is first and len(first.fields) == 5
         names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
         assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is names
     assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader, name_map)
-    with te._gguf_memos(False):  # a model directory: nothing is patched
+    with te.gguf_memos(False):  # a model directory: nothing is patched
         assert gguf.GGUFReader is reader

@@ -63,8 +63,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @contextlib.contextmanager
-def _gguf_memos(active: bool) -> Iterator[None]:
-    """Two memos for the length of one GGUF load by transformers, which (profiled on the pinned
+def gguf_memos(active: bool) -> Iterator[None]:
+    """Two memos for the length of one GGUF load by transformers (a model, or a tokenizer:
+    gpu/smollm2/make_tokenizer.py), which (profiled on the pinned
     SmolLM2: 34 CPU-s in all) builds gguf's TensorNameMap once per sub-module (397 times, 11 s)
     and reads the whole file's metadata twice, for the config and then for the weights (one
     memmap view per vocabulary entry: 8 s each). Both are pure functions of their arguments;
@@ -247,7 +248,7 @@ class TransformersEngine(Engine):
         extra = {"gguf_file": gguf} if gguf else {}
         try:
             # the redirect hides the GGUF reader's progress bar
-            with contextlib.redirect_stderr(io.StringIO()), _gguf_memos(bool(gguf)):
+            with contextlib.redirect_stderr(io.StringIO()), gguf_memos(bool(gguf)):
                 model = transformers.AutoModelForCausalLM.from_pretrained(
                     str(directory), dtype=getattr(torch, dtype), local_files_only=True, **extra
                 )

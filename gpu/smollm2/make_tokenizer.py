@@ -29,13 +29,14 @@ def build() -> tuple[str, dict]:
     """(tokenizer.json text, tokenizer_config.json values) made from the pinned GGUF."""
     from transformers import AutoTokenizer
 
-    from gpu.engines.transformers import smollm2_gguf_path, verify_smollm2
+    from gpu.engines.transformers import gguf_memos, smollm2_gguf_path, verify_smollm2
 
     gguf = smollm2_gguf_path()
     verify_smollm2(gguf)
-    loaded = AutoTokenizer.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, local_files_only=True
-    )
+    with gguf_memos(True):  # transformers reads the metadata twice; the memo parses it once
+        loaded = AutoTokenizer.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, local_files_only=True
+        )
     backend = loaded.backend_tokenizer
     backend.no_truncation()
     backend.no_padding()
