@@ -80,7 +80,7 @@ from pipeline.stage import DISK_FULL_EXIT, EPOCH_ENV, StageSpec, stage_main
 from pipeline.stage_child import StageChild, describe_exit
 from pipeline.stage_restarts import last_error_line, log_size
 from pipeline.supervisor_report import MAX_DEATHS, REPORT_FILE, left_from_last_life, write_report
-from pipeline.topology import RING_BYTES, RingSpec
+from pipeline.topology import RING_BYTES, RingSpec, remove_run_dir
 
 log = logging.getLogger("fabric.supervisor")
 MAX_BACKOFF_S = 30.0
@@ -482,6 +482,7 @@ class Supervisor:
             self.heartbeat.stop()
         if self.metrics is not None:
             self.metrics.stop()
+        remove_run_dir(self.settings)  # every process that bound an ipc socket has stopped
 
     def pids(self) -> dict[str, int]:
         return {c.spec.label: c.process.pid for c in self._children if c.process is not None}

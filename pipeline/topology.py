@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import shutil
 import socket
 import tempfile
 from collections.abc import Iterable
@@ -46,13 +47,25 @@ class RingSpec:
     dst: str
 
 
-def run_dir(settings) -> Path:
-    """A short directory for ipc sockets, unique to the data dir."""
-    resolved = os.path.realpath(settings.data_path)
+def run_dir_path(data_path: Path) -> Path:
+    """Where the ipc sockets of the broker on `data_path` are: a short directory, unique to
+    the data dir, under the temporary directory."""
+    resolved = os.path.realpath(data_path)
     digest = hashlib.blake2b(resolved.encode(), digest_size=6).hexdigest()
-    path = Path(tempfile.gettempdir()) / f"fabric-{digest}"
+    return Path(tempfile.gettempdir()) / f"fabric-{digest}"
+
+
+def run_dir(settings) -> Path:
+    """The directory for ipc sockets (`run_dir_path`), made if missing."""
+    path = run_dir_path(settings.data_path)
     path.mkdir(mode=0o700, exist_ok=True)
     return path
+
+
+def remove_run_dir(settings) -> None:
+    """Remove the ipc sockets' directory: a broker that stopped cleanly leaves none behind
+    (one killed leaves it, and its next start on the data dir uses it again)."""
+    shutil.rmtree(run_dir_path(settings.data_path), ignore_errors=True)
 
 
 def free_loopback_ports(n: int, candidates: Iterable[int] | None = None) -> list[int]:

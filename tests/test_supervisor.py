@@ -18,6 +18,7 @@ from conftest import assert_check_clean, wait_for
 from pipeline import exitcodes
 from pipeline.datadir import DataDir
 from pipeline.supervisor_report import read_report
+from pipeline.topology import run_dir_path
 
 SUPERVISE = Path(__file__).resolve().parent / "procs" / "supervise.py"
 
@@ -83,9 +84,11 @@ def test_a_killed_stage_is_restarted_and_sigterm_stops_everything_cleanly(data_d
     ]
     assert stage_report(data_dir, "idle-1")["restarts"] == 1
     assert stage_report(data_dir, "idle-0")["restarts"] == 0
+    assert run_dir_path(data_dir.root).is_dir()  # its metrics thread's ipc socket is there
     proc.send_signal(signal.SIGTERM)
     _out, err = proc.communicate(timeout=60)
     assert proc.returncode == exitcodes.OK, err
+    assert not run_dir_path(data_dir.root).exists()  # a clean stop leaves no ipc directory
     report = read_report(data_dir.root)
     assert not report["running"]
     assert {s["stage"]: (s["state"], s["pid"]) for s in report["stages"]} == {
