@@ -280,7 +280,7 @@ class FrontStage(Stage):
         """Hold a retried chunk while a try that an earlier front of this broker life sent on
         may still land (ingest/parked_chunks.py). True when the chunk waits."""
         key = (job.job_no, number)
-        again = key in self.parked.waiting  # sent again while it waits: the latest sender
+        again = key in self.parked  # sent again while it waits: the latest sender
         waits = self.parked.hold(key, earlier, message, now)
         if waits is not None and not again:
             self.log.info(

@@ -26,6 +26,9 @@ class ParkedChunks:
     def __bool__(self) -> bool:
         return bool(self.waiting)
 
+    def __contains__(self, key: tuple[int, int]) -> bool:
+        return key in self.waiting
+
     def hold(
         self, key: tuple[int, int], earlier: ChunkEntry | None, message: wire.Message, now: float
     ) -> float | None:

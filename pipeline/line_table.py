@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.index_bitmap import IndexBitmap
+from pipeline.index_bitmap import ItemIndexSet
 from pipeline.item_seq import PART_BASE
 
 
@@ -120,22 +120,17 @@ class LineTable:
         extras = np.repeat(first[at] - starts, runs) + np.arange(int(runs.sum()))
         return np.concatenate([np.asarray(lines, np.int64), extras])
 
-    def done(
-        self, has: IndexBitmap, part_has: IndexBitmap, lines: np.ndarray | None = None
-    ) -> np.ndarray:
+    def done(self, has: ItemIndexSet, lines: np.ndarray | None = None) -> np.ndarray:
         """True for each fan-out line (all, or those `lines`, which must be in the table) whose
-        every part is in `has` (line indexes) and `part_has` (part-region index - PART_BASE)."""
+        every part is in `has`."""
         line, _, _, extras, starts = self._arrays()
-        first_ok = has.has(line)
-        rest_ok = np.logical_and.reduceat(part_has.has(extras - PART_BASE), starts)
-        ok = first_ok & rest_ok
+        ok = has.has(line) & np.logical_and.reduceat(has.has(extras), starts)
         return ok if lines is None else ok[_rows_of(line, lines)]
 
-    def failed(self, failed: IndexBitmap, part_failed: IndexBitmap) -> np.ndarray:
-        """True for each fan-out line with any part in `failed` / `part_failed`."""
+    def failed(self, failed: ItemIndexSet) -> np.ndarray:
+        """True for each fan-out line with any part in `failed`."""
         line, _, _, extras, starts = self._arrays()
-        rest = np.logical_or.reduceat(part_failed.has(extras - PART_BASE), starts)
-        return failed.has(line) | rest
+        return failed.has(line) | np.logical_or.reduceat(failed.has(extras), starts)
 
 
 def _rows_of(line: np.ndarray, lines: np.ndarray) -> np.ndarray:

@@ -98,13 +98,13 @@ class JobResults:
         if table is None or not len(table):
             return done, failed
         lines = table.lines
-        all_done = table.done(results.lines, results.parts)
+        all_done = table.done(results)
         first_failed = failures.lines.has(lines)
-        any_failed = table.failed(failures.lines, failures.parts)
+        any_failed = table.failed(failures)
         done -= int((results.lines.has(lines) & ~all_done).sum())
         failed += int((all_done & any_failed).sum()) - int(first_failed.sum())
         return done, failed
 
     def lines_done(self, table: LineTable, lines: np.ndarray) -> np.ndarray:
         """True for each of fan-out `lines` whose every part has a result."""
-        return table.done(self.results.lines, self.results.parts, lines)
+        return table.done(self.results, lines)

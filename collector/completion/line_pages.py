@@ -45,7 +45,7 @@ def ready_rows(job: JobResults, table: LineTable) -> Callable[[np.ndarray], np.n
     line that is not done yet, nor a part the table does not know yet. Such rows stay LIVE
     unread (read, checksummed and dropped on every page, they cost completion twice the
     reading of the same rows one per line)."""
-    done_lines = table.lines[table.done(job.results.lines, job.results.parts)]
+    done_lines = table.lines[table.done(job.results)]
 
     def ready(index: np.ndarray) -> np.ndarray:
         line, _ = table.owner(index)
