@@ -4,13 +4,14 @@
 
 1. Refuse a bind beyond loopback that nothing authenticates, and unreadable
    keys (pipeline/security.py; exit 3); set the umask to 0o077, so every file
-   the broker and its stages create is the owner's alone. Take the data dir's
+   the broker and its stages create is the owner's alone. Fork the fork server
+   the stages come from (pipeline/fork_server.py: it imports the stage modules
+   meanwhile). Take the data dir's
    exclusive lock (a second broker on it exits 4); wait (up to 10 s) for the
    stages of a broker life killed a moment ago, still exiting and holding its
    ports (their pids in the last report); check what would stop a
    stage at start (pipeline/preflight.py: files the config names load, ports
-   are free; exit 3 with the cause); start the fork server the stages come from (it
-   imports the stage modules meanwhile), the heartbeat port and the metrics thread
+   are free; exit 3 with the cause); start the heartbeat port and the metrics thread
    (pipeline/metrics_server.py).
 2. Run recovery (invariant 4), then `after_recovery` when it found damage,
    and hand finished segments to the collector.
@@ -62,6 +63,7 @@ from typing import Any
 from pipeline import announce, exitcodes
 from pipeline.datadir import DataDir
 from pipeline.errors import ConfigError, FabricError
+from pipeline.fork_server import start_forked
 from pipeline.heartbeat import Heartbeat
 from pipeline.logs import setup_stage_logging
 from pipeline.metrics_hub import MetricsHub
@@ -134,8 +136,8 @@ class Supervisor:
         # Stage processes come from a fork server that imported the stage modules once (a
         # fresh interpreter each, as with spawn, costs about 0.5 s of CPU per stage start).
         self._context = multiprocessing.get_context("forkserver")
-        modules = {child.spec.module for child in self._children}
-        self._context.set_forkserver_preload(sorted(PRELOADED | modules))
+        self._preload = sorted(PRELOADED | {child.spec.module for child in self._children})
+        self._context.set_forkserver_preload(self._preload)
         self._stop = False
         self.failure: str | None = None
         self.next_sweep = 0.0
@@ -183,6 +185,12 @@ class Supervisor:
         insecure = check_exposure(self.settings)
         ServerKeys.load(security)  # a bad key file stops the start here, not in every stage
         os.umask(0o077)  # inherited by every stage: data dir files are the owner's alone
+        self.epoch = time.time_ns()
+        os.environ[EPOCH_ENV] = str(self.epoch)  # inherited by every stage: dispatch files
+        # The fork server the stages come from: a fork of this process, made while it is one
+        # thread and holds nothing open (pipeline/fork_server.py); it imports the stage
+        # modules while this process recovers.
+        start_forked(self._preload)
         self.data_dir.lock()
         self._outlive_last_life()
         try:  # what would stop a stage at start: files named in the config, ports in use
@@ -202,11 +210,7 @@ class Supervisor:
                 security.server_key,
                 mode,
             )
-        self.epoch = time.time_ns()
-        os.environ[EPOCH_ENV] = str(self.epoch)  # inherited by every stage: dispatch files
-        # The fork server (which the stages inherit their environment from) imports the stage
-        # modules now, while this process starts its threads and runs recovery.
-        multiprocessing.forkserver.ensure_running()
+        multiprocessing.forkserver.ensure_running()  # started afresh if the fork died
         self.running = True
         self._write_report()  # what an earlier broker life reported is stale
         self.heartbeat = Heartbeat(self.settings.dispatch.heartbeat_bind, self.epoch, security)

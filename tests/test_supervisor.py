@@ -134,6 +134,15 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def open_files(pid: int) -> list[str]:
+    fds = Path(f"/proc/{pid}/fd")
+    return [os.readlink(fd) for fd in fds.iterdir()]
+
+
 @pytest.mark.slow
 def test_stages_never_outlive_a_killed_supervisor(data_dir, broker):
     proc = broker("idle:2")
@@ -141,9 +150,16 @@ def test_stages_never_outlive_a_killed_supervisor(data_dir, broker):
         wait_for(lambda label=label: pid_of(data_dir, label), label)
         for label in ("idle-0", "idle-1")
     ]
+    # The stages come from one fork server, a fork of the supervisor (pipeline/fork_server.py)
+    # that holds none of its files: not the data dir's lock, not its log.
+    server = parent_of(pids[0])
+    assert parent_of(pids[1]) == server and parent_of(server) == proc.pid
+    assert Path(f"/proc/{server}/cmdline").read_bytes().startswith(b"fabric: fork-server")
+    held = [f for f in open_files(server) if f.startswith(str(data_dir.root))]
+    assert held == [], held
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
-    wait_for(lambda: not any(alive(p) for p in pids), "the orphaned stages to die")
+    wait_for(lambda: not any(alive(p) for p in [*pids, server]), "the orphaned stages to die")
     again = broker("idle:1")  # the lock went with the supervisor: a new broker starts
     wait_for(lambda: pid_of(data_dir, "idle-0") not in (None, pids[0]), "the new broker's stage")
     again.send_signal(signal.SIGTERM)
