@@ -44,7 +44,6 @@ from pathlib import Path
 
 import zmq
 import zmq.auth
-from zmq.auth.thread import ThreadAuthenticator
 
 from pipeline.errors import ConfigError, FabricError
 
@@ -238,7 +237,7 @@ class AuthorizedKeys:
         self._signature: tuple = ()
         self._keys: frozenset[bytes] = frozenset()
         self._denied_at: dict[bytes, float] = {}
-        self.peer = "?"  # the address of the handshake being judged (set by _Gate)
+        self.peer = "?"  # the address of the handshake being judged (set by pipeline/zap_gate.py)
 
     def callback(self, domain: str, key: bytes) -> bool:
         if key == self.own or key in self.keys():
@@ -278,19 +277,6 @@ class AuthorizedKeys:
         return self._keys
 
 
-class _Gate(ThreadAuthenticator):
-    """The ZAP authenticator thread; tells `AuthorizedKeys` which peer address it judges."""
-
-    def __init__(self, context: zmq.Context, keys: AuthorizedKeys) -> None:
-        super().__init__(context, log=log)
-        self.authorized = keys
-
-    async def handle_zap_message(self, msg: list[bytes]) -> None:
-        if len(msg) > 3:  # version, request id, domain, address, ...
-            self.authorized.peer = msg[3].decode(errors="replace") or "?"
-        await super().handle_zap_message(msg)
-
-
 def loose_authorized_keys(security) -> list[str]:
     """Warnings for an authorized_keys directory (or a key in it) that group or others may
     write: whoever can write there can let any client in."""
@@ -321,11 +307,13 @@ class ServerGate:
 
     def __init__(self, context: zmq.Context, security) -> None:
         self.keys = ServerKeys.load(security)
-        self.authenticator: ThreadAuthenticator | None = None
+        self.authenticator = None  # a ZapGate while it serves
         if self.keys is None:
             return
         authorized = AuthorizedKeys(self.keys.authorized, self.keys.public)
-        self.authenticator = _Gate(context, authorized)
+        from pipeline.zap_gate import ZapGate  # asyncio with it: only where CURVE serves
+
+        self.authenticator = ZapGate(context, authorized)
         self.authenticator.configure_curve_callback("*", authorized)
         self.authenticator.start()  # binds the context's ZAP endpoint before any CURVE bind
 
