@@ -15,7 +15,8 @@ anything of its own (the data dir lock, its log file): the server begins with
 what the supervisor imported and imports only the rest of `preload`. It is
 registered as multiprocessing's fork server, so `Process.start()` and every
 rule of that method stay as they were: a stage gets its own copy of the
-"alive" pipe and of the resource tracker's fd, the server exits once every
+"alive" pipe and of the resource tracker's fd (the tracker, too, is a fork
+made here: "fabric: resource-tracker"), the server exits once every
 holder of the pipe has closed it, and a server that died is started again the
 ordinary way by `forkserver.ensure_running()`.
 
@@ -47,7 +48,7 @@ def start_forked(preload: list[str]) -> int | None:
     server = forkserver._forkserver  # the module's one ForkServer (CPython 3.8 and later)
     if server._forkserver_pid is not None or threading.active_count() > 1:
         return None
-    resource_tracker.ensure_running()  # the stages get its fd from each start request
+    _start_tracker()  # the stages get its fd from each start request
     listener = socket.socket(socket.AF_UNIX)
     try:
         address = connection.arbitrary_address("AF_UNIX")
@@ -67,6 +68,33 @@ def start_forked(preload: list[str]) -> int | None:
     server._forkserver_alive_fd = alive_w
     server._forkserver_pid = pid
     return pid
+
+
+def _start_tracker() -> None:
+    """multiprocessing's resource tracker (which unlinks the named semaphores of processes
+    that die without doing it), forked like the server instead of a fresh interpreter."""
+    tracker = resource_tracker._resource_tracker
+    if tracker._fd is not None:
+        return
+    read, write = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the tracker; it never returns
+        code = 0
+        try:
+            os.close(write)  # it ends when every process holding the write end has closed it
+            signal.signal(signal.SIGHUP, signal.SIG_DFL)
+            _set_title("fabric: resource-tracker")
+            resource_tracker.main(read)  # ignores SIGINT and SIGTERM itself
+        except BaseException:
+            code = 1
+            sys.excepthook(*sys.exc_info())
+        finally:
+            sys.stderr.flush()
+            os._exit(code)
+    os.close(read)
+    tracker._fd, tracker._pid = write, pid
 
 
 def _serve(listener_fd: int, alive_r: int, alive_w: int, preload: list[str]) -> None:

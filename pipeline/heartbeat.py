@@ -13,6 +13,7 @@ import threading
 import time
 
 from pipeline.security import ServerGate
+from pipeline.wake_pipe import WakePipe
 
 log = logging.getLogger("fabric.supervisor")
 HEARTBEAT_MAX_MESSAGE_BYTES = 4096  # a PING is about 40 bytes; a bigger frame disconnects the peer
@@ -31,7 +32,7 @@ class Heartbeat(threading.Thread):
         self.epoch = epoch
         self.security = security  # SecuritySettings: CURVE on this port when it has a server key
         self.recovered = False
-        self._stop_event = threading.Event()
+        self._wake = WakePipe()  # stop() makes it readable: the wait below ends at once
         self.started_s = time.monotonic()  # up_s is a duration: a wall-clock step cannot bend it
 
     def run(self) -> None:
@@ -57,10 +58,14 @@ class Heartbeat(threading.Thread):
                 gate.close()
             context.term()
             return
+        poller = zmq.Poller()
+        poller.register(socket, zmq.POLLIN)
+        poller.register(self._wake.fd, zmq.POLLIN)
         try:
-            while not self._stop_event.is_set():
-                if not socket.poll(100, zmq.POLLIN):
-                    continue
+            while True:
+                ready = dict(poller.poll())
+                if self._wake.fd in ready:
+                    return
                 for message in wire.requests(socket, 64, limits, log, "heartbeat peer", _no_answer):
                     if message.type != wire.MessageType.PING:
                         continue
@@ -82,8 +87,11 @@ class Heartbeat(threading.Thread):
             context.term()
 
     def stop(self) -> None:
-        self._stop_event.set()
-        self.join(timeout=2.0)
+        self._wake.wake()
+        if self.is_alive():
+            self.join(timeout=2.0)
+        if not self.is_alive():
+            self._wake.close()
 
 
 def _no_answer(route: tuple[bytes, ...], reason: str) -> None:

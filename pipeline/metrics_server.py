@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import selectors
 import shutil
 import threading
 import time
@@ -27,15 +28,16 @@ from pipeline.metrics import COUNTER, GAUGE, HISTOGRAM, METRICS
 from pipeline.metrics_hub import MetricsHub
 from pipeline.segment_format import SUFFIX
 from pipeline.topology import internal_address
+from pipeline.wake_pipe import WakePipe
 
 log = logging.getLogger("fabric.metrics")
-HTTP_POLL_S = 0.05  # how often the HTTP thread looks for a stop: the broker's stop waits this much
 
 
-def _http_server(host: str, port: int, registry):
-    """prometheus_client's threading WSGI server on `host:port`, served by a daemon thread
-    that notices a shutdown within HTTP_POLL_S (its own `start_http_server` polls every
-    0.5 s, which every broker stop waited out). Raises OSError when it cannot listen."""
+def _http_server(host: str, port: int, registry, wake: WakePipe):
+    """prometheus_client's threading WSGI server on `host:port` and the daemon thread serving it
+    that waits for a connection or `wake` (prometheus_client's own `start_http_server`, and
+    socketserver's `serve_forever`, look for a stop every 0.5 s, which every broker stop
+    waited out). Raises OSError when it cannot listen."""
     import socket
     from wsgiref.simple_server import WSGIRequestHandler, make_server
 
@@ -52,12 +54,21 @@ def _http_server(host: str, port: int, registry):
             """A scrape is not worth a line on stderr."""
 
     httpd = make_server(host, port, make_wsgi_app(registry), Server, handler_class=QuietHandler)
-    thread = threading.Thread(
-        target=httpd.serve_forever, kwargs={"poll_interval": HTTP_POLL_S}, daemon=True
-    )
-    thread.name = "metrics-http"
+    thread = threading.Thread(target=_serve, args=(httpd, wake), name="metrics-http", daemon=True)
     thread.start()
-    return httpd
+    return httpd, thread
+
+
+def _serve(httpd, wake: WakePipe) -> None:
+    """Answer each connection (a thread each: ThreadingWSGIServer) until `wake` is woken."""
+    with selectors.DefaultSelector() as selector:
+        selector.register(httpd, selectors.EVENT_READ)
+        selector.register(wake.fd, selectors.EVENT_READ)
+        while True:
+            ready = {key.fileobj for key, _ in selector.select()}
+            if wake.fd in ready:
+                return
+            httpd.handle_request()  # the connection waiting now: accept returns at once
 
 
 def split_host_port(bind: str) -> tuple[str, int]:
@@ -180,7 +191,8 @@ class MetricsServer(threading.Thread):
         self.hub = hub
         self.bind = settings.metrics.bind
         self.httpd = None
-        self._stop_event = threading.Event()
+        self._http_thread: threading.Thread | None = None
+        self._wake = WakePipe()  # stop() makes it readable: both threads' waits end at once
         self._bad_reports = 0
 
     def start(self) -> None:
@@ -193,7 +205,7 @@ class MetricsServer(threading.Thread):
         registry.register(FabricCollector(self.hub, DataDir(self.settings.data_path)))
         host, port = split_host_port(self.bind)
         try:
-            self.httpd = _http_server(host, port, registry)
+            self.httpd, self._http_thread = _http_server(host, port, registry, self._wake)
         except OSError as exc:
             log.error(
                 "metrics endpoint %s: cannot listen (%s); serving no metrics: "
@@ -215,9 +227,14 @@ class MetricsServer(threading.Thread):
         socket = wire.open_socket(context, zmq.PULL, recv_hwm=1000)
         try:
             socket.bind(internal_address(self.settings, "metrics"))
-            while not self._stop_event.is_set():
+            poller = zmq.Poller()
+            poller.register(socket, zmq.POLLIN)
+            poller.register(self._wake.fd, zmq.POLLIN)
+            while True:
+                if self._wake.fd in dict(poller.poll()):
+                    return
                 try:
-                    message = wire.recv(socket, 100)
+                    message = wire.recv(socket, 0)
                 except WireError as exc:
                     self._refuse(f"malformed: {exc}")
                     continue
@@ -244,9 +261,11 @@ class MetricsServer(threading.Thread):
             log.warning("stats report dropped: %s", why)
 
     def stop(self) -> None:
-        self._stop_event.set()
+        self._wake.wake()
+        threads = [t for t in (self, self._http_thread) if t is not None and t.is_alive()]
+        for thread in threads:
+            thread.join(timeout=2.0)
         if self.httpd is not None:
-            self.httpd.shutdown()
             self.httpd.server_close()
-        if self.is_alive():
-            self.join(timeout=2.0)
+        if not any(thread.is_alive() for thread in threads):
+            self._wake.close()
