@@ -25,6 +25,7 @@ import numpy as np
 import zmq
 
 from pipeline import wire
+from pipeline.idle_wait import IdleWait
 from pipeline.outlet import Outlet
 from pipeline.ragged import offsets_of, pad
 from pipeline.ring_port import RingPort
@@ -99,6 +100,7 @@ class RouterStage(Stage):
         self.pending: deque[tuple[int, Keyed]] = deque()  # groups waiting for room in a writer ring
         self.held: list = []  # input rings whose last record `pending` still points into
         self.routed = 0
+        self.idle = IdleWait(self.poll_ms)  # how long an idle step waits for a wakeup
 
     def _shape_ids(self, shapes: list[dict]) -> np.ndarray:
         return np.array([self.shapes.id_for(shape) for shape in shapes], dtype=np.int64)
@@ -119,6 +121,7 @@ class RouterStage(Stage):
 
     def step(self, now: float) -> None:
         if not self._flush_pending():
+            self.idle.busy()
             self.wakeups.drain(5, most=1)  # writers are behind: wait for room, read nothing new
             return
         idle = True
@@ -130,6 +133,7 @@ class RouterStage(Stage):
             if record is None:
                 continue
             idle = False
+            self.idle.busy()
             kind, payload = record
             groups = []
             if kind == ITEMS:
@@ -149,7 +153,7 @@ class RouterStage(Stage):
                 return
         # Idle: wait once for a wakeup, then take the others already queued.
         if idle:
-            self.wakeups.drain(self.poll_ms)
+            self.wakeups.drain(self.idle.wait_ms(now))
 
     def drain(self, deadline: float) -> None:
         while time.monotonic() < deadline:

@@ -46,6 +46,7 @@ from pipeline import wire
 from pipeline.datadir import DataDir
 from pipeline.disk_full import FullDisk, probe
 from pipeline.errors import DiskFullError, FabricError
+from pipeline.idle_wait import IdleWait
 from pipeline.item_seq import seq_of
 from pipeline.metrics import FSYNC_BUCKETS_S, Histogram
 from pipeline.ring_port import RingPort
@@ -84,6 +85,7 @@ class WriterStage(Stage):
         self.lanes = frozenset(settings.broker.lanes)
         self.appenders: dict[tuple[str, int, int], SegmentAppender] = {}
         self.ports = [RingPort(r.name) for r in rings_to(settings, f"writer-{self.index}")]
+        self.idle = IdleWait(self.poll_ms)  # how long an idle step waits for a wakeup
         self.context = zmq.Context()
         wakeups = wire.open_socket(
             self.context, zmq.PULL, bind=internal_address(settings, f"writer-{self.index}")
@@ -140,8 +142,13 @@ class WriterStage(Stage):
         return None
 
     def step(self, now: float) -> None:
-        if not self._backlog():  # wait for records, or for the disk to answer the last step
+        if self._backlog():
+            self.idle.busy()
+        elif self.syncer.in_flight is not None:  # wait for records, or the disk's answer
+            self.idle.busy()
             self._wait(self.poll_ms)
+        else:  # idle: wait for records
+            self._wait(self.idle.wait_ms(now))
         self.wakeups.drain(0)  # the rings hold the work
         self._collect(now, wait=False)  # answers go out as soon as the disk gave them
         batch = Batch()
