@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 
@@ -178,8 +179,6 @@ def _curve(args: argparse.Namespace):
     The config is read only when it exists, so `--broker ADDR --key K --server-key S`
     works on a host without one.
     """
-    import os
-
     from config.settings import SecuritySettings
     from pipeline.security import client_curve
 
@@ -193,8 +192,6 @@ def _curve(args: argparse.Namespace):
 
 def _decoders(args: argparse.Namespace) -> dict:
     """Tokenizers of the configured models, to decode generated text (when present here)."""
-    import os
-
     if getattr(args, "broker", None) or not os.path.exists(args.config):
         return {}
     decoders = {}
@@ -317,8 +314,6 @@ def _dispatch_status(args: argparse.Namespace, curve) -> dict | None:
 
 def _watch(args: argparse.Namespace) -> int:
     """`status --watch`: the dashboard (collector/status_watch.py) until Ctrl-C."""
-    import os
-
     from collector.status_sources import Sources
     from collector.status_watch import watch
     from pipeline.topology import client_address
@@ -401,8 +396,6 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _prog() -> str:
     """`fabric` when run as the console script, else `run.py` (argparse's usage lines)."""
-    import os
-
     return "fabric" if os.path.basename(sys.argv[0] or "") == "fabric" else "run.py"
 
 
@@ -535,6 +528,10 @@ def _serving(argv: list[str]) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # numpy's BLAS on one thread in this process and every one it starts, unless set: an
+    # OpenBLAS pool starts a spinning thread per core in each process (docs/operations.md).
+    # Before any command imports numpy (`import run` does not).
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     parser = serve_parser() if _serving(argv) else build_parser(argv[0] if argv else None)
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -556,8 +553,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return exitcodes.FAILED
     except BrokenPipeError:  # `... | head`: the reader left; say nothing more
-        import os
-
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return exitcodes.OK
 
@@ -567,8 +562,6 @@ def _exit(code: int, argv: list[str]) -> None:
     report by now: it skips the interpreter's teardown (about 0.1 s of CPU per stop, on a
     machine that may be starting the next broker), once its logs and streams are flushed."""
     if _serving(argv):
-        import os
-
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

@@ -10,6 +10,10 @@ import subprocess
 import threading
 import time
 
+# As run.py does for the broker: numpy's BLAS on one thread in each test process and every
+# process it starts (an OpenBLAS pool per process costs CPU at start); before numpy loads.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 import bytecode
 import numpy as np
 import pytest
@@ -86,7 +90,8 @@ def pytest_collection_modifyitems(config, items) -> None:
 
     - a test that uses a module-scoped fixture of its own module (a broker shared by the
       module's tests) is grouped with the module, so the fixture is made once;
-    - a test marked `xdist_group` (SmolLM2's: tests/smollm2.py `needs_model`) is in that group;
+    - a test marked `xdist_group` (SmolLM2's: tests/smollm2.py `needs_model`, `with_torch`) is
+      in that group;
     - `slow` tests, tests that ask for a longer timeout than the default, and groups go first
       (they take seconds to a minute each), then the rest in file order, which fills the gaps;
       `--no-loadscope-reorder` keeps this order."""

@@ -40,6 +40,13 @@ _skip_without_model = pytest.mark.skipif(
 _one_process = pytest.mark.xdist_group("smollm2")  # one GGUF load (tests/conftest.py)
 
 
+def with_torch(test):
+    """Mark a test that imports torch but needs no model (a fake out-of-memory error): it runs
+    in the pytest-xdist process of the SmolLM2 tests, which has imported torch already (an
+    import costs about 2 s of CPU in any other)."""
+    return _one_process(test)
+
+
 def needs_model(test):
     """Mark a test that loads SmolLM2: skipped without the packages, and run in the one
     pytest-xdist process that loads the model for the whole session."""

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from smollm2 import with_torch
 
 import gpu.engines.vllm as ve
 from gpu.engines.base import EMBED, GENERATE, EngineBatch, EngineError
@@ -197,6 +198,7 @@ def test_each_runner_serves_its_own_task(fake):
     assert "only generates" in wrong.errors[0] and "runner = pooling" in wrong.errors[0]
 
 
+@with_torch
 def test_out_of_memory_in_vllm_is_transient_and_other_failures_are_not(fake):
     import torch
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from smollm2 import with_torch
 from test_dispatch_pipeline import broker, workers  # noqa: F401 (fixtures)
 
 from gpu.engines.base import EngineResult
@@ -338,6 +339,7 @@ def _echo_out_of_memory():
     [_echo_out_of_memory, _minilm_out_of_memory, _transformers_out_of_memory, _vllm_out_of_memory],
     ids=["echo", "minilm", "transformers", "vllm"],
 )
+@with_torch
 def test_out_of_memory_in_any_engine_hands_the_batch_back_without_an_attempt(engine_of):
     from conftest import wait_for
 
