@@ -19,10 +19,9 @@ import numpy as np
 import pytest
 import smollm2
 import xdist_schedule
+from batches import KEY, LANE, SLOT_BYTES, appender, make_batch  # noqa: F401 (for the tests)
 
 from pipeline.datadir import DataDir
-from pipeline.segment_append import SegmentAppender, SegmentIds
-from pipeline.segment_format import KIND_INPUT, SegmentKey, slot_bytes_for
 
 # One SmolLM2 broker for the session (tests/smollm2.py). Defined here, once: a fixture
 # bound in each test module would be one fixture per module, and one broker and worker each.
@@ -35,28 +34,6 @@ def fuzz_examples(n: int) -> int:
     """A property test's example budget: `n` in the suite, which must stay inside its minutes
     on 2 cores; FABRIC_FUZZ_SCALE=10 pytest tests/test_wire.py (say) runs ten times as many."""
     return max(1, round(n * FUZZ_SCALE))
-
-
-LANE = 64
-KEY = SegmentKey(KIND_INPUT, "minilm", shape=1, lane=LANE)
-SLOT_BYTES = slot_bytes_for(LANE * 4)
-
-
-def make_batch(rng: np.random.Generator, n: int, seq0: int, lane: int = LANE):
-    """n items with consecutive seqs from seq0 and random token counts up to `lane`."""
-    counts = rng.integers(1, lane + 1, n).astype(np.uint32)
-    tokens = rng.integers(0, 30_000, (n, lane)).astype(np.uint32)
-    tokens[np.arange(lane)[None, :] >= counts[:, None]] = 0
-    seq = np.arange(seq0, seq0 + n, dtype=np.uint64)
-    job = np.full(n, 7, dtype=np.uint64)
-    index = (seq - 1).astype(np.uint32)
-    return seq, job, index, counts, tokens
-
-
-def appender(
-    data_dir: DataDir, segment_bytes: int = 1 << 18, idle_s: float = 30.0
-) -> SegmentAppender:
-    return SegmentAppender(data_dir, KEY, SLOT_BYTES, segment_bytes, SegmentIds(data_dir), idle_s)
 
 
 def assert_check_clean(data_dir: DataDir) -> None:

@@ -16,7 +16,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from conftest import appender, make_batch
+from batches import appender, make_batch
 
 from pipeline.datadir import DataDir
 
