@@ -8,6 +8,12 @@ client command, hundreds of times over a run. The controller
 usual `__pycache__` folders (ignored by git) and lets its children read and
 write them: the test processes, and through them every broker they start,
 inherit its environment.
+
+The test modules are compiled apart: pytest rewrites their asserts and caches
+the result in its own `__pycache__/*-pytest-*.pyc`. From a fresh clone the six
+test processes would each rewrite all of them at collection, at once (about 5 s
+of CPU each); `rewrite_tests_once` has the controller write those files first,
+with pytest's own functions, so that every process reads them.
 """
 
 from __future__ import annotations
@@ -29,3 +35,33 @@ def compile_for_children() -> None:
     for name in PACKAGES:
         compileall.compile_dir(REPO / name, quiet=2)
     compileall.compile_file(REPO / "run.py", quiet=2)
+
+
+def rewrite_tests_once(config) -> None:
+    """Write pytest's assert-rewritten bytecode of conftest.py and every test module that has
+    none up to date. pytest's rewrite functions are internal: where they moved, nothing is
+    done here and each process rewrites for itself, as without this."""
+    try:
+        from _pytest.assertion.rewrite import (
+            PYC_TAIL,
+            _read_pyc,
+            _rewrite_test,
+            _write_pyc,
+            assertstate_key,
+            get_cache_dir,
+            try_makedirs,
+        )
+    except ImportError:
+        return
+    state = config.stash.get(assertstate_key, None)
+    if state is None or sys.dont_write_bytecode:  # asserts not rewritten (--assert=plain)
+        return
+    tests = REPO / "tests"
+    for path in [tests / "conftest.py", *sorted(tests.glob("test_*.py"))]:
+        cache = get_cache_dir(path)
+        if not try_makedirs(cache):
+            return
+        pyc = cache / (path.name[:-3] + PYC_TAIL)
+        if _read_pyc(path, pyc) is None:
+            stamp, code = _rewrite_test(path, config)
+            _write_pyc(state, code, stamp, pyc)

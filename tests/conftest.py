@@ -47,6 +47,7 @@ def assert_check_clean(data_dir: DataDir) -> None:
 def pytest_configure(config) -> None:
     if not hasattr(config, "workerinput"):  # the controller (or a run without xdist)
         bytecode.compile_for_children()  # before the test processes start (tests/bytecode.py)
+        bytecode.rewrite_tests_once(config)
         xdist_schedule.share_groups_dir()
 
 
