@@ -323,7 +323,10 @@ class Chaos:
                 worker.start()
         elif roll < 0.72:
             self.broker.kill()
-            self.stopped.clear()  # its workers died with it
+            # Its local workers died with it; a stopped remote worker did not, and must still
+            # be resumed (forgetting it left the one worker of a model stopped for good).
+            remote = {w.proc.pid for w in self.workers if w.proc is not None}
+            self.stopped = {pid: when for pid, when in self.stopped.items() if pid in remote}
             kills["whole broker"] += 1
             if self.random.random() < self.damage_chance:
                 self._damage_a_segment()

@@ -17,6 +17,8 @@ among the faults.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 
@@ -33,17 +35,26 @@ def test_chaos_loses_and_doubles_nothing(tmp_path):
     args = ["--minutes", str(RUN_S / 60), "--seed", "11", "--items", "400", "--jobs", "2"]
     args += ["--damage", "1.0", "--broker-kill-by", str(RUN_S / 2)]
     args += ["--quick", "--root", str(tmp_path / "chaos")]
-    run = subprocess.run(
+    # Its own session: a run that overstays is killed with every process it started (a broker,
+    # workers, clients), instead of leaving them to run on beside the rest of the suite.
+    run = subprocess.Popen(
         [sys.executable, "-m", "bench.chaos", *args, "--report-json", str(out)],
         cwd=REPO,
-        capture_output=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=280,
+        start_new_session=True,
     )
-    assert out.exists(), f"exit {run.returncode}: {run.stderr[-3000:]}"
+    try:
+        _, stderr = run.communicate(timeout=280)
+    except subprocess.TimeoutExpired:
+        os.killpg(run.pid, signal.SIGKILL)
+        _, stderr = run.communicate()
+        raise AssertionError(f"the chaos run did not end within 280 s: {stderr[-3000:]}") from None
+    assert out.exists(), f"exit {run.returncode}: {stderr[-3000:]}"
     report = json.loads(out.read_text())
     assert report["ok"], "\n".join(report["problems"])
-    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.returncode == 0, stderr[-3000:]
     assert report["jobs"] >= 2
     assert report["lost"] == 0 and report["doubled"] == 0
     assert report["total_kills"] >= 15, report["kills"]
