@@ -54,6 +54,7 @@ def _http_server(host: str, port: int, registry, wake: WakePipe):
             """A scrape is not worth a line on stderr."""
 
     httpd = make_server(host, port, make_wsgi_app(registry), Server, handler_class=QuietHandler)
+    httpd.timeout = 0.5  # a connection gone before its accept: handle_request waits no longer
     thread = threading.Thread(target=_serve, args=(httpd, wake), name="metrics-http", daemon=True)
     thread.start()
     return httpd, thread
