@@ -33,7 +33,9 @@ import signal
 import socket
 import sys
 import threading
-from multiprocessing import connection, forkserver, resource_tracker, util
+from multiprocessing import connection, forkserver, resource_tracker
+
+from pipeline.stage import set_title
 
 _DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
@@ -48,7 +50,12 @@ def start_forked(preload: list[str]) -> int | None:
     server = forkserver._forkserver  # the module's one ForkServer (CPython 3.8 and later)
     if server._forkserver_pid is not None or threading.active_count() > 1:
         return None
-    _start_tracker()  # the stages get its fd from each start request
+    tracker = resource_tracker._resource_tracker
+    if tracker._fd is None:  # the stages get its fd from each start request
+        read, write = os.pipe()
+        pid = _fork("fabric: resource-tracker", lambda: resource_tracker.main(read), [write])
+        os.close(read)
+        tracker._fd, tracker._pid = write, pid
     listener = socket.socket(socket.AF_UNIX)
     try:
         address = connection.arbitrary_address("AF_UNIX")
@@ -56,11 +63,13 @@ def start_forked(preload: list[str]) -> int | None:
         os.chmod(address, 0o600)
         listener.listen()
         alive_r, alive_w = os.pipe()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - the server; it never returns
-            _serve(listener.fileno(), alive_r, alive_w, preload)
+
+        def serve() -> None:
+            tracker._fd = None  # closed by _fork: each stage gets its own with its request
+            forkserver.main(listener.fileno(), alive_r, preload)
+
+        # Only the supervisor and its stages hold the alive pipe open.
+        pid = _fork("fabric: fork-server", serve, [alive_w, tracker._fd])
         os.close(alive_r)
     finally:
         listener.close()
@@ -70,61 +79,28 @@ def start_forked(preload: list[str]) -> int | None:
     return pid
 
 
-def _start_tracker() -> None:
-    """multiprocessing's resource tracker (which unlinks the named semaphores of processes
-    that die without doing it), forked like the server instead of a fresh interpreter."""
-    tracker = resource_tracker._resource_tracker
-    if tracker._fd is not None:
-        return
-    read, write = os.pipe()
+def _fork(title: str, body, close: list[int]) -> int:
+    """Fork a child that closes `close`, puts SIGTERM, SIGINT and SIGHUP back to their
+    defaults, takes `title` and runs `body` (multiprocessing's own loop: the resource
+    tracker ignores SIGINT and SIGTERM itself), then leaves by `os._exit`; its pid."""
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
-    if pid == 0:  # pragma: no cover - the tracker; it never returns
-        code = 0
-        try:
-            os.close(write)  # it ends when every process holding the write end has closed it
-            signal.signal(signal.SIGHUP, signal.SIG_DFL)
-            _set_title("fabric: resource-tracker")
-            resource_tracker.main(read)  # ignores SIGINT and SIGTERM itself
-        except BaseException:
-            code = 1
-            sys.excepthook(*sys.exc_info())
-        finally:
-            sys.stderr.flush()
-            os._exit(code)
-    os.close(read)
-    tracker._fd, tracker._pid = write, pid
-
-
-def _serve(listener_fd: int, alive_r: int, alive_w: int, preload: list[str]) -> None:
-    """The forked server: multiprocessing's own loop, then `os._exit`."""
-    code = 0
+    if pid:
+        return pid
+    code = 0  # pragma: no cover - the child; it never returns
     try:
-        os.close(alive_w)  # only the supervisor and its stages hold the pipe open
-        tracker = resource_tracker._resource_tracker
-        if tracker._fd is not None:  # each stage gets its own copy with its start request
-            os.close(tracker._fd)
-            tracker._fd = None
+        for fd in close:
+            os.close(fd)
         for signum in _DEFAULT_SIGNALS:
             signal.signal(signum, signal.SIG_DFL)
-        _set_title("fabric: fork-server")
-        forkserver.main(listener_fd, alive_r, preload)
-    except SystemExit:  # every holder of the alive pipe closed it: the normal end
+        set_title(title)
+        body()
+    except SystemExit:  # the fork server's normal end: every holder of its alive pipe closed it
         pass
     except BaseException:
         code = 1
-        util.debug("forked fork server failed", exc_info=True)
         sys.excepthook(*sys.exc_info())
     finally:
         sys.stderr.flush()
         os._exit(code)
-
-
-def _set_title(title: str) -> None:
-    """What `ps` shows for this process (else the supervisor's command line)."""
-    try:
-        import setproctitle
-    except ImportError:  # a cosmetic nicety, as for the stages
-        return
-    setproctitle.setproctitle(title)

@@ -9,41 +9,37 @@ when SIGTERM arrives instead of at its next timeout.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import signal
+
+from pipeline.wake_pipe import WakePipe
 
 
 class SignalWake:
-    """The pipe, installed as the process's wakeup fd until `close()`. `fd` is None where
-    wakeup fds cannot be set (not the main thread): a loop's timeouts still see its flags."""
+    """A wake pipe (pipeline/wake_pipe.py), installed as the process's wakeup fd until
+    `close()`. `fd` is None where wakeup fds cannot be set (not the main thread): a loop's
+    timeouts still see its flags."""
 
     def __init__(self) -> None:
         self.fd: int | None = None
-        self._write: int | None = None
+        self._pipe: WakePipe | None = None
         self._previous = -1
-        read, write = os.pipe()
-        os.set_blocking(read, False)
-        os.set_blocking(write, False)
+        pipe = WakePipe()
         try:
-            self._previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+            self._previous = signal.set_wakeup_fd(pipe.write_fd, warn_on_full_buffer=False)
         except ValueError:  # not the main thread
-            os.close(read)
-            os.close(write)
+            pipe.close()
             return
-        self.fd, self._write = read, write
+        self._pipe, self.fd = pipe, pipe.fd
 
     def drain(self) -> None:
         """Read what signals wrote (the signal numbers; the handlers have the rest)."""
-        with contextlib.suppress(BlockingIOError):
-            while os.read(self.fd, 512):
-                pass
+        if self._pipe is not None:
+            self._pipe.drain()
 
     def close(self) -> None:
         """Put back the wakeup fd there was before, and close the pipe."""
-        if self.fd is None:
+        if self._pipe is None:
             return
         signal.set_wakeup_fd(self._previous)
-        os.close(self.fd)
-        os.close(self._write)
-        self.fd = self._write = None
+        self._pipe.close()
+        self._pipe = self.fd = None

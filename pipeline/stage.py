@@ -121,15 +121,19 @@ class StopFlags:
         self.stop = True
 
 
+def set_title(title: str) -> None:
+    """What `ps` shows for this process: `fabric: <stage>-<n>`, and the fork server's."""
+    try:
+        import setproctitle
+    except ImportError:  # a cosmetic nicety; the process works without it
+        return
+    setproctitle.setproctitle(title)
+
+
 def run_stage(spec: StageSpec, settings, drain_s: float = 30.0, ready=None) -> int:
     """Entry point of a stage process: set up, loop until asked to stop, drain, exit 0.
     `ready` (a multiprocessing Event) is set once the stage is open: it is up."""
-    try:
-        import setproctitle
-
-        setproctitle.setproctitle(f"fabric: {spec.label}")
-    except ImportError:  # a cosmetic nicety; the stage works without it
-        pass
+    set_title(f"fabric: {spec.label}")
     setup_stage_logging(settings.data_path / "log", spec.label)
     flags = StopFlags()
     stage = spec.stage_class()(settings, spec.index)
