@@ -14,6 +14,7 @@ from pathlib import Path
 from subprocess import CompletedProcess
 
 import numpy as np
+import zygote
 from client_commands import run_cli
 from conftest import wait_for
 from prometheus_client.parser import text_string_to_metric_families
@@ -141,7 +142,8 @@ max_tokens = {TEXT_LIMIT_TOKENS}
 
 
 class Broker:
-    """`python run.py --config FILE` in a subprocess."""
+    """`python run.py --config FILE` in a subprocess (forked by tests/zygote.py: the broker's
+    imports are done once per test process, not at each of its lives)."""
 
     def __init__(self, config: Path, stderr_path: Path | None = None) -> None:
         """`stderr_path`: the broker's stderr goes to that file instead of a pipe (a pipe
@@ -158,7 +160,7 @@ class Broker:
     def start(self) -> Broker:
         path = self.stderr_path
         err = subprocess.PIPE if path is None else open(path, "w")  # noqa: SIM115
-        self.proc = subprocess.Popen(
+        self.proc = zygote.Popen(
             [sys.executable, str(REPO / "run.py"), "--config", str(self.config)],
             stdout=subprocess.DEVNULL,
             stderr=err,

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import smollm2
 import xdist_schedule
+import zygote
 from batches import KEY, LANE, SLOT_BYTES, appender, make_batch  # noqa: F401 (for the tests)
 
 from pipeline.datadir import DataDir
@@ -52,6 +53,7 @@ def pytest_configure(config) -> None:
 
 
 def pytest_unconfigure(config) -> None:
+    zygote.close()  # this process's (tests/zygote.py)
     if not hasattr(config, "workerinput"):
         xdist_schedule.remove_groups_dir()
 

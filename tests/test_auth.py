@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zmq
+import zygote
 from broker import REPO, Broker, write_config, write_jsonl
 from client_commands import run_cli
 from conftest import assert_check_clean, wait_for
@@ -203,7 +204,7 @@ def test_an_authorized_producer_worker_and_client_run_a_job_end_to_end(broker, k
     ingest = ["--broker", s.ingest.bind, *key_args(keys, "producer")]
     done = run_py("submit", str(data), "--job-id", "j", *ingest)
     assert done.returncode == 0, done.stderr
-    worker = subprocess.Popen(
+    worker = zygote.Popen(
         [
             *(sys.executable, str(REPO / "run.py"), "worker"),
             *WorkerOptions(

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import zygote
 from conftest import appender, assert_check_clean, make_batch
 
 from collector.completion.record_format import SIZE_CLASSES
@@ -222,7 +223,7 @@ def test_sigkill_mid_completion_keeps_exactly_one_result_per_retired_item(data_d
         s.close()
     acked: set[tuple[int, int]] = set()
     for cycle in range(20):  # four kills after each of 1..5 acknowledgements
-        proc = subprocess.Popen(
+        proc = zygote.Popen(
             [sys.executable, str(PROCS / "completion_proc.py"), str(data_dir.root), str(cycle)],
             stdout=subprocess.PIPE,
             text=True,

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import zygote
 from conftest import assert_check_clean
 
 from pipeline.recovery import recover
@@ -42,7 +43,7 @@ class Child:
     """A child process whose stdout lines land in a queue (read by a thread)."""
 
     def __init__(self, *args: str) -> None:
-        self.proc = subprocess.Popen(
+        self.proc = zygote.Popen(
             [sys.executable, *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import zygote
 from broker import REPO, Broker, submit, write_config, write_jsonl
 from conftest import assert_check_clean, wait_for
 
@@ -46,7 +47,7 @@ def test_two_jobs_complete_in_deadline_order_not_in_submit_order(tmp_path):
             target_batch_s=0,
         )
         argv = [*options.argv(), "--option", "tokens_per_s=20000"]
-        worker = subprocess.Popen(
+        worker = zygote.Popen(
             [sys.executable, str(REPO / "run.py"), "worker", *argv],
             cwd=REPO,
             env=dict(os.environ),

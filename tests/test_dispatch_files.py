@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import zygote
 from conftest import small_tmpfs, wait_for
 
 from gpu.dispatch.file import DispatchFile
@@ -335,7 +336,7 @@ class Child:
     """A child process whose complete stdout lines land in a queue (read by a thread)."""
 
     def __init__(self, *args: str) -> None:
-        self.proc = subprocess.Popen(
+        self.proc = zygote.Popen(
             [sys.executable, *args], stdout=subprocess.PIPE, text=True, bufsize=1
         )
         self.lines: queue.Queue[str] = queue.Queue()

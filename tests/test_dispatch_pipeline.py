@@ -18,6 +18,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import zygote
 from broker import REPO, Broker, submit, write_config, write_jsonl
 from client_commands import run_cli
 from conftest import assert_check_clean, wait_for
@@ -86,7 +87,7 @@ def workers():
         args = [sys.executable, str(REPO / "run.py"), "worker", *worker.argv()]
         for option in options:
             args += ["--option", option]
-        proc = subprocess.Popen(
+        proc = zygote.Popen(
             args,
             cwd=REPO,
             env={**os.environ, **(env or {})},

@@ -18,6 +18,7 @@ import urllib.request
 from collections import Counter
 from pathlib import Path
 
+import zygote
 from broker import REPO, Broker, submit, write_config, write_jsonl
 from client_commands import run_cli
 from conftest import wait_for
@@ -188,7 +189,7 @@ def test_a_scrape_during_and_after_a_run_matches_what_was_submitted_and_retired(
         options = WorkerOptions(
             broker=dispatch.bind, model="echo", heartbeat=dispatch.heartbeat_bind, engine="echo"
         )
-        worker = subprocess.Popen(
+        worker = zygote.Popen(
             [sys.executable, "run.py", "worker", *options.argv()],
             cwd=REPO,
             stdout=subprocess.DEVNULL,

@@ -18,6 +18,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import zygote
 from broker import REPO, WORDS, write_config
 from conftest import assert_check_clean, wait_for
 
@@ -44,7 +45,7 @@ def write_input(path: Path, n: int, model: str = "sim") -> None:
 
 def batch(*args: str, log: Path) -> subprocess.Popen:
     with open(log, "ab") as err:
-        return subprocess.Popen(
+        return zygote.Popen(
             [sys.executable, str(REPO / "run.py"), "batch", *args],
             stdout=subprocess.DEVNULL,
             stderr=err,

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import orjson
 import test_dispatch_pipeline
+import zygote
 from broker import REPO, submit
 from conftest import wait_for
 from test_dispatch_pipeline import (
@@ -75,7 +76,7 @@ def lying_worker(b, tmp_path: Path, lies: int = -1) -> subprocess.Popen:
     args += options.argv()
     env = {**os.environ, "FABRIC_LIES": str(lies)}
     with open(tmp_path / "liar.log", "w") as log:  # the child keeps its own copy
-        return subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log)
+        return zygote.Popen(args, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log)
 
 
 def test_a_lying_worker_cannot_make_a_job_undeliverable(tmp_path, broker):

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import zygote
 from conftest import assert_check_clean, wait_for
 
 from pipeline import exitcodes
@@ -24,7 +25,7 @@ SUPERVISE = Path(__file__).resolve().parent / "procs" / "supervise.py"
 
 
 def supervise(data_dir: DataDir, *stages: str, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen(
+    return zygote.Popen(
         [sys.executable, str(SUPERVISE), str(data_dir.root), *stages],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import zygote
 from conftest import assert_check_clean, small_tmpfs
 
 from collector.vectors.shard import (
@@ -310,7 +311,7 @@ class Writer:
     """The writer child; its `ack FIRST COUNT` lines land in a queue."""
 
     def __init__(self, directory: Path, seed: int) -> None:
-        self.proc = subprocess.Popen(
+        self.proc = zygote.Popen(
             [sys.executable, str(PROCS / "vector_writer.py"), str(directory), str(seed)],
             stdout=subprocess.PIPE,
             text=True,

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zmq
+import zygote
 from broker import REPO, Broker, submit, write_config
 from client_commands import run_cli
 from conftest import assert_check_clean, wait_for
@@ -69,7 +70,7 @@ def honest(tmp_path):
 
     def start(b: Broker) -> subprocess.Popen:
         s = b.settings
-        proc = subprocess.Popen(
+        proc = zygote.Popen(
             [
                 *(sys.executable, str(REPO / "run.py"), "worker"),
                 *WorkerOptions(
