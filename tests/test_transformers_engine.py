@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from smollm2 import loaded_engine, needs_model
+from smollm2 import loaded_engine, needs_model, with_torch
 from tokenizers import Tokenizer
 
 import gpu.engines.transformers as te
@@ -247,25 +247,42 @@ def test_bad_items_fail_alone_next_to_good_ones(engine, prompts):
     assert "passes the model's context of 8192 tokens" in too_long.errors[0]
 
 
+@with_torch  # transformers' GGUF loader imports torch
 def test_a_gguf_load_reads_the_file_once_and_builds_one_name_map(tmp_path):
     """transformers reads a GGUF's metadata twice and builds gguf's TensorNameMap once per
-    sub-module (half of the 34 CPU-s SmolLM2 took to load): during a load both are memos, and
-    the originals are back after it."""
+    sub-module (half of the 34 CPU-s SmolLM2 took to load): during a load both are memos, the
+    reader slices plain arrays and strings are decoded at once, each giving what gguf's own
+    reader and transformers' parser give; the originals are back after it."""
     import gguf
+    from transformers import modeling_gguf_pytorch_utils as loader
 
     path = tmp_path / "tiny.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_block_count(2)
+    writer.add_token_list(["<s>", "héllo", "wörld", ""])
+    writer.add_token_scores([0.0, -1.5, -2.25, -3.0])
+    writer.add_tensor("token_embd.weight", np.arange(12, dtype=np.float32).reshape(4, 3))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    reader, name_map, parse = gguf.GGUFReader, gguf.get_tensor_name_map, loader._gguf_parse_value
+    stock = reader(path)
+
+    def values(r, parse_value):
+        fields = {
+            name: [parse_value(f.parts[i], f.types) for i in f.data] for name, f in r.fields.items()
+        }
+        return fields, [(t.name, t.data.tolist()) for t in r.tensors]
+
     with te.gguf_memos(True):
         first = gguf.GGUFReader(path)
-        assert gguf.GGUFReader(str(path)) is first and len(first.fields) == 5
+        assert gguf.GGUFReader(str(path)) is first and len(first.fields) == 7
+        assert type(first.tensors[0].data) is np.ndarray  # not a memmap per slice
+        assert values(first, loader._gguf_parse_value) == values(stock, parse)
         names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
         assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is names
     assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader, name_map)
+    assert loader._gguf_parse_value is parse
     with te.gguf_memos(False):  # a model directory: nothing is patched
         assert gguf.GGUFReader is reader

@@ -64,35 +64,66 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 @contextlib.contextmanager
 def gguf_memos(active: bool) -> Iterator[None]:
-    """Two memos for the length of one GGUF load by transformers (a model, or a tokenizer:
-    gpu/smollm2/make_tokenizer.py), which (profiled on the pinned
-    SmolLM2: 34 CPU-s in all) builds gguf's TensorNameMap once per sub-module (397 times, 11 s)
-    and reads the whole file's metadata twice, for the config and then for the weights (one
-    memmap view per vocabulary entry: 8 s each). Both are pure functions of their arguments;
-    the originals are put back after the load, and the reader (a memmap of the file) dropped."""
+    """Memos and plain arrays for the length of one GGUF load by transformers (a model, or a
+    tokenizer: gpu/smollm2/make_tokenizer.py), which (profiled on the pinned SmolLM2: 34 CPU-s
+    in all before these) builds gguf's TensorNameMap once per sub-module (397 times, 11 s) and
+    reads the whole file's metadata twice, for the config and then for the weights (8 s each).
+    Reading it is a slice of the file's memmap per value, two per vocabulary entry (100,000
+    strings): `_PlainReader` slices a plain view of the same memory instead (a memmap slice
+    costs several times as much), and a string value is decoded from its bytes at once rather
+    than item by item. All are pure functions of their arguments, giving the same values; the
+    originals are put back after the load, and the reader dropped."""
     try:
         import gguf
+        from transformers import modeling_gguf_pytorch_utils as loader
     except ImportError:
         active = False
     if not active:
         yield
         return
-    name_map, reader = gguf.get_tensor_name_map, gguf.GGUFReader
+    name_map, reader, parse = gguf.get_tensor_name_map, gguf.GGUFReader, loader._gguf_parse_value
+    plain_reader = _plain_reader_class(reader)
     readers: dict[tuple[str, str], Any] = {}
 
     def read_once(path, mode="r"):
         key = (str(path), mode)
         if key not in readers:
-            readers[key] = reader(path, mode)
+            readers[key] = plain_reader(path, mode)
         return readers[key]
+
+    def parse_value(value, data_type):
+        types = data_type if isinstance(data_type, list) else [data_type]
+        if types[-1] == gguf.GGUFValueType.STRING and len(types) <= 2:
+            return value.tobytes().decode()  # a string, or one of an array's strings
+        return parse(value, data_type)
 
     gguf.get_tensor_name_map = functools.cache(name_map)
     gguf.GGUFReader = read_once
+    loader._gguf_parse_value = parse_value
     try:
         yield
     finally:
         gguf.get_tensor_name_map, gguf.GGUFReader = name_map, reader
+        loader._gguf_parse_value = parse
         readers.clear()
+
+
+def _plain_reader_class(reader: type) -> type:
+    """gguf's GGUFReader whose every field and tensor is a plain ndarray over the file's
+    memmap (the same bytes, without a memmap object per slice)."""
+
+    class _PlainReader(reader):
+        def _get(self, offset, dtype, count=1, override_order=None):
+            plain = self.__dict__.get("_plain")
+            if plain is None:
+                plain = self._plain = self.data.view(np.ndarray)
+            dtype = np.dtype(dtype)
+            count = int(count)
+            arr = plain[offset : offset + dtype.itemsize * count].view(dtype)[:count]
+            order = self.byte_order if override_order is None else override_order
+            return arr.view(arr.dtype.newbyteorder(order))
+
+    return _PlainReader
 
 
 def smollm2_gguf_path() -> Path:
