@@ -109,8 +109,27 @@ def left_from_last_life(data_root: Path) -> list[int]:
         except OSError:
             continue  # gone
         fields = stat[stat.rindex(")") + 2 :].split()
-        if fields[0] == "Z":
+        if fields[0] == "Z" and not _threads_exiting(pid):
             continue  # exited; only its parent's wait is left
         if boot + int(fields[19]) / tick <= written + 1.0:
             left.append(pid)
     return left
+
+
+def _threads_exiting(pid: int) -> bool:
+    """`pid` is a zombie whose other threads are still exiting. A process killed by a
+    signal shows its main thread as a zombie at once, while its other threads (ZeroMQ's I/O
+    thread, which owns the stage's listening sockets) may take a moment more, and the open
+    files, ports included, are released with the last of them."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    for tid in tids:
+        try:
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        except OSError:
+            continue  # gone
+        if stat[stat.rindex(")") + 2] not in "ZX":
+            return True
+    return False

@@ -6,6 +6,7 @@ stages write (tests/procs/stages.py) and process exits, never its log's wording.
 from __future__ import annotations
 
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -282,3 +283,45 @@ def test_sigterm_ends_an_idle_supervisors_wait_at_once(data_dir, broker):
     assert proc.returncode == exitcodes.OK, err
     assert drained(data_dir, "idle-0")
     assert took < 10, f"SIGTERM to exit took {took:.1f} s"
+
+
+SYS_EXIT = {"x86_64": 60, "aarch64": 93}  # exit(2): the calling thread alone, not the process
+
+
+@pytest.mark.skipif(platform.machine() not in SYS_EXIT, reason="exit(2)'s number on this CPU")
+def test_a_stage_whose_main_thread_is_a_zombie_is_waited_for_until_its_threads_exit(tmp_path):
+    """A killed stage shows its main thread as a zombie at once, while ZeroMQ's I/O thread,
+    which owns its listening sockets, may still be exiting: the ports are free only once the
+    last thread is gone. A new broker life waits for such a stage as for a running one (it
+    once found the port in use, restarted within milliseconds of a whole-broker kill)."""
+    import orjson
+
+    from pipeline.supervisor_report import left_from_last_life
+
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import ctypes, socket, threading, time; s = socket.socket(); "
+            "s.bind(('127.0.0.1', 0)); s.listen(); "
+            "threading.Thread(target=time.sleep, args=(3600,)).start(); print('held', flush=True); "
+            f"ctypes.CDLL(None).syscall({SYS_EXIT[platform.machine()]}, 0)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        stat = Path(f"/proc/{holder.pid}/stat")
+        wait_for(lambda: stat.read_text().rsplit(")", 1)[1].split()[0] == "Z", "a zombie leader")
+        report = {"pid": 1, "epoch": 1, "running": True, "ready": True, "deaths": []}
+        report["stages"] = [{"stage": "dispatch-0", "pid": holder.pid, "state": "up"}]
+        (tmp_path / "supervisor.json").write_bytes(orjson.dumps(report))
+        assert left_from_last_life(tmp_path) == [holder.pid]  # its thread holds the port
+        holder.kill()
+        holder.wait(timeout=30)
+        assert left_from_last_life(tmp_path) == []
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+        holder.stdout.close()
