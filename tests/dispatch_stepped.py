@@ -66,9 +66,18 @@ class FakeWorker:
     def send(self, kind: MT, meta: dict | None = None, arrays: dict | None = None) -> None:
         wire.send(self.socket, kind, {"session": self.session, **(meta or {})}, arrays)
 
-    def hello(self) -> None:
-        empty = np.zeros(0, ITEM_DTYPE)
-        self.send(MT.WORKER_HELLO, {"model": MODEL}, {"held": empty, "issued": empty})
+    def hello(self, holding: wire.Message | None = None) -> None:
+        """Register; `holding`: a WORK message whose items it says it still holds, with the
+        batch's work token, as a worker that lived through a restart says them."""
+        if holding is None:
+            empty = np.zeros(0, ITEM_DTYPE)
+            self.send(MT.WORKER_HELLO, {"model": MODEL}, {"held": empty, "issued": empty})
+            return
+        items, meta = holding.arrays["items"], holding.meta
+        tokens = [[meta["batch_id"], meta["token"], len(items)]]
+        self.send(
+            MT.WORKER_HELLO, {"model": MODEL, "tokens": tokens}, {"held": items, "issued": items}
+        )
 
     def ask(self) -> None:
         meta = {"model": MODEL, "max_items": self.max_items, "max_tokens": 1 << 20}

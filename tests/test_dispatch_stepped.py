@@ -115,6 +115,22 @@ def test_status_watch_and_metrics_show_one_queue_depth_after_a_reclaim(stepped):
     assert info["in_flight"] == 10
 
 
+def test_a_worker_saying_hello_twice_holding_work_is_counted_once(stepped):
+    """A worker whose WELCOME is late (a dispatch just restarted, busy) says hello again; both
+    reach dispatch. The status answer's registered_holding counts sessions, not hellos: a test
+    waiting for a fleet of 3 to come back saw 4 and timed out."""
+    d = stepped(50)
+    a, b = d.worker(max_items=10), d.worker(max_items=10)
+    work_a, work_b = d.work(a), d.work(b)
+    a.hello(holding=work_a)
+    a.hello(holding=work_a)
+    b.hello(holding=work_b)
+    for worker in (a, a, b):
+        known = d.until(worker, MT.WELCOME).arrays["known"]
+        assert known.tolist() == [1] * 10  # still its own, to keep running
+    assert d.broker_info()["registered_holding"] == 2
+
+
 def test_the_stage_takes_its_time_from_step_only():
     """No module of gpu/dispatch/ reads the monotonic clock except the stage's open() (its
     start) and drain() (the run loop's deadline): everything else uses `now` from step(now),

@@ -101,6 +101,9 @@ class DispatchStage(Stage):
         self.sessions: dict[str, Session] = {}
         self.parked: collections.deque[Parked] = collections.deque()
         self.counts = collections.Counter()
+        # sessions whose hello came back holding live work (a worker whose WELCOME is late says
+        # hello again: a set, so the status answer counts each worker once)
+        self.came_back_holding: set[str] = set()
         self.item_errors = ItemErrors(  # sent to completion until retired (item_errors.py)
             config.max_attempts,
             lambda *error: self.to_completion.item_errors(*error),

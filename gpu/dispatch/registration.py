@@ -58,7 +58,7 @@ def hello(stage, message: wire.Message, session_id: str, now: float) -> None:
     known = np.zeros(len(held), np.uint8)
     known[proven] = stage.state.adopt(session_id, held[proven], now)
     if (known > 0).any():
-        stage.counts["registered_holding"] += 1  # came back with live work (status answer)
+        stage.came_back_holding.add(session_id)  # came back with live work (status answer)
     stage.log.info(
         "session %s (model %s) registered holding %d item(s): %d still live",
         session_id,

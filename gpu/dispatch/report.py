@@ -143,7 +143,7 @@ def broker_status(stage, now: float) -> dict:
         "in_flight_jobs": in_flight_jobs(stage),
         "handed_out": stage.counts["handed_out"],
         "retired": stage.counts["retired"],
-        "registered_holding": stage.counts["registered_holding"],
+        "registered_holding": len(stage.came_back_holding),
         "reloaded_leases": len(stage.leases.reloaded),
         "dead_lettered": stage.counts[DEAD_LETTER],
         "corrupt": stage.counts[CORRUPT_INPUT],
