@@ -463,12 +463,7 @@ class FrontStage(Stage):
         self._reply(route, MT.CHUNK_ERROR, meta, wire.Flag.RETRYABLE)
 
     def _reply(
-        self,
-        route,
-        msg_type: MT,
-        meta: dict[str, Any],
-        flags: int = 0,
-        arrays: dict[str, np.ndarray] | None = None,
+        self, route, msg_type: MT, meta: dict[str, Any], flags: int = 0, arrays: dict | None = None
     ) -> None:
         self.replies.append((route, msg_type, meta, flags, arrays))
 
@@ -481,6 +476,10 @@ class FrontStage(Stage):
         self.replies = []
 
     # ---- life ------------------------------------------------------------------------------
+    def stats(self, now: float) -> dict:
+        """Its full-disk figures (docs/metrics.md); the front has no other."""
+        return self.disk.figures(self.label)
+
     def drain(self, deadline: float) -> None:
         """Stop taking chunks; finish those in flight while the stages behind are still up."""
         self.stopping = True

@@ -12,6 +12,7 @@ exit for it (a restart frees nothing) and must not log once per message.
 | `refused(n)`       | work turned away unwritten       | counted for the closing line                     |
 | `succeeded(now)`   | a write went through             | writes are tried freely again                    |
 | `settle(now)`      | now and then (each step)         | once nothing failed for `calm_s` after a success: one INFO line, the episode is over |
+| `figures(label)`   | in the stage's `stats`           | `fabric_disk_full` (1 during an episode) and `fabric_disk_full_episodes_total` |
 
 A disk that flaps (one write fits, the next does not) stays one episode:
 one ERROR line when it fills, one INFO line once it has stayed writable.
@@ -53,6 +54,7 @@ class FullDisk:
         self.calm_s = calm_s
         self.full = False  # the last write failed: writes are tried once per retry_s
         self.episode = False  # a full disk was announced and its end not yet
+        self.episodes = 0  # announced since the stage started (a metric)
         self.since = 0.0  # when the episode began
         self.logged = 0.0  # when its last ERROR line was
         self.writable_since: float | None = None  # the first success after the last failure
@@ -80,6 +82,7 @@ class FullDisk:
         self.next_try = now + self.retry_s
         if not self.episode:
             self.episode = True
+            self.episodes += 1
             self.since = self.logged = now
             self.log.error(
                 "disk full: %s; %s, retrying every %g s until space is freed",
@@ -124,6 +127,13 @@ class FullDisk:
         self.episode = False
         self.writable_since = None
         self.tries = self.turned_away = 0
+
+    def figures(self, label: str) -> dict:
+        """This stage's full-disk metrics (docs/metrics.md), `label` its stage label."""
+        return {
+            "fabric_disk_full": {(label,): int(self.episode)},
+            "fabric_disk_full_episodes_total": {(label,): self.episodes},
+        }
 
 
 def probe(directory: Path, name: str) -> None:

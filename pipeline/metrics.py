@@ -246,6 +246,21 @@ METRICS: dict[str, Metric] = _catalogue(
         "Results marked delivered after a client acknowledged them",
         "completion",
     ),
+    # every stage that writes durable state (pipeline/disk_full.py): writers, front, completion
+    Metric(
+        "fabric_disk_full",
+        GAUGE,
+        ("stage",),
+        "1 while the stage is in a full-disk episode (its writes fail), else 0",
+        "stages",
+    ),
+    Metric(
+        "fabric_disk_full_episodes_total",
+        COUNTER,
+        ("stage",),
+        "Full-disk episodes the stage went through (each said once in its log)",
+        "stages",
+    ),
     # vectors
     Metric("fabric_vector_rows", GAUGE, ("store",), "Durable rows in a vector store", "vectors"),
     Metric(

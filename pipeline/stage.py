@@ -87,6 +87,11 @@ class Stage:
         self.index = index
         self.log = logging.getLogger(f"fabric.{self.name}")
 
+    @property
+    def label(self) -> str:
+        """The stage's label, as its StageSpec's: "writer-0"."""
+        return f"{self.name}-{self.index}"
+
     def open(self) -> None:
         """Create sockets, maps and handles (in the child process)."""
 

@@ -332,6 +332,7 @@ class WriterStage(Stage):
                 (str(self.index),): sum(self.appended_by_key.values())
             },
             "fabric_writer_fsync_seconds": self.fsync_s,
+            **self.disk.figures(self.label),
         }
 
     def _backlog(self) -> bool:

@@ -93,9 +93,15 @@ def test_a_full_disk_is_logged_once_tried_once_a_second_and_its_end_said_once(ca
         disk.failed(full, t + 1)
     disk.succeeded(36.0)
     disk.settle(45.9)  # not yet calm for 10 s
+    assert disk.figures("x-0")["fabric_disk_full"] == {("x-0",): 1}
     disk.settle(46.0)  # one episode, one end
+    assert disk.figures("x-0") == {
+        "fabric_disk_full": {("x-0",): 0},
+        "fabric_disk_full_episodes_total": {("x-0",): 1},
+    }
     disk.failed(full, 50.0)  # a new episode
     disk.failed(full, 111.0)  # a minute on, still full: one reminder
+    assert disk.figures("x-0")["fabric_disk_full_episodes_total"] == {("x-0",): 2}
     lines = [(r.levelname, r.getMessage()) for r in caplog.records]
     assert [level for level, _ in lines] == ["ERROR", "INFO", "ERROR", "ERROR"]
     assert "disk full: /x/out-1.seg" in lines[0][1] and "results wait" in lines[0][1]
@@ -237,9 +243,19 @@ def test_a_full_disk_during_ingest_and_completion_stops_nothing_loses_nothing_an
         )
         assert set(seq_counts(b.data_dir).values()) <= {1}  # nothing stored twice
         completion_log = b.data_dir.log / "completion-0.log"
-        wait_for(  # writable for CALM_S (10 s): the episode is over, the next one is said anew
-            lambda: "disk writable again" in completion_log.read_text(),
-            "completion to say the disk is writable again",
+        episodes = lambda: b.metric("fabric_disk_full_episodes_total", stage="completion-0")  # noqa: E731
+        wait_for(  # writable for CALM_S (10 s): the episode is over, the next one is a new one
+            lambda: b.metric("fabric_disk_full", stage="completion-0") == 0 and episodes() == 1,
+            "completion's full-disk episode to end",
+            timeout_s=30,
+            interval_s=0.2,
+        )
+        # The broker frees space of its own: job a's first input segment (every slot retired)
+        # goes at the collector's next sweep. Gone before the disk fills again, or it could
+        # make room for b's results in the middle of (b) and there would be no full disk.
+        wait_for(
+            lambda: len(list(b.data_dir.segments.glob("in-*.seg"))) == 1,
+            "the collector to remove job a's finished input segment (the open one stays)",
             timeout_s=30,
             interval_s=0.2,
         )
@@ -256,13 +272,13 @@ def test_a_full_disk_during_ingest_and_completion_stops_nothing_loses_nothing_an
         finally:
             os.kill(worker, signal.SIGCONT)
         wait_for(
-            lambda: completion_log.read_text().count("disk full: ") == 2,
-            "completion to say (once more) that the disk is full",
+            lambda: episodes() == 2 and b.metric("fabric_disk_full", stage="completion-0") == 1,
+            "completion to find the disk full once more (a new episode)",
             timeout_s=60,
         )
         # The broker may free a little space of its own meanwhile (dispatch compacts its in-flight
-        # log, retired input segments are removed): then b's first, smallest completion segment
-        # can fit, but never more, and b cannot finish while the disk is full.
+        # log): then b's first, smallest completion segment can fit, but never more, and b cannot
+        # finish while the disk is full.
         first_segment = capacity_for(FIRST_SEGMENT_BYTES, slot_bytes_for(1024))
         info = status.job_status("b")  # status reads go on
         assert info["state"] in ("queued", "in_progress") and info["total"] == 2_000

@@ -358,6 +358,7 @@ class CompletionStage(Stage):
             },
             "fabric_results_delivered_total": self.delivery.delivered,
             "fabric_results_refused_total": {(c,): intake.refused[c] for c in CAUSES[1:]},
+            **self.disk.figures(self.label),
         }
 
     def _reply(
