@@ -55,6 +55,8 @@ class TokenizerStage(Stage):
             self.context, zmq.PULL, recv_hwm=4, connect=internal_address(settings, "tokenize")
         )
         self.inbox = wire.Inbox(inbox, self.log, "the front")
+        self.poller = zmq.Poller()  # the wait for a chunk (run_stage adds its signal wake)
+        self.poller.register(inbox, zmq.POLLIN)
         self.report = wire.open_socket(
             self.context,
             zmq.PUSH,
@@ -66,7 +68,9 @@ class TokenizerStage(Stage):
         self.done = 0
 
     def step(self, now: float) -> None:
-        for message in self.inbox.read(1, wait_ms=self.poll_ms):
+        if not self.poller.poll(self.poll_ms):
+            return
+        for message in self.inbox.read(1):
             self._tokenize(message, now)
 
     def _tokenize(self, message: wire.Message, now: float) -> None:

@@ -96,6 +96,8 @@ class RouterStage(Stage):
             self.context, zmq.PULL, bind=internal_address(settings, f"router-{self.index}")
         )
         self.wakeups = wire.Inbox(wakeups, self.log, "a front or tokenizer")
+        self.poller = zmq.Poller()  # the idle wait (run_stage adds its signal wake)
+        self.poller.register(wakeups, zmq.POLLIN)
         self.outlet = Outlet(self.context, settings, f"router-{self.index}", "writer")
         self.pending: deque[tuple[int, Keyed]] = deque()  # groups waiting for room in a writer ring
         self.held: list = []  # input rings whose last record `pending` still points into
@@ -152,10 +154,11 @@ class RouterStage(Stage):
             if not self._flush_pending():
                 return
         # Idle: wait once for a wakeup, then take the others already queued.
-        if idle:
-            self.wakeups.drain(self.idle.wait_ms(now))
+        if idle and self.poller.poll(self.idle.wait_ms(now)):
+            self.wakeups.drain(0)
 
     def drain(self, deadline: float) -> None:
+        self.idle.busy()  # short idle waits: a step that routes nothing ends the drain
         while time.monotonic() < deadline:
             before = self.routed
             self.step(time.monotonic())

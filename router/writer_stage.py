@@ -351,6 +351,7 @@ class WriterStage(Stage):
             )
 
     def drain(self, deadline: float) -> None:
+        self.idle.busy()  # short idle waits: a step that appends nothing ends the drain
         while time.monotonic() < deadline:
             before = self.appended
             self.step(time.monotonic())

@@ -285,6 +285,22 @@ def test_sigterm_ends_an_idle_supervisors_wait_at_once(data_dir, broker):
     assert took < 10, f"SIGTERM to exit took {took:.1f} s"
 
 
+def test_sigterm_ends_a_stages_wait_on_its_poller_at_once(data_dir, broker):
+    """A stage waiting on `self.poller` is woken by SIGTERM itself (run_stage adds the signal
+    wake pipe to its poller), not at its timeout: here each wait is a minute long. A broker's
+    stages stop one after another, so their idle timeouts added up: 4.2 s for every stop."""
+    proc = broker("polling:1")
+    wait_for(lambda: pid_of(data_dir, "polling-0"), "polling-0 to start")
+    wait_for(lambda: stage_report(data_dir, "polling-0")["state"] == "up", "polling-0 to be up")
+    asked = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _out, err = proc.communicate(timeout=90)
+    took = time.monotonic() - asked
+    assert proc.returncode == exitcodes.OK, err
+    assert drained(data_dir, "polling-0")
+    assert took < 10, f"SIGTERM to exit took {took:.1f} s (a step waits 60 s)"
+
+
 SYS_EXIT = {"x86_64": 60, "aarch64": 93}  # exit(2): the calling thread alone, not the process
 
 

@@ -29,6 +29,7 @@ class WorkerStage:
 
     def open(self) -> None:
         self.worker.open()
+        self.poller = self.worker.connection.poller  # its wait (run_stage adds its signal wake)
 
     def step(self, now: float) -> None:
         self.worker.step()

@@ -1,10 +1,13 @@
 """Stages for supervisor tests: one that idles and records its pid (`<data>/pids/<label>`)
-and that it drained (`<data>/drained/<label>`), one that crashes."""
+and that it drained (`<data>/drained/<label>`), one that waits on a poller a minute at a
+time, one that crashes."""
 
 from __future__ import annotations
 
 import os
 import threading
+
+import zmq
 
 from pipeline.stage import Stage
 
@@ -28,6 +31,26 @@ class IdleStage(Stage):
         drained = self.settings.data_path / "drained"
         drained.mkdir(exist_ok=True)
         (drained / f"{self.name}-{self.index}").touch()
+
+
+class PollingStage(IdleStage):
+    """Each step waits a minute on `self.poller`, for a pipe nothing writes to: only the
+    signal wake that run_stage adds to the poller can end that wait when SIGTERM comes."""
+
+    name = "polling"
+
+    def open(self) -> None:
+        super().open()
+        self._read, self._write = os.pipe()
+        self.poller = zmq.Poller()
+        self.poller.register(self._read, zmq.POLLIN)
+
+    def step(self, now: float) -> None:
+        self.poller.poll(60_000)
+
+    def close(self) -> None:
+        os.close(self._read)
+        os.close(self._write)
 
 
 class CrashStage(Stage):

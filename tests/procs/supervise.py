@@ -17,7 +17,11 @@ from pipeline.stage import StageSpec
 from pipeline.supervisor import Supervisor
 from pipeline.topology import free_loopback_ports
 
-STAGES = {"idle": "stages:IdleStage", "crash": "stages:CrashStage"}  # tests/procs/stages.py
+STAGES = {  # tests/procs/stages.py
+    "idle": "stages:IdleStage",
+    "polling": "stages:PollingStage",
+    "crash": "stages:CrashStage",
+}
 
 
 def main() -> int:
