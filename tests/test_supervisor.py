@@ -273,31 +273,30 @@ def test_sigterm_ends_an_idle_supervisors_wait_at_once(data_dir, broker):
     `_wait_s`); a signal must end that sleep, not the next timeout: here the longest idle wait
     is 60 s, and the broker must have stopped well before."""
     proc = broker("idle:1", env={"FABRIC_TEST_IDLE_WAIT_S": "60"})
-    wait_for(lambda: pid_of(data_dir, "idle-0"), "idle-0 to start")
-    # reported up: the loop has left its 20 ms looks at a starting stage for its idle wait
-    wait_for(lambda: stage_report(data_dir, "idle-0")["state"] == "up", "idle-0 to be up")
+    took = sigterm_once_up(proc, data_dir, "idle-0")
+    assert took < 10, f"SIGTERM to exit took {took:.1f} s"
+
+
+def sigterm_once_up(proc: subprocess.Popen, data_dir, label: str) -> float:
+    """SIGTERM to the supervisor once stage `label` is reported up (its loop has left its
+    20 ms looks at a starting stage for its idle wait); the seconds to a clean exit, the
+    stage drained."""
+    wait_for(lambda: pid_of(data_dir, label), f"{label} to start")
+    wait_for(lambda: stage_report(data_dir, label)["state"] == "up", f"{label} to be up")
     asked = time.monotonic()
     proc.send_signal(signal.SIGTERM)
-    _out, err = proc.communicate(timeout=60)
+    _out, err = proc.communicate(timeout=90)
     took = time.monotonic() - asked
     assert proc.returncode == exitcodes.OK, err
-    assert drained(data_dir, "idle-0")
-    assert took < 10, f"SIGTERM to exit took {took:.1f} s"
+    assert drained(data_dir, label)
+    return took
 
 
 def test_sigterm_ends_a_stages_wait_on_its_poller_at_once(data_dir, broker):
     """A stage waiting on `self.poller` is woken by SIGTERM itself (run_stage adds the signal
     wake pipe to its poller), not at its timeout: here each wait is a minute long. A broker's
     stages stop one after another, so their idle timeouts added up: 4.2 s for every stop."""
-    proc = broker("polling:1")
-    wait_for(lambda: pid_of(data_dir, "polling-0"), "polling-0 to start")
-    wait_for(lambda: stage_report(data_dir, "polling-0")["state"] == "up", "polling-0 to be up")
-    asked = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
-    _out, err = proc.communicate(timeout=90)
-    took = time.monotonic() - asked
-    assert proc.returncode == exitcodes.OK, err
-    assert drained(data_dir, "polling-0")
+    took = sigterm_once_up(broker("polling:1"), data_dir, "polling-0")
     assert took < 10, f"SIGTERM to exit took {took:.1f} s (a step waits 60 s)"
 
 

@@ -12,12 +12,13 @@ import pytest
 import zygote
 
 SCRIPT = """
-import os, sys, threading, time
+import os, sys, threading
 print(os.getcwd(), os.environ.get("ZYGOTE_PROBE"), sys.argv[1:], flush=True)
 print("from stdin:", sys.stdin.readline().strip(), file=sys.stderr)
+pause = threading.Event().wait  # the child's own pauses: one to be killed in, one to outlive
 if sys.argv[1] == "sleep":
-    time.sleep(60)
-threading.Thread(target=lambda: (time.sleep(0.2), print("thread done", flush=True))).start()
+    pause(60)
+threading.Thread(target=lambda: (pause(0.2), print("thread done", flush=True))).start()
 raise SystemExit(int(sys.argv[1]))
 """
 
