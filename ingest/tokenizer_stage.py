@@ -64,7 +64,7 @@ class TokenizerStage(Stage):
             send_timeout_ms=1000,
             connect=internal_address(settings, "front"),
         )
-        self.outlet = Outlet(self.context, settings, f"tokenizer-{self.index}", "router")
+        self.outlet = Outlet(self.context, settings, self.label, "router")
         self.done = 0
 
     def step(self, now: float) -> None:

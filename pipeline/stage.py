@@ -30,6 +30,7 @@ from pipeline.errors import DiskFullError
 from pipeline.logs import setup_stage_logging
 from pipeline.metrics import StatsPusher
 from pipeline.signal_wake import SignalWake
+from pipeline.topology import stage_label
 
 log = logging.getLogger("fabric.stage")
 PR_SET_PDEATHSIG = 1
@@ -66,7 +67,7 @@ class StageSpec:
 
     @property
     def label(self) -> str:
-        return f"{self.name}-{self.index}"
+        return stage_label(self.name, self.index)
 
     @property
     def module(self) -> str:
@@ -88,6 +89,8 @@ class Stage:
 
     name: ClassVar[str] = "stage"
     poll_ms: ClassVar[int] = 100
+    # the poller the stage's step waits on, if any: run_stage adds the signal wake pipe to it
+    poller: zmq.Poller | None = None
 
     def __init__(self, settings, index: int) -> None:
         self.settings = settings
@@ -96,8 +99,7 @@ class Stage:
 
     @property
     def label(self) -> str:
-        """The stage's label, as its StageSpec's: "writer-0"."""
-        return f"{self.name}-{self.index}"
+        return stage_label(self.name, self.index)
 
     def open(self) -> None:
         """Create sockets, maps and handles (in the child process)."""
@@ -155,8 +157,8 @@ def run_stage(spec: StageSpec, settings, drain_s: float = 30.0, ready=None) -> i
         ready.set()
     pusher = StatsPusher(settings, spec.label)
     wake = SignalWake()
-    poller = getattr(stage, "poller", None)
-    woken = wake.fd is not None and isinstance(poller, zmq.Poller)
+    poller = stage.poller
+    woken = wake.fd is not None and poller is not None
     if woken:  # SIGTERM ends the stage's wait at once, not at its timeout
         poller.register(wake.fd, zmq.POLLIN)
     try:

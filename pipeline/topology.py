@@ -132,20 +132,29 @@ def worker_group(settings, index: int):
     raise IndexError(f"no local worker {index} in {settings.source}")
 
 
+def stage_label(name: str, index: int) -> str:
+    """A stage process's label, as logs, metrics, rings, sockets and supervisor.json name it:
+    "writer-0"."""
+    return f"{name}-{index}"
+
+
 def ring_specs(settings) -> list[RingSpec]:
     data = settings.data_path
     rings = []
     for r in range(settings.router.processes):
-        rings.append(RingSpec(ring_name(data, "front", "router", r), "front-0", f"router-{r}"))
+        router = stage_label("router", r)
+        rings.append(RingSpec(ring_name(data, "front", "router", r), "front-0", router))
         for t in range(settings.ingest.processes):
             n = t * settings.router.processes + r
             rings.append(
-                RingSpec(ring_name(data, "tokenizer", "router", n), f"tokenizer-{t}", f"router-{r}")
+                RingSpec(
+                    ring_name(data, "tokenizer", "router", n), stage_label("tokenizer", t), router
+                )
             )
         for w in range(settings.writers.processes):
             n = r * settings.writers.processes + w
             rings.append(
-                RingSpec(ring_name(data, "router", "writer", n), f"router-{r}", f"writer-{w}")
+                RingSpec(ring_name(data, "router", "writer", n), router, stage_label("writer", w))
             )
     return rings
 

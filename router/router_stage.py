@@ -90,15 +90,15 @@ class RouterStage(Stage):
         settings = self.settings
         self.lanes = np.array(settings.broker.lanes, dtype=np.int64)
         self.shapes = InternTable(settings.data_path)
-        self.inputs = [RingPort(r.name) for r in rings_to(settings, f"router-{self.index}")]
+        self.inputs = [RingPort(r.name) for r in rings_to(settings, self.label)]
         self.context = zmq.Context()
         wakeups = wire.open_socket(
-            self.context, zmq.PULL, bind=internal_address(settings, f"router-{self.index}")
+            self.context, zmq.PULL, bind=internal_address(settings, self.label)
         )
         self.wakeups = wire.Inbox(wakeups, self.log, "a front or tokenizer")
         self.poller = zmq.Poller()  # the idle wait (run_stage adds its signal wake)
         self.poller.register(wakeups, zmq.POLLIN)
-        self.outlet = Outlet(self.context, settings, f"router-{self.index}", "writer")
+        self.outlet = Outlet(self.context, settings, self.label, "writer")
         self.pending: deque[tuple[int, Keyed]] = deque()  # groups waiting for room in a writer ring
         self.held: list = []  # input rings whose last record `pending` still points into
         self.routed = 0

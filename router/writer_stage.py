@@ -84,11 +84,11 @@ class WriterStage(Stage):
         self.ids = SegmentIds(self.data_dir)
         self.lanes = frozenset(settings.broker.lanes)
         self.appenders: dict[tuple[str, int, int], SegmentAppender] = {}
-        self.ports = [RingPort(r.name) for r in rings_to(settings, f"writer-{self.index}")]
+        self.ports = [RingPort(r.name) for r in rings_to(settings, self.label)]
         self.idle = IdleWait(self.poll_ms)  # how long an idle step waits for a wakeup
         self.context = zmq.Context()
         wakeups = wire.open_socket(
-            self.context, zmq.PULL, bind=internal_address(settings, f"writer-{self.index}")
+            self.context, zmq.PULL, bind=internal_address(settings, self.label)
         )
         self.wakeups = wire.Inbox(wakeups, self.log, "a router")
         self.acks = wire.open_socket(
@@ -253,7 +253,7 @@ class WriterStage(Stage):
         try:
             for appender in self.appenders.values():
                 appender.sync()
-            probe(self.data_dir.segments, f"writer-{self.index}")
+            probe(self.data_dir.segments, self.label)
         except DiskFullError as exc:
             self.disk.failed(exc, now)
         else:

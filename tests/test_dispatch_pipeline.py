@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from conftest import assert_check_clean, wait_for
 from collector.results_client import DispatchClient
 from gpu.worker.options import WorkerOptions
 from pipeline import exitcodes
+from pipeline.supervisor_report import read_report
 
 FAST = """lease_s = 6.0
 session_timeout_s = 2.0
@@ -324,6 +326,34 @@ def test_sigterm_drains_a_worker_and_nothing_waits_for_a_lease(tmp_path, broker,
     out = tmp_path / "out.jsonl"
     assert fetch(b, "t", out).returncode == 0
     assert_each_once(out, 600)
+    stop_and_check(b)
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_broker_mid_job_drains_its_local_worker_and_the_next_life_finishes_once(
+    tmp_path, broker
+):
+    """Invariant 15 through the broker's own stop. Every stage's wait ends with the signal
+    (pipeline/stage.py), so the local worker drains at once: it finishes its running batch and
+    hands back the rest while dispatch and completion still run. No stage waits for its stop
+    timeout to be killed; the data dir checks clean; the next life finishes the job with each
+    line once and nothing computed twice."""
+    b = broker(workers=1, worker_keys='engine = "simulated"\noptions = {tokens_per_s = 20000.0}')
+    submit_job(b, tmp_path, 600, "t")
+    wait_for(lambda: job_info(b, "t")["completed"] > 50, "some progress")
+    asked = time.monotonic()
+    assert b.stop() == exitcodes.OK, b.stderr
+    took = time.monotonic() - asked
+    stage_exits = {s["stage"]: s["last_exit"] for s in read_report(b.data_dir.root)["stages"]}
+    assert set(stage_exits.values()) == {"exit code 0"}, stage_exits  # none killed
+    assert took < b.settings.supervisor.stop_timeout_s, f"the stop took {took:.1f} s"
+    assert_check_clean(b.data_dir)
+    b.start()
+    wait_for(lambda: finished(b, "t"), "the next life to finish the job", timeout_s=60)
+    out = tmp_path / "out.jsonl"
+    assert fetch(b, "t", out).returncode == 0
+    assert_each_once(out, 600)
+    assert b.metric("fabric_duplicate_results_total", why="computed_again") == 0
     stop_and_check(b)
 
 

@@ -9,14 +9,14 @@ from gpu.engines.registry import EngineOptionsError, make_engine
 from gpu.worker.options import WorkerOptions
 from gpu.worker.session import Worker
 from pipeline.errors import ConfigError
+from pipeline.stage import Stage
 
 
-class WorkerStage:
+class WorkerStage(Stage):
     name = "worker"
 
     def __init__(self, settings, index: int) -> None:
-        self.settings = settings
-        self.index = index
+        super().__init__(settings, index)
         self.options = options = WorkerOptions.from_settings(settings, index)
         try:
             engine = make_engine(options.engine, **options.engine_options)

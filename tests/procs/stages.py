@@ -19,9 +19,9 @@ class IdleStage(Stage):
         self._wake = threading.Event()
         pids = self.settings.data_path / "pids"
         pids.mkdir(exist_ok=True)
-        tmp = pids / f".{self.name}-{self.index}"
+        tmp = pids / f".{self.label}"
         tmp.write_text(str(os.getpid()))
-        tmp.rename(pids / f"{self.name}-{self.index}")
+        tmp.rename(pids / self.label)
 
     def step(self, now: float) -> None:
         self._wake.wait(self.poll_ms / 1000)
@@ -30,7 +30,7 @@ class IdleStage(Stage):
         self.log.info("drained idle work")
         drained = self.settings.data_path / "drained"
         drained.mkdir(exist_ok=True)
-        (drained / f"{self.name}-{self.index}").touch()
+        (drained / self.label).touch()
 
 
 class PollingStage(IdleStage):
