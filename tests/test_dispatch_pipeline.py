@@ -153,6 +153,16 @@ def finished(b: Broker, job: str) -> bool:
     return job_info(b, job)["state"] in ("completed", "cancelled")
 
 
+def finishes_once_computed_once(b: Broker, tmp_path: Path, job: str, n: int, timeout_s: float):
+    """`job` finishes within `timeout_s`, its `n` lines are delivered once each, and no item
+    ran twice (a resend of an unacknowledged result is not a computation)."""
+    wait_for(lambda: finished(b, job), f"job {job} to finish", timeout_s=timeout_s)
+    out = tmp_path / f"{job}.out.jsonl"
+    assert fetch(b, job, out).returncode == 0
+    assert_each_once(out, n)
+    assert b.metric("fabric_duplicate_results_total", why="computed_again") == 0
+
+
 def stop_and_check(b: Broker) -> None:
     assert b.stop() == exitcodes.OK, b.stderr
     assert_check_clean(b.data_dir)
@@ -222,12 +232,7 @@ def test_broker_sigkilled_while_a_fleet_holds_batches_all_re_register(tmp_path, 
             "the whole fleet to re-register with what it holds",
         )
     assert all(w.poll() is None for w in fleet)  # the workers lived through it
-    wait_for(lambda: finished(b, "r"), "the job to finish", timeout_s=120)
-    out = tmp_path / "out.jsonl"
-    assert fetch(b, "r", out).returncode == 0
-    assert_each_once(out, 1200)
-    # nothing they held ran twice (a resend of an unacknowledged result is not a computation)
-    assert b.metric("fabric_duplicate_results_total", why="computed_again") == 0
+    finishes_once_computed_once(b, tmp_path, "r", 1200, timeout_s=120)
     stop_and_check(b)
 
 
@@ -349,11 +354,7 @@ def test_sigterm_to_the_broker_mid_job_drains_its_local_worker_and_the_next_life
     assert took < b.settings.supervisor.stop_timeout_s, f"the stop took {took:.1f} s"
     assert_check_clean(b.data_dir)
     b.start()
-    wait_for(lambda: finished(b, "t"), "the next life to finish the job", timeout_s=60)
-    out = tmp_path / "out.jsonl"
-    assert fetch(b, "t", out).returncode == 0
-    assert_each_once(out, 600)
-    assert b.metric("fabric_duplicate_results_total", why="computed_again") == 0
+    finishes_once_computed_once(b, tmp_path, "t", 600, timeout_s=60)
     stop_and_check(b)
 
 
