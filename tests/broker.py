@@ -33,9 +33,11 @@ REPO = Path(__file__).resolve().parents[1]
 def _port_block() -> Iterator[int]:
     """This test process's own ports, 10000 + 1000 * N for pytest-xdist's worker gwN, in turn:
     no two test processes pick the same port, and none is in the kernel's ephemeral range
-    (which outgoing connections take from, even while a killed broker restarts)."""
+    (which outgoing connections take from, even while a killed broker restarts).
+    FABRIC_TEST_PORT_BASE moves the blocks (default 10000), for a second suite on one host."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]
-    base = 10_000 + 1000 * (int(worker) % 10 if worker.isdigit() else 0)
+    first = int(os.environ.get("FABRIC_TEST_PORT_BASE", "10000"))
+    base = first + 1000 * (int(worker) % 10 if worker.isdigit() else 0)
     return itertools.cycle(range(base, base + 1000))
 
 
