@@ -1,4 +1,4 @@
-"""Inference Fabric: the one entry point (DESIGN.md section 6).
+"""Inference Fabric: the one entry point (docs/operations.md).
 
 python run.py --config prod.toml                   serve: recovery, then all stages; SIGTERM drains
 python run.py demo                                 the real pipeline on a real model, on the CPU

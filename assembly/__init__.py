@@ -3,7 +3,7 @@
 Every folder imports only from the floors beneath it (the contracts in
 `[tool.importlinter]` of pyproject.toml): pipeline/ (0), config/ (1),
 router/ (2), ingest/ and gpu/ (3), collector/ (4), api/ (5, the HTTP API),
-and on top this package, run.py and bench/ (DESIGN section 7 of the project's design). What names the stages of several floors at once lives here:
+and on top this package, run.py and bench/ (docs/architecture.md, "Floors"). What names the stages of several floors at once lives here:
 
 | module                 | what                                                         |
 |------------------------|--------------------------------------------------------------|

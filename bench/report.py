@@ -13,7 +13,7 @@ from pathlib import Path
 
 INTRO = """# Benchmarks
 
-Each benchmark is one command under `bench/` (STYLE.md practice 10). It runs
+Each benchmark is one command under `bench/`. It runs
 on the machine it is given, prints a table (median and spread over repeats,
 the command line, the machine) and rewrites its own section below, so every
 number here was measured in one run, on the machine it names. Benchmarks are

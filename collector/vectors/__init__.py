@@ -1,4 +1,4 @@
-"""Vector shards: a journalled, append-only home for embeddings (DESIGN.md section 5)."""
+"""Vector shards: a journalled, append-only home for embeddings (docs/vectors.md)."""
 
 from collector.vectors.shard import (
     Shard,

@@ -1,6 +1,6 @@
 """The vector stage: stores recovered, the sink fed, searches and reads answered.
 
-Sockets (bound only once every store has been recovered, DESIGN section 5):
+Sockets (bound only once every store has been recovered; docs/vectors.md):
 
 | socket          | kind   | peer                                                                 |
 |-----------------|--------|----------------------------------------------------------------------|
