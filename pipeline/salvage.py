@@ -7,9 +7,15 @@ start, with the data dir locked and before any stage runs, `isolate()`:
 
 1. Finds the layout it can trust. A header whose checksum holds is trusted.
    A header whose checksum fails is trusted only where a second source agrees
-   with it: segment id, kind, model, shape and lane must match the file name,
-   and slot size and capacity must give exactly the file's size (a damaged
+   with it: segment id, kind, shape and lane must match the file name, and
+   slot size and capacity must give exactly the file's size (a damaged
    header on a truncated file has no second source: nothing is trusted).
+   An input segment's model is taken from its file name, which spells it
+   whole (a model's name is made of file-safe characters only,
+   config/rules.py): a damaged byte of the header's name field (a letter,
+   or its NUL padding) costs nothing, and no item is served under a name
+   the damage made up. The creation time has no second source and nothing
+   needs it: it is kept as read.
 2. Reads the slots it can trust: inside the file, marker exactly LIVE (state
    LIVE, attempts byte anything, upper bytes zero: docs/segment-log.md),
    checksum valid, and seq agreeing with the slot's job and index.
@@ -58,6 +64,7 @@ from pipeline.segment_format import (
     live_markers,
     parse_header,
     parse_segment_file_name,
+    segment_file_model,
     segment_file_name,
     slot_checksums,
 )
@@ -95,6 +102,8 @@ def trusted_header(path: Path, raw: bytes, size: int) -> SegmentHeader | None:
     if slot_bytes % 8 or slot_bytes <= SLOT_HEADER_BYTES or capacity < 1:
         return None
     model = name.rstrip(b"\0").decode("utf-8", "replace")
+    if kind == KIND_INPUT:  # its file name spells the model whole: trust no damaged name field
+        model = segment_file_model(path.name) or ""
     if not model or len(model.encode()) > NAME_BYTES:
         return None
     key = SegmentKey(kind, model, shape, lane)

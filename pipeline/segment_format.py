@@ -198,6 +198,14 @@ def parse_segment_file_name(name: str) -> tuple[int, int, int, int] | None:
     return kind, int(segment_id), int(shape), int(lane)
 
 
+def segment_file_model(name: str) -> str | None:
+    """The model (input) or job id (completion) part of a name `segment_file_name` made, in
+    its file-safe form; None if it is not one. A model's name is made of file-safe characters
+    only (config/rules.py), so an input segment's file name spells its model whole."""
+    found = _FILE_NAME.match(name)
+    return None if found is None else found.group(3)
+
+
 def slot_dtype(slot_bytes: int) -> np.dtype:
     """The slot table as a numpy structured dtype."""
     return np.dtype(

@@ -144,6 +144,34 @@ def test_a_damaged_segment_is_isolated_and_everything_else_is_served(tmp_path, q
     again.close()
 
 
+def test_a_flipped_byte_of_the_model_name_in_a_header_leaves_every_item_served(
+    tmp_path, queued_job
+):
+    """Issue 30 point 6: a flipped letter of the header's model name ("echo", bytes 48..51)
+    or of its NUL padding (52..111) made every item of its segment a corrupt_input error;
+    the file name spells the model, so they are all served."""
+    b, stored = queued_job
+    segments = segments_by_size(b)
+    assert len(segments) >= 3, "the job should spread over several lanes"
+    for (path, _, _), offset in zip(segments, (48, 51 + 26, 111), strict=False):
+        with open(path, "r+b") as f:
+            f.seek(offset)
+            byte = f.read(1)[0]
+            assert (byte != 0) == (offset < 52), (path.name, offset)  # a letter, or padding
+            f.seek(offset)
+            f.write(bytes([byte ^ 0x01]))
+    again = restart_and_finish(tmp_path, b)
+    counts, codes = delivered(again, tmp_path)
+    assert codes == {}  # nothing became corrupt_input
+    assert set(counts) == {f"r{i}" for i in stored} and set(counts.values()) == {1}
+    assert len(again.broker_status()["damaged_segments"]) == 3
+    assert again.stop() == exitcodes.OK, again.stderr
+    check = cli(again.config, "check")
+    assert check.returncode == 0, check.stdout
+    assert_check_clean(again.data_dir)
+    again.close()
+
+
 def test_rotten_markers_and_a_rotten_last_slot_end_as_errors_and_check_says_so(
     tmp_path, queued_job
 ):

@@ -473,6 +473,38 @@ def test_cancel_retires_queued_items_as_cancelled_with_honest_counts(tmp_path, b
     stop_and_check(b)
 
 
+def test_cancelled_items_leave_the_queue_count_and_stay_out_once_retired(tmp_path, broker):
+    """Issue 30 point 9: the cancelled items left the queue count when cancelled, and came
+    back into it once completion retired them (RETIRED cleared their `out` flags), so two
+    cancelled jobs went on being shown queued. Both jobs share segments; no worker takes work,
+    so every item of the other job stays queued, and the count must be exactly those."""
+    b = broker(workers=0)
+
+    def queued() -> tuple[int, float]:
+        """(the status answer's queued items, the fabric_queued_items metric)."""
+        status = sum(q["queued"] for q in b.broker_status()["queues"])
+        return status, b.metric("fabric_queued_items")
+
+    submit_job(b, tmp_path, 300, "keep")
+    submit_job(b, tmp_path, 300, "drop")
+    wait_for(lambda: queued() == (600, 600), "both jobs to be counted queued", timeout_s=30)
+    assert cli(b, "cancel", "drop").returncode == 0
+    wait_for(lambda: job_info(b, "drop")["state"] == "cancelled", "the job to end cancelled")
+    wait_for(  # dispatch has had completion's RETIRED for every cancelled item
+        lambda: b.broker_status()["unretired_item_errors"] == 0,
+        "the cancelled items to be retired",
+        timeout_s=30,
+    )
+    wait_for(lambda: queued() == (300, 300), "only job keep to be counted", timeout_s=15)
+    assert job_info(b, "keep")["pending"] == 300
+    assert b.stop() == exitcodes.OK, b.stderr
+    b = Broker(b.config).start()  # the next life finds the cancelled items DEAD on disk
+    try:
+        wait_for(lambda: queued() == (300, 300), "only job keep to be counted", timeout_s=15)
+    finally:
+        stop_and_check(b)
+
+
 def test_delivered_results_expire_after_retention_and_finished_inputs_are_collected(
     tmp_path, broker
 ):

@@ -252,3 +252,31 @@ def test_a_corrupt_slot_that_does_not_say_which_item_it_holds_blames_no_item(dat
     assert batch.items["slot"].tolist() == [0, 3]
     quarantined = s.take_outcomes().quarantined
     assert quarantined["slot"].tolist() == [1] and quarantined["seq"].tolist() == [int(seq[1])]
+
+
+def test_cancelled_items_leave_the_queue_depth_and_stay_out_once_retired(data_dir):
+    """Issue 30 point 9: a cancelled job's queued items left the count when cancelled and came
+    back once retired (RETIRED cleared their `out` flags); a state loaded from the segment
+    after a restart counted them again too (their markers DEAD past the first LIVE slot)."""
+    key = SegmentKey(KIND_INPUT, "m", 1, LANE)
+    seg = Segment.create(data_dir.segments, 1, key, slot_bytes_for(LANE * 4), 1000)
+    _, _, _, counts, tokens = make_batch(np.random.default_rng(1), 400, 1)
+    jobs = np.where(np.arange(400) % 2 == 0, 5, 6).astype(np.uint64)  # jobs 5 and 6 interleaved
+    index = np.arange(400, dtype=np.uint32) // 2
+    seg.append(item_seq.seq_of(jobs, index), jobs, index, counts, tokens)
+    s = state(seg)
+
+    def waiting(s: DispatchState) -> int:
+        return sum(q.waiting for q in s.queue_depth())
+
+    assert waiting(s) == 400
+    assert s.cancel_job(6) == 200
+    assert waiting(s) == 200
+    cancelled = s.take_outcomes().cancelled
+    seg.tombstone(cancelled["slot"].astype(np.int64))  # completion stores their errors
+    s.retired(1, cancelled["slot"].astype(np.int64))
+    assert waiting(s) == 200
+    batch = s.next_batch("w", "m", max_items=10, max_tokens=10**6, now=0.0)
+    assert item_seq.job_of(batch.items["seq"]).tolist() == [5] * 10
+    assert waiting(s) == 190
+    assert waiting(state(seg)) == 200  # the next life: nothing on lease, the DEAD stay out

@@ -327,6 +327,33 @@ def test_a_stored_embedding_with_nan_or_inf_becomes_an_error_line():
     assert page_keys(page, context())[1] == ["custom_id:a", "custom_id:c"]
 
 
+def test_a_line_this_client_cannot_render_becomes_its_error_line_and_the_page_is_written():
+    """Issue 30 point 2: a line whose rendering raises (here the tokenizer fails on one line's
+    token ids, in the templated path) is that line's `invalid_result` error line; the page's
+    other lines are written as a page without it gives them, and the keys follow."""
+
+    def decode(ids: list[int]) -> str:
+        if 13 in ids:
+            raise ValueError("token id 13 is not in the vocabulary")
+        return words(ids)
+
+    good = [
+        (0, "a", CHAT, 1, tokens(1, 2)),
+        (2, "c", EMBED, 1, floats(1, 2)),
+        (3, "d", COMPLETE, 1, tokens(4)),
+    ]
+    page = make_page([*good[:1], (1, "b", COMPLETE, 1, tokens(13, 5)), *good[1:]])
+    out, err = format_page(page, context(decode))
+    assert out == format_page(make_page(good), context(decode))[0]
+    [error] = parse(err)
+    assert (error["custom_id"], error["error"]["code"]) == ("b", "invalid_result")
+    message = error["error"]["message"]
+    assert "ValueError: token id 13 is not in the vocabulary" in message
+    assert "report it with the job id" in message
+    out_keys, err_keys = page_keys(page, context(decode))
+    assert (out_keys, err_keys) == (["custom_id:a", "custom_id:c", "custom_id:d"], ["custom_id:b"])
+
+
 # Output files
 
 

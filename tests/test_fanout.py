@@ -39,7 +39,7 @@ GEN_MODEL = """
 [[models]]
 name = "gen"
 engine = "echo"
-endpoints = ["/v1/embeddings", "/v1/completions", "/v1/chat/completions"]
+endpoints = ["/v1/embeddings", "/v1/completions", "/v1/chat/completions", "/v1/responses"]
 tokenizer = "{tokenizer}"
 max_tokens = 64
 """

@@ -15,6 +15,7 @@ import openai.types
 import orjson
 
 from collector.delivery import join, lines
+from collector.delivery.join import join_lines
 from collector.delivery.lines import format_page, page_keys
 from collector.delivery.result_page import ExportContext, ResultPage
 from pipeline.result_kinds import ResultKind, ResultStatus
@@ -70,6 +71,82 @@ def test_a_fan_out_page_is_rendered_once_and_never_parsed_back(monkeypatch):
     assert body.usage.prompt_tokens == 8
     [error] = [json.loads(x) for x in err]
     assert error["custom_id"] == "c1" and error["error"]["message"].startswith("part 1 of 4: ")
+
+
+def _completion_row(part: int, cached: int, reasoning: int) -> dict:
+    """A rendered /v1/completions row whose usage carries OpenAI's nested details."""
+    usage = {
+        "prompt_tokens": 3,
+        "completion_tokens": 2,
+        "total_tokens": 5,
+        "prompt_tokens_details": {"cached_tokens": cached, "audio_tokens": 0},
+        "completion_tokens_details": {"reasoning_tokens": reasoning, "audio_tokens": 0},
+    }
+    choice = {"index": 0, "text": f"t{part}", "logprobs": None, "finish_reason": "stop"}
+    body = {
+        "id": "cmpl-r",
+        "object": "text_completion",
+        "created": 1,
+        "model": "m",
+        "choices": [choice],
+        "usage": usage,
+    }
+    response = {"status_code": 200, "request_id": "r", "body": body}
+    return {"id": "batch_req_x", "custom_id": "c", "response": response, "error": None}
+
+
+def test_usage_is_joined_field_by_field_nested_details_too():
+    """Issue 30 point 2: nested usage objects were added to an int (TypeError), which took the
+    whole page down on every fetch; they are summed field by field."""
+    rows = [_completion_row(p, cached=p + 1, reasoning=2 * p) for p in range(3)]
+    [(first, line)], err = join_lines(
+        np.zeros(3),
+        np.array([2, 0, 1]),
+        [(0, True, rows[2]), (1, True, rows[0]), (2, True, rows[1])],
+    )
+    assert (first, err) == (1, [])
+    body = openai.types.Completion.model_validate(orjson.loads(line)["response"]["body"])
+    assert [c.text for c in body.choices] == ["t0", "t1", "t2"]
+    usage = body.usage
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (9, 6, 15)
+    assert usage.prompt_tokens_details.cached_tokens == 1 + 2 + 3
+    assert usage.completion_tokens_details.reasoning_tokens == 0 + 2 + 4
+    assert usage.completion_tokens_details.audio_tokens == 0
+
+
+def test_a_line_the_client_cannot_render_or_join_is_its_own_error_line(monkeypatch):
+    """Issue 30 point 2: a row whose rendering raises makes its line an `invalid_result` error
+    line (`part P of K: ...`), and so does a line whose rows cannot be joined; the page's other
+    lines are delivered."""
+    page = fanned_page(failed_row=11)  # lines c0 (rows 0-3), c1 (4-7), c2 (8-11, 11 failed)
+    context = ExportContext("job", "m", {1: {"endpoint": "/v1/embeddings"}})
+    embedding_body = lines._embedding_body
+
+    def body_of(embedding, *args):
+        if embedding[0] == 3.0:  # row 1's vector (3, 4, 5)
+            raise ValueError("cannot render (3, 4, 5)")
+        return embedding_body(embedding, *args)
+
+    monkeypatch.setattr(lines, "_embedding_body", body_of)
+    out, err = format_page(page, context)
+    assert [json.loads(x)["custom_id"] for x in out] == ["c1"]
+    assert len(json.loads(out[0])["response"]["body"]["data"]) == 4
+    errors = {e["custom_id"]: e["error"] for e in map(json.loads, err)}
+    assert set(errors) == {"c0", "c2"}
+    assert errors["c0"]["code"] == "invalid_result"
+    assert errors["c0"]["message"].startswith("part 1 of 4: ")
+    assert "ValueError: cannot render (3, 4, 5)" in errors["c0"]["message"]
+    assert errors["c2"]["code"] == "engine_error"
+    # a line whose rows cannot be joined (here a row without its `data`) is its own error line
+    rows = [(r, True, _completion_row(r, 0, 0)) for r in range(2)]
+    del rows[1][2]["response"]["body"]["choices"]
+    joined, failed = join_lines(
+        np.array([0, 0, 1]), np.array([0, 1, 0]), [*rows, (2, True, _completion_row(0, 0, 0))]
+    )
+    assert [row for row, _ in joined] == [2]
+    [(row, (code, message))] = failed
+    assert (row, code) == (0, "invalid_result")
+    assert "could not join its 2 part(s) (KeyError" in message
 
 
 def test_completion_reads_past_the_parts_of_lines_not_done_yet(data_dir):

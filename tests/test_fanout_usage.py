@@ -10,14 +10,21 @@ docs/completion.md, "Lines and parts".
 
 from __future__ import annotations
 
+import os
+import signal
+from pathlib import Path
+
 import numpy as np
 import openai.types
 import test_fanout
 from broker import Broker
 from conftest import assert_check_clean
-from test_dispatch_pipeline import job_info
-from test_fanout import line, outputs, run_job
+from test_dispatch_pipeline import assert_each_once, job_info
+from test_fanout import line, outputs, run_job, write
+from test_oneshot import RUN_BOUND_S, batch
 
+from pipeline import exitcodes
+from pipeline.datadir import DataDir
 from pipeline.item_seq import PART_BASE
 from pipeline.line_table import LineTable
 
@@ -87,3 +94,66 @@ def test_usage_counts_each_prompt_once_for_n_samples_in_bodies_and_job_totals(tm
     finally:
         assert again.stop() == 0, again.stderr
     assert_check_clean(b.data_dir)
+
+
+# A /v1/responses line (its usage holds objects: input_tokens_details, output_tokens_details)
+# in a job with fan-out lines: every row of such a job's pages is joined, one-part lines too.
+MIXED = [
+    line("resp", "/v1/responses", model="gen", input="w1 w2 w3", max_output_tokens=8),
+    line("prompts", "/v1/completions", model="gen", prompt=["w1 w2", "w3"], max_tokens=8),
+    line(
+        "chat-n",
+        "/v1/chat/completions",
+        model="gen",
+        messages=[{"role": "user", "content": "w4 w5"}],
+        n=2,
+        max_tokens=8,
+    ),
+]
+
+
+def _assert_mixed_delivered(out: Path) -> None:
+    """Each MIXED line once, as an output line in the openai package's types, usage summed."""
+    assert_each_once(out, len(MIXED))
+    got = outputs(out)
+    assert set(got) == {x["custom_id"] for x in MIXED}
+
+    def body(custom_id: str) -> dict:
+        return got[custom_id]["response"]["body"]
+
+    resp = openai.types.responses.Response.model_validate(body("resp")).usage
+    assert resp.input_tokens > 3  # the input, in the model's chat template
+    assert resp.output_tokens == len(body("resp")["token_ids"]) == 8  # echo, cut at the most
+    assert resp.total_tokens == resp.input_tokens + resp.output_tokens
+    assert resp.input_tokens_details.cached_tokens == 0
+    assert resp.output_tokens_details.reasoning_tokens == 0
+    prompts = openai.types.Completion.model_validate(body("prompts"))
+    assert [c.text for c in prompts.choices] == ["w1 w2", "w3"]
+    usage = prompts.usage
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (3, 3, 6)
+    chat = openai.types.chat.ChatCompletion.model_validate(body("chat-n"))
+    generated = [len(c.model_extra["token_ids"]) for c in chat.choices]
+    assert len(generated) == 2 and generated[0] == generated[1] > 0
+    assert chat.usage.completion_tokens == sum(generated)  # the prompt counts once
+    assert chat.usage.total_tokens == chat.usage.prompt_tokens + chat.usage.completion_tokens
+
+
+def test_a_responses_line_beside_fan_out_lines_is_delivered_by_results_and_batch(tmp_path, broker):
+    b = broker(workers=1)
+    _assert_mixed_delivered(run_job(b, tmp_path, "mixed", MIXED))
+    assert b.stop() == 0, b.stderr
+    assert_check_clean(b.data_dir)
+    # `run.py batch`: its own broker, the same file
+    source, out = write(tmp_path / "batch.jsonl", MIXED), tmp_path / "batch" / "out.jsonl"
+    out.parent.mkdir()
+    tokenizer = str(tmp_path / "tokenizer.json")  # the broker's config wrote it
+    args = ("--model", "gen", "--engine", "echo", "--tokenizer", tokenizer)
+    log = tmp_path / "batch.err"
+    proc = batch(str(source), "-o", str(out), *args, log=log)
+    try:
+        assert proc.wait(timeout=RUN_BOUND_S) == exitcodes.OK, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    _assert_mixed_delivered(out)
+    assert_check_clean(DataDir(out.parent / "out.jsonl.fabric" / "data"))

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from conftest import KEY, SLOT_BYTES
 
+from pipeline.datadir import DataDir
 from pipeline.recovery import recover
 from pipeline.salvage import isolate, isolated_files
 from pipeline.segment import Segment
@@ -69,7 +70,24 @@ def test_a_header_that_fails_its_checksum_is_trusted_where_name_and_size_agree(
     assert isolated_seqs(data_dir, damaged_input) == [i for i in range(40) if i != 6]
 
 
-@pytest.mark.parametrize("offset", [24, 32, 48])  # shape, slot_bytes, the model's name
+def test_a_flipped_byte_of_the_model_name_field_leaves_every_item_served(tmp_path, damaged_input):
+    """Issue 30 point 6: the name field (bytes 48..111: the letters of "minilm", then its NUL
+    padding) was believed only if it still spelt the file name's model, so one flipped byte
+    of it made every item a corrupt_input error; the file name spells the model whole."""
+    pristine = damaged_input.read_bytes()
+    assert KEY.name == "minilm" and pristine[48:54] == b"minilm"
+    for offset in range(48, 112):
+        data_dir = DataDir(tmp_path / f"flipped-{offset}").ensure()
+        path = data_dir.segments / damaged_input.name
+        path.write_bytes(pristine)
+        flip(path, offset)
+        assert isolated_seqs(data_dir, path) == [i for i in range(40) if i != 6], offset
+        (into,) = data_dir.segments.glob("in-*.seg")
+        with Segment.open(into) as seg:
+            assert seg.header.key == KEY, offset
+
+
+@pytest.mark.parametrize("offset", [24, 32])  # shape, slot_bytes
 def test_a_damaged_header_field_that_disagrees_trusts_nothing(data_dir, damaged_input, offset):
     flip(damaged_input, offset)
     assert isolated_seqs(data_dir, damaged_input) == []

@@ -11,12 +11,20 @@ are joined, in part order:
 |----------|-------------|
 | `/v1/embeddings` | `data[p]` = part p's embedding object with `"index": p`; `usage` summed |
 | `/v1/completions`, `/v1/chat/completions` | `choices[p]` = part p's choice with `"index": p`; `usage` summed |
+| any, a line of one part (every `/v1/responses` line) | the part's line as rendered |
+
+`usage` is summed field by field over the parts: a number is added, an
+object (`prompt_tokens_details`, `completion_tokens_details`,
+`input_tokens_details`, `output_tokens_details`) is summed field by field
+the same way, and any other value is part 0's.
 
 The line's `id` and `request_id` are part 0's (they depend only on the
 line's index). A line with any part that failed (an error result, or a
 result that cannot be rendered) becomes one error line with that part's
-code and the message `part P of K: MESSAGE`, P its first failed part. Lines
-come out in the order their first row has in the page.
+code and the message `part P of K: MESSAGE`, P its first failed part. A
+line whose rows this client cannot join becomes an `invalid_result` error
+line (its own; the rest of the page is delivered). Lines come out in the
+order their first row has in the page.
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ from typing import Any
 
 import numpy as np
 import orjson
+
+from collector.delivery.result_page import INVALID_RESULT
 
 _DUMPS_OPTIONS = orjson.OPT_APPEND_NEWLINE | orjson.OPT_SERIALIZE_NUMPY
 
@@ -53,17 +63,22 @@ def join_lines(
             err.append((rows[0], (code, f"part {part_l[failed[0]]} of {len(rows)}: {message}")))
             continue
         lines = [by_row[r][1] for r in rows]
-        out.append((rows[0], _joined(lines, [part_l[r] for r in rows])))
+        try:  # a fault of this client's on one line is that line's error, not the page's
+            out.append((rows[0], _joined(lines, [part_l[r] for r in rows])))
+        except Exception as exc:
+            why = f"the client could not join its {len(rows)} part(s) ({type(exc).__name__}: {exc})"
+            err.append((rows[0], (INVALID_RESULT, f"{why}; report it with the job id")))
     return out, err
 
 
 def _joined(lines: list[dict[str, Any]], parts: list[int]) -> bytes:
     first = lines[0]
+    if len(lines) == 1:  # a line of one part (a /v1/responses line among them) is as rendered
+        return orjson.dumps(first, option=_DUMPS_OPTIONS)
     body = first["response"]["body"]
-    usage: dict[str, int] = {}
+    usage: dict[str, Any] = {}
     for line in lines:
-        for key, value in line["response"]["body"].get("usage", {}).items():
-            usage[key] = usage.get(key, 0) + value
+        _add_usage(usage, line["response"]["body"].get("usage") or {})
     key = "data" if "data" in body else "choices"
     joined = []
     for line, p in zip(lines, parts, strict=True):
@@ -74,3 +89,15 @@ def _joined(lines: list[dict[str, Any]], parts: list[int]) -> bytes:
     if usage:
         body["usage"] = usage
     return orjson.dumps(first, option=_DUMPS_OPTIONS)
+
+
+def _add_usage(total: dict[str, Any], usage: dict[str, Any]) -> None:
+    """Add one part's `usage` into `total`, field by field: numbers summed, objects (the
+    `*_tokens_details`) summed the same way, anything else kept as the first part gave it."""
+    for key, value in usage.items():
+        if isinstance(value, dict):
+            _add_usage(total.setdefault(key, {}), value)
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            total[key] = total.get(key, 0) + value
+        else:
+            total.setdefault(key, value)

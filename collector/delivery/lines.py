@@ -19,6 +19,10 @@ infinite values) becomes an `invalid_result` error line for its item, and
 the rest of its page is written; only a page whose columns disagree raises
 PageError. Completion refuses such results before it stores them
 (collector/completion/result_check.py); this covers data stored before it did.
+So does a line this client fails to render (whatever its renderer raises: when
+a page fails, each of its lines is rendered alone, and the ones that fail
+become `invalid_result` error lines naming the exception), and a fan-out line
+it fails to join (collector/delivery/join.py): no line takes its page down.
 
 Payload, by `kind` and `status` (pipeline/result_kinds.py):
 
@@ -30,7 +34,7 @@ Payload, by `kind` and `status` (pipeline/result_kinds.py):
 | 3 `TOKEN_LOGPROBS` | 0 RESULT | tokens with log probabilities (pipeline/token_logprobs.py) | a chat.completion or text_completion line whose choice has `logprobs` (collector/delivery/logprobs.py) |
 
 Line forms (`id` and `request_id` depend only on (job_id, index), so a
-re-fetch writes identical bytes; error lines are rendered by
+re-fetch writes identical bytes: collector/delivery/line_ids.py; error lines are rendered by
 `LineError.to_batch_error`, the same form ingest uses for bad input lines):
 
 | file | form |
@@ -69,19 +73,20 @@ ever being taken for one.
 from __future__ import annotations
 
 import base64
-import hashlib
 import re
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any
 
 import numpy as np
 import orjson
 
-from collector.delivery import line_templates
+from collector.delivery import line_ids, line_templates
 from collector.delivery.join import join_lines
 from collector.delivery.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from collector.delivery.responses import response_body
 from collector.delivery.result_page import (
+    INVALID_RESULT,
+    ITEM_FAILED,
     Checked,
     ExportContext,
     PageError,
@@ -95,15 +100,10 @@ from pipeline.ragged import ranges
 from pipeline.result_kinds import ResultKind
 from pipeline.token_logprobs import unpack
 
-ITEM_FAILED: Final = "item_failed"
-INVALID_RESULT: Final = "invalid_result"  # a stored result that cannot be rendered
-
 _BARE_CODE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _DUMPS_OPTIONS = orjson.OPT_APPEND_NEWLINE | orjson.OPT_SERIALIZE_NUMPY
-_HEX_PAIRS = np.frombuffer(b"".join(b"%02x" % i for i in range(256)), dtype="<u2")  # byte -> hex
 _CUSTOM_ID_KEY = "custom_id:"
 _NONE = (np.zeros(0, dtype=np.int64), {})  # a Checked's errors and invalid, when none
-_U64 = np.uint64
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,11 @@ def render_page(page: ResultPage, context: ExportContext) -> RenderedPage:
         out_lines, err_lines, out_keys, err_keys = _joined_page(page, context)
         return RenderedPage(b"".join(out_lines), out_keys, b"".join(err_lines), err_keys)
     checked = check_page(page, context)
-    out, out_keys, out_custom_ids = _render_results(page, context, checked)
+    try:
+        out, out_keys, out_custom_ids = _render_results(page, context, checked)
+    except Exception:  # some line this client cannot render: that line's error, not the page's
+        checked = _without_unrenderable(page, context, checked)
+        out, out_keys, out_custom_ids = _render_results(page, context, checked, templates=False)
     err_lines, err_keys = _error_lines(page, context, checked)
     return RenderedPage(out, out_keys, b"".join(err_lines), err_keys, out_custom_ids)
 
@@ -146,7 +150,8 @@ def format_page(page: ResultPage, context: ExportContext) -> tuple[list[bytes], 
 
 
 def page_keys(page: ResultPage, context: ExportContext) -> tuple[list[str], list[str]]:
-    """The keys of `format_page`'s (output lines, error lines), in the same order."""
+    """The keys of `format_page`'s (output lines, error lines), in the same order (of a fan-out
+    page, named without rendering it: a line this client then fails to render is named OUT)."""
     if page.part is not None:
         return _joined_keys(page, context, check_page(page, context))
     rendered = render_page(page, context)
@@ -187,13 +192,14 @@ def _joined_page(page: ResultPage, context: ExportContext):
             f"job {context.job_id}: result page column part has {len(page.part)} entries for "
             f"{len(page.index)} items; the broker sent a malformed page, report it with the job id"
         )
-    results = checked.results.tolist()
-    rendered: list[tuple[int, bool, Any]] = [
-        (i, True, line)
-        for i, line in zip(
-            results, format_lines_one_by_one(page, context, checked, as_dicts=True), strict=True
-        )
-    ]
+    try:
+        lines = format_lines_one_by_one(page, context, checked, as_dicts=True)
+    except Exception:  # some row this client cannot render: its line's error, not the page's
+        checked = _without_unrenderable(page, context, checked)
+        lines = format_lines_one_by_one(page, context, checked, as_dicts=True)
+    rendered: list[tuple[int, bool, Any]] = list(
+        zip(checked.results.tolist(), [True] * len(lines), lines, strict=True)
+    )
     offsets = page.offsets.tolist()
     payload = memoryview(np.ascontiguousarray(page.payload, dtype=np.uint8))
     for i in checked.errors.tolist():
@@ -203,7 +209,7 @@ def _joined_page(page: ResultPage, context: ExportContext):
         rendered.append((i, False, (INVALID_RESULT, message)))
     out, err = join_lines(page.index, page.part, rendered)
     job_id, custom_ids, index = context.job_id, page.custom_ids, page.index.tolist()
-    ids = _request_ids(job_id, page.index)[0] if len(index) else []
+    ids = line_ids.request_ids(job_id, page.index)[0] if len(index) else []
     out_keys = [line_key(custom_ids[r], "batch_req_" + ids[r]) for r, _ in out]
     err_lines, err_keys = [], []
     for r, (code, message) in err:
@@ -211,6 +217,23 @@ def _joined_page(page: ResultPage, context: ExportContext):
         err_lines.append(error.to_batch_error_line(job_id))
         err_keys.append(line_key(custom_ids[r], f"{job_id}-line-{index[r] + 1}"))
     return [line for _, line in out], err_lines, out_keys, err_keys
+
+
+def _without_unrenderable(page: ResultPage, context: ExportContext, checked: Checked) -> Checked:
+    """`checked` less the results this client fails to render, each tried alone (one by one:
+    the templates' bytes); each goes to `invalid`, to become its line's `invalid_result` error
+    line. Only after a page failed to render: a fault in one line never takes down its page."""
+    keep, invalid = [], dict(checked.invalid)
+    for j, i in enumerate(checked.results.tolist()):
+        one = Checked(checked.results[j : j + 1], checked.endpoints[j : j + 1], *_NONE)
+        try:
+            format_lines_one_by_one(page, context, one)
+            keep.append(j)
+        except Exception as exc:  # whatever this client's rendering raises on it
+            invalid[i] = f"could not be rendered by this client ({type(exc).__name__}: {exc})"
+    kept = np.asarray(keep, dtype=np.int64)
+    endpoints = [checked.endpoints[j] for j in keep]
+    return Checked(checked.results[kept], endpoints, checked.errors, invalid, checked.by_shape)
 
 
 def _joined_keys(page: ResultPage, context: ExportContext, checked: Checked):
@@ -224,7 +247,7 @@ def _joined_keys(page: ResultPage, context: ExportContext, checked: Checked):
         if row in failed:
             bad.add(line)
     job_id, custom_ids = context.job_id, page.custom_ids
-    ids = _request_ids(job_id, page.index)[0] if len(page.index) else []
+    ids = line_ids.request_ids(job_id, page.index)[0] if len(page.index) else []
     out_keys = [
         line_key(custom_ids[r], "batch_req_" + ids[r]) for n, r in first.items() if n not in bad
     ]
@@ -253,15 +276,15 @@ def line_key(custom_id: str | None, line_id: str) -> str:
 
 
 def _render_results(
-    page: ResultPage, context: ExportContext, checked: Checked
+    page: ResultPage, context: ExportContext, checked: Checked, templates: bool = True
 ) -> tuple[bytes, list[str] | None, list[str] | None]:
     """(output lines as one buffer, their keys, or None and their custom_ids when none is
     null) for the checked results, in page order: each form's results a whole page at once
-    (line_templates.py), the rest one by one."""
+    (line_templates.py), the rest one by one (all of them without `templates`)."""
     results = checked.results
     if not len(results):
         return b"", [], None
-    hex_ids = _request_id_hex(context.job_id, page.index[results])
+    hex_ids = line_ids.request_id_hex(context.job_id, page.index[results])
     custom_ids = page.custom_ids
     if len(results) != len(custom_ids):
         custom_ids = np.asarray(custom_ids, dtype=object)[results].tolist()
@@ -272,7 +295,7 @@ def _render_results(
             line_key(c, "batch_req_" + line_id.decode())
             for c, line_id in zip(custom_ids, ids, strict=True)
         ]
-    forms = _forms(page, context, checked)
+    forms = _forms(page, context, checked, templates)
     offsets = np.asarray(page.offsets, dtype=np.int64)
     starts = offsets[results]
     counts = (offsets[results + 1] - starts) // 4
@@ -314,11 +337,15 @@ def _render_results(
     return b"".join(by_row.tolist()), keys, bare
 
 
-def _forms(page: ResultPage, context: ExportContext, checked: Checked) -> np.ndarray:
+def _forms(
+    page: ResultPage, context: ExportContext, checked: Checked, templates: bool = True
+) -> np.ndarray:
     """Per checked result, its template's number in line_templates.FORMS (their count: one
-    by one)."""
+    by one, as every one is without `templates`)."""
     shape_ids = page.shape[checked.results]
     forms = np.full(len(shape_ids), len(line_templates.FORMS), dtype=np.int64)
+    if not templates:
+        return forms
     for shape_id in np.unique(shape_ids).tolist():
         rows = np.flatnonzero(shape_ids == shape_id)
         endpoint = checked.endpoints[int(rows[0])][0]
@@ -352,7 +379,7 @@ def format_lines_one_by_one(
         tokens = words[ranges(word_starts, token_counts)].tolist()
     else:
         token_starts, tokens = word_starts, words.tolist()
-    ids, request_ids = _request_ids(context.job_id, page.index[results])
+    ids, request_ids = line_ids.request_ids(context.job_id, page.index[results])
     created = context.created_ns // 1_000_000_000
     model, decode, custom_ids = context.model, context.decode, page.custom_ids
     prompts, counts_l = page.prompt_tokens[results].tolist(), counts.tolist()
@@ -452,35 +479,9 @@ def _generated_body(
     }
 
 
-def _request_ids(job_id: str, index: np.ndarray) -> tuple[list[str], list[str]]:
-    """(id hex, request_id hex) per item: 32 hex digits each, fixed by (job_id, index)."""
-    text = _request_id_hex(job_id, index).view("S32").astype("U32")
-    return text[:, 0].tolist(), text[:, 1].tolist()
-
-
-def _request_id_hex(job_id: str, index: np.ndarray) -> np.ndarray:
-    """[n, 64] u1: the id's 32 hex digits, then the request_id's, fixed by (job_id, index).
-
-    Four splitmix64 finalisers of the index, keyed by a blake2b digest of the
-    job id; each is a bijection of the index, so ids never repeat inside a job.
-    """
-    keys = np.frombuffer(hashlib.blake2b(job_id.encode(), digest_size=32).digest(), dtype="<u8")
-    x = np.asarray(index, dtype=_U64)[:, None] + keys.astype(_U64)[None, :]
-    x = (x ^ (x >> _U64(30))) * _U64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> _U64(27))) * _U64(0x94D049BB133111EB)
-    x = x ^ (x >> _U64(31))
-    raw = x.astype(">u8").view(np.uint8).reshape(len(x), 32)
-    return np.take(_HEX_PAIRS, raw).view(np.uint8).reshape(len(x), 64)  # two digits a byte
-
-
 def _split_error(payload: bytes) -> tuple[str, str]:
     text = payload.decode("utf-8", errors="replace")
     code, sep, message = text.partition(": ")
     if sep and _BARE_CODE.fullmatch(code):
         return code, message
     return ITEM_FAILED, text or "the item failed and its worker gave no reason"
-
-
-def _where(job_id: str, item: int, what: str, fix: str = "") -> str:
-    fix = fix or "the broker sent a malformed result page: report it with the job id"
-    return f"job {job_id}: item {item} (line {item + 1}) {what}; {fix}"

@@ -4,14 +4,15 @@
 from the page's job; `check_page` sorts the page's entries into results to
 render, stored errors, and stored results that cannot be rendered (each of
 those becomes an `invalid_result` error line, collector/delivery/lines.py),
-and raises `PageError` when the page's columns disagree.
+and raises `PageError` when the page's columns disagree. The error codes the
+client itself gives (`item_failed`, `invalid_result`) live here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
@@ -20,6 +21,9 @@ from pipeline.errors import FabricError
 from pipeline.ragged import offsets_problem, ranges
 from pipeline.result_kinds import ResultKind, ResultStatus
 from pipeline.token_logprobs import HEADER_WORDS, headers
+
+ITEM_FAILED: Final = "item_failed"  # a stored error whose text names no code
+INVALID_RESULT: Final = "invalid_result"  # a stored result this client cannot render
 
 
 class PageError(FabricError):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipeline.segment import Segment
-from pipeline.segment_format import live_markers
+from pipeline.segment_format import DEAD, STATE_MASK, live_markers
 
 SCAN_MARKERS = 1 << 16  # markers examined per step when looking for free slots
 
@@ -39,7 +39,7 @@ class SegmentQueue:
     priority: int
     cursor: int
     end: int
-    out: np.ndarray | None = None  # bool per slot: on lease now (or quarantined, dead-lettered)
+    out: np.ndarray | None = None  # bool per slot: not offered, not waiting (`mark_out`)
     not_before: float = 0.0  # nothing is handed out before this (re-registration grace)
     batches: set[int] | None = None  # lease ids with items of this segment
 
@@ -93,10 +93,19 @@ class SegmentQueue:
         return ok, elsewhere
 
     def mark_out(self, slots: np.ndarray) -> None:
-        """These slots are out (on lease, quarantined, dead-lettered, cancelled): not offered."""
+        """These slots are out (on lease, quarantined, dead-lettered, cancelled, retired): not
+        offered, not waiting. A retired slot stays out (its marker is DEAD for good)."""
         if self.out is None:
             self.out = np.zeros(self.segment.capacity, dtype=bool)
         self.out[slots] = True
+
+    def mark_retired_on_disk(self, start: int, stop: int) -> None:
+        """Mark out the slots from `start` to `stop` whose marker is DEAD already (retired in
+        an earlier life: a cancelled job's items among others still queued), once, when the
+        segment is loaded: they never wait."""
+        dead = np.flatnonzero((self.segment.markers[start:stop] & STATE_MASK) == DEAD)
+        if len(dead):
+            self.mark_out(dead + start)
 
     def waiting(self) -> int:
         """Slots from the cursor to the written end not out: what waits to be handed out."""

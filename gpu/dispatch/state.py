@@ -89,9 +89,9 @@ class DispatchState:
         """
         work = self._work.get(segment.segment_id)
         if work is None:
-            self._work[segment.segment_id] = SegmentQueue(
-                segment, priority, max(first_live, 0), end, not_before=not_before
-            )
+            work = SegmentQueue(segment, priority, max(first_live, 0), end, not_before=not_before)
+            work.mark_retired_on_disk(work.cursor, end)
+            self._work[segment.segment_id] = work
         else:
             work.end = max(work.end, end)
 
@@ -126,9 +126,9 @@ class DispatchState:
         definition: `status`, `status --watch` and the metrics all show it).
 
         Waiting: slots from the cursor to the written end that are not out on
-        lease, quarantined or dead-lettered (after a reclaim rewinds the cursor,
-        the slots still on lease past it are not waiting; a slot retired past a
-        rewound cursor counts until the cursor passes it).
+        lease, quarantined, dead-lettered, cancelled or retired (after a reclaim
+        rewinds the cursor, the slots still on lease past it are not waiting;
+        nor is a slot retired past it, nor a cancelled job's, retired or not).
         """
         rows = []
         for work in self._work.values():
@@ -455,12 +455,12 @@ class DispatchState:
         return len(back)
 
     def retired(self, segment_id: int, slots: np.ndarray) -> None:
-        """The completion stage retired these slots (their markers are DEAD)."""
+        """The completion stage retired these slots (their markers are DEAD): out for good, so
+        they never count as waiting again (a cancelled job's items behind the cursor did)."""
         work = self._work.get(segment_id)
         if work is None:
             return
-        if work.out is not None:
-            work.out[slots] = False
+        work.mark_out(slots)
         for batch_id in sorted(work.batches or ()):
             batch = self.table.by_id[batch_id]
             keep = ~np.isin(batch.items["slot"], slots)
