@@ -28,6 +28,7 @@ from api.file_store import FileStore
 from api.retention import OutputRetention
 from collector.results_client import ResultsClient
 from ingest.submit_client import Producer
+from pipeline.binds import host_port
 from pipeline.errors import ConfigError
 from pipeline.security import client_curve
 from pipeline.stage import Stage
@@ -40,15 +41,14 @@ START_TIMEOUT_S = 30.0
 
 def listening_socket(bind: str, shared: bool) -> socket.socket:
     """A TCP socket listening on HOST:PORT; `shared`: SO_REUSEPORT, for several processes."""
-    host, _, port = bind.rpartition(":")
-    host = host.strip("[]")
+    host, port = host_port(bind)  # api.bind is HOST:PORT (config/rules.py)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     if shared:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
-        sock.bind((host, int(port)))
+        sock.bind((host, port))
     except OSError as exc:
         sock.close()
         raise ConfigError(

@@ -2,7 +2,7 @@
 
 | when                          | lines                                                     |
 |-------------------------------|-----------------------------------------------------------|
-| the pre-start checks passed   | `serving DATA_DIR (logs in DIR)`, then one line per port: its setting, what it is for and its address; the models with their engine and endpoints, and the lanes |
+| the pre-start checks passed   | `serving DATA_DIR (logs in DIR)`, then one line per port it listens on (pipeline/binds.py): what it is for, its address and its setting; the models with their engine and endpoints, and the lanes |
 | every stage reported up       | `ready`                                                   |
 | a stage died before it was up | `stage LABEL died at start (HOW): LAST ERROR LINE OF ITS LOG` |
 | SIGTERM or Ctrl-C, stopped    | `drained, N items left queued, stopped`                   |
@@ -16,16 +16,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from pipeline.preflight import bound_ports
-
-PURPOSE = {
-    "ingest.bind": "producers (submit)",
-    "dispatch.bind": "workers (run.py worker)",
-    "dispatch.heartbeat_bind": "worker heartbeats",
-    "completion.bind": "results, status JOB, cancel",
-    "vectors.bind": "vector search and export",
-    "metrics.bind": "Prometheus metrics (HTTP)",
-}
+from pipeline.binds import bound
 
 
 def say(line: str) -> None:
@@ -34,8 +25,8 @@ def say(line: str) -> None:
 
 def start_lines(settings) -> list[str]:
     lines = [f"serving {settings.data_path} (logs in {settings.data_path / 'log'})"]
-    for name, address in bound_ports(settings):
-        lines.append(f"  {PURPOSE.get(name, name):30} {address}  ({name})")
+    for bind, address in bound(settings):
+        lines.append(f"  {bind.purpose:30} {address}  ({bind.setting})")
     for model in settings.models:
         tokens = "text and token ids" if model.tokenizer else "token ids only"
         lines.append(

@@ -26,6 +26,7 @@ import socket
 import time
 from collections.abc import Callable
 
+from pipeline.binds import host_port
 from pipeline.errors import BrokerUnavailableError
 from pipeline.invocation import how_to_run
 
@@ -42,14 +43,14 @@ def refused(address: str) -> str | None:
         if path.startswith("@"):  # an abstract socket has no file to look for
             return None
         return None if os.path.exists(path) else f"there is no socket file {path}"
-    if not address.startswith("tcp://"):
+    target = host_port(address) if address.startswith("tcp://") else None
+    if target is None:
         return None
-    host, _, port = address[len("tcp://") :].rpartition(":")
-    host = host.strip("[]")
-    if not port.isdigit() or not (host.startswith("127.") or host in LOOPBACK_NAMES):
+    host, port = target
+    if not (host.startswith("127.") or host in LOOPBACK_NAMES):
         return None
     try:
-        with socket.create_connection((host, int(port)), timeout=0.5):
+        with socket.create_connection((host, port), timeout=0.5):
             return None
     except ConnectionRefusedError:
         return f"nothing listens on {host}:{port} (connection refused)"

@@ -10,7 +10,7 @@ setting, the value and what to do.
 | check                 | what                                                          |
 |-----------------------|---------------------------------------------------------------|
 | files                 | handed in by the composition root (assembly/broker.py): every model's `tokenizer` file exists and loads (and its chat template compiles), as the tokenizer stages will load it |
-| ports                 | every TCP port the broker binds (`ingest.bind`, `dispatch.bind`, `dispatch.heartbeat_bind`, `completion.bind`, `vectors.bind`, `metrics.bind`) can be bound now: bound and closed at once |
+| ports                 | every TCP port the broker binds (the table in pipeline/binds.py: the ZeroMQ ports, `metrics.bind`, and `api.bind` when `api.enabled`) can be bound now, and no two are one port: bound and closed at once |
 
 A port is free at the check and taken a moment later by someone else is
 still possible; the stage that fails then dies at start and the supervisor
@@ -24,17 +24,8 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
+from pipeline.binds import bound, host_port
 from pipeline.errors import ConfigError
-
-# (setting, how the broker binds it): zmq "tcp://HOST:PORT", or HTTP "HOST:PORT"
-PORTS = (
-    ("ingest.bind", "zmq"),
-    ("dispatch.bind", "zmq"),
-    ("dispatch.heartbeat_bind", "zmq"),
-    ("completion.bind", "zmq"),
-    ("vectors.bind", "zmq"),
-    ("metrics.bind", "http"),
-)
 
 
 def preflight(settings, check_files: Callable[[Any], None] | None = None) -> None:
@@ -45,25 +36,13 @@ def preflight(settings, check_files: Callable[[Any], None] | None = None) -> Non
     check_ports(settings)
 
 
-def bound_ports(settings) -> list[tuple[str, str]]:
-    """(setting, address) of every port the broker binds, as configured."""
-    found = []
-    for name, _ in PORTS:
-        section, key = name.split(".")
-        value = getattr(getattr(settings, section), key)
-        if value:
-            found.append((name, value))
-    return found
-
-
 def check_ports(settings) -> None:
     seen: dict[tuple[str, int], str] = {}
-    for name, kind in PORTS:
-        section, key = name.split(".")
-        address = getattr(getattr(settings, section), key)
-        target = _tcp_target(address, kind)
+    for bind, address in bound(settings):
+        target = _probe_target(address)
         if target is None:
             continue
+        name = bind.setting
         if target in seen:
             raise ConfigError(
                 f"{name} = {address!r} is the same port as {seen[target]}; give each its own port"
@@ -77,19 +56,13 @@ def check_ports(settings) -> None:
             )
 
 
-def _tcp_target(address: str, kind: str) -> tuple[str, int] | None:
-    """(host, port) to test, or None for what is not a fixed TCP port (ipc, port 0 or *)."""
-    if kind == "zmq":
-        if not address.startswith("tcp://"):
-            return None
-        address = address[len("tcp://") :]
-    host, _, port = address.rpartition(":")
-    if not port.isdigit() or int(port) == 0:
+def _probe_target(address: str) -> tuple[str, int] | None:
+    """(host, port) to test, or None for what is not a fixed TCP port (ipc, port 0)."""
+    target = host_port(address)
+    if target is None or target[1] == 0:
         return None
-    host = host.strip("[]")
-    if host in ("*", ""):
-        host = "0.0.0.0"
-    return host, int(port)
+    host, port = target
+    return ("0.0.0.0" if host in ("*", "") else host), port  # ZeroMQ's "*": every IPv4 interface
 
 
 def _bind_problem(host: str, port: int) -> str | None:

@@ -25,8 +25,9 @@ the broker's key pair. Internal ipc sockets (a 0700 run directory) and the
 metrics endpoint (plain HTTP) have no CURVE.
 
 `check_exposure` refuses, at start-up, a bind that listens beyond loopback
-with nothing authenticating it (every ZeroMQ bind without a server key, and
-the metrics endpoint always), unless `security.allow_insecure` is set.
+with nothing authenticating it (the table in pipeline/binds.py: every ZeroMQ
+bind without a server key, the metrics endpoint always, the HTTP API without
+`api.keys_file`), unless `security.allow_insecure` is set.
 `loose_authorized_keys` gives the start-up warnings for an authorized_keys
 directory (or key in it) that group or others may write.
 """
@@ -45,6 +46,7 @@ from pathlib import Path
 import zmq
 import zmq.auth
 
+from pipeline.binds import Bind, bound, guarded, host_port
 from pipeline.errors import ConfigError, FabricError
 
 log = logging.getLogger("fabric.security")
@@ -52,15 +54,20 @@ KEY_NAME = re.compile(r"[A-Za-z0-9._-]+")
 DENIED_LOG_EVERY_S = 60.0  # a refused key is logged at most this often (clients retry fast)
 KEY_PREFIX_CHARS = 8  # of a refused client's z85 public key, in the log
 HOW_TO = "docs/operations.md, Keys and authentication"
-
-# The ZeroMQ binds of a broker, as dotted config keys; metrics.bind is HTTP (HOST:PORT).
-ZMQ_BINDS = (
-    "ingest.bind",
-    "dispatch.bind",
-    "dispatch.heartbeat_bind",
-    "completion.bind",
-    "vectors.bind",
-)
+# What to do about a bind beyond loopback that nothing authenticates, by what would (binds.py).
+EXPOSURE_FIX = {
+    "security.server_key": (
+        "set security.server_key and security.authorized_keys to require CURVE keys "
+        f"({HOW_TO}), or bind to 127.0.0.1"
+    ),
+    "api.keys_file": (
+        "set api.keys_file to require API keys (docs/http-api.md), or bind to 127.0.0.1"
+    ),
+    "": (
+        "it is plain HTTP with no authentication: bind it to 127.0.0.1 (scrape metrics "
+        'through a tunnel or a local agent) or set it to ""'
+    ),
+}
 
 
 # ---- key files ------------------------------------------------------------------------
@@ -343,56 +350,31 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def exposed_binds(settings) -> list[tuple[str, str]]:
-    """(dotted key, address) of every bind reachable beyond loopback with nothing guarding it."""
+def exposed_binds(settings) -> list[tuple[Bind, str]]:
+    """(bind, address) of every bind reachable beyond loopback with nothing guarding it."""
     exposed = []
-    if not settings.security.curve:
-        for key in ZMQ_BINDS:
-            section, name = key.split(".")
-            address = getattr(getattr(settings, section), name)
-            if address.startswith("tcp://"):
-                host = address.removeprefix("tcp://").rpartition(":")[0]
-                if not is_loopback(host):
-                    exposed.append((key, address))
-    if settings.metrics.bind:  # plain HTTP: nothing authenticates it, keys or not
-        host = settings.metrics.bind.rpartition(":")[0]
-        if not is_loopback(host):
-            exposed.append(("metrics.bind", settings.metrics.bind))
-    api = settings.api
-    if api.enabled and not api.keys_file and not is_loopback(api.bind.rpartition(":")[0]):
-        exposed.append(("api.bind", api.bind))  # HTTP: guarded by api.keys_file, not CURVE
+    for bind, address in bound(settings):  # ipc:// paths name no host: they are files
+        target = host_port(address)
+        if target is not None and not is_loopback(target[0]) and not guarded(settings, bind):
+            exposed.append((bind, address))
     return exposed
 
 
 def check_exposure(settings) -> list[str]:
     """Refuse (ConfigError) an unguarded bind beyond loopback; the warnings to log if allowed."""
     exposed = exposed_binds(settings)
-    if not exposed:
-        return []
-    if not settings.security.allow_insecure:
-        key, address = exposed[0]
-        if key == "api.bind":
-            fix = "set api.keys_file to require API keys (docs/http-api.md), or bind to 127.0.0.1"
-        elif key == "metrics.bind":
-            fix = (
-                "the metrics endpoint is plain HTTP with no authentication: bind it to "
-                '127.0.0.1 (scrape through a tunnel or a local agent) or set it to ""'
-            )
-        else:
-            fix = (
-                "set security.server_key and security.authorized_keys to require CURVE keys "
-                f"({HOW_TO}), or bind to 127.0.0.1"
-            )
+    if exposed and not settings.security.allow_insecure:
+        bind, address = exposed[0]
         others = f" (and {len(exposed) - 1} more)" if len(exposed) > 1 else ""
         raise ConfigError(
-            f"{settings.source}: {key} = {address!r} listens beyond loopback without "
-            f"authentication{others}; {fix}; or set security.allow_insecure = true to "
-            f"serve it anyway"
+            f"{settings.source}: {bind.setting} = {address!r} listens beyond loopback without "
+            f"authentication{others}; {EXPOSURE_FIX[bind.guard]}; or set "
+            f"security.allow_insecure = true to serve it anyway"
         )
     return [
-        f"security.allow_insecure = true: {key} = {address!r} is reachable beyond loopback "
-        f"without authentication; anyone who can reach it can use it"
-        for key, address in exposed
+        f"security.allow_insecure = true: {bind.setting} = {address!r} is reachable beyond "
+        f"loopback without authentication; anyone who can reach it can use it"
+        for bind, address in exposed
     ]
 
 

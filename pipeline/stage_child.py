@@ -31,7 +31,7 @@ class StageChild:
     process: multiprocessing.process.BaseProcess | None = None
     deaths: deque[float] = field(default_factory=deque)
     restart_at: float | None = None
-    ready: Any = None  # a multiprocessing Event the stage sets once it is up (opened)
+    ready: Any = None  # a multiprocessing Event the stage sets once it is up; None once seen
     started_at: float = 0.0
     in_a_row: int = 0  # deaths since it last ran restart_window_s without dying
     total_deaths: int = 0
@@ -40,6 +40,14 @@ class StageChild:
     log_offset: int = 0  # where its log ended when it last started
     starts: int = 0
     up: bool = False  # its process set its ready event
+
+    def release_ready(self) -> None:
+        """Drop its ready event, once the event is seen set or its process ended: nothing waits
+        on it any more. The event's five named semaphores (in /dev/shm) are unlinked when the
+        last reference to it goes; a broker that served leaves by `os._exit` (run.py), where
+        no finalizer runs, so an event still held then is left for the resource tracker,
+        which warns of "leaked semaphore objects" and unlinks them itself."""
+        self.ready = None
 
     def state(self, running: bool) -> str:
         """up, starting, restarting (while the broker runs) or stopped."""

@@ -312,6 +312,7 @@ class Supervisor:
                 changed = True
             if child.process is not None and not child.up and child.ready.is_set():
                 child.up = True
+                child.release_ready()
                 changed = True
         self._say_ready()
         if changed:
@@ -349,6 +350,7 @@ class Supervisor:
             self.data_dir.log / f"{child.spec.label}.log", child.log_offset
         )
         self._say_start_failure(child, how)
+        child.release_ready()
         disk_full = child.process.exitcode == DISK_FULL_EXIT
         child.process.close()
         child.process = None
@@ -476,6 +478,7 @@ class Supervisor:
             process.close()
             child.process = None
             child.up = False
+            child.release_ready()
             self.metrics_hub.ended(child.spec.label)
         if self.running:
             self.running = False

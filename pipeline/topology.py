@@ -34,6 +34,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.binds import LOOPBACK_HOST, host_port, is_wildcard
 from pipeline.ring import ring_name
 
 EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"  # the ports outgoing connections get
@@ -111,9 +112,9 @@ def _below_ephemeral(tries: int = 200) -> list[int]:
 
 def client_address(bind: str) -> str:
     """A bind address as a client on this host connects to it (tcp://*:P -> tcp://127.0.0.1:P)."""
-    for wildcard in ("tcp://*:", "tcp://0.0.0.0:"):
-        if bind.startswith(wildcard):
-            return "tcp://127.0.0.1:" + bind[len(wildcard) :]
+    target = host_port(bind) if bind.startswith("tcp://") else None
+    if target is not None and is_wildcard(target[0]):
+        return f"tcp://{LOOPBACK_HOST}:{target[1]}"
     return bind
 
 

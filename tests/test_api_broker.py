@@ -538,6 +538,13 @@ def test_a_short_window_expires_keeping_results_made(slow, tmp_path):
         CreateEmbeddingResponse.model_validate(line["response"]["body"])
 
 
+def test_the_start_banner_lists_the_http_port(fast):
+    broker, _ = fast
+    said = broker.stderr_path.read_text()  # the terminal line is what this test is about
+    bind = broker.settings.api.bind
+    assert f"fabric:   OpenAI Batch API (HTTP)        {bind}  (api.bind)" in said, said
+
+
 def test_the_stage_is_in_the_broker_and_keeps_serving_after_bad_input(fast):
     broker, client = fast
     assert {"api-0", "api-1"} <= set(broker.pids())

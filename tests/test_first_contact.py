@@ -19,7 +19,8 @@ from pathlib import Path
 
 import orjson
 import pytest
-from broker import REPO, Broker, submit, write_config, write_jsonl
+import zygote
+from broker import REPO, Broker, free_port, submit, write_config, write_jsonl
 from conftest import wait_for
 
 from gpu.worker.options import WorkerOptions
@@ -116,6 +117,36 @@ def test_a_port_in_use_stops_the_start_with_its_cause_before_serving(tmp_path):
     assert done.returncode == exitcodes.CONFIG, done.stderr
     assert "completion.bind" in done.stderr and "already in use" in done.stderr, done.stderr
     assert "serving" not in done.stderr
+
+
+def test_a_taken_http_api_port_stops_the_start_in_under_a_second_before_serving(tmp_path):
+    """The api's port is checked with the others: refused before "serving", not a crash-looping
+    api stage after "ready" and exit 5 seconds later."""
+    port = free_port()
+    config = write_config(tmp_path, extra=f'[api]\nenabled = true\nbind = "127.0.0.1:{port}"\n')
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", port))
+        holder.listen(1)
+        proc = zygote.Popen(  # imports done: the time is the broker's own, up to its refusal
+            [sys.executable, str(REPO / "run.py"), "--config", str(config)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+        )
+        started = time.monotonic()
+        try:
+            _, said = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+        elapsed = time.monotonic() - started
+    assert proc.returncode == exitcodes.CONFIG, said
+    assert elapsed < 1.0, f"refused after {elapsed:.2f} s"
+    assert f"api.bind = '127.0.0.1:{port}'" in said and "already in use" in said, said
+    assert f"grep :{port}" in said and "set api.bind to a free port" in said, said
+    assert "fabric: serving" not in said and "fabric: ready" not in said, said
+    assert not Broker(config).data_dir.log.joinpath("api-0.log").exists()  # nothing started
 
 
 def test_a_stage_that_dies_at_start_prints_its_last_error_line(tmp_path):

@@ -300,6 +300,42 @@ def test_sigterm_ends_a_stages_wait_on_its_poller_at_once(data_dir, broker):
     assert took < 10, f"SIGTERM to exit took {took:.1f} s (a step waits 60 s)"
 
 
+def open_semaphores(pid: int) -> dict[str, bool]:
+    """The named POSIX semaphores process `pid` has open (sem_open maps /dev/shm/sem.NAME), as
+    name -> whether the name was unlinked already."""
+    found = {}
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)  # address, mode, offset, device, inode, path
+        path = fields[5] if len(fields) == 6 else ""
+        if path.startswith("/dev/shm/sem."):
+            unlinked = path.endswith(" (deleted)")
+            found[path.removesuffix(" (deleted)").removeprefix("/dev/shm/")] = unlinked
+    return found
+
+
+def test_a_clean_stop_leaves_no_semaphore_behind_and_no_leak_warning(tmp_path):
+    """A stage's ready event is five named semaphores (multiprocessing's forkserver method);
+    the supervisor releases it once the stage is up, so a SIGTERM leaves none in /dev/shm
+    and nothing for the resource tracker to report as "leaked semaphore objects"."""
+    from broker import Broker, write_config
+
+    b = Broker(write_config(tmp_path))  # stderr on a pipe: read to its end, the tracker's too
+    try:
+        b.start()
+        stages = b.pids()
+        opened = {}
+        for pid in stages.values():
+            opened |= open_semaphores(pid)
+        assert len(opened) >= len(stages)  # each stage opened its ready event's
+        assert [name for name, unlinked in opened.items() if not unlinked] == []
+        assert open_semaphores(b.proc.pid) == {}  # the supervisor let go of every one
+        assert b.stop() == exitcodes.OK, b.stderr
+        assert "leaked" not in b.stderr and "resource_tracker" not in b.stderr, b.stderr
+        assert [n for n in opened if Path("/dev/shm", n).exists()] == []
+    finally:
+        b.close()
+
+
 SYS_EXIT = {"x86_64": 60, "aarch64": 93}  # exit(2): the calling thread alone, not the process
 
 
