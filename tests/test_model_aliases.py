@@ -4,9 +4,10 @@ One broker serves `meta-llama/Llama-3.1-8B-Instruct` (echo engine, chat and
 text completions), which also answers to `gpt-4o-mini` and `llama:8b`, and
 `intfloat/e5-mistral-7b-instruct` (simulated embeddings), which also answers
 to `text-embedding-3-small`, each with a local worker. A file written for
-OpenAI goes through `run.py submit` + `results` and into a vector store. Each
-output line's `model` is the name its request gave; files on disk know each
-model by its own name, its '/' encoded, never a directory.
+OpenAI goes through `run.py submit` + `results` and into a vector store;
+`run.py batch --alias` runs one on a private broker. Each output line's `model` is the name its request
+gave; files on disk know each model by its own name, its '/' encoded, never a
+directory.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from conftest import assert_check_clean, wait_for
 from openai.types import CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion
 from test_dispatch_pipeline import fetch, job_info
+from test_oneshot import batch
 
 from config import load_settings
 from pipeline import exitcodes
@@ -174,6 +176,47 @@ def test_an_embedding_alias_fills_the_store_named_after_its_model(served, tmp_pa
         "vectors", "export", "--store", E5, "-o", str(tmp_path / "v.npy"), "--config", str(b.config)
     )
     assert export.returncode == 0, export.stderr
+
+
+def test_run_batch_with_an_alias_runs_a_file_written_for_openai(tmp_path):
+    names = ["gpt-4o-mini"] * 30 + [LLAMA] * 5
+    given = write_requests(tmp_path / "in.jsonl", names)
+    out = tmp_path / "out.jsonl"
+    args = ("--model", LLAMA, "--engine", "echo", "--alias", "gpt-4o-mini", "--alias", "gpt-4o")
+    proc = batch(str(tmp_path / "in.jsonl"), "-o", str(out), *args, log=tmp_path / "batch.err")
+    assert proc.wait(timeout=240) == exitcodes.OK, (tmp_path / "batch.err").read_text()
+    bodies = outputs(out)
+    assert {k: b["model"] for k, b in bodies.items()} == given
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (("--model", "my model", "--engine", "echo"), "--model 'my model' holds ' '"),
+        (("--model", LLAMA, "--engine", "echo", "--alias", "../gpt"), "--alias '../gpt' starts"),
+        (("--model", LLAMA, "--engine", "mystery"), "--engine mystery is not an engine"),
+    ],
+    ids=["model", "alias", "engine"],
+)
+def test_run_batch_names_the_flag_not_its_generated_config(tmp_path, flags, named):
+    (tmp_path / "in.jsonl").write_text(json.dumps(request(0, LLAMA)) + "\n")
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "run.py"),
+            "batch",
+            str(tmp_path / "in.jsonl"),
+            "-o",
+            str(tmp_path / "out.jsonl"),
+            *flags,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
+    assert done.returncode != exitcodes.OK
+    assert named in done.stderr and "batch.toml" not in done.stderr, done.stderr
 
 
 @pytest.mark.parametrize(
