@@ -4,8 +4,9 @@ One broker serves `meta-llama/Llama-3.1-8B-Instruct` (echo engine, chat and
 text completions), which also answers to `gpt-4o-mini` and `llama:8b`, and
 `intfloat/e5-mistral-7b-instruct` (simulated embeddings), which also answers
 to `text-embedding-3-small`, each with a local worker. A file written for
-OpenAI goes through `run.py submit` + `results` and into a vector store;
-`run.py batch --alias` runs one on a private broker. Each output line's `model` is the name its request
+OpenAI goes through `run.py submit` + `results`, through the HTTP API with the
+official openai client, and into a vector store; `run.py batch --alias` runs
+one on a private broker. Each output line's `model` is the name its request
 gave; files on disk know each model by its own name, its '/' encoded, never a
 directory.
 """
@@ -157,6 +158,39 @@ def test_a_file_naming_aliases_and_hugging_face_ids_gets_each_name_back(served, 
             assert path.name == segment_file_name(seg.segment_id, seg.key)
             assert f".{file_safe(seg.key.name)}.s" in path.name
     assert models == {LLAMA, E5}
+
+
+def test_the_openai_client_lists_the_models_and_runs_a_batch_under_an_alias(served, tmp_path):
+    _, client = served
+    listed = client.models.list()
+    served_ids = [LLAMA, "gpt-4o-mini", "llama:8b", E5, "text-embedding-3-small"]
+    assert [m.id for m in listed.data][-5:] == served_ids  # after write_config's own models
+    assert all(m.object == "model" and m.owned_by for m in listed.data)
+    assert client.models.retrieve(LLAMA).id == LLAMA  # sent as meta-llama%2FLlama-3.1-...
+    alias = client.models.retrieve("gpt-4o-mini")
+    assert alias.id == "gpt-4o-mini" and alias.model_extra["root"] == LLAMA
+    with pytest.raises(openai.NotFoundError) as refused:
+        client.models.retrieve("gpt-5")
+    assert refused.value.code == "model_not_found"
+
+    given = write_requests(tmp_path / "in.jsonl", [CHAT_NAMES[i % 3] for i in range(60)])
+    file = client.files.create(
+        file=("in.jsonl", (tmp_path / "in.jsonl").read_bytes()), purpose="batch"
+    )
+    created = client.batches.create(input_file_id=file.id, endpoint=CHAT, completion_window="24h")
+
+    def done():
+        batch = client.batches.retrieve(created.id)
+        return batch if batch.status in ("completed", "failed", "expired", "cancelled") else None
+
+    finished = wait_for(done, "the batch to end", timeout_s=120, interval_s=0.3)
+    assert finished.status == "completed" and finished.error_file_id is None, finished
+    out = tmp_path / "out.jsonl"
+    out.write_bytes(client.files.content(finished.output_file_id).content)
+    bodies = outputs(out)
+    assert set(bodies) == set(given)
+    for custom_id, body in bodies.items():
+        assert ChatCompletion.model_validate(body).model == given[custom_id]
 
 
 def test_an_embedding_alias_fills_the_store_named_after_its_model(served, tmp_path):
