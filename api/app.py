@@ -1,4 +1,5 @@
-"""The FastAPI application: OpenAI's /v1/files and /v1/batches, over the file and batch stores.
+"""The FastAPI application: OpenAI's /v1/files and /v1/batches, over the file and batch stores,
+and /v1/models (api/models_route.py).
 
 Every route names its owner from the bearer key (api/keys.py) and sees only
 that owner's objects: another owner's id answers 404, like an unknown one.
@@ -31,6 +32,7 @@ from api.batch_store import (
 from api.errors import ApiError, invalid, not_found
 from api.file_store import PURPOSE_INPUT, FileStore
 from api.keys import KeyRing
+from api.models_route import add_models_routes
 from api.route_stats import CountRequests, RouteStats
 from api.upload import UploadParser, receive_upload
 
@@ -85,6 +87,8 @@ def make_app(settings, root: Path, endpoints: tuple[str, ...]) -> FastAPI:
 
     def owner_of(request: Request) -> str:
         return keys.owner(request.headers.get("authorization"))
+
+    add_models_routes(app, settings, owner_of)  # GET /v1/models, /v1/models/{id}
 
     # ---- files -----------------------------------------------------------------------------
     @app.post("/v1/files")

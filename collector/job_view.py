@@ -10,7 +10,9 @@ job's queued items are retired with a `cancelled` error result.
 
 Memory stays small for big jobs: a view keeps, per committed chunk, where
 its commit record lies in the journal, and loads the custom_ids of a few
-chunks at a time (results are delivered roughly in order).
+chunks at a time (results are delivered roughly in order), with the names
+their lines gave their models where a line gave an alias (`names`, the job's
+table of them, and `given_names`: ingest/model_aliases.py).
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ class JobView:
         self.lines = LineTable()  # the fan-out lines of committed chunks
         self._ids: collections.OrderedDict[int, tuple] = collections.OrderedDict()
         self._spans = (np.zeros(0, np.int64), np.zeros(0, np.int64))  # committed (first, last)
+        self.names: list[str] = []  # the aliases the job's lines gave, in order first recorded
+        self._name_numbers: dict[str, int] = {}  # alias -> its place in `names`, from 1
         self.refresh()
 
     @property
@@ -94,6 +98,8 @@ class JobView:
                 self.first_lines[int(record["first"])] = record["c"]
                 self.rejected.extend(record["errors"])
                 self.lines.add(record.get("parts", ()))
+                for name in record.get("names", ()):
+                    self._name_number(name)
 
     def known(self, indexes: np.ndarray) -> np.ndarray:
         """Per item index: is its line in a committed chunk? A chunk's items can be placed,
@@ -127,26 +133,54 @@ class JobView:
         readable one)."""
         if not len(indexes):
             return []
-        lines = np.asarray(indexes, np.int64) + 1
-        firsts = self._committed()[0]
-        at = np.searchsorted(firsts, lines, side="right") - 1
-        out = np.full(len(lines), None, dtype=object)
-        for k in np.unique(at).tolist():
-            if k < 0:
-                continue
-            mine = np.flatnonzero(at == k)
-            chunk_lines, ids, extra = self._ids_of(self.first_lines[int(firsts[k])])
-            want = lines[mine]
-            pos = np.minimum(np.searchsorted(chunk_lines, want), max(len(chunk_lines) - 1, 0))
-            hit = (chunk_lines[pos] == want) if len(chunk_lines) else np.zeros(len(want), bool)
+        out = np.full(len(indexes), None, dtype=object)
+        for mine, want, (_, ids, extra, _), pos, hit in self._by_chunk(indexes):
             out[mine[hit]] = ids[pos[hit]]  # one take per chunk (a page is 4096 ids)
             for i, line in zip(mine[~hit].tolist(), want[~hit].tolist(), strict=True):
                 out[i] = extra.get(line)  # rejected lines: their custom_id, if readable
         return out.tolist()
 
-    def _ids_of(self, chunk: int) -> tuple[np.ndarray, np.ndarray, dict[int, str]]:
-        """A committed chunk's stored lines (sorted), their custom_ids (an object array), and
-        rejected ones'."""
+    def given_names(self, indexes) -> np.ndarray | None:
+        """Per item index, the name its line gave its model: 0 its model's own, k `names[k - 1]`
+        (int64); None when every one gave its model's own name, as in every job without
+        aliases, which costs nothing here."""
+        if not self.names or not len(indexes):
+            return None
+        out = np.zeros(len(indexes), np.int64)
+        for mine, _, (_, _, _, given), pos, hit in self._by_chunk(indexes):
+            if given is not None:
+                out[mine[hit]] = given[pos[hit]]
+        return out if out.any() else None
+
+    def _by_chunk(self, indexes):
+        """For each committed chunk that item indexes fall in: (their rows, their lines, the
+        chunk's `_ids_of`, their positions in its stored lines, whether each is stored there)."""
+        lines = np.asarray(indexes, np.int64) + 1
+        firsts = self._committed()[0]
+        at = np.searchsorted(firsts, lines, side="right") - 1
+        for k in np.unique(at).tolist():
+            if k < 0:
+                continue
+            mine = np.flatnonzero(at == k)
+            stored = self._ids_of(self.first_lines[int(firsts[k])])
+            chunk_lines, want = stored[0], lines[mine]
+            pos = np.minimum(np.searchsorted(chunk_lines, want), max(len(chunk_lines) - 1, 0))
+            hit = (chunk_lines[pos] == want) if len(chunk_lines) else np.zeros(len(want), bool)
+            yield mine, want, stored, pos, hit
+
+    def _name_number(self, name: str) -> int:
+        number = self._name_numbers.get(name)
+        if number is None:
+            self.names.append(name)
+            number = self._name_numbers[name] = len(self.names)
+        return number
+
+    def _ids_of(
+        self, chunk: int
+    ) -> tuple[np.ndarray, np.ndarray, dict[int, str], np.ndarray | None]:
+        """A committed chunk's stored lines (sorted), their custom_ids (an object array),
+        rejected ones', and the name each stored line gave its model (int64, as
+        `given_names`; None when every one gave its model's own name)."""
         cached = self._ids.get(chunk)
         if cached is not None:
             self._ids.move_to_end(chunk, last=False)
@@ -155,11 +189,18 @@ class JobView:
         lines = np.asarray(record["lines"], np.int64)
         ids = np.empty(len(record["ids"]), dtype=object)
         ids[:] = record["ids"]
+        given = None
+        if record.get("names"):
+            numbers = np.array([0, *map(self._name_number, record["names"])], np.int64)
+            which = record.get("name_ix")  # absent: every stored line gave names[0]
+            ix = np.ones(len(lines), np.int64) if which is None else np.asarray(which, np.int64)
+            given = numbers[ix]
         if len(lines) > 1 and (np.diff(lines) < 0).any():
             order = np.argsort(lines, kind="stable")
             lines, ids = lines[order], ids[order]
+            given = given[order] if given is not None else None
         extra = {int(line): cid for line, cid, *_ in record["errors"] if cid is not None}
-        cached = (lines, ids, extra)
+        cached = (lines, ids, extra, given)
         self._ids[chunk] = cached
         self._ids.move_to_end(chunk, last=False)
         while len(self._ids) > CHUNKS_CACHED:

@@ -3,7 +3,8 @@
 Like `vllm run-batch`, with the broker's guarantees:
 
 1. The state directory `OUT.fabric/` beside the output holds the generated
-   config (`batch.toml`, for `--model NAME --engine E`; loopback ports picked
+   config (`batch.toml`, for `--model NAME --engine E`, each `--alias A` another
+   name the lines may give the model; loopback ports picked
    free on each run), the broker's stderr (`broker.err`), one mark per job
    whose results go to OUT (`jobs/<job id>`), and, without `--config`, the
    data dir (`data/`). With `--config F` the broker runs on F (its data dir,
@@ -33,6 +34,7 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -44,7 +46,7 @@ from pathlib import Path
 
 from pipeline import exitcodes
 from pipeline.datadir import LOCK_NAME
-from pipeline.errors import FabricError
+from pipeline.errors import ConfigError, FabricError
 from pipeline.job_states import is_terminal
 from pipeline.topology import client_address, free_loopback_ports
 
@@ -72,6 +74,7 @@ class OneShot:
     engine: str | None = None
     tokenizer: str | None = None
     workers: int = 1
+    aliases: tuple[str, ...] = ()  # --alias: other names the lines may give the model
 
     @property
     def state_dir(self) -> Path:
@@ -94,14 +97,22 @@ class OneShot:
 def write_config(run: OneShot) -> Path:
     """The config of a private broker for one model, in the state dir (rewritten each run)."""
     from config.defaults import ENGINE_ENDPOINTS
+    from pipeline.model_names import NAME_RULE, name_problem
 
     if not run.model:
         raise OneShotError("name the model: --model NAME (and --engine E), or --config FILE")
+    for flag, name in (("--model", run.model), *(("--alias", a) for a in run.aliases)):
+        problem = name_problem(name)  # said here, naming the flag, not the generated file
+        if problem is not None:
+            raise OneShotError(f"{flag} {name!r} {problem}; a model name or alias is {NAME_RULE}")
+    aliases = [a for a in dict.fromkeys(run.aliases) if a != run.model]  # each name once
     engine = run.engine or (run.model if run.model in ENGINE_ENDPOINTS else None)
-    if engine is None:
+    if engine not in ENGINE_ENDPOINTS:
         raise OneShotError(
             f"--model {run.model} is not an engine name: say which engine runs it, --engine "
             f"{'|'.join(ENGINE_ENDPOINTS)}"
+            if engine is None
+            else f"--engine {engine} is not an engine: use one of {', '.join(ENGINE_ENDPOINTS)}"
         )
     tokenizer, max_tokens = ENGINE_TOKENIZERS.get(engine, ("", 32768))
     if run.tokenizer is not None:
@@ -131,6 +142,7 @@ name = "{run.model}"
 engine = "{engine}"
 tokenizer = "{tokenizer}"
 max_tokens = {max_tokens}
+aliases = {json.dumps(aliases)}
 """
     path = run.state_dir / "batch.toml"
     path.write_text(text)
@@ -257,7 +269,14 @@ def run_oneshot(run: OneShot) -> int:
         raise OneShotError(f"input {run.input} is not a file; pass an OpenAI Batch JSONL file")
     run.state_dir.mkdir(parents=True, exist_ok=True)
     config = run.config or write_config(run)
-    settings = load_settings(config)
+    try:
+        settings = load_settings(config)
+    except ConfigError as exc:
+        if run.config is not None:
+            raise
+        raise OneShotError(  # the file is ours: what is wrong came from the flags
+            f"--model/--engine/--tokenizer/--alias give a broker config that is refused: {exc}"
+        ) from None
     job_id = run.job_id()
     _claim_output(run, job_id)
     _wait_for_lock(settings.data_path, say)
@@ -414,12 +433,23 @@ def add_parser(commands) -> None:
     batch.add_argument(
         "--workers", type=int, default=1, help="without --config: local worker processes"
     )
+    batch.add_argument(
+        "--alias",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="without --config: another name the lines may give the model, e.g. gpt-4o-mini "
+        "(repeatable); the output's model repeats it",
+    )
     batch.set_defaults(handler=_batch)
 
 
 def _batch(args) -> int:
-    if args.config and (args.model or args.engine or args.tokenizer):
-        raise OneShotError("give either --config or --model/--engine/--tokenizer, not both")
+    if args.config and (args.model or args.engine or args.tokenizer or args.alias):
+        raise OneShotError(
+            "give either --config or --model/--engine/--tokenizer/--alias, not both (with "
+            "--config, list a model's other names in its [[models]] table: aliases = [...])"
+        )
     if args.workers < 1:
         raise OneShotError(f"--workers {args.workers}: at least 1 local worker runs the file")
     return run_oneshot(
@@ -431,5 +461,6 @@ def _batch(args) -> int:
             args.engine,
             args.tokenizer,
             args.workers,
+            tuple(args.alias),
         )
     )

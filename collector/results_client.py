@@ -26,7 +26,7 @@ import numpy as np
 
 from collector.delivery.lines import render_page
 from collector.delivery.result_file import ResultFile
-from collector.delivery.result_page import ExportContext, ResultPage
+from collector.delivery.result_page import ExportContext, PageError, ResultPage
 from collector.delivery_client import Delivery
 from pipeline import wire
 from pipeline.broker_client import BrokerClient
@@ -187,10 +187,18 @@ class ResultsClient(BrokerClient):
     def _write(self, job_id, info, a, decoders, out, err, report) -> None:
         models = {int(k): v for k, v in info["models"].items()}
         shapes = {int(k): v for k, v in info["shapes"].items()}
-        model_ids = a["model"]
+        model_ids = a["model"].astype(np.int64)
         custom_ids = info["custom_ids"]
-        for model_id in np.unique(model_ids).tolist():
-            pick = np.flatnonzero(model_ids == model_id)
+        names = info.get("names", [])  # the aliases lines gave: row `name` k is names[k - 1]
+        if "name" in a:  # one group per (model, name the line gave it)
+            if len(a["name"]) != len(model_ids):
+                raise PageError(
+                    f"job {job_id}: result page column name has {len(a['name'])} entries for "
+                    f"{len(model_ids)} items; the broker sent a malformed page, report it"
+                )
+            model_ids = model_ids | a["name"].astype(np.int64) << 32
+        for group in np.unique(model_ids).tolist():
+            pick = np.flatnonzero(model_ids == group)
             if len(pick) == len(model_ids):
                 payload, offsets = a["payload"], a["offsets"]
             else:
@@ -209,9 +217,10 @@ class ResultsClient(BrokerClient):
                 offsets=offsets,
                 part=a["part"][pick] if "part" in a else None,  # fan-out lines, joined
             )
-            model = models.get(model_id, "")
+            model, given = models.get(group & 0xFFFFFFFF, ""), group >> 32
+            shown = names[given - 1] if 0 < given <= len(names) else model
             context = ExportContext(
-                job_id, model, shapes, decoders.get(model), int(info.get("created_ns") or 0)
+                job_id, shown, shapes, decoders.get(model), int(info.get("created_ns") or 0)
             )
             rendered = render_page(page, context)
             if rendered.out_custom_ids is not None:  # keys by custom_id, none made per line

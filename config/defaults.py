@@ -235,7 +235,8 @@ DEFAULTS: Final[dict[str, Any]] = {
 
 # The keys of one [[models]] table.
 MODEL_DEFAULTS: Final[dict[str, Any]] = {
-    # What input lines name in body.model; letters, digits, '.', '_' and '-'.
+    # What input lines name in body.model: 1-64 of letters, digits, '/', ':', '.', '_' and '-'
+    # (pipeline/model_names.py), e.g. "meta-llama/Llama-3.1-8B-Instruct".
     "name": REQUIRED,
     # Engine that runs the model: a key of ENGINE_ENDPOINTS.
     "engine": REQUIRED,
@@ -249,6 +250,10 @@ MODEL_DEFAULTS: Final[dict[str, Any]] = {
     "vocab_size": 0,
     # OpenAI Batch `url` values this model accepts; default: its engine's list below.
     "endpoints": BY_ENGINE,
+    # Other names input lines may give the model (e.g. "gpt-4o-mini"), by the same rule; each
+    # unique across every model's names and aliases. The output's `model` is the name the line
+    # used; everything else (segments, workers, metrics) knows the model by `name`.
+    "aliases": [],
 }
 
 _EMBEDDINGS: Final = ["/v1/embeddings"]

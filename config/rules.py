@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from config.defaults import ENDPOINTS, ENGINE_ENDPOINTS
+from pipeline.model_names import NAME_RULE, name_problem
 
 MIN_SEGMENT_BYTES: Final = 1024 * 1024
 MIN_FIRST_SEGMENT_BYTES: Final = 64 * 1024
@@ -103,9 +104,6 @@ def _address_problem(address: str) -> str | None:
     return None
 
 
-_NAME = re.compile(r"[A-Za-z0-9._-]+")
-
-
 def _endpoints_problem(endpoints: list[str]) -> str | None:
     if not endpoints:
         return "is empty"
@@ -114,6 +112,17 @@ def _endpoints_problem(endpoints: list[str]) -> str | None:
             return f"names {json.dumps(endpoint)}, which is not an endpoint"
     if len(set(endpoints)) < len(endpoints):
         return "names an endpoint twice"
+    return None
+
+
+def _aliases_problem(aliases: list[str]) -> str | None:
+    for alias in aliases:
+        problem = name_problem(alias)
+        if problem is not None:
+            return f"has {json.dumps(alias)}: it {problem}"
+    for i, alias in enumerate(aliases):
+        if alias in aliases[:i]:
+            return f"names {json.dumps(alias)} twice"
     return None
 
 
@@ -270,11 +279,7 @@ WORKER_GROUP_RULES: Final[dict[str, Rule]] = {
 }
 
 MODEL_RULES: Final[dict[str, Rule]] = {
-    "name": Rule(
-        "string",
-        "a non-empty name of letters, digits, '.', '_' and '-'",
-        lambda v: None if _NAME.fullmatch(v) else "is not a valid model name",
-    ),
+    "name": Rule("string", f"a name of {NAME_RULE}", name_problem),
     "engine": Rule(
         "string",
         f"one of {', '.join(ENGINE_ENDPOINTS)}",
@@ -289,6 +294,11 @@ MODEL_RULES: Final[dict[str, Rule]] = {
         "list of strings",
         f"a non-empty list drawn from {', '.join(ENDPOINTS)}",
         _endpoints_problem,
+    ),
+    "aliases": Rule(
+        "list of strings",
+        f"a list of other names for the model, each {NAME_RULE}",
+        _aliases_problem,
     ),
 }
 

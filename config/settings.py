@@ -200,6 +200,7 @@ class ModelSettings:
     max_tokens: int
     vocab_size: int  # 0 = from the tokenizer or the engine (ingest.catalog.vocab_size)
     endpoints: tuple[str, ...]
+    aliases: tuple[str, ...] = ()  # other names input lines may give it (the output repeats them)
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,7 +288,7 @@ def build_model(table: Mapping[str, Any]) -> ModelSettings:
         elif default is BY_ENGINE:
             values[key] = tuple(ENGINE_ENDPOINTS[table["engine"]])
         else:
-            values[key] = default
+            values[key] = _typed(default, default)  # a list default as a tuple
     return ModelSettings(**values)
 
 

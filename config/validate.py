@@ -14,7 +14,8 @@ for example
 
 Checks in order: unknown sections and keys (with the closest allowed name),
 types (an int is accepted where a float is; a bool is never a number), each
-value against its rule in `config/rules.py`, then the rules that span keys: unique model names,
+value against its rule in `config/rules.py`, then the rules that span keys: unique model names
+and aliases (an alias is no model's name and no other model's alias),
 `max_tokens` within the largest lane, local workers (`[workers]` or one `[[workers]]` table
 per model) naming served models, no two stages on one address, and the
 broker's key (`security.server_key`) only together with `security.authorized_keys`.
@@ -149,6 +150,31 @@ def _check_models(models: Any, lanes: list[int], where: Callable[[str], str]) ->
                 f"{default} exceeds the largest lane in broker.lanes ({lanes[-1]})",
                 f"set {prefix}max_tokens to {lanes[-1]} or less, or add a lane >= {max_tokens}",
             )
+    _check_aliases(models, seen, where)
+
+
+def _check_aliases(models: list[dict], names: dict[str, int], where: Callable[[str], str]) -> None:
+    """Each alias names one model: not another model's name, nor an alias of another model."""
+    owner: dict[str, int] = {}
+    for i, table in enumerate(models):
+        key = f"models[{i}].aliases"
+        for alias in table.get("aliases", ()):
+            j = names.get(alias, owner.get(alias))
+            if j is not None:
+                other = "the name" if alias in names else "an alias"
+                label = (
+                    "its own name" if j == i else f"{other} of models[{j}] ({models[j]['name']})"
+                )
+                raise _refuse(
+                    where(key),
+                    key,
+                    table["aliases"],
+                    f"has {show(alias)}, which is {label}",
+                    "remove it from the aliases"
+                    if j == i
+                    else "a name answers for one model only: remove it here or there",
+                )
+            owner[alias] = i
 
 
 def _check_workers(workers: Any, models: list[str], where: Callable[[str], str]) -> None:

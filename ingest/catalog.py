@@ -17,6 +17,10 @@ instead of reaching an engine:
 The broker sends the figure it resolved in its catalog (HELLO), and the
 producer's SDK checks lines with it, so both refuse the same ids.
 
+`models` holds every name a line may give in `body.model`: each model's
+`name` and its `aliases`, all pointing at one entry, whose `name` is the
+model's own (ingest/model_aliases.py names each chunk's models by it).
+
 `logprobs` says whether the model's engine returns each generated token's
 log probability (`LOGPROB_ENGINES`); a request that asks for them from any
 other model is refused per line at ingest (`unsupported_parameter`).
@@ -57,7 +61,7 @@ class ModelEntry:
 class ModelCatalog:
     """The served models by name, the known endpoints, and the largest lane."""
 
-    models: dict[str, ModelEntry]
+    models: dict[str, ModelEntry]  # by name and by alias; entry.name is the model's own name
     endpoints: tuple[str, ...]
     largest_lane: int
     max_parts: int = 2048  # parts one line may fan out to (ingest.max_inputs_per_line)
@@ -66,7 +70,9 @@ class ModelCatalog:
     @classmethod
     def from_settings(cls, settings: Settings) -> ModelCatalog:
         largest = settings.broker.lanes[-1]
-        models = {m.name: _entry(m, largest) for m in settings.models}
+        models = {}
+        for model in settings.models:
+            models.update(dict.fromkeys((model.name, *model.aliases), _entry(model, largest)))
         return cls(
             models=models,
             endpoints=ENDPOINTS,
@@ -76,7 +82,7 @@ class ModelCatalog:
         )
 
     def known_models(self) -> str:
-        """The model names, comma-separated, for messages."""
+        """The model names and aliases, comma-separated, for messages."""
         return ", ".join(sorted(self.models))
 
 

@@ -11,7 +11,9 @@ reason); a line of several parts (fan-out) is checked whole: at most
 `ingest.max_inputs_per_line` parts, its token-id prompts within
 `ingest.max_line_tokens` together, and one bad part rejects the line.
 Items an earlier attempt already stored are set aside. Vectorised
-over the chunk: one pass per model and shape, not per item.
+over the chunk: one pass per model and shape, not per item. The items sent
+on name each model by its own name, the aliases their lines gave kept aside
+for the commit record (ingest/model_aliases.py).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from ingest.line_errors import (
     LineError,
 )
 from ingest.line_parser import beyond_vocabulary, too_many_tokens
+from ingest.model_aliases import WrittenNames, own_names, written_names
 
 
 @dataclass(frozen=True, eq=False)
@@ -44,6 +47,7 @@ class Checked:
     chunk: InputChunk  # the items to send on, with the new error records added
     already: list[tuple[int, str]]  # (line, custom_id) of items already in the log
     digests: Digests  # custom_id digests of `chunk`'s items
+    written: WrittenNames | None = None  # the aliases its lines gave (None: their models' names)
 
 
 def recheck(
@@ -165,9 +169,9 @@ def recheck(
         )
         drop |= in_log
     # rejected lines are dropped whole above; a part already stored leaves the rest of its line
-    sent = chunk.without(drop, errors, whole_lines=False)
+    sent = own_names(chunk.without(drop, errors, whole_lines=False), catalog)
     keep = ~drop & first_of_line if chunk.fanout else ~drop
-    return Checked(sent, already, (hashed[0][keep], hashed[1][keep]))
+    return Checked(sent, already, (hashed[0][keep], hashed[1][keep]), written_names(chunk, catalog))
 
 
 def chunk_digests(arrays: dict[str, np.ndarray]) -> Digests:

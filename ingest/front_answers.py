@@ -30,6 +30,7 @@ def catalog(settings, models: ModelCatalog) -> dict[str, Any]:
                 "tokenizer": m.tokenizer,
                 "max_tokens": m.max_tokens,
                 "endpoints": list(m.endpoints),
+                "aliases": list(m.aliases),
                 # as resolved here (ingest.catalog), so the producer refuses the same ids
                 "vocab_size": models.models[m.name].vocab_size or 0,
             }

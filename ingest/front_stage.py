@@ -266,6 +266,7 @@ class FrontStage(Stage):
             expected=None if chunk.needs_tokenizing else chunk.n_items,
             already=checked.already,
             digests=checked.digests,
+            written=checked.written,
             nbytes=nbytes,
         )
         landing = Landing(self.epoch, self.life, deadline_ns)

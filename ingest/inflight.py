@@ -19,6 +19,7 @@ import numpy as np
 from ingest.input_chunk import InputChunk, fanout_record
 from ingest.jobs import Job
 from ingest.line_errors import LineError
+from ingest.model_aliases import WrittenNames
 
 DEADLINE_MARGIN_S = 5.0  # the front waits this much past the writers' deadline
 
@@ -39,6 +40,7 @@ class Inflight:
     pieces: deque | None = None  # records still to put into the router's ring
     digests: tuple[np.ndarray, np.ndarray] = (np.zeros(0, np.uint64), np.zeros(0, np.uint64))
     nbytes: int = 0  # the chunk's arrays as received, for ingest.*inflight_bytes
+    written: WrittenNames | None = None  # the aliases its lines gave (ingest/model_aliases.py)
 
     @property
     def key(self) -> tuple[int, int]:
@@ -50,7 +52,8 @@ class Inflight:
 
     def commit_record(self) -> dict[str, Any]:
         """What `Job.commit` records for the chunk: its stored lines and custom_ids in line
-        order (those an earlier attempt stored included), the count, and every bad line."""
+        order (those an earlier attempt stored included), the count, every bad line, and the
+        aliases its stored lines gave."""
         chunk = self.chunk
         errors = sorted([*chunk.errors, *self.errors], key=lambda e: e.line)
         rejected = {e.line for e in self.errors}
@@ -80,6 +83,8 @@ class Inflight:
             parts = [fanout_record(f) for f in chunk.fanout if f[0] in stored]
             if parts:
                 record["parts"] = parts
+        if self.written is not None:
+            record.update(self.written.record(record["lines"]))
         return record
 
 

@@ -19,8 +19,9 @@ from typing import Any
 from ingest.custom_ids import CustomIdSet
 from pipeline.counter import DurableCounter
 from pipeline.errors import IngestError
-from pipeline.job_files import JOB_ID, ChunkEntry, ChunkProgress, JobFiles, Landing
+from pipeline.job_files import ChunkEntry, ChunkProgress, JobFiles, Landing
 from pipeline.job_states import JobState
+from pipeline.model_names import NAME_RULE, name_problem
 from pipeline.records import RecordLog
 from pipeline.segment import disk_error
 
@@ -37,11 +38,11 @@ def parse_deliver(text: str) -> str:
     if kind == DELIVER_VECTORS:
         if not store:
             return DELIVER_VECTORS
-        if JOB_ID.match(store):
+        if name_problem(store) is None:
             return f"{DELIVER_VECTORS}:{store}"
     raise IngestError(
         f"deliver {text!r} is not understood: use 'file', 'vectors' (a store named after "
-        "the model) or 'vectors:STORE' (a store name of letters, digits, '.', '_' or '-')"
+        f"the model) or 'vectors:STORE' (a store name of {NAME_RULE})"
     )
 
 
@@ -141,13 +142,15 @@ class Job:
         final: bool,
         digests=None,
         parts: list[list[int]] | None = None,
+        names: list[str] | None = None,
+        name_ix: list[int] | None = None,
     ) -> None:
         """Record that every item of `chunk` is durable (durable at flush).
 
         `digests` are those of `ids` (ingest.custom_ids.digests), if known; passing them
         says the ids were checked for repeats in the job already (the front's recheck).
-        `parts` the chunk's fan-out lines, `[line, parts, index of part 1]`
-        (pipeline/job_files.py).
+        `parts` the chunk's fan-out lines, `[line, parts, index of part 1]`; `names` the
+        aliases its stored lines gave and `name_ix` which each gave (pipeline/job_files.py).
         """
         state = self.chunks[chunk]
         record = {
@@ -163,6 +166,10 @@ class Job:
         }
         if parts:
             record["parts"] = parts
+        if names:
+            record["names"] = names
+            if name_ix is not None:
+                record["name_ix"] = name_ix
         self.journal.append(record)
         self._apply(record, digests)
         if self.state == JobState.VALIDATING and self.all_committed():

@@ -153,6 +153,7 @@ class Producer(BrokerClient):
                 "models": [
                     {k: m[k] for k in ("name", "engine", "tokenizer", "max_tokens", "endpoints")}
                     | {"vocab_size": int(m.get("vocab_size", 0))}  # 0 from a broker before it
+                    | {"aliases": list(m.get("aliases", ()))}
                     for m in catalog["models"]
                 ],
             },

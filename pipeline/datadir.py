@@ -3,7 +3,7 @@
 | path                         | what                                           |
 |------------------------------|------------------------------------------------|
 | `<data_dir>/broker.lock`     | flock held exclusively by the broker (or check --fix); holds its pid |
-| `<data_dir>/segments/`       | the input log: `in-<id>.<model>.s<shape>.l<lane>.seg` |
+| `<data_dir>/segments/`       | the input log: `in-<id>.<model>.s<shape>.l<lane>.seg` (the model's name file-safe: pipeline/file_names.py) |
 | `<data_dir>/damaged/`        | damaged input segments moved aside at start (pipeline/salvage.py); never read by a stage |
 | `<data_dir>/completion/`     | the completion log: `out-<id>.<job>.s0.l<size class>.seg` (collector/completion/results_log.py) |
 | `<data_dir>/next-segment-id` | the lowest id not yet handed out (text)         |

@@ -26,7 +26,7 @@ Header (bytes 0..HEADER_CHECKED are written once and covered by a CRC-32):
 | 32     | 4    | slot_bytes  | bytes per slot, a multiple of 8                    | creator    |
 | 36     | 4    | capacity    | number of slots                                    | creator    |
 | 40     | 8    | created_ns  | wall-clock creation time                           | creator    |
-| 48     | 64   | name        | model (input) or job id (completion), UTF-8, NUL padded | creator |
+| 48     | 64   | name        | model (input) or job id (completion), UTF-8, NUL padded (so a model name is at most 64 bytes: pipeline/model_names.py) | creator |
 | 112    | 4    | header_crc  | CRC-32 of bytes 0..112                             | creator    |
 | 512    | 4    | sealed      | 1 once no more appends will happen                 | writer, recovery |
 | 520    | 8    | sealed_ns   | wall-clock time of sealing, 0 while open           | writer, recovery |
@@ -70,6 +70,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.errors import SegmentError, SegmentFormatError
+from pipeline.file_names import file_safe
 
 MAGIC = b"IFABSEG\0"
 VERSION = 1
@@ -115,7 +116,6 @@ def live_markers(markers: np.ndarray) -> np.ndarray:
 
 
 _HEADER = struct.Struct("<8sIIQIIIIQ64s")  # the fields up to HEADER_CHECKED
-_NAME_OK = re.compile(r"[^A-Za-z0-9._-]")
 SUFFIX = ".seg"
 TMP_SUFFIX = ".tmp"
 
@@ -179,8 +179,9 @@ def capacity_for(segment_bytes: int, slot_bytes: int) -> int:
 
 
 def segment_file_name(segment_id: int, key: SegmentKey) -> str:
-    """`in-000000000042.minilm.s3.l512.seg`: id first, so names sort by id."""
-    safe = _NAME_OK.sub("_", key.name)
+    """`in-000000000042.minilm.s3.l512.seg`: id first, so names sort by id. The name part
+    is the key's name made file-safe (pipeline/file_names.py): a model's '/' is `%2F`."""
+    safe = file_safe(key.name)
     return f"{KIND_PREFIX[key.kind]}-{segment_id:012d}.{safe}.s{key.shape}.l{key.lane}{SUFFIX}"
 
 

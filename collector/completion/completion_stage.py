@@ -52,11 +52,11 @@ from collector.completion.results_log import CompletionLog
 from collector.job_view import JobIndex, JobView
 from gpu.dispatch import forward
 from gpu.work_protocol import ITEM_DTYPE
-from ingest.jobs import JOB_ID
 from pipeline import wire
 from pipeline.datadir import DataDir
 from pipeline.disk_full import FullDisk
 from pipeline.errors import DiskFullError, FabricError, SegmentError
+from pipeline.job_files import JOB_ID
 from pipeline.security import ServerGate
 from pipeline.segment import Segment
 from pipeline.stage import Stage

@@ -12,6 +12,12 @@ holds one of them means the client lost it, and it is forgotten, its results
 sent again (the client's output files drop what they already hold, so a
 custom_id is written once). `all: true` reads every stored result from the
 client's `cursors` and never marks anything delivered.
+
+A page names each row's model (`model`, its number in `models.log`, and meta
+`models`, number -> the model's own name); when some row's line gave an alias
+of it (ingest/model_aliases.py), the page also holds `name` (u2, 0 = the
+model's own name, k = meta `names[k - 1]`), and the output's `model` is that
+name. A vector sink's page goes without: stores know models by their own names.
 """
 
 from __future__ import annotations
@@ -128,6 +134,10 @@ class PageDelivery:
             "payload": page.payload,
             "offsets": page.offsets,
         }
+        given = view.given_names(page.index) if meta.get("sink") != "vectors" else None
+        if given is not None:  # some line gave its model an alias: the output repeats it
+            reply["names"] = view.names
+            arrays["name"] = given.astype(np.uint16)
         if page.part is not None:  # fan-out lines: `index` is the line's, `part` each row's
             arrays["part"] = page.part
             if meta.get("sink") == "vectors":  # a vector's id is its own item's seq

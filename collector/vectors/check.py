@@ -26,6 +26,7 @@ from collector.vectors.store_catalog import (
     open_store,
     read_meta,
     store_dirs,
+    store_name_of,
     stores_root,
 )
 from pipeline.check import Finding
@@ -43,7 +44,7 @@ def check_vectors(data_path: Path, fix: bool = False) -> tuple[list[Finding], li
         findings += found
         if fix and any(f.fixable for f in found):
             try:
-                _, store = open_store(root, directory.name)
+                _, store = open_store(root, store_name_of(directory))
                 store.close()
                 fixed.append(f"{directory}: recovered (cut bytes past the journal)")
             except (VectorError, OSError) as exc:
@@ -66,7 +67,7 @@ def _check_store(directory: Path) -> list[Finding]:
         and path.name not in SINK_DIRS
     ]
     try:
-        _, store = open_store(directory.parent, directory.name, readonly=True)
+        _, store = open_store(directory.parent, store_name_of(directory), readonly=True)
     except VectorShardBusy as exc:
         return [*findings, Finding(directory, "vector-store-in-use", str(exc))]
     except (VectorError, OSError) as exc:

@@ -2,12 +2,14 @@
 
 | path                                   | what                                                    |
 |----------------------------------------|---------------------------------------------------------|
-| `vectors/<store>/store.json`           | `name`, `model`, `dim`, `dtype`, `shard_rows`, `created_ns`; written once, atomically, before the first shard |
+| `vectors/<store>/store.json`           | `name`, `model`, `dim`, `dtype`, `shard_rows`, `created_ns`; written once, atomically, before the first shard; `<store>` is the store's name made file-safe (pipeline/file_names.py: `intfloat/e5-mistral-7b-instruct` is `intfloat%2Fe5-mistral-7b-instruct`) |
 | `vectors/<store>/<id>.payload/.ids/.journal` | the shards (collector/vectors/shard.py)           |
 | `vectors/errors/<job>.jsonl`           | OpenAI Batch error lines of the job's results that are not stored vectors (failed items, wrong model or dim, NaN) |
 | `vectors/delivered/<job>`              | empty: every result of the job was delivered (collector/vectors/sink.py) |
 
-A store is created by the vector sink when the first embedding for it
+A store's name follows the rule of model names (pipeline/model_names.py),
+since a store is named after its model unless the job names one
+(`--deliver vectors:STORE`). A store is created by the vector sink when the first embedding for it
 arrives: its dim is that embedding's, its dtype `vectors.dtype`, and a shard
 holds `vectors.shard_bytes` of payload. The ids row of a vector is the
 item's global id, its seq (pipeline/item_seq.py `seq_of`), which
@@ -25,7 +27,8 @@ import orjson
 from collector.vectors.shard import DTYPES, VectorInputError, VectorShardError
 from collector.vectors.vector_store import VectorStore
 from pipeline.durable import write_whole
-from pipeline.job_files import JOB_ID
+from pipeline.file_names import file_safe, from_file_safe
+from pipeline.model_names import NAME_RULE, name_problem
 
 META_FILE = "store.json"
 SINK_DIRS = ("errors", "delivered")
@@ -49,7 +52,15 @@ def store_names(root: Path) -> list[str]:
     """Stores under `root` (directories with a store.json), sorted."""
     if not root.is_dir():
         return []
-    return sorted(p.name for p in root.iterdir() if (p / META_FILE).exists())
+    return sorted(store_name_of(p) for p in root.iterdir() if (p / META_FILE).exists())
+
+
+def store_name_of(directory: Path) -> str:
+    """The name of the store in `directory` (its file-safe form undone)."""
+    try:
+        return from_file_safe(directory.name)
+    except UnicodeDecodeError:
+        return directory.name  # not a name file_safe made: check_store_name refuses it
 
 
 def store_dirs(root: Path) -> list[Path]:
@@ -60,12 +71,18 @@ def store_dirs(root: Path) -> list[Path]:
 
 
 def check_store_name(name: str) -> str:
-    if not JOB_ID.match(name) or name in SINK_DIRS:
+    problem = name_problem(name) or ("is the sink's own directory" if name in SINK_DIRS else None)
+    if problem is not None:
         raise VectorInputError(
-            f"store name {name!r} is not allowed: use 1-64 letters, digits, '.', '_' or '-' "
+            f"store name {name!r} is not allowed: it {problem}; a store name is {NAME_RULE} "
             f"(not {' or '.join(SINK_DIRS)})"
         )
     return name
+
+
+def store_dir(root: Path, name: str) -> Path:
+    """The directory of store `name` under `root`."""
+    return Path(root) / file_safe(check_store_name(name))
 
 
 def read_meta(directory: Path) -> StoreMeta:
@@ -92,7 +109,7 @@ def create_store(
     root: Path, name: str, model: str, dim: int, dtype: str, shard_bytes: int
 ) -> tuple[StoreMeta, VectorStore]:
     """Create store `name` for `model`'s `dim`-wide vectors: store.json first, durably."""
-    directory = root / check_store_name(name)
+    directory = store_dir(root, name)
     directory.mkdir(parents=True, exist_ok=True)
     row_bytes = dim * DTYPES[dtype].itemsize
     meta = StoreMeta(name, model, dim, dtype, max(1, shard_bytes // row_bytes), time.time_ns())
@@ -102,7 +119,7 @@ def create_store(
 
 def open_store(root: Path, name: str, readonly: bool = False) -> tuple[StoreMeta, VectorStore]:
     """Open (and, unless `readonly`, recover) an existing store."""
-    directory = root / check_store_name(name)
+    directory = store_dir(root, name)
     meta = read_meta(directory)
     return meta, VectorStore(directory, meta.dim, meta.dtype, meta.shard_rows, readonly=readonly)
 
