@@ -70,7 +70,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.errors import SegmentError, SegmentFormatError
-from pipeline.file_names import file_safe
+from pipeline.file_names import file_safe, from_file_safe
 
 MAGIC = b"IFABSEG\0"
 VERSION = 1
@@ -200,11 +200,17 @@ def parse_segment_file_name(name: str) -> tuple[int, int, int, int] | None:
 
 
 def segment_file_model(name: str) -> str | None:
-    """The model (input) or job id (completion) part of a name `segment_file_name` made, in
-    its file-safe form; None if it is not one. A model's name is made of file-safe characters
-    only (config/rules.py), so an input segment's file name spells its model whole."""
+    """The model (input) or job id (completion) part of a name `segment_file_name` made, its
+    file-safe form decoded (pipeline/file_names.py: `%2F` is '/'); None if it is not one. An
+    input segment's file name spells its model whole, so salvage can trust it over a damaged
+    header field."""
     found = _FILE_NAME.match(name)
-    return None if found is None else found.group(3)
+    if found is None:
+        return None
+    try:
+        return from_file_safe(found.group(3))
+    except UnicodeDecodeError:
+        return None
 
 
 def slot_dtype(slot_bytes: int) -> np.dtype:

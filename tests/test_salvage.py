@@ -14,7 +14,7 @@ from pipeline.datadir import DataDir
 from pipeline.recovery import recover
 from pipeline.salvage import isolate, isolated_files
 from pipeline.segment import Segment
-from pipeline.segment_format import DEAD, HEADER_CHECKED
+from pipeline.segment_format import DEAD, HEADER_CHECKED, KIND_INPUT, SegmentKey
 
 JOB_NO = 3
 
@@ -101,3 +101,29 @@ def test_a_newer_version_is_whole_and_left_alone(data_dir, damaged_input):
         f.write(head + struct.pack("<I", zlib.crc32(head)))
     (damaged,) = recover(data_dir).damaged
     assert isolate(data_dir, damaged) is None and damaged_input.exists()
+
+
+def test_a_model_name_with_a_slash_is_read_back_from_its_file_name(data_dir, rng):
+    """A model named like a Hugging Face id is `%2F`-encoded in its file name: salvage of a
+    header whose name field is damaged decodes the file name back to the model's name."""
+    key = SegmentKey(KIND_INPUT, "meta-llama/Llama-3.1-8B-Instruct", KEY.shape, KEY.lane)
+    seg = Segment.create(data_dir.segments, 1, key, SLOT_BYTES, 8)
+    index = np.arange(8, dtype=np.uint32)
+    seq = (np.uint64(JOB_NO) << np.uint64(32)) | index.astype(np.uint64)
+    counts = np.full(8, 4, np.uint32)
+    seg.append(
+        seq,
+        np.full(8, JOB_NO, np.uint64),
+        index,
+        counts,
+        rng.integers(1, 99, (8, 64)).astype(np.uint32),
+    )
+    seg.seal()
+    seg.sync()
+    seg.close()
+    assert "%2F" in seg.path.name
+    flip(seg.path, 50)  # a letter of the name field
+    assert isolated_seqs(data_dir, seg.path) == list(range(8))
+    (into,) = data_dir.segments.glob("in-*.seg")
+    with Segment.open(into) as salvaged:
+        assert salvaged.header.key == key
