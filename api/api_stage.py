@@ -26,6 +26,7 @@ from api.batch_driver import BatchDriver
 from api.batch_store import BatchStore
 from api.file_store import FileStore
 from api.retention import OutputRetention
+from collector.delivery.decoders import model_decoders
 from collector.results_client import ResultsClient
 from ingest.submit_client import Producer
 from pipeline.errors import ConfigError
@@ -99,7 +100,13 @@ class ApiStage(Stage):
             self.results = ResultsClient(
                 client_address(settings.completion.bind), curve=curve, patient=True
             )
-            self.driver = BatchDriver(self.files, self.batches, self.producers, self.results)
+            self.driver = BatchDriver(
+                self.files,
+                self.batches,
+                self.producers,
+                self.results,
+                decoders=model_decoders(settings),  # the text of generated results
+            )
             self.retention = OutputRetention(
                 self.files,
                 self.batches,

@@ -45,6 +45,7 @@ from api.batch_store import (
 )
 from api.batch_validation import Checked, check_and_send, error
 from api.file_store import PURPOSE_OUTPUT, FileRecord, FileStore, output_file_id
+from collector.delivery.decoders import Decoder
 from collector.delivery.lines import line_key
 from collector.delivery.result_file import ResultFile
 from collector.results_client import ResultsClient
@@ -70,13 +71,16 @@ class BatchDriver:
         batches: BatchStore,
         producers: tuple[Producer, Producer],
         results: ResultsClient,
+        decoders: dict[str, Decoder] | None = None,
     ) -> None:
         """`producers`: one for the broker's catalog on this thread, one for submissions on
-        the submit thread (a ZeroMQ socket is used by one thread only)."""
+        the submit thread (a ZeroMQ socket is used by one thread only); `decoders`: the
+        models' (collector/delivery/decoders.py), for the text of generated results."""
         self.files = files
         self.batches = batches
         self.catalog, self.producer = producers
         self.results = results
+        self.decoders = decoders or {}
         self._fetched: dict[str, float] = {}  # batch id -> last fetch (monotonic)
         self._done: set[str] = set()  # batches seen ended: not read again
         self._ended: dict[str, int] = {}  # of those, how many in each end state
@@ -377,6 +381,7 @@ class BatchDriver:
             batch_id,
             str(self.batches.path(batch_id, OUTPUT)),
             str(self.batches.path(batch_id, ERRORS)),
+            decoders=self.decoders,
         )
 
     def _finalize(self, record: dict[str, Any]) -> None:

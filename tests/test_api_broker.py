@@ -12,11 +12,14 @@ from pathlib import Path
 import openai
 import orjson
 import pytest
-from broker import Broker, free_port, write_config, write_jsonl
+from broker import WORDS, Broker, free_port, write_config, write_jsonl
+from client_commands import run_cli
 from conftest import wait_for
 from fastapi.testclient import TestClient
 from openai.types import Batch, Completion, CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion
+from openai.types.responses import Response
+from tokenizers import Tokenizer
 
 from api import batch_driver, batch_validation
 from api.app import make_app
@@ -28,7 +31,7 @@ from ingest.batch_input import iter_batch_input
 from ingest.submit_client import Producer
 from pipeline.topology import client_address
 
-GENERATE = '["/v1/embeddings", "/v1/chat/completions", "/v1/completions"]'
+GENERATE = '["/v1/embeddings", "/v1/chat/completions", "/v1/completions", "/v1/responses"]'
 DONE = ("completed", "failed", "expired", "cancelled")
 FINISHED = ("cancelled", "completed")  # a job's end states (a cancel can come after its last item)
 BODY_TYPES = {
@@ -39,18 +42,27 @@ BODY_TYPES = {
 
 
 def api_broker(
-    tmp_path: Path, worker_keys: str = "", processes: int = 1, retention_s: float | None = None
+    tmp_path: Path,
+    worker_keys: str = "",
+    processes: int = 1,
+    retention_s: float | None = None,
+    text_worker: bool = False,
 ) -> tuple[Broker, str]:
-    """`retention_s`: the job results' retention (the collector then sweeps every 0.3 s)."""
+    """`retention_s`: the job results' retention (the collector then sweeps every 0.3 s);
+    `text_worker`: a local worker for `texty` too (text in, its tokenizer's words out)."""
     port = free_port()
     extra = f'[api]\nenabled = true\nbind = "127.0.0.1:{port}"\nprocesses = {processes}\n'
     if retention_s is not None:
         extra += "[collector]\ninterval_s = 0.3\n"
-    config = write_config(tmp_path, extra=extra, workers=1, worker_keys=worker_keys)
-    # the echo model also serves chat and text completions (token ids in, token ids out)
+    workers = 0 if text_worker else 1
+    config = write_config(tmp_path, extra=extra, workers=workers, worker_keys=worker_keys)
+    # echo (token ids in, token ids out) and texty (text, its tokenizer) also generate
     text = config.read_text().replace(
-        'endpoints = ["/v1/embeddings"]', f"endpoints = {GENERATE}", 1
+        'endpoints = ["/v1/embeddings"]', f"endpoints = {GENERATE}", 2
     )
+    if text_worker:
+        text = text.replace("[workers]\nlocal = 0\n", "")
+        text += '[[workers]]\nmodel = "echo"\n[[workers]]\nmodel = "texty"\n'
     if retention_s is not None:
         text = text.replace(
             "[completion]\n", f"[completion]\nresults_retention_s = {retention_s}\n"
@@ -62,8 +74,9 @@ def api_broker(
 
 @pytest.fixture(scope="module")
 def fast(tmp_path_factory):
-    """Two api processes on one port: requests land on either; api-0 drives the batches."""
-    broker, url = api_broker(tmp_path_factory.mktemp("api-fast"), processes=2)
+    """Two api processes on one port: requests land on either; api-0 drives the batches.
+    Local workers for `echo` and for `texty`."""
+    broker, url = api_broker(tmp_path_factory.mktemp("api-fast"), processes=2, text_worker=True)
     try:
         yield broker, openai.OpenAI(base_url=url, api_key="any", max_retries=0)
     finally:
@@ -167,6 +180,59 @@ def test_generated_bodies_validate_with_openai_types(fast, tmp_path, url):
     assert_each_once(out, [], custom_ids)
     for line in out:
         BODY_TYPES[url].model_validate(line["response"]["body"])
+
+
+def text_requests_file(path: Path, n: int, url: str) -> set[str]:
+    """n text lines for `texty` (a word-level tokenizer over WORDS) in `url`'s body form."""
+    bodies = {
+        "/v1/chat/completions": lambda words: {"messages": [{"role": "user", "content": words}]},
+        "/v1/completions": lambda words: {"prompt": words},
+        "/v1/responses": lambda words: {"input": words},
+    }
+    with open(path, "wb") as out:
+        for i in range(n):
+            words = " ".join(WORDS[(7 * i + k) % len(WORDS)] for k in range(3 + i % 4))
+            body = {"model": "texty", **bodies[url](words)}
+            body["max_output_tokens" if url == "/v1/responses" else "max_tokens"] = 16
+            line = {"custom_id": f"t{i}", "method": "POST", "url": url, "body": body}
+            out.write(orjson.dumps(line) + b"\n")
+    return {f"t{i}" for i in range(n)}
+
+
+def generated(url: str, body: dict) -> tuple[str, list[int]]:
+    """(the text, the token ids) of one generated body, read with openai's own types."""
+    if url == "/v1/chat/completions":
+        choice = ChatCompletion.model_validate(body).choices[0]
+        return choice.message.content, body["choices"][0]["token_ids"]
+    if url == "/v1/completions":
+        choice = Completion.model_validate(body).choices[0]
+        return choice.text, body["choices"][0]["token_ids"]
+    return Response.model_validate(body).output_text, body["token_ids"]
+
+
+@pytest.mark.parametrize("url", ["/v1/chat/completions", "/v1/completions", "/v1/responses"])
+def test_generated_text_is_the_models_decoding_as_run_py_results_writes_it(fast, tmp_path, url):
+    """Every door renders text with the model's tokenizer (collector/delivery/decoders.py):
+    over HTTP each content / text / output_text is the decoding of its line's token ids, not
+    "", and the lines are those `run.py results` writes for the same job."""
+    broker, client = fast
+    path = tmp_path / "text.jsonl"
+    custom_ids = text_requests_file(path, 20, url)
+    file = upload(client, path)
+    made = client.batches.create(input_file_id=file.id, endpoint=url, completion_window="24h")
+    batch = finish(client, made.id)
+    assert batch.status == "completed", batch
+    out = lines_of(client, batch.output_file_id)
+    assert_each_once(out, [], custom_ids)
+    tokenizer = Tokenizer.from_file(str(broker.config.parent / "tokenizer.json"))
+    for line in out:
+        text, token_ids = generated(url, line["response"]["body"])
+        assert token_ids and text and text == tokenizer.decode(token_ids)
+    cli_out = tmp_path / "cli.jsonl"
+    done = run_cli("results", batch.id, "-o", str(cli_out), "--all", "--config", str(broker.config))
+    assert done.returncode == 0, done.stderr
+    cli = {x["custom_id"]: x for x in map(orjson.loads, cli_out.read_bytes().splitlines())}
+    assert cli == {x["custom_id"]: x for x in out}
 
 
 def test_the_batch_carries_its_jobs_token_totals_as_openai_usage(fast, tmp_path):
