@@ -5,6 +5,7 @@ and error files. Cancel, expiry and partial downloads run on a broker with a slo
 
 from __future__ import annotations
 
+import re
 import urllib.request
 from collections import Counter
 from pathlib import Path
@@ -19,6 +20,7 @@ from fastapi.testclient import TestClient
 from openai.types import Batch, Completion, CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion
 from openai.types.responses import Response
+from test_status_watch import interrupt, on_pipe, watch_command
 from tokenizers import Tokenizer
 
 from api import batch_driver, batch_validation
@@ -554,7 +556,7 @@ def test_idempotency_key_retry_returns_the_same_batch_and_runs_it_once(fast, tmp
 
 
 def test_partial_output_while_in_progress_then_cancel_keeps_results(slow, tmp_path):
-    _, client = slow
+    broker, client = slow
     path = tmp_path / "in.jsonl"
     write_jsonl(path, 500, seed=3)
     custom_ids = {f"r{i}" for i in range(500)}
@@ -582,10 +584,36 @@ def test_partial_output_while_in_progress_then_cancel_keeps_results(slow, tmp_pa
     assert out and err and {e["error"]["code"] for e in err} == {"cancelled"}
     final = client.files.with_raw_response.content(ended.output_file_id)
     assert final.headers["X-Fabric-Partial"] == "false"
+    assert broker.job_status(batch.id)["state"] == "cancelled"  # as `status JOB` says it
 
 
-def test_a_short_window_expires_keeping_results_made(slow, tmp_path):
-    _, client = slow
+def job_state_at_each_door(broker: Broker, job_id: str, tmp_path: Path) -> dict[str, str]:
+    """The job's state as each door names it: `status JOB` (its text and --json), a refresh
+    of `status --watch JOB` on a pipe, and the last line of `results JOB`."""
+    config = str(broker.config)
+    said = {}
+    text = run_cli("status", job_id, "--config", config)
+    said["status"] = re.match(rf"job {job_id}: (\w+)\n", text.stdout)[1]
+    said["status --json"] = orjson.loads(
+        run_cli("status", job_id, "--json", "--config", config).stdout
+    )["state"]
+    fetched = run_cli("results", job_id, "-o", str(tmp_path / "late.jsonl"), "--config", config)
+    said["results"] = re.search(r"; state (\w+),", fetched.stderr)[1]
+    proc, pipe = on_pipe(watch_command(broker.config, job_id, "--plain", "--interval", "0.3"))
+    try:
+        wait_for(lambda: f"job {job_id} ".encode() in (pipe.read() or b""), "a refresh")
+        assert interrupt(proc, pipe) == 0
+    finally:
+        pipe.close(proc)
+    said["status --watch"] = re.search(rf"^job {job_id} (\w+) ", pipe.raw.decode(), re.M)[1]
+    return said
+
+
+def test_a_short_window_expires_keeping_results_made_and_every_door_says_expired(slow, tmp_path):
+    """At expires_at the batch's job is cancelled at its deadline: the batch ends `expired`
+    over HTTP, and `status JOB`, `status --watch` and `results` name its job `expired` too
+    (one table: pipeline/job_states.py OPENAI_STATUS), not `cancelled`."""
+    broker, client = slow
     path = tmp_path / "in.jsonl"
     write_jsonl(path, 500, seed=4)
     custom_ids = {f"r{i}" for i in range(500)}
@@ -602,6 +630,7 @@ def test_a_short_window_expires_keeping_results_made(slow, tmp_path):
     assert ended.request_counts.failed == len(err)
     for line in out:
         CreateEmbeddingResponse.model_validate(line["response"]["body"])
+    assert set(job_state_at_each_door(broker, batch.id, tmp_path).values()) == {"expired"}
 
 
 def test_the_stage_is_in_the_broker_and_keeps_serving_after_bad_input(fast):
