@@ -191,17 +191,13 @@ def _curve(args: argparse.Namespace):
 
 
 def _decoders(args: argparse.Namespace) -> dict:
-    """Tokenizers of the configured models, to decode generated text (when present here)."""
+    """The decoders of the configured models, to render generated text (where their
+    tokenizers are on this host); none with --broker or without the config file."""
+    from collector.delivery.decoders import model_decoders
+
     if getattr(args, "broker", None) or not os.path.exists(args.config):
         return {}
-    decoders = {}
-    for model in load_settings(args.config).models:
-        if model.tokenizer and os.path.exists(model.tokenizer):
-            from tokenizers import Tokenizer
-
-            tokenizer = Tokenizer.from_file(model.tokenizer)
-            decoders[model.name] = lambda ids, t=tokenizer: t.decode(ids)
-    return decoders
+    return model_decoders(load_settings(args.config))
 
 
 def _results(args: argparse.Namespace) -> int:

@@ -7,8 +7,9 @@ records, and the expiry of files (input files after `api.input_file_expiry_s`,
 output and error files with their job's retention: api/retention.py); every
 process reads the files and batch records from disk.
 
-uvicorn runs on a thread of the stage process; the stage's own loop (`step`)
-drives the batches. SIGTERM (the supervisor stopping the broker) stops the
+uvicorn runs on a thread of the stage process, with the `[api]` limits on
+request heads, connections and idle time (api/http_limits.py); the stage's own
+loop (`step`) drives the batches. SIGTERM (the supervisor stopping the broker) stops the
 HTTP server after the requests in flight, then the stage exits; a SIGKILL at
 any moment loses nothing acknowledged (docs/http-api.md, "Durability").
 """
@@ -25,7 +26,9 @@ from api.app import make_app
 from api.batch_driver import BatchDriver
 from api.batch_store import BatchStore
 from api.file_store import FileStore
+from api.http_limits import HttpLimits, guarded
 from api.retention import OutputRetention
+from collector.delivery.decoders import model_decoders
 from collector.results_client import ResultsClient
 from ingest.submit_client import Producer
 from pipeline.binds import host_port
@@ -77,7 +80,14 @@ class ApiStage(Stage):
         app = make_app(settings, root, endpoints)
         self.route_stats = app.state.route_stats
         self.sock = listening_socket(settings.api.bind, settings.api.processes > 1)
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
+        config = uvicorn.Config(
+            app,
+            http=guarded(HttpLimits.of(settings.api)),  # api/http_limits.py
+            timeout_keep_alive=settings.api.keep_alive_timeout_s,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [self.sock]}, name="http", daemon=True
@@ -99,7 +109,13 @@ class ApiStage(Stage):
             self.results = ResultsClient(
                 client_address(settings.completion.bind), curve=curve, patient=True
             )
-            self.driver = BatchDriver(self.files, self.batches, self.producers, self.results)
+            self.driver = BatchDriver(
+                self.files,
+                self.batches,
+                self.producers,
+                self.results,
+                decoders=model_decoders(settings),  # the text of generated results
+            )
             self.retention = OutputRetention(
                 self.files,
                 self.batches,

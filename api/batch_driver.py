@@ -6,6 +6,10 @@
     in_progress --(cancel)--> cancelling --> cancelled     (results made so far are kept)
     in_progress --(expires_at)--> expired                  (unfinished items: batch_expired lines)
 
+A batch ends in its job's end state (pipeline/job_states.py `OPENAI_STATUS`), so
+`run.py status`, `status --watch` and HTTP say one word: at `expires_at` the job is
+cancelled *at its deadline* and ends `expired`.
+
 A batch is a broker job whose id is the batch id: while validating, the driver
 sends the input's lines with the producer SDK as they check out
 (api/batch_validation.py: the file is parsed once, and the broker starts on the
@@ -45,20 +49,20 @@ from api.batch_store import (
 )
 from api.batch_validation import Checked, check_and_send, error
 from api.file_store import PURPOSE_OUTPUT, FileRecord, FileStore, output_file_id
+from collector.delivery.decoders import Decoder
 from collector.delivery.lines import line_key
 from collector.delivery.result_file import ResultFile
 from collector.results_client import ResultsClient
 from ingest.submit_client import Producer
 from pipeline.durable import write_whole
 from pipeline.errors import FabricError
-from pipeline.job_states import JobState
+from pipeline.job_states import JobState, is_terminal, openai_status
 
 log = logging.getLogger("fabric.api")
 EXPIRED_CODE = "batch_expired"
 CANCELLED_CODE = "cancelled"  # the code completion gives a cancelled item's error line
 FETCH_EVERY_S = 1.0  # a running batch's results are fetched this often (and when it ends)
 CANCEL_WAIT_S = 5.0  # a job not known this long after its validation stopped is sent its lines
-ENDED = (JobState.COMPLETED, JobState.CANCELLED)  # broker job states whose results are all in
 
 
 class BatchDriver:
@@ -70,13 +74,16 @@ class BatchDriver:
         batches: BatchStore,
         producers: tuple[Producer, Producer],
         results: ResultsClient,
+        decoders: dict[str, Decoder] | None = None,
     ) -> None:
         """`producers`: one for the broker's catalog on this thread, one for submissions on
-        the submit thread (a ZeroMQ socket is used by one thread only)."""
+        the submit thread (a ZeroMQ socket is used by one thread only); `decoders`: the
+        models' (collector/delivery/decoders.py), for the text of generated results."""
         self.files = files
         self.batches = batches
         self.catalog, self.producer = producers
         self.results = results
+        self.decoders = decoders or {}
         self._fetched: dict[str, float] = {}  # batch id -> last fetch (monotonic)
         self._done: set[str] = set()  # batches seen ended: not read again
         self._ended: dict[str, int] = {}  # of those, how many in each end state
@@ -131,7 +138,7 @@ class BatchDriver:
             self.batches.put(record)
         expired = record["expires_at"] is not None and now >= record["expires_at"]
         if status in ("in_progress", "cancelling") and expired and not record.get("expiring"):
-            self._cancel_job(batch_id)
+            self._cancel_job(batch_id, at_deadline=True)
             record["expiring"] = True
             self.batches.put(record)
         self._follow(record, now)
@@ -242,7 +249,7 @@ class BatchDriver:
         batch_id = record["id"]
         if not record.get("job_cancelled"):
             try:
-                self._cancel_job(batch_id)
+                self._cancel_job(batch_id, at_deadline=record["ending"]["status"] == "expired")
             except FabricError as exc:  # no chunk of it committed yet: the next pass
                 first = self._uncancelled.setdefault(batch_id, time.monotonic())
                 log.info("batch %s: its job cannot be cancelled yet (%s)", batch_id, exc)
@@ -332,9 +339,10 @@ class BatchDriver:
         self._end(record, "expired", now)
 
     # ---- running and finishing -------------------------------------------------------------
-    def _cancel_job(self, batch_id: str) -> None:
+    def _cancel_job(self, batch_id: str, at_deadline: bool = False) -> None:
+        """Cancel the batch's job; `at_deadline`: at its expires_at (the job ends `expired`)."""
         try:
-            self.results.cancel(batch_id)
+            self.results.cancel(batch_id, at_deadline)
         except FabricError as exc:
             if "already" not in str(exc):  # a job that ended meanwhile: nothing to cancel
                 raise
@@ -349,12 +357,12 @@ class BatchDriver:
             if submitted:
                 raise
             return  # no chunk of the job committed yet
-        finished = info["state"] in ENDED and not info["undelivered"]
+        finished = is_terminal(info["state"]) and not info["undelivered"]
         due = time.monotonic() - self._fetched.get(batch_id, 0.0) >= FETCH_EVERY_S
-        if info["undelivered"] and (due or info["state"] in ENDED):
+        if info["undelivered"] and (due or is_terminal(info["state"])):
             self._fetch(batch_id)
             info = self.results.job_status(batch_id)
-            finished = info["state"] in ENDED and not info["undelivered"]
+            finished = is_terminal(info["state"]) and not info["undelivered"]
         finished = finished and submitted
         counts, usage = _counts(info, record), info.get("usage")
         if counts != record["request_counts"] or usage != record.get("usage"):
@@ -377,21 +385,18 @@ class BatchDriver:
             batch_id,
             str(self.batches.path(batch_id, OUTPUT)),
             str(self.batches.path(batch_id, ERRORS)),
+            decoders=self.decoders,
         )
 
     def _finalize(self, record: dict[str, Any]) -> None:
-        """Files complete and registered, then the end state: safe to run again after a kill."""
+        """Files complete and registered, then the end state, the job's (`ended_as`): safe to
+        run again after a kill."""
         batch_id = record["id"]
-        if record.get("expiring"):
+        end = openai_status(record["ended_as"])
+        if record["ended_as"] == JobState.EXPIRED:  # its cancelled items' lines say why
             _rewrite_codes(self.batches.path(batch_id, ERRORS), CANCELLED_CODE, EXPIRED_CODE)
         self._register(record, "output", OUTPUT)
         self._register_errors(record)
-        if record.get("expiring"):
-            end = "expired"
-        elif record.get("ended_as") == "cancelled" or record.get("cancelling_at"):
-            end = "cancelled"
-        else:
-            end = "completed"
         self._end(record, end, int(time.time()))
         self._fetched.pop(batch_id, None)
 

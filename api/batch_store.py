@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import secrets
 import shutil
 import time
@@ -51,6 +52,9 @@ TIMESTAMPS = (
     "cancelling_at",
     "cancelled_at",
 )
+
+
+BATCH_ID = re.compile(r"batch_[A-Za-z0-9_-]{1,58}\Z")  # what the two functions below make
 
 
 def idempotent_batch_id(owner: str, key: str) -> str:
@@ -101,7 +105,7 @@ class BatchStore:
         return record, True
 
     def get(self, batch_id: str, owner: str | None = None) -> dict[str, Any] | None:
-        if not batch_id.startswith("batch_") or "/" in batch_id or len(batch_id) > 64:
+        if not BATCH_ID.match(batch_id):  # never a path of its own ("..", "/", a NUL byte)
             return None
         try:
             record = orjson.loads(self.path(batch_id, RECORD).read_bytes())

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import secrets
 import time
 from dataclasses import asdict, dataclass
@@ -57,6 +58,9 @@ class FileRecord:
             "expires_at": self.expires_at,
             "status_details": None,
         }
+
+
+FILE_ID = re.compile(r"file-[A-Za-z0-9_-]{1,59}\Z")  # what new_file_id and output_file_id make
 
 
 def new_file_id() -> str:
@@ -126,7 +130,7 @@ class FileStore:
 
     def get(self, file_id: str, owner: str | None = None) -> FileRecord | None:
         """The record of `file_id` (of `owner`, when given), or None."""
-        if not file_id.startswith("file-") or "/" in file_id or len(file_id) > 64:
+        if not FILE_ID.match(file_id):  # never a path of its own ("..", "/", a NUL byte)
             return None
         try:
             record = FileRecord(**orjson.loads((self.files / f"{file_id}.json").read_bytes()))

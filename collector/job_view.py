@@ -91,6 +91,11 @@ class JobView:
     def cancelled(self) -> bool:
         return self.files.is_cancelled(self.job_id)
 
+    @property
+    def cancelled_at_deadline(self) -> bool:
+        """Cancelled because its deadline passed (it ends `expired`, not `cancelled`)."""
+        return self.files.cancelled_at_deadline(self.job_id)
+
     def refresh(self) -> None:
         records, self.offset = journal_records(self.journal, self.offset)
         for record, span in records:
@@ -278,6 +283,7 @@ class JobIndex:
         self.views.pop(job_id, None)
 
 
-def write_cancel(view: JobView) -> None:
-    """Record durably that the job is cancelled (job number and wall time)."""
-    view.files.mark_cancelled(view.job_id, view.job_no, time.time_ns())
+def write_cancel(view: JobView, at_deadline: bool = False) -> None:
+    """Record durably that the job is cancelled (job number and wall time; `at_deadline`:
+    because its deadline passed)."""
+    view.files.mark_cancelled(view.job_id, view.job_no, time.time_ns(), at_deadline)

@@ -227,18 +227,6 @@ class _Progress:
             self.bar.stop()
 
 
-def _decoders(settings) -> dict:
-    """Tokenizers of the models, to decode generated text into output lines."""
-    decoders = {}
-    for model in settings.models:
-        if model.tokenizer and os.path.exists(model.tokenizer):
-            from tokenizers import Tokenizer
-
-            tokenizer = Tokenizer.from_file(model.tokenizer)
-            decoders[model.name] = lambda ids, t=tokenizer: t.decode(ids)
-    return decoders
-
-
 def _claim_output(run: OneShot, job_id: str) -> None:
     """Mark OUT as this job's; refuse an OUT (or its errors file) written for another job."""
     marks = run.state_dir / "jobs"
@@ -311,6 +299,7 @@ def run_oneshot(run: OneShot) -> int:
 
 
 def _drive(run: OneShot, settings, job_id: str, broker, progress: _Progress, say) -> int:
+    from collector.delivery.decoders import model_decoders
     from collector.results_client import ResultsClient
     from ingest.submit_client import Producer
     from pipeline.errors import BrokerUnavailableError
@@ -362,7 +351,7 @@ def _drive(run: OneShot, settings, job_id: str, broker, progress: _Progress, say
                     str(run.output),
                     str(run.errors),
                     follow=True,
-                    decoders=_decoders(settings),
+                    decoders=model_decoders(settings),
                     progress=lambda report: latest.__setitem__(0, report),
                 )
         except BaseException as exc:  # handed to the main thread

@@ -31,6 +31,7 @@ from collector.delivery_client import Delivery
 from pipeline import wire
 from pipeline.broker_client import BrokerClient
 from pipeline.errors import FabricError, WireError
+from pipeline.job_states import JobState
 from pipeline.ragged import Ragged
 
 MT = wire.MessageType
@@ -74,8 +75,12 @@ class ResultsClient(BrokerClient):
     def job_status(self, job_id: str) -> dict[str, Any]:
         return self.request(MT.JOB_STATUS, {"job": job_id}, MT.JOB_INFO).meta
 
-    def cancel(self, job_id: str) -> dict[str, Any]:
-        return self.request(MT.CANCEL, {"job": job_id}, MT.CANCELLED).meta
+    def cancel(self, job_id: str, at_deadline: bool = False) -> dict[str, Any]:
+        """Cancel the job; `at_deadline`: because its deadline passed (it ends `expired`)."""
+        meta: dict[str, Any] = {"job": job_id}
+        if at_deadline:
+            meta["reason"] = JobState.EXPIRED.value  # the state it ends in
+        return self.request(MT.CANCEL, meta, MT.CANCELLED).meta
 
     def fetch(
         self,

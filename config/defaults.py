@@ -210,6 +210,15 @@ DEFAULTS: Final[dict[str, Any]] = {
         "input_file_expiry_s": 30 * 24 * 3600.0,
         # Largest upload accepted, in bytes (8 GiB).
         "max_upload_bytes": 8 * 1024 * 1024 * 1024,
+        # Longest request line and headers of one request, in bytes; longer: 431.
+        "max_header_bytes": 64 * 1024,
+        # Connections open at once, per api process; one more is answered 503 and closed.
+        "max_connections": 512,
+        # A request's line and headers must arrive within this long of its first byte (of a
+        # new connection opening); later: 408 and closed (slow or stalled clients).
+        "request_head_timeout_s": 20.0,
+        # An idle connection is closed this long after its last response.
+        "keep_alive_timeout_s": 15.0,
     },
     "security": {
         # Path of the broker's secret key file (NAME.key_secret from `run.py keys new`);

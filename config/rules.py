@@ -24,6 +24,7 @@ MIN_FIRST_SEGMENT_BYTES: Final = 64 * 1024
 MAX_LANE_TOKENS: Final = 1 << 20
 # Longest ipc:// path the OS accepts (sizeof(sockaddr_un.sun_path) - 1 on Linux).
 MAX_IPC_PATH_BYTES: Final = 107
+MIN_HEADER_BYTES: Final = 4096  # api.max_header_bytes: below it, ordinary clients are refused
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,6 +254,10 @@ RULES: Final[dict[str, Rule]] = {
     ),
     "api.input_file_expiry_s": interval("seconds", zero_ok=False),
     "api.max_upload_bytes": count(1),
+    "api.max_header_bytes": count(MIN_HEADER_BYTES, " (an HTTP client's headers need a few KiB)"),
+    "api.max_connections": count(1),
+    "api.request_head_timeout_s": interval("seconds", zero_ok=False),
+    "api.keep_alive_timeout_s": interval("seconds", zero_ok=False),
     "security.server_key": Rule(
         "string", 'a path to the broker\'s NAME.key_secret, or "" for none', lambda v: None
     ),

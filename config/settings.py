@@ -172,6 +172,10 @@ class ApiSettings:
     keys_file: str
     input_file_expiry_s: float
     max_upload_bytes: int
+    max_header_bytes: int
+    max_connections: int
+    request_head_timeout_s: float
+    keep_alive_timeout_s: float
 
 
 @dataclass(frozen=True, slots=True)

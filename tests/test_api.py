@@ -370,6 +370,22 @@ def test_unknown_routes_answer_in_openai_shape(client):
     assert_openai_error(client.get("/v1/nothing", headers=auth()), 404)
 
 
+@pytest.mark.parametrize(
+    "method, path",
+    [
+        ("GET", "/v1/files/file-%00x"),
+        ("GET", "/v1/files/file-%00x/content"),
+        ("DELETE", "/v1/files/file-%00x"),
+        ("GET", "/v1/batches/batch_%00x"),
+        ("POST", "/v1/batches/batch_%00x/cancel"),
+    ],
+)
+def test_an_id_with_a_nul_byte_is_no_such_object(client, method, path):
+    """An id that no store could have made (a NUL byte) is a 404, as any unknown id;
+    it was a 500 (the NUL reached the file system's path)."""
+    assert_openai_error(client.request(method, path, headers=auth()), 404, "id")
+
+
 def test_window_parsing():
     assert parse_window("24h") == 86400
     assert parse_window("30s") == 30 and parse_window("10m") == 600 and parse_window("2d") == 172800

@@ -5,6 +5,7 @@ and error files. Cancel, expiry and partial downloads run on a broker with a slo
 
 from __future__ import annotations
 
+import re
 import urllib.request
 from collections import Counter
 from pathlib import Path
@@ -12,11 +13,15 @@ from pathlib import Path
 import openai
 import orjson
 import pytest
-from broker import Broker, free_port, write_config, write_jsonl
+from broker import WORDS, Broker, free_port, write_config, write_jsonl
+from client_commands import run_cli
 from conftest import wait_for
 from fastapi.testclient import TestClient
 from openai.types import Batch, Completion, CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion
+from openai.types.responses import Response
+from test_status_watch import interrupt, on_pipe, watch_command
+from tokenizers import Tokenizer
 
 from api import batch_driver, batch_validation
 from api.app import make_app
@@ -28,7 +33,7 @@ from ingest.batch_input import iter_batch_input
 from ingest.submit_client import Producer
 from pipeline.topology import client_address
 
-GENERATE = '["/v1/embeddings", "/v1/chat/completions", "/v1/completions"]'
+GENERATE = '["/v1/embeddings", "/v1/chat/completions", "/v1/completions", "/v1/responses"]'
 DONE = ("completed", "failed", "expired", "cancelled")
 FINISHED = ("cancelled", "completed")  # a job's end states (a cancel can come after its last item)
 BODY_TYPES = {
@@ -39,18 +44,27 @@ BODY_TYPES = {
 
 
 def api_broker(
-    tmp_path: Path, worker_keys: str = "", processes: int = 1, retention_s: float | None = None
+    tmp_path: Path,
+    worker_keys: str = "",
+    processes: int = 1,
+    retention_s: float | None = None,
+    text_worker: bool = False,
 ) -> tuple[Broker, str]:
-    """`retention_s`: the job results' retention (the collector then sweeps every 0.3 s)."""
+    """`retention_s`: the job results' retention (the collector then sweeps every 0.3 s);
+    `text_worker`: a local worker for `texty` too (text in, its tokenizer's words out)."""
     port = free_port()
     extra = f'[api]\nenabled = true\nbind = "127.0.0.1:{port}"\nprocesses = {processes}\n'
     if retention_s is not None:
         extra += "[collector]\ninterval_s = 0.3\n"
-    config = write_config(tmp_path, extra=extra, workers=1, worker_keys=worker_keys)
-    # the echo model also serves chat and text completions (token ids in, token ids out)
+    workers = 0 if text_worker else 1
+    config = write_config(tmp_path, extra=extra, workers=workers, worker_keys=worker_keys)
+    # echo (token ids in, token ids out) and texty (text, its tokenizer) also generate
     text = config.read_text().replace(
-        'endpoints = ["/v1/embeddings"]', f"endpoints = {GENERATE}", 1
+        'endpoints = ["/v1/embeddings"]', f"endpoints = {GENERATE}", 2
     )
+    if text_worker:
+        text = text.replace("[workers]\nlocal = 0\n", "")
+        text += '[[workers]]\nmodel = "echo"\n[[workers]]\nmodel = "texty"\n'
     if retention_s is not None:
         text = text.replace(
             "[completion]\n", f"[completion]\nresults_retention_s = {retention_s}\n"
@@ -62,8 +76,9 @@ def api_broker(
 
 @pytest.fixture(scope="module")
 def fast(tmp_path_factory):
-    """Two api processes on one port: requests land on either; api-0 drives the batches."""
-    broker, url = api_broker(tmp_path_factory.mktemp("api-fast"), processes=2)
+    """Two api processes on one port: requests land on either; api-0 drives the batches.
+    Local workers for `echo` and for `texty`."""
+    broker, url = api_broker(tmp_path_factory.mktemp("api-fast"), processes=2, text_worker=True)
     try:
         yield broker, openai.OpenAI(base_url=url, api_key="any", max_retries=0)
     finally:
@@ -167,6 +182,59 @@ def test_generated_bodies_validate_with_openai_types(fast, tmp_path, url):
     assert_each_once(out, [], custom_ids)
     for line in out:
         BODY_TYPES[url].model_validate(line["response"]["body"])
+
+
+def text_requests_file(path: Path, n: int, url: str) -> set[str]:
+    """n text lines for `texty` (a word-level tokenizer over WORDS) in `url`'s body form."""
+    bodies = {
+        "/v1/chat/completions": lambda words: {"messages": [{"role": "user", "content": words}]},
+        "/v1/completions": lambda words: {"prompt": words},
+        "/v1/responses": lambda words: {"input": words},
+    }
+    with open(path, "wb") as out:
+        for i in range(n):
+            words = " ".join(WORDS[(7 * i + k) % len(WORDS)] for k in range(3 + i % 4))
+            body = {"model": "texty", **bodies[url](words)}
+            body["max_output_tokens" if url == "/v1/responses" else "max_tokens"] = 16
+            line = {"custom_id": f"t{i}", "method": "POST", "url": url, "body": body}
+            out.write(orjson.dumps(line) + b"\n")
+    return {f"t{i}" for i in range(n)}
+
+
+def generated(url: str, body: dict) -> tuple[str, list[int]]:
+    """(the text, the token ids) of one generated body, read with openai's own types."""
+    if url == "/v1/chat/completions":
+        choice = ChatCompletion.model_validate(body).choices[0]
+        return choice.message.content, body["choices"][0]["token_ids"]
+    if url == "/v1/completions":
+        choice = Completion.model_validate(body).choices[0]
+        return choice.text, body["choices"][0]["token_ids"]
+    return Response.model_validate(body).output_text, body["token_ids"]
+
+
+@pytest.mark.parametrize("url", ["/v1/chat/completions", "/v1/completions", "/v1/responses"])
+def test_generated_text_is_the_models_decoding_as_run_py_results_writes_it(fast, tmp_path, url):
+    """Every door renders text with the model's tokenizer (collector/delivery/decoders.py):
+    over HTTP each content / text / output_text is the decoding of its line's token ids, not
+    "", and the lines are those `run.py results` writes for the same job."""
+    broker, client = fast
+    path = tmp_path / "text.jsonl"
+    custom_ids = text_requests_file(path, 20, url)
+    file = upload(client, path)
+    made = client.batches.create(input_file_id=file.id, endpoint=url, completion_window="24h")
+    batch = finish(client, made.id)
+    assert batch.status == "completed", batch
+    out = lines_of(client, batch.output_file_id)
+    assert_each_once(out, [], custom_ids)
+    tokenizer = Tokenizer.from_file(str(broker.config.parent / "tokenizer.json"))
+    for line in out:
+        text, token_ids = generated(url, line["response"]["body"])
+        assert token_ids and text and text == tokenizer.decode(token_ids)
+    cli_out = tmp_path / "cli.jsonl"
+    done = run_cli("results", batch.id, "-o", str(cli_out), "--all", "--config", str(broker.config))
+    assert done.returncode == 0, done.stderr
+    cli = {x["custom_id"]: x for x in map(orjson.loads, cli_out.read_bytes().splitlines())}
+    assert cli == {x["custom_id"]: x for x in out}
 
 
 def test_the_batch_carries_its_jobs_token_totals_as_openai_usage(fast, tmp_path):
@@ -488,7 +556,7 @@ def test_idempotency_key_retry_returns_the_same_batch_and_runs_it_once(fast, tmp
 
 
 def test_partial_output_while_in_progress_then_cancel_keeps_results(slow, tmp_path):
-    _, client = slow
+    broker, client = slow
     path = tmp_path / "in.jsonl"
     write_jsonl(path, 500, seed=3)
     custom_ids = {f"r{i}" for i in range(500)}
@@ -516,10 +584,36 @@ def test_partial_output_while_in_progress_then_cancel_keeps_results(slow, tmp_pa
     assert out and err and {e["error"]["code"] for e in err} == {"cancelled"}
     final = client.files.with_raw_response.content(ended.output_file_id)
     assert final.headers["X-Fabric-Partial"] == "false"
+    assert broker.job_status(batch.id)["state"] == "cancelled"  # as `status JOB` says it
 
 
-def test_a_short_window_expires_keeping_results_made(slow, tmp_path):
-    _, client = slow
+def job_state_at_each_door(broker: Broker, job_id: str, tmp_path: Path) -> dict[str, str]:
+    """The job's state as each door names it: `status JOB` (its text and --json), a refresh
+    of `status --watch JOB` on a pipe, and the last line of `results JOB`."""
+    config = str(broker.config)
+    said = {}
+    text = run_cli("status", job_id, "--config", config)
+    said["status"] = re.match(rf"job {job_id}: (\w+)\n", text.stdout)[1]
+    said["status --json"] = orjson.loads(
+        run_cli("status", job_id, "--json", "--config", config).stdout
+    )["state"]
+    fetched = run_cli("results", job_id, "-o", str(tmp_path / "late.jsonl"), "--config", config)
+    said["results"] = re.search(r"; state (\w+),", fetched.stderr)[1]
+    proc, pipe = on_pipe(watch_command(broker.config, job_id, "--plain", "--interval", "0.3"))
+    try:
+        wait_for(lambda: f"job {job_id} ".encode() in (pipe.read() or b""), "a refresh")
+        assert interrupt(proc, pipe) == 0
+    finally:
+        pipe.close(proc)
+    said["status --watch"] = re.search(rf"^job {job_id} (\w+) ", pipe.raw.decode(), re.M)[1]
+    return said
+
+
+def test_a_short_window_expires_keeping_results_made_and_every_door_says_expired(slow, tmp_path):
+    """At expires_at the batch's job is cancelled at its deadline: the batch ends `expired`
+    over HTTP, and `status JOB`, `status --watch` and `results` name its job `expired` too
+    (one table: pipeline/job_states.py OPENAI_STATUS), not `cancelled`."""
+    broker, client = slow
     path = tmp_path / "in.jsonl"
     write_jsonl(path, 500, seed=4)
     custom_ids = {f"r{i}" for i in range(500)}
@@ -536,6 +630,7 @@ def test_a_short_window_expires_keeping_results_made(slow, tmp_path):
     assert ended.request_counts.failed == len(err)
     for line in out:
         CreateEmbeddingResponse.model_validate(line["response"]["body"])
+    assert set(job_state_at_each_door(broker, batch.id, tmp_path).values()) == {"expired"}
 
 
 def test_the_start_banner_lists_the_http_port(fast):

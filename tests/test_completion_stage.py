@@ -228,6 +228,26 @@ def test_a_cancelled_job_finishes_when_its_last_item_is_retired(settings, harnes
     assert again.type == MT.CANCELLED and finished_ns(settings, "job-c") == WALL_NS + 3 * 10**9
 
 
+def test_a_job_cancelled_at_its_deadline_reads_in_progress_then_expired(settings, harness):
+    """The HTTP API's driver cancels a batch's job at expires_at with reason `expired`: the job
+    stays queued / in_progress (its batch is in_progress) until its items are retired, then
+    reads `expired` (its batch's end state), never `cancelling` or `cancelled`; a reason
+    the stage does not know is refused and writes no mark."""
+    job_no, items = submit(settings, "job-x", stored=2, rejected=0)
+    harness.step()
+    refused = harness.ask(MT.CANCEL, {"job": "job-x", "reason": "bored"})
+    assert refused.type == MT.ERROR and "'bored'" in refused.meta["reason"]
+    answer = harness.ask(MT.CANCEL, {"job": "job-x", "reason": "expired"})
+    assert (answer.type, answer.meta["state"]) == (MT.CANCELLED, "queued")
+    told = wire.recv(harness.from_stage, 1000)
+    assert (told.type, told.meta["job_no"]) == (MT.CANCEL_JOB, job_no)
+    harness.item_errors(items, "cancelled: the job was cancelled")  # dispatch retires them
+    info = harness.ask(MT.JOB_STATUS, {"job": "job-x"}).meta
+    assert (info["state"], info["failed"], info["pending"]) == ("expired", 2, 0)
+    again = harness.ask(MT.CANCEL, {"job": "job-x"})
+    assert again.type == MT.ERROR and "already expired" in again.meta["reason"]
+
+
 def test_results_of_a_chunk_not_yet_committed_wait_for_its_commit_and_go_with_their_ids(
     settings, harness
 ):

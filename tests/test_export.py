@@ -152,6 +152,26 @@ def test_without_tokenizer_text_is_empty_and_token_ids_remain():
     assert completion["response"]["body"]["choices"][0]["token_ids"] == [7]
 
 
+def test_model_decoders_decode_with_each_models_tokenizer_where_its_file_is_here(tmp_path):
+    """The one home of every door's decoders: a model with its tokenizer file here decodes
+    its token ids; a model without a tokenizer, or whose file is not on this host, has none."""
+    from broker import WORDS, build_tokenizer
+
+    from collector.delivery.decoders import model_decoders
+    from config import load_settings
+
+    tokenizer = build_tokenizer(tmp_path / "tokenizer.json")
+    models = [
+        {"name": "texty", "engine": "echo", "tokenizer": str(tokenizer), "max_tokens": 64},
+        {"name": "ids", "engine": "echo"},
+        {"name": "elsewhere", "engine": "echo", "tokenizer": str(tmp_path / "gone.json")},
+    ]
+    settings = load_settings(None, {"broker": {"data_dir": tmp_path}, "models": models})
+    decoders = model_decoders(settings)
+    assert set(decoders) == {"texty"}
+    assert decoders["texty"]([1, 2, 3]) == " ".join(WORDS[:3])
+
+
 def test_error_lines_with_and_without_custom_id():
     page = make_page(
         [

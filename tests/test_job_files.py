@@ -91,6 +91,26 @@ def test_marks_are_whole_and_a_finished_job_has_no_running_cancel(tmp_path):
     assert files.read_record("b")["job_no"] == 2
 
 
+def test_a_cancel_at_the_deadline_is_marked_so_and_its_job_number_still_read(tmp_path):
+    """The mark of a job cancelled at its deadline (it ends `expired`) keeps the job number
+    first, where dispatch reads it; a client's cancel, and no mark, are not at the deadline."""
+    files = JobFiles(tmp_path)
+    for job_id, job_no in (("late", 1), ("asked", 2), ("running", 3)):
+        files.write_record(job_id, {"job_id": job_id, "job_no": job_no, "created_ns": 1})
+    files.mark_cancelled("late", 1, 7, at_deadline=True)
+    files.mark_cancelled("asked", 2, 7)
+    assert files.cancel_path("late").read_text() == "1 7 expired\n"
+    assert [files.cancelled_at_deadline(j) for j in ("late", "asked", "running")] == [
+        True,
+        False,
+        False,
+    ]
+    assert files.cancelled_running() == [
+        (files.cancel_path("asked"), 2),
+        (files.cancel_path("late"), 1),
+    ]
+
+
 @pytest.mark.parametrize("bad", ["../x", "/etc", "", "a\n", ".hidden"])
 def test_no_job_id_names_a_path_outside_jobs(tmp_path, bad):
     with pytest.raises(IngestError, match="not allowed"):

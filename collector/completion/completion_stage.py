@@ -304,11 +304,12 @@ class CompletionStage(Stage):
         if message.type == MT.JOB_STATUS:
             self._reply(route, MT.JOB_INFO, self._job_info(view, now))
         elif message.type == MT.CANCEL:
-            reason = cancel.refusal(view, self._job_info(view, now)["state"])
+            why = meta.get("reason")  # None, or cancel.AT_DEADLINE
+            reason = cancel.refusal(view, self._job_info(view, now)["state"], why)
             if reason:
                 self._reply(route, MT.ERROR, {"reason": reason})
                 return
-            cancel.cancel_job(view, self.dispatch, self.log)
+            cancel.cancel_job(view, self.dispatch, self.log, why)
             self._reply(route, MT.CANCELLED, self._job_info(view, now))
         else:
             self._fetch(route, view, meta, now)
