@@ -30,6 +30,7 @@ from config import load_settings
 from config.defaults import DEFAULTS
 from pipeline import exitcodes
 from pipeline.errors import BrokerUnavailableError, ConfigError, DataDirLockedError, FabricError
+from pipeline.invocation import note_config
 
 COMMANDS = ("check", "submit", "status", "results", "cancel", "vectors", "worker", "demo", "keys")
 COMMANDS += ("batch",)  # collector/oneshot.py
@@ -534,6 +535,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     parser = serve_parser() if _serving(argv) else build_parser(argv[0] if argv else None)
     args = parser.parse_args(argv)
+    note_config(None if getattr(args, "broker", None) else getattr(args, "config", None))
     logging.basicConfig(
         level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )

@@ -353,8 +353,8 @@ def _works_without_the_venv_on_path(command: str) -> subprocess.CompletedProcess
 
 def test_printed_commands_work_where_they_are_printed(tmp_path):
     config = write_config(tmp_path)
-    done = _run(config, "status")  # no broker: the error says how to start one
-    found = re.search(r"Start one with `(.+) --config FILE`", done.stderr)
+    done = _run(config, "status")  # no broker: the error says how to start one, on its config
+    found = re.search(rf"Start one with `(.+) --config {re.escape(str(config))}`", done.stderr)
     assert found, done.stderr
     helped = _works_without_the_venv_on_path(found.group(1))
     assert helped.returncode == 0, (found.group(1), helped.stderr)
