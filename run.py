@@ -23,13 +23,21 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import sys
 import time
 
 from config import load_settings
 from config.defaults import DEFAULTS
 from pipeline import exitcodes
-from pipeline.errors import BrokerUnavailableError, ConfigError, DataDirLockedError, FabricError
+from pipeline.errors import (
+    BrokerUnavailableError,
+    ConfigError,
+    DataDirLockedError,
+    FabricError,
+    OutputError,
+)
+from pipeline.invocation import how_to_run, note_config
 
 COMMANDS = ("check", "submit", "status", "results", "cancel", "vectors", "worker", "demo", "keys")
 COMMANDS += ("batch",)  # collector/oneshot.py
@@ -77,72 +85,56 @@ def _check(args: argparse.Namespace) -> int:
     return exitcodes.FINDINGS
 
 
-class _ProgressLine:
-    """A progress line on stderr: redrawn in place on a terminal, a line every 2 s otherwise."""
-
-    def __init__(self) -> None:
-        self.tty = sys.stderr.isatty()
-        self.started = self.last = time.monotonic()
-
-    def __call__(self, report, lines_done: int) -> None:
-        now = time.monotonic()
-        if not self.tty and now - self.last < 2.0:
-            return
-        self.last = now
-        rate = lines_done / max(1e-9, now - self.started)
-        text = f"submit {report.job_id}: {lines_done} lines read, {report.stored} items durable, {report.rejected} rejected, {rate:,.0f} lines/s"
-        print(
-            ("\r" + text) if self.tty else text,
-            end="" if self.tty else "\n",
-            file=sys.stderr,
-            flush=True,
-        )
-
-
-def _retry_line(attempts: int):
-    """What `submit` prints when the broker asks for a chunk again (a full disk, say)."""
-
-    start = "\n" if sys.stderr.isatty() else ""  # off the progress line redrawn in place
-
-    def say(job_id: str, chunk: int, tries: int, reason: str, delay_s: float) -> None:
-        print(
-            f"{start}submit {job_id}: chunk {chunk} not stored yet (try {tries} of {attempts}): "
-            f"{reason}; sending it again in {delay_s:.1f} s",
-            file=sys.stderr,
-            flush=True,
-        )
-
-    return say
-
-
 def _submit(args: argparse.Namespace) -> int:
     import orjson
 
-    from ingest.submit_client import Producer, parse_deadline
+    from collector.progress_line import ProgressLine
+    from ingest.submit_client import Producer, new_job_id, parse_deadline
 
     deadline = parse_deadline(args.deadline, time.time()) if args.deadline else None
     address = args.broker or load_settings(args.config).ingest.bind
-    progress = _ProgressLine()
-    curve = _curve(args)
-    with Producer(
-        address, timeout_s=args.timeout, attempts=args.attempts, curve=curve, on_waiting=_say
-    ) as producer:
-        producer.on_retry = _retry_line(args.attempts)
-        try:
+    job_id = args.job_id or new_job_id()
+    line, started = ProgressLine(every_s=2.0), time.monotonic()
+
+    def progress(report, lines_done: int) -> None:
+        rate = lines_done / max(1e-9, time.monotonic() - started)
+        line.show(
+            f"submit {report.job_id}: {lines_done} lines read, {report.stored} items durable, "
+            f"{report.rejected} rejected, {rate:,.0f} lines/s"
+        )
+
+    def retrying(job_id: str, chunk: int, tries: int, reason: str, delay_s: float) -> None:
+        line.say(  # the broker asked for the chunk again (a full disk, say)
+            f"submit {job_id}: chunk {chunk} not stored yet (try {tries} of {args.attempts}): "
+            f"{reason}; sending it again in {delay_s:.1f} s"
+        )
+
+    try:
+        with Producer(
+            address, args.timeout, attempts=args.attempts, curve=_curve(args), on_waiting=_say
+        ) as producer:
+            producer.on_retry = retrying
             report = producer.submit_file(
                 args.file,
-                args.job_id,
+                job_id,
                 chunk_lines=args.chunk_lines,
                 strict=args.strict,
                 progress=progress,
                 deliver=args.deliver,
                 deadline=deadline,
             )
-        except BrokerUnavailableError as exc:
-            print(f"\nerror: {exc}", file=sys.stderr)
-            return exitcodes.UNAVAILABLE
-    if progress.tty:
-        print(file=sys.stderr)
+    except BrokerUnavailableError as exc:
+        line.say(f"error: {exc}")
+        return exitcodes.UNAVAILABLE
+    except KeyboardInterrupt:
+        again = args.argv if args.job_id else [*args.argv, "--job-id", job_id]
+        line.say(
+            f"submit {job_id}: interrupted; the chunks acknowledged so far are durable. "
+            f"To resume, run:\n  {how_to_run()} {shlex.join(again)}"
+        )
+        return exitcodes.INTERRUPTED
+    finally:
+        line.close()
     where = "none"
     if report.errors:
         errors_path = args.errors or f"{args.file}.errors.jsonl"
@@ -202,33 +194,27 @@ def _decoders(args: argparse.Namespace) -> dict:
 
 def _results(args: argparse.Namespace) -> int:
     from collector.delivery.heap import keep_freed_memory
+    from collector.progress_line import ProgressLine
     from collector.results_client import ResultsClient
 
     keep_freed_memory()  # each page's buffers reused, not faulted in afresh
 
     err_path = args.errors or f"{args.output}.errors.jsonl"
-    tty = sys.stderr.isatty()
-    last = [time.monotonic()]
+    line = ProgressLine(every_s=5.0)
 
     def progress(report) -> None:
-        """Redrawn in place on a terminal; elsewhere (logs, CI) a line every 5 s."""
-        now = time.monotonic()
-        if not report.info or (not tty and now - last[0] < 5.0):
-            return
-        last[0] = now
-        info = report.info
-        start = "\r" if tty else ""
-        print(
-            f"{start}{args.job}: {report.written} results, {report.errors} errors "
-            f"written; state {info['state']}, pending {info['pending']}",
-            end="" if tty else "\n",
-            file=sys.stderr,
-            flush=True,
-        )
+        if report.info:
+            line.show(
+                f"{args.job}: {report.written} results, {report.errors} errors written; "
+                f"state {report.info['state']}, pending {report.info['pending']}"
+            )
 
-    with ResultsClient(
-        _address(args, "completion"), timeout_s=args.timeout, curve=_curve(args), on_waiting=_say
-    ) as client:
+    with (
+        ResultsClient(
+            _address(args, "completion"), args.timeout, curve=_curve(args), on_waiting=_say
+        ) as client,
+        line,  # ends a line redrawn in place, whatever happens
+    ):
         report = client.fetch(
             args.job,
             args.output,
@@ -238,8 +224,6 @@ def _results(args: argparse.Namespace) -> int:
             decoders=_decoders(args),
             progress=progress,
         )
-    if tty:
-        print(file=sys.stderr)
     info = report.info or {}
     pending = info.get("pending")
     print(
@@ -530,6 +514,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     parser = serve_parser() if _serving(argv) else build_parser(argv[0] if argv else None)
     args = parser.parse_args(argv)
+    args.argv = argv  # how to run it again (`submit` interrupted)
+    note_config(None if getattr(args, "broker", None) else getattr(args, "config", None))
     logging.basicConfig(
         level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
@@ -542,6 +528,9 @@ def main(argv: list[str] | None = None) -> int:
     except DataDirLockedError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exitcodes.LOCKED
+    except OutputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exitcodes.CANNOT_WRITE
     except BrokerUnavailableError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exitcodes.UNAVAILABLE
@@ -551,6 +540,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `... | head`: the reader left; say nothing more
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return exitcodes.OK
+    except KeyboardInterrupt:  # Ctrl-C: no traceback (`batch` and `submit` say how to resume)
+        print("\ninterrupted", file=sys.stderr)
+        return exitcodes.INTERRUPTED
 
 
 def _exit(code: int, argv: list[str]) -> None:

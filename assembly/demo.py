@@ -4,13 +4,15 @@ It starts a broker of its own (data dir `var/demo/data`, kept between runs,
 loopback ports picked free), with local `minilm` workers; submits a corpus
 of real text that every CPython ships (the paragraphs of the Python
 documentation topics in `pydoc_data`); shows progress for submit and
-completion; delivers the embeddings to the vector store `minilm`
-(`--deliver vectors`), then also writes `var/demo/results.jsonl` (OpenAI
-Batch output lines, one embedding per paragraph, read with `results --all`);
-searches the store for a few questions and prints the nearest paragraphs;
-prints a summary; and stops the broker cleanly.
-Run again, it says what it found and does it all again as a new job,
-rewriting the results file. Ctrl-C stops the broker cleanly too.
+completion; delivers the embeddings to a vector store of the run's own,
+named after its job (`--deliver vectors:JOB`), then also writes
+`var/demo/results.jsonl` (OpenAI Batch output lines, one embedding per
+paragraph, read with `results --all`); searches the store for a few questions
+and prints the nearest paragraphs; prints a summary; and stops the broker
+cleanly. The nearest paragraphs and the summary go to stdout, progress to
+stderr. Run again, it says what it found and does it all again as a new job,
+into a new store (so each paragraph is one hit), rewriting the results file.
+Ctrl-C stops the broker cleanly too.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+from collector.progress_line import ProgressLine, bar
 from pipeline import exitcodes
 from pipeline.invocation import how_to_run
 from pipeline.topology import free_loopback_ports
@@ -104,24 +107,15 @@ max_tokens = 256
 
 
 class _Bar:
-    """One line of progress on stderr (redrawn in place on a terminal)."""
+    """`submit [#####.....] 120/300 durable` on the progress line (stderr), every 5 s in a log."""
 
     def __init__(self, label: str, total: int) -> None:
-        self.label, self.total = label, max(1, total)
-        self.tty = sys.stderr.isatty()
-        self.last = 0.0
+        self.label, self.total = label, total
+        self.line = ProgressLine(every_s=5.0)
 
     def show(self, done: int, note: str = "", final: bool = False) -> None:
-        now = time.monotonic()
-        if not final and now - self.last < (0.1 if self.tty else 5.0):
-            return
-        self.last = now
-        filled = int(30 * min(done, self.total) / self.total)
-        line = f"{self.label:<10} [{'#' * filled}{'.' * (30 - filled)}] {done}/{self.total} {note}"
-        if self.tty:
-            print("\r" + line, end="\n" if final else "", file=sys.stderr, flush=True)
-        elif final or done:
-            print(line, file=sys.stderr, flush=True)
+        line = f"{self.label:<10} {bar(done, max(1, self.total))} {done}/{self.total} {note}"
+        self.line.show(line.rstrip(), final=final)
 
 
 def run_demo(root: Path | str = "var/demo", workers: int = 1, limit: int | None = None) -> int:
@@ -138,12 +132,12 @@ def run_demo(root: Path | str = "var/demo", workers: int = 1, limit: int | None 
     if earlier:
         print(
             f"demo: found {root} with {len(earlier)} earlier job(s) ({', '.join(earlier[-3:])}); "
-            "running again as a new job",
+            "running again as a new job, into a vector store of its own",
             file=sys.stderr,
         )
     for old in ("results.jsonl", "errors.jsonl", "corpus.jsonl"):
         (root / old).unlink(missing_ok=True)
-    paragraphs = corpus()  # the store may hold vectors of an earlier, longer run: all are named
+    paragraphs = corpus()
     texts = paragraphs[:limit]
     with open(root / "corpus.jsonl", "w") as out:
         for i, text in enumerate(texts):
@@ -186,7 +180,7 @@ def run_demo(root: Path | str = "var/demo", workers: int = 1, limit: int | None 
                 root / "corpus.jsonl",
                 job_id,
                 progress=lambda r, lines: bar.show(lines),
-                deliver="vectors",
+                deliver=f"vectors:{job_id}",  # a store of this run's own: each hit once
             )
             bar.show(report.stored + report.rejected, "durable", final=True)
         submitted = time.monotonic()
@@ -204,17 +198,17 @@ def run_demo(root: Path | str = "var/demo", workers: int = 1, limit: int | None 
             fetched = client.fetch(  # as well as the store: every result, as JSONL
                 job_id, str(root / "results.jsonl"), str(root / "errors.jsonl"), everything=True
             )
-            neighbours = _search(settings, vectors, paragraphs)
+            neighbours = _search(settings, vectors, job_id, paragraphs)
     except KeyboardInterrupt:
         print("\ndemo: interrupted; stopping the broker", file=sys.stderr)
         _stop(broker)
-        return 130
+        return exitcodes.INTERRUPTED
     except BaseException:
         _stop(broker)
         raise
     code = _stop(broker)
     broker_err.close()
-    print(neighbours, file=sys.stderr)
+    print(neighbours)  # the answers on stdout; the progress above went to stderr
     tokens = 0
     with open(root / "results.jsonl") as results:
         for line in results:
@@ -225,17 +219,16 @@ def run_demo(root: Path | str = "var/demo", workers: int = 1, limit: int | None 
         f"\ndemo: {fetched.written} embeddings, {fetched.errors} errors, {tokens} tokens in "
         f"{elapsed:.1f} s ({fetched.written / max(finished - submitted, 1e-9):.0f} items/s "
         f"after submit, {fetched.written / elapsed:.0f} items/s overall)\n"
-        f"  vectors: store minilm in {root / 'data/vectors/minilm'}\n"
+        f"  vectors: store {job_id} in {root / 'data/vectors' / job_id}\n"
         f"  results: {root / 'results.jsonl'}  (errors: {root / 'errors.jsonl'})\n"
         f"  broker stopped (exit {code}); start it yourself and look around:\n"
         f"    {run} --config {config}\n"
         f"    {run} status --config {config}\n"
         f"    {run} status {job_id} --config {config}\n"
         f"    {run} vectors stats --config {config}\n"
-        f'    {run} vectors search --store minilm --text "how do I read a file" '
+        f'    {run} vectors search --store {job_id} --text "how do I read a file" '
         f"--config {config}\n"
-        f"    {run} results {job_id} -o out.jsonl --all --config {config}",
-        file=sys.stderr,
+        f"    {run} results {job_id} -o out.jsonl --all --config {config}"
     )
     return exitcodes.OK if code == 0 and fetched.written else exitcodes.FAILED
 
@@ -247,14 +240,15 @@ QUESTIONS = (
 )
 
 
-def _search(settings, vectors, texts: list[str]) -> str:
+def _search(settings, vectors, store: str, texts: list[str]) -> str:
     """The store's 3 nearest paragraphs to a few questions, embedded by the same model.
-    `texts`: the whole corpus, as the custom_ids (`para-<index>`) of every run name it."""
+    `texts`: the corpus, as the custom_ids (`para-<index>`) name it."""
     from collector.vectors.client import embed_texts
 
-    hits = vectors.search("minilm", embed_texts(settings, "minilm", list(QUESTIONS)), 3, "cosine")
+    queries = embed_texts(settings, "minilm", list(QUESTIONS))
+    hits = vectors.search(store, queries, 3, "cosine")
     k = hits.meta["shape"][1]
-    lines = [f"\ndemo: nearest paragraphs in the vector store ({hits.meta['rows']} vectors):"]
+    lines = [f"demo: nearest paragraphs in the vector store ({hits.meta['rows']} vectors):"]
     for i, question in enumerate(QUESTIONS):
         lines.append(f"  {question!r}")
         for j in range(k):

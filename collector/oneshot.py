@@ -18,43 +18,42 @@ Like `vllm run-batch`, with the broker's guarantees:
    skipped (nothing is stored twice).
 5. Follow the job's results into OUT and OUT.errors.jsonl with the results
    client, which writes each custom_id once and acknowledges a page only after
-   both files are on disk; a progress bar (rich on a terminal, a line every
-   2 s otherwise) shows the job's counters.
-6. SIGTERM the broker and wait for it to drain; exit 0 when every line has its
-   outcome (a result or an error line), 7 otherwise.
+   both files are on disk; a progress line (collector/progress_line.py) shows
+   the job's counters, its rate and the time left, as `status JOB` has them.
+6. SIGTERM the broker and wait for it to drain (collector/oneshot_broker.py);
+   exit 0 when every line has its outcome (a result or an error line), 9 when
+   every line has one but none succeeded, 7 otherwise (pipeline/exitcodes.py).
 
-Killed at any point and run again with the same arguments, it resumes: OUT
-keeps what it holds (a torn last line is cut), lines done are not run again.
-An OUT that exists but was not written for this job (another input) is
-refused, never mixed.
+Killed at any point and run again with the same arguments, it resumes (and
+says how many lines OUT already holds): OUT keeps what it holds (a torn last
+line is cut), lines done are not run again. An OUT that exists but was not
+written for this job (another input) is refused, never mixed. A run that
+fails before its broker starts removes the state dir it made; one whose OUT
+cannot be written says which path and exits 8.
 """
 
 from __future__ import annotations
 
-import ctypes
-import fcntl
 import hashlib
 import json
 import os
-import signal
-import subprocess
-import sys
+import shutil
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from collector.oneshot_broker import start_broker, stop_broker, wait_for_lock
+from collector.progress_line import ProgressLine, bar
+from collector.status_view import job_done, job_fields
 from pipeline import exitcodes
-from pipeline.datadir import LOCK_NAME
-from pipeline.errors import ConfigError, FabricError
+from pipeline.errors import ConfigError, FabricError, OutputError
 from pipeline.job_states import is_terminal
 from pipeline.topology import client_address, free_loopback_ports
 
 REPO = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 300.0  # for the broker to answer (recovery of a large data dir, model loads)
-STOP_TIMEOUT_S = 120.0  # for the broker to drain after SIGTERM
 ERRORS_SUFFIX = ".errors.jsonl"
-PR_SET_PDEATHSIG = 1
 # What --engine E brings without --tokenizer: the tokenizer and the longest prompt.
 ENGINE_TOKENIZERS = {"minilm": ("gpu/minilm/tokenizer.json", 256)}
 
@@ -155,84 +154,33 @@ def _short_ipc(run: OneShot) -> str:
     return f"/tmp/fabric-batch-{digest}.ipc"
 
 
-def _wait_for_lock(data_path: Path, say) -> None:
-    """Return once no process holds the data dir's lock (an earlier run's broker draining)."""
-    lock = data_path / LOCK_NAME
-    if not lock.exists():
-        return
-    deadline = time.monotonic() + STOP_TIMEOUT_S
-    told = False
-    fd = os.open(lock, os.O_RDONLY)
+def _make_state_dir(run: OneShot) -> bool:
+    """Make OUT.fabric/ beside OUT (True when this run made it); OutputError naming the path
+    when OUT, its errors file or the state dir cannot be written there."""
+    made = not run.state_dir.exists()
+    path = run.state_dir
     try:
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                fcntl.flock(fd, fcntl.LOCK_UN)
-                return
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise OneShotError(
-                        f"data dir {data_path} is still locked after {STOP_TIMEOUT_S:.0f} s by "
-                        f"pid {lock.read_text().strip() or '?'}; stop that broker and run again"
-                    ) from None
-                if not told:
-                    say(f"waiting for the broker of an earlier run on {data_path} to stop")
-                    told = True
-                time.sleep(0.2)  # a process is draining: look again
-    finally:
-        os.close(fd)
+        path.mkdir(parents=True, exist_ok=True)
+        for path in (run.state_dir / "broker.err", run.output, run.errors):
+            if path.exists() or path.parent == run.state_dir:
+                with open(path, "ab"):  # opened for appending, as they will be: nothing changes
+                    pass
+    except OSError as exc:
+        raise OutputError(
+            f"cannot write {exc.filename or path}: {exc.strerror or exc}; -o {run.output} "
+            f"needs a directory this user can write, for OUT, {run.errors.name} and the "
+            f"state dir {run.state_dir.name}/ beside it: choose another -o or make it writable"
+        ) from None
+    return made
 
 
-def _term_with_parent() -> None:  # runs in the broker child between fork and exec
-    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-
-
-class _Progress:
-    """The job's counters on stderr: a rich bar on a terminal, a plain line every 2 s otherwise."""
-
-    def __init__(self, label: str) -> None:
-        self.label = label
-        self.tty = sys.stderr.isatty()
-        self.last = 0.0
-        self.said = ""
-        self.bar = None
-        if self.tty:
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
-            self.bar = Progress(
-                TextColumn("{task.description}"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("{task.fields[note]}"),
-                console=Console(stderr=True),
-                transient=False,
-            )
-            self.task = self.bar.add_task(label, total=None, note="")
-            self.bar.start()
-
-    def show(self, done: int, total: int | None, note: str) -> None:
-        if self.bar is not None:
-            self.bar.update(self.task, completed=done, total=total, note=note)
-            return
-        now = time.monotonic()
-        of = f"/{total}" if total is not None else ""
-        line = f"{self.label}: {done}{of} lines done; {note}"
-        if (line != self.said and now - self.last >= 2.0) or now - self.last >= 30.0:
-            self.last, self.said = now, line
-            print(line, file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-
-
-def _claim_output(run: OneShot, job_id: str) -> None:
-    """Mark OUT as this job's; refuse an OUT (or its errors file) written for another job."""
+def _claim_output(run: OneShot, job_id: str) -> bool:
+    """Mark OUT as this job's; refuse an OUT (or its errors file) written for another job.
+    True when an earlier run had marked it: this run resumes."""
     marks = run.state_dir / "jobs"
     mark = marks / job_id
     if mark.exists():
-        return
+        return True
     for path in (run.output, run.errors):
         if path.exists() and path.stat().st_size:
             raise OneShotError(
@@ -244,61 +192,81 @@ def _claim_output(run: OneShot, job_id: str) -> None:
     marks.mkdir(parents=True, exist_ok=True)
     mark.write_text(f"{run.input.resolve()}\n")
     fsync_dir(marks)
+    return False
+
+
+def _lines(path: Path, nonblank: bool = False) -> int:
+    """Whole lines in `path` (0 when it does not exist); `nonblank`: only those with text."""
+    if not path.exists():
+        return 0
+    with open(path, "rb") as f:
+        if nonblank:
+            return sum(1 for line in f if line.strip())
+        return sum(block.count(b"\n") for block in iter(lambda: f.read(1 << 20), b""))
+
+
+def _resuming(run: OneShot) -> str:
+    """`resuming: 1,488 of 2,018 lines already in OUT (...)`: what an earlier run wrote."""
+    results, errors = _lines(run.output), _lines(run.errors)
+    return (
+        f"resuming: {results + errors:,} of {_lines(run.input, nonblank=True):,} lines already "
+        f"in {run.output} ({results:,} results) and {run.errors.name} ({errors:,} errors)"
+    )
 
 
 def run_oneshot(run: OneShot) -> int:
     """Run the file to the end through a private broker; the exit code of `run.py batch`."""
     from config import load_settings
 
+    progress = ProgressLine(every_s=2.0)
+
     def say(line: str) -> None:
-        print(f"batch: {line}", file=sys.stderr, flush=True)
+        progress.say(f"batch: {line}")
 
     if not run.input.is_file():
         raise OneShotError(f"input {run.input} is not a file; pass an OpenAI Batch JSONL file")
-    run.state_dir.mkdir(parents=True, exist_ok=True)
-    config = run.config or write_config(run)
-    try:
-        settings = load_settings(config)
-    except ConfigError as exc:
-        if run.config is not None:
-            raise
-        raise OneShotError(  # the file is ours: what is wrong came from the flags
-            f"--model/--engine/--tokenizer/--alias give a broker config that is refused: {exc}"
-        ) from None
-    job_id = run.job_id()
-    _claim_output(run, job_id)
-    _wait_for_lock(settings.data_path, say)
+    made = _make_state_dir(run)
+    try:  # a run that fails before its broker starts leaves no state dir it made
+        config = run.config or write_config(run)
+        try:
+            settings = load_settings(config)
+        except ConfigError as exc:
+            if run.config is not None:
+                raise
+            raise OneShotError(  # the file is ours: what is wrong came from the flags
+                f"--model/--engine/--tokenizer/--alias give a broker config that is refused: {exc}"
+            ) from None
+        job_id = run.job_id()
+        resumed = _claim_output(run, job_id)
+        wait_for_lock(settings.data_path, say)
+    except BaseException:
+        if made:
+            shutil.rmtree(run.state_dir, ignore_errors=True)
+        raise
     if not settings.worker_groups:
         say(f"{config} starts no local workers: the lines wait for workers of other hosts")
     say(f"job {job_id}: {run.input} -> {run.output}; broker on {settings.data_path}")
-    err = open(run.state_dir / "broker.err", "ab")  # noqa: SIM115 - lives as long as the broker
-    broker = subprocess.Popen(
-        [sys.executable, str(REPO / "run.py"), "--config", str(config)],
-        stdout=subprocess.DEVNULL,
-        stderr=err,  # runs in this working directory: --config's relative paths mean the same
-        preexec_fn=_term_with_parent,
-    )
-    err.close()
-    progress = _Progress(job_id)
+    if resumed:
+        say(_resuming(run))
+    broker = start_broker(config, run.state_dir / "broker.err")
     try:
         code = _drive(run, settings, job_id, broker, progress, say)
     except KeyboardInterrupt:
         progress.close()
-        say("interrupted; stopping the broker (run the same command again to resume)")
-        _stop(broker)
-        return 130
+        stop_broker(broker, settings, say)  # says it drains; a second Ctrl-C kills it
+        return exitcodes.INTERRUPTED
     except BaseException:
         progress.close()
-        _stop(broker)
+        stop_broker(broker, settings)
         raise
     progress.close()
-    stopped = _stop(broker)
+    stopped = stop_broker(broker, settings)
     if stopped != 0:
         say(f"the broker exited {stopped} (see {run.state_dir / 'broker.err'})")
     return code if stopped == 0 else exitcodes.FAILED
 
 
-def _drive(run: OneShot, settings, job_id: str, broker, progress: _Progress, say) -> int:
+def _drive(run: OneShot, settings, job_id: str, broker, progress: ProgressLine, say) -> int:
     from collector.delivery.decoders import model_decoders
     from collector.results_client import ResultsClient
     from ingest.submit_client import Producer
@@ -333,12 +301,9 @@ def _drive(run: OneShot, settings, job_id: str, broker, progress: _Progress, say
         report = producer.submit_file(  # a rerun skips the chunks already durable
             run.input,
             job_id,
-            progress=lambda r, lines: progress.show(0, None, f"submitting: line {lines}"),
+            progress=lambda r, lines: progress.show(f"{job_id}: submitting, line {lines}"),
         )
-    say(
-        f"job {job_id}: {report.stored} lines queued, {report.rejected} rejected "
-        f"(they get error lines)"
-    )
+    say(_queued(job_id, report))
     latest: list = [None]
     failure: list = []
 
@@ -359,7 +324,6 @@ def _drive(run: OneShot, settings, job_id: str, broker, progress: _Progress, say
 
     follower = threading.Thread(target=follow, name="results", daemon=True)
     follower.start()
-    written = 0
     while follower.is_alive():
         follower.join(0.2)
         if failure:
@@ -367,39 +331,74 @@ def _drive(run: OneShot, settings, job_id: str, broker, progress: _Progress, say
         alive()
         report = latest[0]
         if report is not None and report.info:
-            info = report.info
-            written = report.written + report.errors
-            progress.show(
-                int(info["completed"]) + int(info["failed"]),
-                info.get("total"),
-                f"{info['state']}; {written} lines written this run",
-            )
+            progress.show(_progress_text(job_id, report, progress.tty))
     if failure:
         raise failure[0]
     report = latest[0]
     info = report.info or {}
-    total, failed = info.get("total"), int(info.get("failed", 0))
-    done = int(info.get("completed", 0)) + failed  # `completed` counts results, not errors
-    progress.show(done, total, info.get("state", "?"))
-    whole = is_terminal(info.get("state")) and total is not None and done >= total
+    if info:
+        progress.show(_progress_text(job_id, report, progress.tty), final=True)
+    done, total = job_done(info)
+    failed = int(info.get("failed", 0))
     say(
         f"job {job_id}: {info.get('state')}; {done} of {total} lines have their outcome "
         f"({failed} errors); this run wrote {report.written} results to {run.output} and "
         f"{report.errors} error lines to {run.errors}"
     )
-    return exitcodes.OK if whole else exitcodes.FAILED
+    if not (is_terminal(info.get("state")) and total is not None and done >= total):
+        return exitcodes.FAILED
+    if total and not int(info.get("completed", 0)):
+        say(f"no line succeeded: all {total} lines failed; {_first_error(run.errors)}")
+        return exitcodes.ALL_FAILED
+    return exitcodes.OK
 
 
-def _stop(broker: subprocess.Popen) -> int:
-    """SIGTERM the broker and wait for it to drain (SIGKILL after STOP_TIMEOUT_S)."""
-    if broker.poll() is None:
-        broker.send_signal(signal.SIGTERM)
-        try:
-            return broker.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            broker.kill()
-            return broker.wait()
-    return broker.returncode
+def _queued(job_id: str, report) -> str:
+    """What submitting did this run; on a rerun, what an earlier run had already queued."""
+    stored, rejected = (
+        report.stored - report.stored_before,
+        report.rejected - report.rejected_before,
+    )
+    if not (report.stored_before or report.rejected_before):
+        return f"job {job_id}: {stored} lines queued, {rejected} rejected (they get error lines)"
+    if stored or rejected:
+        return (
+            f"job {job_id}: {stored} more lines queued, {rejected} rejected; an earlier run "
+            f"had queued {report.stored_before} and rejected {report.rejected_before}"
+        )
+    return (
+        f"job {job_id}: an earlier run had queued every line ({report.stored} queued, "
+        f"{report.rejected} rejected); nothing more to send"
+    )
+
+
+def _progress_text(job_id: str, report, tty: bool) -> str:
+    """`JOB: 1488/2018 (74%) lines done, 95/s, 6s left; 3 failed; ...`; on a terminal
+    `[#####...] 1488/2018 (74%), 95/s, 6s left; ...`, most telling first (a line redrawn in
+    place is cut to the terminal's width): the job's counters, rate and time left as
+    `status --watch` shows them."""
+    info = report.info
+    done_total, failed, rate, left = job_fields(info)
+    head = f"{bar(*job_done(info), cells=20)} {done_total}" if tty else f"{job_id}: {done_total}"
+    head += "" if tty else " lines done"
+    left = f", {left} left" if left != "-" else ""
+    return (
+        f"{head}, {rate}{left}; {failed} failed; {info['state']}; "
+        f"{report.written + report.errors} lines written this run"
+    )
+
+
+def _first_error(errors: Path) -> str:
+    """`see ERRORS (the first says: ...)`: why the lines failed, from the errors file."""
+    import orjson
+
+    try:
+        with open(errors, "rb") as f:
+            first = orjson.loads(f.readline())
+        message = (first.get("error") or {}).get("message") or first["response"]["body"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"see {errors}"
+    return f"see {errors} (the first says: {str(message)[:300]})"
 
 
 def add_parser(commands) -> None:

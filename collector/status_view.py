@@ -6,6 +6,7 @@ import time
 from collections import defaultdict
 from typing import Any
 
+from pipeline.job_states import JobState
 from pipeline.stage_restarts import describe
 
 
@@ -16,13 +17,38 @@ def _table(header: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
-def _age(created_ns: int) -> str:
-    seconds = max(0.0, (time.time_ns() - created_ns) / 1e9)
+def duration(seconds: float | None) -> str:
+    """`45s`, `12m`, `1.5h`; `-` when unknown."""
+    if seconds is None:
+        return "-"
+    seconds = max(0.0, seconds)
     if seconds < 120:
         return f"{seconds:.0f}s"
     if seconds < 7200:
         return f"{seconds / 60:.0f}m"
     return f"{seconds / 3600:.1f}h"
+
+
+def _age(created_ns: int) -> str:
+    return duration((time.time_ns() - created_ns) / 1e9)
+
+
+def job_done(job: dict[str, Any]) -> tuple[int, int | None]:
+    """(items with a result or an error result, total or None while it is submitted)."""
+    return int(job.get("completed") or 0) + int(job.get("failed") or 0), job.get("total")
+
+
+def job_fields(job: dict[str, Any]) -> tuple[str, str, str, str]:
+    """(done/total text, failed, rate, time left) of one JOB_INFO: what `status --watch` shows
+    of a job, and `run.py batch` of its own (the rate and time left are completion's)."""
+    done, total = job_done(job)
+    if total:
+        progress = f"{done}/{total} ({100 * done / total:.0f}%)"
+    else:
+        progress = f"{done}/? (submitting)" if total is None else "0/0"
+    eta = job.get("eta_s")
+    left = duration(eta) if eta else ("-" if job.get("state") != JobState.COMPLETED else "0s")
+    return progress, str(job.get("failed", "-")), f"{job.get('rate', 0):.0f}/s", left
 
 
 def render_broker(info: dict[str, Any]) -> str:

@@ -30,23 +30,12 @@ from collections import defaultdict
 from typing import Any, TextIO
 
 from collector.status_sources import Snapshot, Sources
+from collector.status_view import duration, job_done, job_fields
 from pipeline import exitcodes
-from pipeline.job_states import JobState
 from pipeline.stage import StopFlags
 from pipeline.stage_restarts import describe
 
 PAUSE_SLICE_S = 0.05  # how often the wait between refreshes looks at the stop flag
-
-
-def _age(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    seconds = max(0.0, seconds)
-    if seconds < 120:
-        return f"{seconds:.0f}s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f}m"
-    return f"{seconds / 3600:.1f}h"
 
 
 def _clock(ns: int) -> str:
@@ -82,23 +71,6 @@ def worker_rows(info: dict[str, Any]) -> list[tuple[str, str, int, int, float, f
     ]
 
 
-def job_done(job: dict[str, Any]) -> tuple[int, int | None]:
-    """(items with a result or an error result, total or None while it is submitted)."""
-    return int(job.get("completed") or 0) + int(job.get("failed") or 0), job.get("total")
-
-
-def _job_fields(job: dict[str, Any]) -> tuple[str, str, str, str]:
-    """(done/total text, failed, rate, time left) for one JOB_INFO."""
-    done, total = job_done(job)
-    if total:
-        progress = f"{done}/{total} ({100 * done / total:.0f}%)"
-    else:
-        progress = f"{done}/? (submitting)" if total is None else "0/0"
-    eta = job.get("eta_s")
-    left = _age(eta) if eta else ("-" if job.get("state") != JobState.COMPLETED else "0s")
-    return progress, str(job.get("failed", "-")), f"{job.get('rate', 0):.0f}/s", left
-
-
 def _dead_letter_text(event: dict[str, Any], names: dict[int, str]) -> str:
     job = names.get(event["job_no"], f"#{event['job_no']}")
     segments = ", ".join(str(s) for s in event["segments"][:5])
@@ -124,7 +96,7 @@ def plain_lines(snap: Snapshot, address: str) -> list[str]:
         rows = lane_rows(info, snap.taken_ns)
         for model, lane, queued, tokens, oldest in rows:
             lines.append(
-                f"lane {model}/{lane} queued={queued} tokens<={tokens} oldest={_age(oldest)}"
+                f"lane {model}/{lane} queued={queued} tokens<={tokens} oldest={duration(oldest)}"
             )
         if not rows:
             lines.append("lane (no queued work)")
@@ -142,7 +114,7 @@ def plain_lines(snap: Snapshot, address: str) -> list[str]:
         if "note" in job:  # completion could not say (an unknown job)
             lines.append(f"job {job['job']} {job['state']}: {job['note']}")
             continue
-        progress, failed, rate, left = _job_fields(job)
+        progress, failed, rate, left = job_fields(job)
         lines.append(
             f"job {job['job']} {job['state']} {progress} failed={failed} rate={rate} left={left}"
         )
@@ -189,7 +161,7 @@ def rich_view(snap: Snapshot, address: str):
     else:
         lanes = table("Lanes", "model", "lane", "queued", "tokens (at most)", "oldest")
         for model, lane, queued, tokens, oldest in lane_rows(info, snap.taken_ns):
-            lanes.add_row(model, str(lane), str(queued), str(tokens), _age(oldest))
+            lanes.add_row(model, str(lane), str(queued), str(tokens), duration(oldest))
         if not lanes.row_count:
             lanes.add_row("(no queued work)", "", "", "", "")
         workers = table(
@@ -222,7 +194,7 @@ def rich_view(snap: Snapshot, address: str):
                 jobs.add_row(job["job"], job["state"], Text(job["note"], style="red"))
                 continue
             done, total = job_done(job)
-            progress, failed, rate, left = _job_fields(job)
+            progress, failed, rate, left = job_fields(job)
             bar = ProgressBar(total=float(total or 1), completed=float(done if total else 0))
             bar.width = 24
             jobs.add_row(job["job"], job["state"], bar, progress, failed, rate, left)

@@ -67,8 +67,15 @@ class SubmitReport:
     stored: int = 0
     rejected: int = 0
     skipped_chunks: int = 0  # acknowledged in an earlier run
+    stored_before: int = 0  # items stored by an earlier run of the same job (in `stored`)
+    rejected_before: int = 0  # lines rejected by an earlier run (in `rejected`)
     errors: list[dict[str, Any]] = field(default_factory=list)
     state: str = ""
+
+
+def new_job_id() -> str:
+    """A job id for a submit that was given none: `job-` and 12 random hex digits."""
+    return f"job-{uuid.uuid4().hex[:12]}"
 
 
 Progress = Callable[[SubmitReport, int], None]  # (report so far, lines done)
@@ -182,7 +189,7 @@ class Producer(BrokerClient):
         `parse_deadline`) is recorded with a new job: dispatch serves earlier deadlines
         first. A resumed job keeps the deadline it was created with.
         """
-        job_id = job_id or f"job-{uuid.uuid4().hex[:12]}"
+        job_id = job_id or new_job_id()
         status = self.job_status(job_id)
         lines = (
             int(status["chunk_lines"])
@@ -259,8 +266,8 @@ class Producer(BrokerClient):
         self._backing_off.clear()
         done = set(status.get("committed", [])) if status["exists"] else set()
         if status["exists"]:
-            report.stored = int(status.get("stored", 0))
-            report.rejected = int(status.get("rejected", 0))
+            report.stored = report.stored_before = int(status.get("stored", 0))
+            report.rejected = report.rejected_before = int(status.get("rejected", 0))
         pending: dict[int, tuple[dict[str, Any], dict[str, np.ndarray], float, int]] = {}
         stream = _with_last(iter(chunks))
         exhausted = False

@@ -32,6 +32,7 @@ import zmq
 from pipeline import wire
 from pipeline.errors import BrokerUnavailableError, FabricError, WireError
 from pipeline.first_contact import FirstContact
+from pipeline.invocation import how_to_serve
 from pipeline.security import ClientCurve, secure_client
 
 MT = wire.MessageType
@@ -140,7 +141,7 @@ class BrokerClient:
                 time.sleep(backoff_s(attempt + 1))
         raise BrokerUnavailableError(
             f"no answer from the broker at {self.address} after {attempts} tries of "
-            f"{wait_s:g} s; is it running (python run.py --config FILE)? "
+            f"{wait_s:g} s; is it running (`{how_to_serve()}`)? "
             "Check --broker / --config, and that it requires no CURVE key or authorizes this "
             "client's (--key, security.client_key)"
         )

@@ -53,6 +53,11 @@ class DataDirLockedError(FabricError):
     """Another process holds the data dir's exclusive lock."""
 
 
+class OutputError(FabricError):
+    """An output file or directory a command was told to write cannot be written (a read-only
+    or full file system, no permission, a file where a directory should be)."""
+
+
 class IngestError(FabricError):
     """Input a producer submitted cannot be taken as asked (a file, a stream, a tokenizer)."""
 

@@ -1,4 +1,4 @@
-"""Exit codes of `python run.py`, documented in docs/operations.md."""
+"""Exit codes of `python run.py`, documented in docs/operations.md: the one table of them."""
 
 OK = 0  # success; `check`: no findings
 FINDINGS = 1  # `check`: findings remain (each printed on its own line)
@@ -12,3 +12,6 @@ UNAVAILABLE = (
 FAILED = (
     7  # a command failed for another reason, named in its last line (a refused chunk, bad input)
 )
+CANNOT_WRITE = 8  # `batch`: OUT or its state dir cannot be written (a read-only directory)
+ALL_FAILED = 9  # `batch`: every line has its outcome, but not one succeeded: only error lines
+INTERRUPTED = 130  # Ctrl-C (SIGINT): `batch`, `submit`, `demo` stopped; the same command resumes

@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 from pipeline.binds import host_port
 from pipeline.errors import BrokerUnavailableError
-from pipeline.invocation import how_to_run
+from pipeline.invocation import how_to_serve
 
 SAY_AFTER_S = 1.0
 GRACE_S = 2.0
@@ -87,7 +87,7 @@ class FirstContact:
             if time.monotonic() >= deadline:
                 raise BrokerUnavailableError(
                     f"no broker answers at {self.address}: {why}; is it running? Start one "
-                    f"with `{how_to_run()} --config FILE`, or check --broker / --config"
+                    f"with `{how_to_serve()}`, or check --broker / --config"
                 )
             self.silent()
             time.sleep(PROBE_EVERY_S)

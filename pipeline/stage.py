@@ -3,7 +3,7 @@
 A stage is created in its own process (forked from the supervisor's fork
 server, which imported the stage modules once), after which `open()` makes
 its sockets, maps and shared-memory handles. `run_stage()` then calls
-`step(now)` until SIGTERM or SIGINT sets the stop flag, calls `drain()` to
+`step(now)` until SIGTERM sets the stop flag (SIGINT is the supervisor's), calls `drain()` to
 finish what is in flight, and `close()`. Signal handlers only set flags.
 A stage that waits on a `zmq.Poller` named `self.poller` is woken by the
 signal itself: `run_stage` adds the signal wake pipe to it
@@ -123,13 +123,20 @@ class Stage:
 
 
 class StopFlags:
-    """SIGTERM and SIGINT set `stop` (handlers only set the flag); for stages and workers."""
+    """SIGTERM and SIGINT set `stop` (handlers only set the flag); for stages and workers.
+
+    With `interrupt=False` (a stage under a supervisor) SIGINT is ignored: Ctrl-C on a
+    terminal reaches every process of the foreground group, and a stage that stopped on it
+    by itself would not wait for its turn. The supervisor takes it as SIGTERM and stops the
+    stages in order, so a local worker drains while dispatch and completion still take its
+    results (stopping all at once, it waited `workers.drain_s` for answers that never came).
+    """
 
     stop = False
 
-    def __init__(self) -> None:
+    def __init__(self, interrupt: bool = True) -> None:
         signal.signal(signal.SIGTERM, self._on_stop)
-        signal.signal(signal.SIGINT, self._on_stop)
+        signal.signal(signal.SIGINT, self._on_stop if interrupt else signal.SIG_IGN)
 
     def _on_stop(self, signum: int, frame: object) -> None:
         self.stop = True
@@ -149,7 +156,7 @@ def run_stage(spec: StageSpec, settings, drain_s: float = 30.0, ready=None) -> i
     `ready` (a multiprocessing Event) is set once the stage is open: it is up."""
     set_title(f"fabric: {spec.label}")
     setup_stage_logging(settings.data_path / "log", spec.label)
-    flags = StopFlags()
+    flags = StopFlags(interrupt=False)  # the supervisor stops its stages, in order
     stage = spec.stage_class()(settings, spec.index)
     stage.open()
     log.info("stage %s up", spec.label)

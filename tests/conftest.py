@@ -154,12 +154,14 @@ def skip_or_fail(reason: str) -> None:
 
 
 @contextlib.contextmanager
-def small_tmpfs(path, size: str):
-    """A size-limited tmpfs mounted at `path` (a real full disk); skips the test without root
-    (fails it where `CI` is set: skip_or_fail)."""
+def small_tmpfs(path, size: str, read_only: bool = False):
+    """A size-limited tmpfs mounted at `path` (a real full disk; with `read_only`, a file
+    system nothing can write, root included); skips the test without root (fails it where
+    `CI` is set: skip_or_fail)."""
     path.mkdir(parents=True, exist_ok=True)
+    options = f"size={size}" + (",ro" if read_only else "")
     result = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
         capture_output=True,
         text=True,
     )
@@ -169,3 +171,19 @@ def small_tmpfs(path, size: str):
         yield path
     finally:
         subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@contextlib.contextmanager
+def read_only_dir(path):
+    """A directory at `path` this test process cannot write: mode 0555 for a user, a
+    read-only tmpfs for root (whom modes do not stop)."""
+    if os.geteuid() != 0:
+        path.mkdir(parents=True, exist_ok=True)
+        path.chmod(0o555)
+        try:
+            yield path
+        finally:
+            path.chmod(0o755)
+        return
+    with small_tmpfs(path, "1m", read_only=True) as mounted:
+        yield mounted

@@ -63,25 +63,41 @@ def test_the_readme_demo_installs_the_project_alone_and_the_tests_add_the_extras
     assert blocked.returncode != 0 and "not a base dependency" in blocked.stderr
 
 
+def hits(stdout: str) -> dict[str, list[str]]:
+    """The demo's nearest paragraphs: question -> the custom_ids of its hits, best first."""
+    found: dict[str, list[str]] = {}
+    for line in stdout.splitlines():
+        if line.startswith("  '"):
+            question = found.setdefault(line.strip().strip("'"), [])
+        elif " para-" in line:
+            question.append(line.split()[1].rstrip(":"))
+    return found
+
+
 def test_the_demo_embeds_real_text_end_to_end_and_runs_again_cleanly(tmp_path):
     root = tmp_path / "demo"
     first = demo(root, 300)
     assert first.returncode == 0, first.stderr
-    assert "300 embeddings, 0 errors" in first.stderr
+    # `run.py demo > out`: the answers (the summary, the nearest paragraphs) go to stdout,
+    # the progress to stderr
+    assert "300 embeddings, 0 errors" in first.stdout
+    assert "300 embeddings" not in first.stderr and "nearest" not in first.stderr
+    assert "300/300 durable" in first.stderr and "durable" not in first.stdout
     lines = [json.loads(line) for line in (root / "results.jsonl").read_text().splitlines()]
     assert sorted(line["custom_id"] for line in lines) == sorted(f"para-{i}" for i in range(300))
     vector = lines[0]["response"]["body"]["data"][0]["embedding"]
     assert len(vector) == 384 and abs(sum(v * v for v in vector) - 1.0) < 1e-3
     # The embeddings landed in the vector store, and the searches found real neighbours.
-    assert "nearest paragraphs in the vector store (300 vectors)" in first.stderr
-    store = root / "data" / "vectors" / "minilm"
+    assert "nearest paragraphs in the vector store (300 vectors)" in first.stdout
+    job = re.search(r"store (demo-\S+) in ", first.stdout).group(1)
+    store = root / "data" / "vectors" / job
     assert json.loads((store / "store.json").read_text())["dim"] == 384
-    scores = [float(line.split()[0]) for line in first.stderr.splitlines() if " para-" in line]
+    scores = [float(line.split()[0]) for line in first.stdout.splitlines() if " para-" in line]
     assert len(scores) == 9 and all(0.3 < s <= 1.0001 for s in scores)
     # Its hints name the interpreter that ran it: they work without the venv on PATH.
     hint = next(
         line
-        for line in first.stderr.splitlines()
+        for line in first.stdout.splitlines()
         if line.endswith(f" vectors stats --config {root / 'demo.toml'}")
     )
     command = hint.strip().removesuffix(f" vectors stats --config {root / 'demo.toml'}")
@@ -98,5 +114,9 @@ def test_the_demo_embeds_real_text_end_to_end_and_runs_again_cleanly(tmp_path):
     assert again.returncode == 0, again.stderr
     assert "found" in again.stderr and "1 earlier job" in again.stderr
     assert len((root / "results.jsonl").read_text().splitlines()) == 30  # rewritten, not added
-    assert "(330 vectors)" in again.stderr  # the store keeps both runs' vectors
+    # Its own store: the first run's vectors are not searched again, each paragraph is one hit
+    assert "(30 vectors)" in again.stdout
+    found = hits(again.stdout)
+    assert len(found) == 3 and all(len(ids) == len(set(ids)) == 3 for ids in found.values())
+    assert all(int(i.removeprefix("para-")) < 30 for ids in found.values() for i in ids)
     assert_check_clean(DataDir(root / "data"))

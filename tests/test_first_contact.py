@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -323,6 +324,51 @@ def test_a_client_says_where_it_waits_after_the_first_second(tmp_path):
     assert done.stderr.count("waiting for the broker") == 1
 
 
+def test_ctrl_c_during_submit_prints_the_command_that_resumes_it(tmp_path):
+    config = write_config(tmp_path)
+    settings = Broker(config).settings
+    data = tmp_path / "in.jsonl"
+    write_jsonl(data, 10)
+    host, port = settings.ingest.bind.removeprefix("tcp://").rsplit(":", 1)
+    err = tmp_path / "submit.err"
+    with socket.socket() as silent, open(err, "w") as said:  # the broker's port; no answer
+        silent.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        silent.bind((host, int(port)))
+        silent.listen(8)
+        proc = subprocess.Popen(
+            [sys.executable, str(REPO / "run.py"), "submit", str(data), "--config", str(config)],
+            stdout=subprocess.PIPE,
+            stderr=said,
+            text=True,
+            cwd=REPO,
+        )
+        try:
+            wait_for(lambda: "waiting for the broker" in err.read_text(), "submit to wait")
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=30) == exitcodes.INTERRUPTED, err.read_text()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate(timeout=30)
+    text = err.read_text()
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
+    assert "interrupted; the chunks acknowledged so far are durable" in text, text
+    command = text.rstrip().splitlines()[-1].strip()
+    job = re.search(r"--job-id (job-[0-9a-f]+)$", command)
+    assert job and f" submit {data} --config {config} --job-id " in command, command
+    # the printed command resumes the job, once a broker answers
+    b = Broker(config).start()
+    try:
+        again = subprocess.run(
+            shlex.split(command), capture_output=True, text=True, timeout=120, cwd=REPO
+        )
+        assert again.returncode == 0, again.stderr
+        assert again.stdout.strip() == job.group(1)
+        assert b.job_status(job.group(1))["total"] == 10
+    finally:
+        b.close()
+
+
 def test_a_second_results_says_what_was_already_delivered(broker, tmp_path):
     data = tmp_path / "bad.jsonl"
     _endpoint_not_served(data, 30)
@@ -384,8 +430,8 @@ def _works_without_the_venv_on_path(command: str) -> subprocess.CompletedProcess
 
 def test_printed_commands_work_where_they_are_printed(tmp_path):
     config = write_config(tmp_path)
-    done = _run(config, "status")  # no broker: the error says how to start one
-    found = re.search(r"Start one with `(.+) --config FILE`", done.stderr)
+    done = _run(config, "status")  # no broker: the error says how to start one, on its config
+    found = re.search(rf"Start one with `(.+) --config {re.escape(str(config))}`", done.stderr)
     assert found, done.stderr
     helped = _works_without_the_venv_on_path(found.group(1))
     assert helped.returncode == 0, (found.group(1), helped.stderr)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,12 +21,14 @@ from pathlib import Path
 import pytest
 import zygote
 from broker import REPO, WORDS, write_config
-from conftest import assert_check_clean, wait_for
+from client_commands import run_cli
+from conftest import assert_check_clean, read_only_dir, wait_for
 
 from config import load_settings
 from pipeline import exitcodes
 from pipeline.datadir import DataDir
 from pipeline.ring import Ring
+from pipeline.supervisor_report import read_report
 from pipeline.topology import ring_specs
 
 LINES = 1200  # about 5 s of the simulated worker: enough to kill it while results stream
@@ -68,6 +71,33 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
+def running_in_group(pgid: int) -> list[int]:
+    """Pids of the processes of group `pgid` that still run (zombies, which only wait for
+    their parent to reap them, left out)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+        except (OSError, ValueError):
+            continue  # not a process, or gone
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            pids.append(int(entry.name))
+    return pids
+
+
+def sim_config(tmp_path: Path, tokens_per_s: float, more: str = "") -> Path:
+    """A broker config with one local worker of the simulated engine at `tokens_per_s`."""
+    config = write_config(tmp_path, workers=0)
+    text = config.read_text().replace(
+        "[workers]\nlocal = 0\n",
+        f'[workers]\nlocal = 1\nmodel = "sim"\nsimulated_tokens_per_s = {tokens_per_s}\n'
+        f"batch_items = 64\n{more}",
+    )
+    config.write_text(text)
+    return config
+
+
 def outcomes(out: Path) -> Counter:
     """custom_id (or the error line's id when the line had none) -> lines in OUT and its errors."""
     counts: Counter = Counter()
@@ -85,12 +115,7 @@ def lines_in(path: Path) -> int:
 
 @pytest.mark.slow
 def test_batch_killed_twice_and_run_again_resumes_with_each_custom_id_once(tmp_path):
-    config = write_config(tmp_path, workers=0)
-    text = config.read_text().replace(
-        "[workers]\nlocal = 0\n",
-        '[workers]\nlocal = 1\nmodel = "sim"\nsimulated_tokens_per_s = 3000.0\nbatch_items = 64\n',
-    )
-    config.write_text(text)
+    config = sim_config(tmp_path, 3000.0)
     settings = load_settings(config)
     source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     write_input(source, LINES)
@@ -114,12 +139,16 @@ def test_batch_killed_twice_and_run_again_resumes_with_each_custom_id_once(tmp_p
         kill_group(second)
         done_before = lines_in(out)
         assert done_before < LINES, "the run finished before the kill: make it slower"
-        # 3. Run to the end.
+        # 3. Run to the end. It says it resumes, and how far the killed runs got.
+        written = done_before + lines_in(Path(f"{out}.errors.jsonl"))
+        said_before = len(log.read_text())
         began = time.monotonic()
         last = batch(*args, log=log)
         procs.append(last)
         assert last.wait(timeout=RUN_BOUND_S) == exitcodes.OK, log.read_text()[-3000:]
         elapsed = time.monotonic() - began
+        said = log.read_text()[said_before:]
+        assert f"resuming: {written:,} of {LINES + 2:,} lines already in {out} " in said, said
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -155,6 +184,7 @@ def test_batch_with_a_model_alone_runs_a_private_broker_beside_the_output(tmp_pa
     args = (str(source), "-o", str(out), "--model", "echo")
     log = tmp_path / "batch.err"
     for _ in range(2):  # the second run finds everything done and writes nothing twice
+        said_before = len(log.read_text()) if log.exists() else 0
         proc = batch(*args, log=log)
         try:
             assert proc.wait(timeout=RUN_BOUND_S) == exitcodes.OK, log.read_text()[-3000:]
@@ -163,6 +193,10 @@ def test_batch_with_a_model_alone_runs_a_private_broker_beside_the_output(tmp_pa
                 os.killpg(proc.pid, signal.SIGKILL)
         counts = outcomes(out)
         assert len(counts) == 200 and max(counts.values()) == 1
+    said = log.read_text()[said_before:]  # the second run's: it queued nothing, and says so
+    assert f"resuming: 200 of 200 lines already in {out} (200 results)" in said, said
+    assert "an earlier run had queued every line (200 queued, 0 rejected)" in said, said
+    assert "lines queued" not in said, said
     data = out.parent / "out.jsonl.fabric" / "data"
     assert (data / "jobs").is_dir()
     assert_check_clean(DataDir(data))
@@ -179,3 +213,116 @@ def test_batch_with_a_model_alone_runs_a_private_broker_beside_the_output(tmp_pa
     assert refused.returncode == exitcodes.FAILED
     assert "was not written for this input" in refused.stderr
     assert len(outcomes(out)) == 200
+
+
+def test_a_batch_that_fails_before_it_starts_leaves_no_state_dir(tmp_path):
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_input(source, 3, model="echo")
+    for more, says in (
+        ((), "name the model: --model NAME"),  # no model
+        (("--model", "nosuch"), "--model nosuch is not an engine name"),
+        (("--model", "m", "--engine", "nosuch"), "nosuch"),  # the generated config is refused
+    ):
+        done = run_cli("batch", str(source), "-o", str(out), *more)
+        assert done.returncode in (exitcodes.FAILED, exitcodes.CONFIG), done.stderr
+        assert says in done.stderr, done.stderr
+        assert not Path(f"{out}.fabric").exists(), (more, sorted(tmp_path.iterdir()))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
+
+
+def test_an_output_in_a_read_only_directory_is_named_with_its_exit_code(tmp_path):
+    source = tmp_path / "in.jsonl"
+    write_input(source, 3, model="echo")
+    with read_only_dir(tmp_path / "ro") as ro:
+        command = ["batch", str(source), "-o", str(ro / "out.jsonl"), "--model", "echo"]
+        done = subprocess.run(
+            [sys.executable, "run.py", *command],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=60,
+        )
+    assert done.returncode == exitcodes.CANNOT_WRITE, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert f"error: cannot write {ro / 'out.jsonl.fabric'}: " in done.stderr, done.stderr
+    assert "choose another -o" in done.stderr
+
+
+def test_a_file_in_which_no_line_succeeded_says_so_with_its_own_exit_code(tmp_path):
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    with open(source, "w") as f:
+        for i in range(5):  # a model the broker does not serve: every line gets an error line
+            body = {"model": "nosuch", "prompt_token_ids": [1, 2, 3]}
+            line = {"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings"}
+            f.write(json.dumps({**line, "body": body}) + "\n")
+    log = tmp_path / "batch.err"
+    proc = batch(str(source), "-o", str(out), "--model", "echo", log=log)
+    try:
+        assert proc.wait(timeout=RUN_BOUND_S) == exitcodes.ALL_FAILED, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    said = log.read_text()
+    assert f"no line succeeded: all 5 lines failed; see {out}.errors.jsonl (the first says: " in (
+        said
+    ), said
+    assert "nosuch" in said.splitlines()[-1]  # why, from the first error line
+    assert lines_in(Path(f"{out}.errors.jsonl")) == 5 and lines_in(out) == 0
+
+
+def test_ctrl_c_stops_the_broker_in_order_so_its_worker_drains_at_once(tmp_path):
+    # Ctrl-C reaches every process of the group; the stages leave it to the supervisor, which
+    # stops them in order: the worker's last results are taken, and it exits in time (stages
+    # that stopped on their own left it waiting out `drain_s` for answers, killed at 20 s)
+    config = sim_config(tmp_path, 3000.0)
+    settings = load_settings(config)
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_input(source, LINES)
+    log = tmp_path / "batch.err"
+    proc = batch(str(source), "-o", str(out), "--config", str(config), log=log)
+    try:
+        wait_for(lambda: lines_in(out) >= 100, "some results", timeout_s=120)
+        interrupted = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == exitcodes.INTERRUPTED, log.read_text()[-3000:]
+        stopped_s = time.monotonic() - interrupted
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    report = read_report(settings.data_path)
+    assert {s["stage"]: s["last_exit"] for s in report["stages"]}["worker-0"] == "exit code 0"
+    assert {s["last_exit"] for s in report["stages"]} == {"exit code 0"}, report["stages"]
+    assert stopped_s < 10, f"the broker took {stopped_s:.1f} s to stop"
+    assert "Traceback" not in log.read_text()
+    assert_check_clean(DataDir(settings.data_path))
+
+
+def test_ctrl_c_drains_with_a_word_and_a_second_ctrl_c_stops_at_once(tmp_path):
+    # A batch of 64 lines takes about 6 s: the worker is inside one when Ctrl-C comes, and
+    # its drain (it finishes that batch) outlasts the test's second Ctrl-C by seconds.
+    config = sim_config(tmp_path, 128.0, "target_batch_s = 0\n")
+    settings = load_settings(config)
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_input(source, 400)
+    log = tmp_path / "batch.err"
+    proc = batch(str(source), "-o", str(out), "--config", str(config), log=log)
+    try:
+        # its progress line has the rate and the time left (completion's, as `status JOB`)
+        progress = r"\d+/402 \(\d+%\) lines done, \d+/s, \d+[smh] left; 2 failed; in_progress"
+        wait_for(lambda: re.search(progress, log.read_text()), "a rate and ETA", timeout_s=120)
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C on a terminal: the whole group
+        wait_for(lambda: "draining (up to" in log.read_text(), "the draining line", timeout_s=30)
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == exitcodes.INTERRUPTED, log.read_text()[-3000:]
+        wait_for(lambda: not running_in_group(proc.pid), "nothing left running", timeout_s=10)
+    finally:
+        if proc.poll() is None or running_in_group(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    said = log.read_text()
+    assert "interrupted: the broker is draining (up to 120 s; Ctrl-C again to stop now)" in said
+    assert "stopped now: the broker was killed" in said, said
+    assert "Traceback" not in said, said
+    assert not [ring.name for ring in ring_specs(settings) if Ring.unlink(ring.name)]
+    assert lines_in(out) < 400  # it stopped mid-run; the next run resumes
