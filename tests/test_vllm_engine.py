@@ -44,6 +44,11 @@ def missing_vllm() -> str | None:
 
 @pytest.fixture(scope="module")
 def vllm_host() -> None:
+    """Skips a real vLLM run where vLLM or a GPU is missing (`require_vllm_host`)."""
+    require_vllm_host()
+
+
+def require_vllm_host() -> None:
     """Skips a real vLLM run where vLLM or a GPU is missing, with the reason; with
     FABRIC_EXPECT_VLLM=1 (a GPU host that must run them) fails instead."""
     reason = missing_vllm()
