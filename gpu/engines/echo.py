@@ -6,7 +6,7 @@ Three environment variables make it fail as a GPU engine can (for fault tests):
 |----------------------|-----------|------------------------------------------------------|
 | `FABRIC_ECHO_POISON` | TOKEN     | kills the worker process with SIGKILL (a crashing kernel) |
 | `FABRIC_ECHO_HANG`   | TOKEN     | never ends (a hung kernel: only `batch_timeout_s` ends it) |
-| `FABRIC_ECHO_OOM`    | TOKEN:N   | raises torch's out-of-memory error, the first N times in this process |
+| `FABRIC_ECHO_OOM`    | TOKEN:N   | raises torch's out-of-memory error, the first N times in this process (each halved piece that holds such an item counts: `Engine.run`) |
 """
 
 from __future__ import annotations
