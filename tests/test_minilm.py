@@ -13,7 +13,7 @@ import pytest
 from tokenizers import Tokenizer
 
 import gpu.engines.minilm as minilm
-from gpu.engines.base import EMBED, GENERATE, EngineBatch, EngineError, TransientEngineError
+from gpu.engines.base import EMBED, EngineBatch, EngineError, TransientEngineError
 from gpu.engines.minilm import DIM, MODEL_SHA256, MiniLMEngine, minilm_tokenizer_path
 from gpu.engines.registry import make_engine
 from pipeline.segment_format import SLOT_HEADER_WORDS  # batches are views into whole slots
@@ -89,24 +89,6 @@ def test_lane_width_and_chunking_do_not_change_a_vector(engine, reference):
     chunked = MiniLMEngine(threads=1, chunk_tokens=512)  # two rows of 256 per run
     chunked._session = engine._session
     np.testing.assert_allclose(chunked.run(batch_of(ids, lane=256)).embeddings, narrow, atol=1e-5)
-
-
-def test_empty_and_overlong_items_get_their_own_errors(engine, reference):
-    ids = encode(reference["sentences"][:1])[0]
-    result = engine.run(batch_of([[], ids, [1996] * 600], lane=1024))
-    assert "no tokens" in result.errors[0]
-    assert result.errors[1] is None
-    assert "600 tokens" in result.errors[2] and "at most 512" in result.errors[2]
-    expected = np.array(reference["vectors"][0], np.float32)
-    assert result.embeddings[1] @ expected >= 0.995
-
-
-def test_a_generate_batch_gives_every_item_an_error(engine):
-    batch = batch_of([[101, 7592, 102], [101, 2088, 102]], lane=64, task=GENERATE)
-    result = engine.run(batch)
-    assert len(result.errors) == 2
-    assert all("only embeds" in e and "/v1/embeddings" in e for e in result.errors)
-    assert result.embeddings.shape == (2, DIM)
 
 
 def test_a_corrupted_model_is_refused_with_its_hash(tmp_path, monkeypatch):

@@ -19,7 +19,7 @@ from smollm2 import loaded_engine, needs_model, with_torch
 from tokenizers import Tokenizer
 
 import gpu.engines.transformers as te
-from gpu.engines.base import EMBED, GENERATE, EngineBatch, EngineError
+from gpu.engines.base import GENERATE, EngineBatch, EngineError
 from gpu.engines.generation import Sampling, item_errors, kept_before_stop, pack
 from gpu.engines.registry import make_engine
 from gpu.engines.transformers import (
@@ -98,14 +98,6 @@ def test_bad_items_get_their_own_errors():
     assert "token id 99999 is outside the model's vocabulary of 49152" in errors[2]
     assert "5 tokens plus max_tokens 8 passes the model's context of 12" in errors[3]
     assert item_errors(batch_of([[1, 2]], lane=8), 49_152, 12, "transformers") == [None]
-
-
-def test_an_embed_batch_gives_every_item_an_error():
-    batch = batch_of([[1, 2], [3]], lane=8)
-    batch.task = EMBED
-    result = TransformersEngine().run(batch)
-    assert all("only generates" in e and "/v1/completions" in e for e in result.errors)
-    assert result.offsets.tolist() == [0, 0, 0]
 
 
 def test_bad_options_are_refused_by_name():
@@ -218,33 +210,6 @@ def test_stop_strings_cut_the_output(engine, tokenizer, prompts):
     )  # " Paris.\n\nThe answer ..." without greedy's rest
     gone = outputs(engine.run(batch_of(prompts[1:2], lane=64, max_tokens=10, stop="Paris")))
     assert gone == [[]]  # the stop string starts in the first token
-
-
-@needs_model
-def test_seeded_sampling_is_reproducible_whatever_shares_the_batch(engine, prompts):
-    shape = {"temperature": 0.9, "top_p": 0.95}
-    first = outputs(engine.run(batch_of(prompts, lane=64, max_tokens=6, seed=1234, **shape)))
-    again = outputs(engine.run(batch_of(prompts, lane=64, max_tokens=6, seed=1234, **shape)))
-    assert first == again
-    alone = outputs(engine.run(batch_of(prompts[2:], lane=64, max_tokens=6, seed=1234, **shape)))
-    assert alone[0] == first[2]
-    seeds = {
-        tuple(outputs(engine.run(batch_of(prompts[2:], lane=64, max_tokens=6, seed=s, **shape)))[0])
-        for s in (1, 2, 3)
-    }
-    assert len(seeds) > 1
-
-
-@needs_model
-def test_bad_items_fail_alone_next_to_good_ones(engine, prompts):
-    result = engine.run(batch_of([[], prompts[1], [60_000]], lane=64, max_tokens=4))
-    assert "no tokens" in result.errors[0] and "outside the model's vocabulary" in result.errors[2]
-    assert result.errors[1] is None
-    assert (
-        outputs(result)[1] == outputs(engine.run(batch_of([prompts[1]], lane=64, max_tokens=4)))[0]
-    )
-    too_long = engine.run(batch_of([prompts[1]], lane=64, max_tokens=8190))
-    assert "passes the model's context of 8192 tokens" in too_long.errors[0]
 
 
 @with_torch  # transformers' GGUF loader imports torch

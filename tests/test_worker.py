@@ -330,7 +330,9 @@ def _vllm_out_of_memory():
 
 def _echo_out_of_memory():
     engine = EchoEngine()
-    engine.oom_token, engine.oom_left = 100, 1  # FABRIC_ECHO_OOM=100:1
+    # FABRIC_ECHO_OOM=100:2: the batch of two runs out of memory, then its first item alone
+    # (Engine.run halves a batch before it hands it back)
+    engine.oom_token, engine.oom_left = 100, 2
     return engine, "embed"
 
 

@@ -1,20 +1,20 @@
 """The engine contract: what a worker runs a batch with. Load once, run batches, say which items failed.
 
-Contract (issue 4; invariant 14 tells the failures apart):
+Every engine in the registry keeps it; `tests/test_engine_contract.py` checks
+it against each one (docs/engines.md, "The engine contract"). Invariant 14
+tells the failures apart.
 
-* `load()` is called once, in the worker process, before the first batch.
-* `run(batch)` returns one output per item, in order, or an error for that
-  item alone (its input is the problem: it becomes the item's error result
-  at once). Outputs are numpy: embeddings as float32 `[n, dim]`, generated
-  tokens as flat uint32 plus `n + 1` offsets.
-* `TransientEngineError` means the batch as a whole could not run now (out
-  of memory for this batch, a restarting server, a quota): the worker hands
-  the batch back without counting an attempt and backs off.
-* Out of memory is one rule for every engine: `Engine.run` calls the
-  engine's `infer` and turns an error that `out_of_memory` recognises into a
-  `TransientEngineError`. Engines implement `infer`, never `run`.
-* Anything else escaping `run` means the engine is broken: the worker stops
-  asking for work and exits, rather than retry against a dead engine.
+| | |
+|---|---|
+| life | `load()` once, in the worker process, before the first batch; then `run(batch)` per batch, on one thread |
+| in | `EngineBatch`: `task` (EMBED or GENERATE), `tokens` uint32 `[n, lane]` zero padded on the right (often a non-contiguous view into the batch's slots: read, never write), `lengths` uint32 `[n]`, `max_tokens` (GENERATE's output budget), `shape` (a dict: temperature, top_p, seed, stop, stop_token_ids, top_logprobs; empty: greedy, no stop strings) |
+| out | `EngineResult` with `len(errors) == n`, in the batch's order: `errors[i]` None or item i's own error (a non-empty str). EMBED: `embeddings` float32 `[n, dim]` (an errored item's row is zeros). GENERATE: `tokens` flat uint32 and `offsets` int64 `[n + 1]` from 0, non-decreasing, ending at `len(tokens)`; item i's ids are `tokens[offsets[i]:offsets[i + 1]]`, at most `max_tokens` of them, none for an errored item; with the shape's `top_logprobs` k, also `logprobs` float32 `[len(tokens)]` and `top_ids` uint32 / `top_logprobs` float32 `[len(tokens), k]` |
+| item errors | an item of 0 tokens, one whose length passes its lane, one with an id outside the model's vocabulary, one too long for the model (prompt, plus `max_tokens` when generating) gets its own error; the other items of its batch run as if it were not there |
+| the other task | a batch of a task the engine does not serve gets the same error for every item (an embed-only engine thus refuses stop strings, seeds and `max_tokens`) |
+| sampling | greedy without a temperature; a seeded sampled item gives the same ids whatever shares its batch; stop strings end an item before the string's tokens |
+| transient | `TransientEngineError`: the batch as a whole cannot run now (a restarting server, a quota); the worker hands it back without counting an attempt and backs off |
+| out of memory | one rule for every engine, in `Engine.run`: a batch whose `infer` runs out of memory (`out_of_memory`) is split in two halves, each run the same way, and the outputs joined in order; when a single item runs out of memory alone, the batch is a `TransientEngineError`. Engines implement `infer`, never `run` |
+| broken | anything else escaping `run`: the worker stops asking for work, hands back what it holds and exits, rather than retry against a dead engine |
 
 Every engine module imports this one; none imports the registry
 (`gpu/engines/registry.py`), which sits above them.
@@ -102,6 +102,45 @@ def batch_size_text(batch: EngineBatch) -> str:
     return text + (f" + {batch.max_tokens} new" if batch.task == GENERATE else "")
 
 
+def piece(batch: EngineBatch, start: int, stop: int) -> EngineBatch:
+    """Items `start:stop` of `batch` (views of its arrays), with its task, budget and shape."""
+    return EngineBatch(
+        batch.task,
+        batch.tokens[start:stop],
+        batch.lengths[start:stop],
+        batch.max_tokens,
+        batch.shape,
+    )
+
+
+def joined(parts: list[EngineResult]) -> EngineResult:
+    """The results of consecutive pieces of one batch as that batch's one result."""
+
+    def stacked(name: str) -> np.ndarray | None:
+        arrays = [getattr(part, name) for part in parts]
+        return None if any(a is None for a in arrays) else np.concatenate(arrays)
+
+    offsets = None
+    if all(part.offsets is not None for part in parts):
+        bases = np.cumsum([0] + [int(part.offsets[-1]) for part in parts[:-1]])
+        offsets = np.concatenate(
+            [parts[0].offsets[:1]] + [p.offsets[1:] + b for p, b in zip(parts, bases, strict=True)]
+        ).astype(np.int64)
+    meta: dict = {}
+    for part in parts:
+        meta.update(part.meta)
+    return EngineResult(
+        [e for part in parts for e in part.errors],
+        embeddings=stacked("embeddings"),
+        tokens=stacked("tokens"),
+        offsets=offsets,
+        meta=meta,
+        logprobs=stacked("logprobs"),
+        top_ids=stacked("top_ids"),
+        top_logprobs=stacked("top_logprobs"),
+    )
+
+
 class Engine:
     """Base class; see the module docstring for the contract.
 
@@ -123,20 +162,37 @@ class Engine:
         """Load weights and warm up (once per process)."""
 
     def run(self, batch: EngineBatch) -> EngineResult:
-        """`infer(batch)`; an out-of-memory error becomes a `TransientEngineError`: the worker
-        hands the batch back without counting an attempt (invariant 14)."""
+        """`infer(batch)` under the out-of-memory rule: a batch that runs out of memory is split
+        in halves until its pieces fit; when one item alone does not, a `TransientEngineError`
+        (the worker hands the batch back without counting an attempt: invariant 14)."""
         try:
-            return self.infer(batch)
+            return self._halved_on_oom(batch)
         except TransientEngineError:
             raise
         except Exception as exc:
             if not out_of_memory(exc):
                 raise
+            alone = " (and for one item of it alone)" if len(batch.lengths) > 1 else ""
             raise TransientEngineError(
-                f"{self.name} engine: out of memory for {batch_size_text(batch)} "
+                f"{self.name} engine: out of memory for {batch_size_text(batch)}{alone} "
                 f"({type(exc).__name__}: {exc}); the batch is handed back without counting an "
                 "attempt"
             ) from exc
+
+    def _halved_on_oom(self, batch: EngineBatch) -> EngineResult:
+        """`infer(batch)`; out of memory with two items or more: each half so, joined."""
+        n = len(batch.lengths)
+        try:
+            return self.infer(batch)
+        except TransientEngineError:
+            raise
+        except Exception as exc:
+            if n < 2 or not out_of_memory(exc):
+                raise
+        half = n // 2
+        return joined(
+            [self._halved_on_oom(piece(batch, 0, half)), self._halved_on_oom(piece(batch, half, n))]
+        )
 
     def infer(self, batch: EngineBatch) -> EngineResult:
         """One output or one error per item, in order (see the module docstring)."""

@@ -98,7 +98,9 @@ def generated_result(
 def item_errors(
     batch: EngineBatch, vocab_size: int, context_tokens: int, engine: str
 ) -> list[str | None]:
-    """Per item: why it cannot run on this model, or None. Vectorised over the batch."""
+    """Per item: why it cannot run on this model, or None. Vectorised over the batch.
+
+    An embed batch passes `max_tokens` 0 (it generates nothing)."""
     lengths = batch.lengths.astype(np.int64)
     lane = batch.tokens.shape[1]
     inside = np.arange(lane)[None, :] < np.minimum(lengths, lane)[:, None]
@@ -109,7 +111,7 @@ def item_errors(
     for i in np.flatnonzero(bad).tolist():
         n = int(lengths[i])
         if n == 0:
-            errors[i] = f"input has no tokens; engine {engine} generates from at least one"
+            errors[i] = f"input has no tokens; engine {engine} needs at least one"
         elif n > lane:
             errors[i] = f"input says {n} tokens but its batch lane holds {lane}"
         elif top[i] >= vocab_size:

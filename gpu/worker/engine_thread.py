@@ -10,7 +10,7 @@ the engine is done, not at its next poll timeout.
 | outcome     | when                                                            |
 |-------------|-----------------------------------------------------------------|
 | `ok`        | the engine returned one outcome per item                        |
-| `transient` | `TransientEngineError` (out of memory in any engine): the batch goes back without an attempt |
+| `transient` | `TransientEngineError` (out of memory in any engine for one item alone: `Engine.run` halves a batch first): the batch goes back without an attempt |
 | `broken`    | anything else: the thread ends, and the worker hands back what it holds and exits 7 |
 """
 

@@ -21,7 +21,7 @@ leases), and hands back what it cannot do.
 | no answer at all while registering | after `NO_ANSWER_WARN_S` says so once, naming the address: keys are the usual cause |
 | RESULTS_REFUSED                   | drops those results: not work this broker's data dir handed out (gpu/dispatch/work_token.py) |
 | an item's own error               | that item's error result, at once (invariant 14)           |
-| TransientEngineError (out of memory in any engine: `Engine.run`) | hands the batch back without an attempt; backs off |
+| TransientEngineError (out of memory in any engine for one item alone: `Engine.run` halves a batch first) | hands the batch back without an attempt; backs off |
 | any other engine failure          | hands back what it holds (the failing batch counting an attempt) and exits 7 |
 | a batch running past `batch_timeout_s` | the engine is hung (gpu/worker/watchdog.py): the same as a failure (the hung batch counts an attempt), exits 7 |
 | batches held, none running, for `batch_timeout_s` | the engine is not taking work: the same as a failure, exits 7 |
