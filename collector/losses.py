@@ -28,9 +28,9 @@ from pathlib import Path
 import numpy as np
 
 from collector.completion.results_log import CompletionLog
-from gpu.dispatch.report import CORRUPT_INPUT
 from pipeline.datadir import DataDir
 from pipeline.errors import SegmentError
+from pipeline.item_error_codes import ItemErrorCode
 from pipeline.item_seq import job_of, seq_of
 from pipeline.job_files import JOURNAL_FILE, JobFiles, acknowledged_indexes
 from pipeline.job_record import JobRecordError
@@ -46,7 +46,7 @@ from pipeline.segment_format import (
 )
 
 LOST_REASON = (
-    f"{CORRUPT_INPUT}: the stored item was lost to damage in the input log "
+    f"{ItemErrorCode.CORRUPT_INPUT}: the stored item was lost to damage in the input log "
     "(a damaged segment, a torn or rotten slot or marker); resubmit it"
 )
 MAX_NOTES = 10

@@ -631,6 +631,13 @@ def test_a_short_window_expires_keeping_results_made_and_every_door_says_expired
     for line in out:
         CreateEmbeddingResponse.model_validate(line["response"]["body"])
     assert set(job_state_at_each_door(broker, batch.id, tmp_path).values()) == {"expired"}
+    again = tmp_path / "again.jsonl"  # the CLI door writes the same error codes as HTTP
+    run_cli("results", batch.id, "--all", "-o", str(again), "--config", str(broker.config))
+    errors_file = again.with_name("again.jsonl.errors.jsonl")
+    cli_errors = [orjson.loads(line) for line in errors_file.read_text().splitlines()]
+    assert {e["custom_id"]: e["error"]["code"] for e in cli_errors} == {
+        e["custom_id"]: e["error"]["code"] for e in err
+    }
 
 
 def test_the_start_banner_lists_the_http_port(fast):

@@ -17,8 +17,8 @@ from dispatch_stepped import JOB_NO, MT, SteppedDispatch, input_segment
 from prometheus_client import CollectorRegistry, generate_latest
 
 from collector.status_watch import lane_rows
-from gpu.dispatch.report import DEAD_LETTER
 from pipeline import item_seq
+from pipeline.item_error_codes import ItemErrorCode
 from pipeline.metrics import encode_samples
 from pipeline.metrics_hub import MetricsHub
 from pipeline.metrics_server import FabricCollector
@@ -71,12 +71,12 @@ def test_a_poison_item_is_dead_lettered_alone_and_the_rest_of_its_job_completes(
         worker = d.worker()
     assert failures == config.max_attempts
     assert list(d.completion.errors) == [poison]
-    assert d.completion.errors[poison].startswith(DEAD_LETTER)
+    assert d.completion.errors[poison].startswith(ItemErrorCode.DEAD_LETTERED)
     others = set(item_seq.seq_of(JOB_NO, np.arange(300, dtype=np.uint32)).tolist()) - {poison}
     assert set(d.completion.results) == others  # completion keeps one of each (by job, index):
     # a batch answered but not yet retired when its session was lost is computed again
     cause = "session_lost" if failure == "killed" else "handed_back"
-    assert d.stage.reclaimed[cause] > 0 and d.stage.counts[DEAD_LETTER] == 1
+    assert d.stage.reclaimed[cause] > 0 and d.stage.counts[ItemErrorCode.DEAD_LETTERED] == 1
     assert d.stage.item_errors.unretired == []  # completion retired the dead letter
     assert time.monotonic() - started < 30  # about a second alone; bounded under load
 

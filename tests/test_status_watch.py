@@ -33,10 +33,11 @@ from conftest import assert_check_clean, wait_for
 from collector.status_sources import JobDirectory, Restart, Snapshot, recent_restarts
 from collector.status_watch import plain_lines, rich_view
 from gpu.dispatch.item_errors import ItemErrors
-from gpu.dispatch.report import DEAD_LETTER, idle_fraction
+from gpu.dispatch.report import idle_fraction
 from gpu.dispatch.sessions import Session
 from gpu.work_protocol import ITEM_DTYPE
 from pipeline import exitcodes
+from pipeline.item_error_codes import ItemErrorCode
 from pipeline.supervisor_report import write_report
 
 ROWS, COLS = 50, 150
@@ -240,7 +241,13 @@ def _snapshot(now_ns: int) -> Snapshot:
             }
         ],
         "dead_letters": [
-            {"ns": now_ns, "reason": DEAD_LETTER, "job_no": 3, "items": 1, "segments": [9]}
+            {
+                "ns": now_ns,
+                "reason": ItemErrorCode.DEAD_LETTERED,
+                "job_no": 3,
+                "items": 1,
+                "segments": [9],
+            }
         ],
     }
     job = {
@@ -325,8 +332,8 @@ def test_dispatch_reports_idle_share_and_dead_letters_per_job():
     items = np.zeros(3, ITEM_DTYPE)
     items["segment"] = [4, 4, 5]
     items["seq"] = [(2 << 32) | 1, (2 << 32) | 7, (3 << 32) | 0]
-    errors.note(items, DEAD_LETTER)
-    assert errors.counts[DEAD_LETTER] == 3
+    errors.note(items, ItemErrorCode.DEAD_LETTERED)
+    assert errors.counts[ItemErrorCode.DEAD_LETTERED] == 3
     events = [(e["job_no"], e["items"], e["segments"]) for e in errors.dead_letters]
     assert events == [(2, 2, [4]), (3, 1, [5])]
 

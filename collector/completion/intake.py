@@ -31,6 +31,7 @@ from collector.job_view import JobIndex, JobView
 from gpu.work_protocol import ITEM_DTYPE
 from pipeline import wire
 from pipeline.errors import DiskFullError
+from pipeline.item_error_codes import ItemErrorCode
 from pipeline.item_seq import job_of
 from pipeline.ragged import Ragged, offsets_problem
 from pipeline.result_kinds import ResultKind, ResultStatus
@@ -166,8 +167,26 @@ class ResultIntake:
         return np.concatenate(back) if back else items[:0]
 
     def item_errors(self, message: wire.Message) -> None:
-        """Dispatch's ITEM_ERRORS: one error result, its `reason`, for each of its items."""
-        self.errors(message.arrays["items"], str(message.meta["reason"]))
+        """Dispatch's ITEM_ERRORS: one error result, its `reason`, for each of its items. The
+        items of a job cancelled at its deadline get `batch_expired` instead of `cancelled`
+        (dispatch does not know why a job was cancelled; its cancel mark does), so every door
+        writes the same code for them."""
+        items = message.arrays["items"]
+        reason = str(message.meta["reason"])
+        if not reason.startswith(f"{ItemErrorCode.CANCELLED}:"):
+            self.errors(items, reason)
+            return
+        job_nos = job_of(items["seq"])
+        for job_no in np.unique(job_nos).tolist():
+            pick = job_nos == job_no
+            self.errors(items[pick], self._cancelled_reason(int(job_no), reason))
+
+    def _cancelled_reason(self, job_no: int, reason: str) -> str:
+        job_id = self.jobs.job_id(job_no)
+        view = self.jobs.view(job_id) if job_id is not None else None
+        if view is not None and view.cancelled_at_deadline:
+            return f"{ItemErrorCode.BATCH_EXPIRED}: the job's deadline passed before the item ran"
+        return reason
 
     def errors(self, items: np.ndarray, text: str) -> None:
         """Store one error result, `text` ("code: message"), for each of `items`."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from pipeline.item_error_codes import ItemErrorCode
 from pipeline.result_kinds import ResultKind, ResultStatus
 
 PROMPT_HEADER = 4
@@ -36,7 +37,7 @@ SIZE_CLASSES = (256, 1024, 4096, 16384, 65536, 262144, 1 << 20)  # stored bytes 
 FIRST_SEGMENT_BYTES = 256 * 1024
 STATUS_MASK = 0x0F
 MODELS_FILE = "models.log"
-TOO_LARGE = b"result_too_large: the output exceeds the largest result slot"
+TOO_LARGE = f"{ItemErrorCode.RESULT_TOO_LARGE}: the output exceeds the largest result slot".encode()
 
 
 def flags_of(status, kind, model=0, shape=0) -> np.ndarray:

@@ -44,6 +44,7 @@ import numpy as np
 from ingest.catalog import EMBEDDINGS
 from pipeline import token_logprobs
 from pipeline.errors import FabricError
+from pipeline.item_error_codes import ItemErrorCode
 from pipeline.metrics import RESULT_REFUSALS
 from pipeline.result_kinds import ResultKind, ResultStatus
 
@@ -55,7 +56,6 @@ WRONG_DIMENSION = 4
 NOT_FINITE = 5
 CAUSES = ("ok", *RESULT_REFUSALS)  # indexed by the codes above
 HAND_BACK = (BAD_STATUS, WRONG_KIND, WRONG_SIZE, WRONG_DIMENSION)  # the worker's fault
-INVALID_RESULT = "invalid_result"
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ class Verdict:
         """The stored error text for items refused with `cause`."""
         example = self.detail.get(cause, "")
         return (
-            f"{INVALID_RESULT}: the worker's result was refused ({CAUSES[cause]}; "
+            f"{ItemErrorCode.INVALID_RESULT}: the worker's result was refused ({CAUSES[cause]}; "
             f"the first so refused in its batch had {example})"
         )
 

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from collector.delivery.result_page import INVALID_RESULT
+from pipeline.item_error_codes import ItemErrorCode
 
 _DUMPS_OPTIONS = orjson.OPT_APPEND_NEWLINE | orjson.OPT_SERIALIZE_NUMPY
 
@@ -67,7 +67,9 @@ def join_lines(
             out.append((rows[0], _joined(lines, [part_l[r] for r in rows])))
         except Exception as exc:
             why = f"the client could not join its {len(rows)} part(s) ({type(exc).__name__}: {exc})"
-            err.append((rows[0], (INVALID_RESULT, f"{why}; report it with the job id")))
+            err.append(
+                (rows[0], (ItemErrorCode.INVALID_RESULT, f"{why}; report it with the job id"))
+            )
     return out, err
 
 

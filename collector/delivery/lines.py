@@ -85,8 +85,6 @@ from collector.delivery.join import join_lines
 from collector.delivery.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from collector.delivery.responses import response_body
 from collector.delivery.result_page import (
-    INVALID_RESULT,
-    ITEM_FAILED,
     Checked,
     ExportContext,
     PageError,
@@ -96,6 +94,7 @@ from collector.delivery.result_page import (
 )
 from ingest.catalog import CHAT_COMPLETIONS, EMBEDDINGS, RESPONSES
 from ingest.line_errors import LineError
+from pipeline.item_error_codes import ItemErrorCode
 from pipeline.ragged import ranges
 from pipeline.result_kinds import ResultKind
 from pipeline.token_logprobs import unpack
@@ -175,7 +174,7 @@ def _error_lines(page: ResultPage, context: ExportContext, checked: Checked):
     ]
     for i, what in checked.invalid.items():
         message = f"the stored result {what}; it cannot be delivered (report it with the job id)"
-        failed.append((i, INVALID_RESULT, message))
+        failed.append((i, ItemErrorCode.INVALID_RESULT, message))
     for i, code, message in failed:
         error = LineError(index[i] + 1, custom_ids[i], code, message)
         lines.append(error.to_batch_error_line(job_id))
@@ -206,7 +205,7 @@ def _joined_page(page: ResultPage, context: ExportContext):
         rendered.append((i, False, _split_error(bytes(payload[offsets[i] : offsets[i + 1]]))))
     for i, what in checked.invalid.items():
         message = f"the stored result {what}; it cannot be delivered (report it with the job id)"
-        rendered.append((i, False, (INVALID_RESULT, message)))
+        rendered.append((i, False, (ItemErrorCode.INVALID_RESULT, message)))
     out, err = join_lines(page.index, page.part, rendered)
     job_id, custom_ids, index = context.job_id, page.custom_ids, page.index.tolist()
     ids = line_ids.request_ids(job_id, page.index)[0] if len(index) else []
@@ -484,4 +483,4 @@ def _split_error(payload: bytes) -> tuple[str, str]:
     code, sep, message = text.partition(": ")
     if sep and _BARE_CODE.fullmatch(code):
         return code, message
-    return ITEM_FAILED, text or "the item failed and its worker gave no reason"
+    return ItemErrorCode.ITEM_FAILED, text or "the item failed and its worker gave no reason"

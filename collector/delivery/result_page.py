@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any
 
 import numpy as np
 
@@ -21,9 +21,6 @@ from pipeline.errors import FabricError
 from pipeline.ragged import offsets_problem, ranges
 from pipeline.result_kinds import ResultKind, ResultStatus
 from pipeline.token_logprobs import HEADER_WORDS, headers
-
-ITEM_FAILED: Final = "item_failed"  # a stored error whose text names no code
-INVALID_RESULT: Final = "invalid_result"  # a stored result this client cannot render
 
 
 class PageError(FabricError):

@@ -19,13 +19,12 @@ from collections.abc import Callable
 import numpy as np
 
 from gpu.dispatch.batch import Outcome
-from gpu.dispatch.report import CORRUPT_INPUT, DEAD_LETTER
 from gpu.work_protocol import slot_key
 from pipeline import item_seq
+from pipeline.item_error_codes import ItemErrorCode
 
 ITEM_ERRORS_RESEND_S = 5.0  # item errors not seen retired this long after sending go again
 RECENT_DEAD_LETTERS = 20  # dead-letter events kept for BROKER_STATUS
-CANCELLED = "cancelled"
 
 
 class ItemErrors:
@@ -51,18 +50,21 @@ class ItemErrors:
         for items, reason in (
             (
                 outcome.dead_letters,
-                f"{DEAD_LETTER}: the item was reclaimed {self.max_attempts} time(s) (its worker "
+                f"{ItemErrorCode.DEAD_LETTERED}: the item was reclaimed {self.max_attempts} time(s) (its worker "
                 "died, stopped answering or let the lease expire each time)",
             ),
-            (outcome.quarantined, f"{CORRUPT_INPUT}: the stored item failed its checksum"),
-            (outcome.cancelled, f"{CANCELLED}: the job was cancelled"),
+            (
+                outcome.quarantined,
+                f"{ItemErrorCode.CORRUPT_INPUT}: the stored item failed its checksum",
+            ),
+            (outcome.cancelled, f"{ItemErrorCode.CANCELLED}: the job was cancelled"),
         ):
             if len(items):
                 self.send(reason, items)
                 self.unretired.append([now + ITEM_ERRORS_RESEND_S, reason, items])
         for items, code in (
-            (outcome.dead_letters, DEAD_LETTER),
-            (outcome.quarantined, CORRUPT_INPUT),
+            (outcome.dead_letters, ItemErrorCode.DEAD_LETTERED),
+            (outcome.quarantined, ItemErrorCode.CORRUPT_INPUT),
         ):
             if len(items):
                 self.note(items, code)

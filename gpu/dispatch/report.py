@@ -9,13 +9,12 @@ import time
 import numpy as np
 
 from pipeline import item_seq
+from pipeline.item_error_codes import ItemErrorCode
 from pipeline.metrics import RECLAIM_CAUSES
 from pipeline.stage_restarts import read_restarts
 
-DEAD_LETTER = "dead_lettered"
 STATUS_LEASES = 20  # the oldest leases named in the status answer
 STATUS_SLOTS = 16  # slots named per lease there
-CORRUPT_INPUT = "corrupt_input"
 
 
 REFUSED_KINDS = ("results", "claims")  # refused for want of a valid work token
@@ -68,8 +67,8 @@ def dispatch_metrics(stage, now: float) -> dict:
         "fabric_oldest_queued_item_age_seconds": {(m,): age for m, age in oldest.items()},
         "fabric_items_dispatched_total": {(m,): n for m, n in stage.dispatched.items()},
         "fabric_items_reclaimed_total": {(c,): stage.reclaimed[c] for c in RECLAIM_CAUSES},
-        "fabric_dead_letters_total": stage.counts[DEAD_LETTER],
-        "fabric_quarantined_items_total": stage.counts[CORRUPT_INPUT],
+        "fabric_dead_letters_total": stage.counts[ItemErrorCode.DEAD_LETTERED],
+        "fabric_quarantined_items_total": stage.counts[ItemErrorCode.CORRUPT_INPUT],
         "fabric_deadline_batches_total": getattr(stage.state.deadline_order, "batches", 0),
         "fabric_worker_messages_refused_total": {
             (k,): stage.refused.counts[k] for k in REFUSED_KINDS
@@ -145,8 +144,8 @@ def broker_status(stage, now: float) -> dict:
         "retired": stage.counts["retired"],
         "registered_holding": len(stage.came_back_holding),
         "reloaded_leases": len(stage.leases.reloaded),
-        "dead_lettered": stage.counts[DEAD_LETTER],
-        "corrupt": stage.counts[CORRUPT_INPUT],
+        "dead_lettered": stage.counts[ItemErrorCode.DEAD_LETTERED],
+        "corrupt": stage.counts[ItemErrorCode.CORRUPT_INPUT],
         "refused": {kind: stage.refused.counts[kind] for kind in REFUSED_KINDS},
         "unretired_item_errors": unretired_item_errors(stage),
         "dead_letters": list(stage.dead_letters),
