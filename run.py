@@ -31,6 +31,7 @@ from config.defaults import DEFAULTS
 from pipeline import exitcodes
 from pipeline.errors import BrokerUnavailableError, ConfigError, DataDirLockedError, FabricError
 
+COMMANDS: tuple[str, ...]
 COMMANDS = ("check", "submit", "status", "results", "cancel", "vectors", "worker", "demo", "keys")
 COMMANDS += ("batch",)  # collector/oneshot.py
 
