@@ -39,6 +39,7 @@ from pipeline.errors import (
 )
 from pipeline.invocation import how_to_run, note_config
 
+COMMANDS: tuple[str, ...]
 COMMANDS = ("check", "submit", "status", "results", "cancel", "vectors", "worker", "demo", "keys")
 COMMANDS += ("batch",)  # collector/oneshot.py
 

@@ -72,7 +72,7 @@ def iter_batch_input(
     if isinstance(source, str | os.PathLike):
         name = os.fspath(source)
         try:
-            stream = open(source, "rb")  # noqa: SIM115 - closed in the finally below
+            stream: BinaryIO = open(source, "rb")  # noqa: SIM115 - closed in the finally below
         except OSError as exc:
             raise IngestError(
                 f"{name}: cannot open the input file ({exc.strerror}); check the path"

@@ -80,6 +80,7 @@ IDLE_WAIT_S = 0.2  # the longest wait for a message when nothing waits for a rin
 
 class FrontStage(Stage):
     name = "front"
+    poller: zmq.Poller  # made by open()
     poll_ms = 20
 
     def open(self) -> None:

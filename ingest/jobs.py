@@ -188,7 +188,7 @@ class Job:
         self.journal.append(record)
         self._apply(record)
 
-    def error_records(self) -> list[dict[str, Any]]:
+    def error_records(self) -> list[list[Any]]:
         return self.progress.error_records()
 
     def summary(self) -> dict[str, Any]:

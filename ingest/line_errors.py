@@ -142,7 +142,7 @@ def json_type(value: Any) -> str:
 
 def _opening(value: Any, limit: int) -> str:
     """The first `limit` opening brackets of a deeply nested list or object, without recursion."""
-    brackets = []
+    brackets: list[str] = []
     while isinstance(value, list | dict) and value and len(brackets) < limit:
         brackets.append("[" if isinstance(value, list) else "{")
         value = value[0] if isinstance(value, list) else next(iter(value.values()))

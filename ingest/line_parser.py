@@ -106,7 +106,7 @@ class ParsedLine:
         seed = self.shape.seed
         for j in range(1, self.n):
             shapes.append(self.shape if seed is None else replace(self.shape, seed=_seed(seed, j)))
-        out = []
+        out: list[tuple[Shape, TextPrompt | None, np.ndarray | None]] = []
         for prompt in prompts:
             ids = prompt if isinstance(prompt, np.ndarray) else None
             text = None if ids is not None else prompt

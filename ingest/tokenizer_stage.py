@@ -43,6 +43,7 @@ def forward(outlet: Outlet, items: Items, deadline_s: float) -> bool:
 
 class TokenizerStage(Stage):
     name = "tokenizer"
+    poller: zmq.Poller  # made by open()
     poll_ms = 100
 
     def open(self) -> None:

@@ -73,7 +73,7 @@ class FullDisk:
             return True
         return False
 
-    def failed(self, exc: Exception, now: float) -> None:
+    def failed(self, exc: BaseException, now: float) -> None:
         """A write failed with DiskFullError: one ERROR line, then a reminder every `remind_s`."""
         self.tries += 1
         self.reason = str(exc)

@@ -84,6 +84,7 @@ def group_by_key(items: Items, shape_ids: np.ndarray, lanes: np.ndarray) -> list
 
 class RouterStage(Stage):
     name = "router"
+    poller: zmq.Poller  # made by open()
     poll_ms = 50
 
     def open(self) -> None:

@@ -51,6 +51,7 @@ from pipeline.item_seq import seq_of
 from pipeline.metrics import FSYNC_BUCKETS_S, Histogram
 from pipeline.ring_port import RingPort
 from pipeline.ring_records import KEYED, Keyed, read_keyed
+from pipeline.segment import Segment
 from pipeline.segment_append import SegmentAppender, SegmentIds
 from pipeline.segment_format import KIND_INPUT, SegmentKey, slot_bytes_for
 from pipeline.stage import Stage
@@ -76,6 +77,7 @@ class Batch:
 
 class WriterStage(Stage):
     name = "writer"
+    poller: zmq.Poller  # made by open()
     poll_ms = 50
 
     def open(self) -> None:
@@ -201,7 +203,7 @@ class WriterStage(Stage):
 
     def _submit(self, batch: Batch) -> None:
         """Hand every segment written or sealed since the last hand-off to the sync thread."""
-        segments = []
+        segments: list[Segment] = []
         for appender in self.appenders.values():
             if appender.dirty:
                 handed = appender.begin_sync()

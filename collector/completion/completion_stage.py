@@ -70,6 +70,7 @@ TIDY_S = 1.0
 
 class CompletionStage(Stage):
     name = "completion"
+    poller: zmq.Poller  # made by open()
     poll_ms = 10
 
     def open(self) -> None:

@@ -102,7 +102,7 @@ from pipeline.token_logprobs import unpack
 _BARE_CODE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _DUMPS_OPTIONS = orjson.OPT_APPEND_NEWLINE | orjson.OPT_SERIALIZE_NUMPY
 _CUSTOM_ID_KEY = "custom_id:"
-_NONE = (np.zeros(0, dtype=np.int64), {})  # a Checked's errors and invalid, when none
+_NONE = (np.zeros(0, dtype=np.int64), dict[int, str]())  # a Checked's errors and invalid, when none
 
 
 @dataclass(frozen=True)

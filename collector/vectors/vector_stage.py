@@ -44,6 +44,7 @@ DISCOVER_S = 1.0
 
 class VectorStage(Stage):
     name = "vectors"
+    poller: zmq.Poller  # made by open()
     poll_ms = 10
 
     def open(self) -> None:

@@ -79,6 +79,8 @@ def cancelled_jobs(data_root, log) -> set[int]:
 
 class DispatchStage(Stage):
     name = "dispatch"
+    poller: zmq.Poller  # made by open()
+    reclaimed: collections.Counter[str]
     poll_ms = 20  # while lease records wait for their group commit (dispatch.sync_ms)
     idle_poll_ms = 100  # otherwise: workers and the inbox wake it; this is for the timers
 
@@ -100,7 +102,7 @@ class DispatchStage(Stage):
         self.shapes = InternTable(settings.data_path)
         self.sessions: dict[str, Session] = {}
         self.parked: collections.deque[Parked] = collections.deque()
-        self.counts = collections.Counter()
+        self.counts = collections.Counter[str]()
         # sessions whose hello came back holding live work (a worker whose WELCOME is late says
         # hello again: a set, so the status answer counts each worker once)
         self.came_back_holding: set[str] = set()
@@ -111,7 +113,7 @@ class DispatchStage(Stage):
             self.log,
         )
         self.dead_letters = self.item_errors.dead_letters  # recent events, for BROKER_STATUS
-        self.dispatched = collections.Counter()  # model -> items handed out (metrics)
+        self.dispatched = collections.Counter[str]()  # model -> items handed out (metrics)
         self.reclaimed = collections.Counter()  # cause -> items put back in the queue (metrics)
         self.arrivals = Arrivals()  # when queued slots became durable: the queue's age
         self.samples: collections.deque = collections.deque(maxlen=11)  # (t, out, retired)

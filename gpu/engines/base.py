@@ -81,7 +81,7 @@ OUT_OF_MEMORY_MARKERS = (
 )
 
 
-def out_of_memory(exc: BaseException) -> bool:
+def out_of_memory(exc: BaseException | None) -> bool:
     """Whether `exc`, or an exception it was raised from, says that memory ran out."""
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
