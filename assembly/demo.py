@@ -25,7 +25,7 @@ from pathlib import Path
 
 from pipeline import exitcodes
 from pipeline.invocation import how_to_run
-from pipeline.topology import free_loopback_ports
+from pipeline.ports import free_loopback_ports
 
 REPO = Path(__file__).resolve().parents[1]
 MIN_WORDS = 6

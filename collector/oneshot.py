@@ -48,7 +48,8 @@ from pipeline import exitcodes
 from pipeline.datadir import LOCK_NAME
 from pipeline.errors import ConfigError, FabricError
 from pipeline.job_states import is_terminal
-from pipeline.topology import client_address, free_loopback_ports
+from pipeline.ports import free_loopback_ports
+from pipeline.topology import client_address
 
 REPO = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 300.0  # for the broker to answer (recovery of a large data dir, model loads)

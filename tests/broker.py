@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import itertools
 import os
 import signal
 import subprocess
 import sys
 import urllib.request
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from subprocess import CompletedProcess
 
@@ -21,32 +19,22 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.datadir import DataDir
 from pipeline.errors import FabricError
+from pipeline.ports import free_loopback_ports
 from pipeline.ring import Ring
 from pipeline.security import client_curve
 from pipeline.segment import Segment
 from pipeline.supervisor_report import all_up, read_report, stage_pids
-from pipeline.topology import client_address, free_loopback_ports, ring_specs
+from pipeline.topology import client_address, ring_specs
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _port_block() -> Iterator[int]:
-    """This test process's own ports, 10000 + 1000 * N for pytest-xdist's worker gwN, in turn:
-    no two test processes pick the same port, and none is in the kernel's ephemeral range
-    (which outgoing connections take from, even while a killed broker restarts).
-    FABRIC_TEST_PORT_BASE moves the blocks (default 10000), for a second suite on one host."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]
-    first = int(os.environ.get("FABRIC_TEST_PORT_BASE", "10000"))
-    base = first + 1000 * (int(worker) % 10 if worker.isdigit() else 0)
-    return itertools.cycle(range(base, base + 1000))
-
-
-_PORTS = _port_block()
-
-
 def free_ports(n: int) -> list[int]:
-    """n free loopback ports of this test process's block (pipeline/topology.py checks each)."""
-    return free_loopback_ports(n, candidates=itertools.islice(_PORTS, 1000))
+    """n free loopback ports, reserved host-wide for this test (pipeline/ports.py): no other
+    test process, on this host or in another suite, gets them while this test runs, even while
+    its broker is killed and down. conftest.py's `ports_of_the_test` gives them back after the
+    test; a module's or the session's fixture keeps its own until the process ends."""
+    return free_loopback_ports(n)
 
 
 def free_port() -> int:
