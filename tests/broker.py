@@ -166,6 +166,7 @@ class Broker:
         )
         if self.proc.poll() is not None:  # it exited at start: say why at once
             said = self.stderr_path.read_text() if self.stderr_path else self.proc.stderr.read()
+            self._close_stderr()
             raise AssertionError(f"the broker exited ({self.proc.returncode}) at start: {said}")
         return self
 
@@ -248,7 +249,12 @@ class Broker:
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(timeout=30)
-        if self.proc.stderr is not None:
+        self._close_stderr()
+
+    def _close_stderr(self) -> None:
+        """Close the pipe of the broker's stderr: one left to the garbage collector is a
+        ResourceWarning (an error in this suite) in whichever test runs when it is collected."""
+        if self.proc is not None and self.proc.stderr is not None:
             self.proc.stderr.close()
 
     def stop(self) -> int:
@@ -261,6 +267,7 @@ class Broker:
         """Kill whatever is left and remove its rings (a killed supervisor cannot)."""
         if self.proc is not None and self.proc.poll() is None:
             self.kill()
+        self._close_stderr()  # it may have exited by itself
         for ring in ring_specs(self.settings):
             Ring.unlink(ring.name)
 
