@@ -28,7 +28,7 @@ from pathlib import Path
 from collector.progress_line import ProgressLine, bar
 from pipeline import exitcodes
 from pipeline.invocation import how_to_run
-from pipeline.topology import free_loopback_ports
+from pipeline.ports import free_loopback_ports
 
 REPO = Path(__file__).resolve().parents[1]
 MIN_WORDS = 6

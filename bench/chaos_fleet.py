@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline.ports import free_loopback_ports
 from pipeline.supervisor_report import all_up, read_report, stage_pids
-from pipeline.topology import free_loopback_ports
 
 REPO = Path(__file__).resolve().parents[1]
 POISON_TOKEN = 7  # an echo worker that meets an item starting with it is SIGKILLed (a bad kernel)

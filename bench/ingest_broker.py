@@ -24,9 +24,10 @@ from pathlib import Path
 
 from assembly.stages import stage_specs
 from config import load_settings
+from pipeline.ports import free_loopback_ports
 from pipeline.ring import Ring
 from pipeline.supervisor_report import all_up, read_report, stage_pids
-from pipeline.topology import free_loopback_ports, ring_specs, run_dir
+from pipeline.topology import ring_specs, run_dir
 
 REPO = Path(__file__).resolve().parent.parent
 SEGMENT_BYTES = 256 << 20

@@ -49,7 +49,8 @@ from collector.status_view import job_done, job_fields
 from pipeline import exitcodes
 from pipeline.errors import ConfigError, FabricError, OutputError
 from pipeline.job_states import is_terminal
-from pipeline.topology import client_address, free_loopback_ports
+from pipeline.ports import free_loopback_ports
+from pipeline.topology import client_address
 
 REPO = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 300.0  # for the broker to answer (recovery of a large data dir, model loads)

@@ -26,18 +26,14 @@ from __future__ import annotations
 
 import hashlib
 import os
-import random
 import shutil
-import socket
 import tempfile
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.binds import LOOPBACK_HOST, host_port, is_wildcard
 from pipeline.ring import ring_name
 
-EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"  # the ports outgoing connections get
 RING_BYTES = 64 << 20  # per ring; records are at most pipeline.ring_records.MAX_RECORD_BYTES
 
 
@@ -67,47 +63,6 @@ def remove_run_dir(settings) -> None:
     """Remove the ipc sockets' directory: a broker that stopped cleanly leaves none behind
     (one killed leaves it, and its next start on the data dir uses it again)."""
     shutil.rmtree(run_dir_path(settings.data_path), ignore_errors=True)
-
-
-def free_loopback_ports(n: int, candidates: Iterable[int] | None = None) -> list[int]:
-    """n distinct free loopback TCP ports for a generated config (the demo, `run.py batch`,
-    tests and benchmarks), each bound until all are picked. They are taken from `candidates`
-    (default: random ports from 20000 up to the kernel's ephemeral range, whose ports the
-    kernel hands to outgoing connections, which could take one while the broker restarts);
-    the kernel picks (port 0) when none of those can be bound."""
-    if candidates is None:
-        candidates = _below_ephemeral()
-    sockets: list[socket.socket] = []
-    try:
-        for port in candidates:
-            if len(sockets) == n:
-                break
-            s = socket.socket()
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                s.close()
-                continue
-            sockets.append(s)
-        while len(sockets) < n:
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def _below_ephemeral(tries: int = 200) -> list[int]:
-    """`tries` random ports from 20000 to just below the ephemeral range (none if unknown)."""
-    try:
-        low = int(Path(EPHEMERAL_RANGE).read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return []
-    if low <= 20001:
-        return []
-    return random.sample(range(20000, low), min(tries, low - 20000))
 
 
 def client_address(bind: str) -> str:

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import itertools
 import os
 import signal
 import subprocess
 import sys
 import urllib.request
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from subprocess import CompletedProcess
 
@@ -21,32 +19,22 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.datadir import DataDir
 from pipeline.errors import FabricError
+from pipeline.ports import free_loopback_ports
 from pipeline.ring import Ring
 from pipeline.security import client_curve
 from pipeline.segment import Segment
 from pipeline.supervisor_report import all_up, read_report, stage_pids
-from pipeline.topology import client_address, free_loopback_ports, ring_specs
+from pipeline.topology import client_address, ring_specs
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _port_block() -> Iterator[int]:
-    """This test process's own ports, 10000 + 1000 * N for pytest-xdist's worker gwN, in turn:
-    no two test processes pick the same port, and none is in the kernel's ephemeral range
-    (which outgoing connections take from, even while a killed broker restarts).
-    FABRIC_TEST_PORT_BASE moves the blocks (default 10000), for a second suite on one host."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]
-    first = int(os.environ.get("FABRIC_TEST_PORT_BASE", "10000"))
-    base = first + 1000 * (int(worker) % 10 if worker.isdigit() else 0)
-    return itertools.cycle(range(base, base + 1000))
-
-
-_PORTS = _port_block()
-
-
 def free_ports(n: int) -> list[int]:
-    """n free loopback ports of this test process's block (pipeline/topology.py checks each)."""
-    return free_loopback_ports(n, candidates=itertools.islice(_PORTS, 1000))
+    """n free loopback ports, reserved host-wide for this test (pipeline/ports.py): no other
+    test process, on this host or in another suite, gets them while this test runs, even while
+    its broker is killed and down. conftest.py's `ports_of_the_test` gives them back after the
+    test; a module's or the session's fixture keeps its own until the process ends."""
+    return free_loopback_ports(n)
 
 
 def free_port() -> int:
@@ -178,6 +166,7 @@ class Broker:
         )
         if self.proc.poll() is not None:  # it exited at start: say why at once
             said = self.stderr_path.read_text() if self.stderr_path else self.proc.stderr.read()
+            self._close_stderr()
             raise AssertionError(f"the broker exited ({self.proc.returncode}) at start: {said}")
         return self
 
@@ -260,7 +249,12 @@ class Broker:
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(timeout=30)
-        if self.proc.stderr is not None:
+        self._close_stderr()
+
+    def _close_stderr(self) -> None:
+        """Close the pipe of the broker's stderr: one left to the garbage collector is a
+        ResourceWarning (an error in this suite) in whichever test runs when it is collected."""
+        if self.proc is not None and self.proc.stderr is not None:
             self.proc.stderr.close()
 
     def stop(self) -> int:
@@ -273,6 +267,7 @@ class Broker:
         """Kill whatever is left and remove its rings (a killed supervisor cannot)."""
         if self.proc is not None and self.proc.poll() is None:
             self.kill()
+        self._close_stderr()  # it may have exited by itself
         for ring in ring_specs(self.settings):
             Ring.unlink(ring.name)
 

@@ -192,6 +192,9 @@ def _address() -> str:
     global _server
     with _lock:
         if _server is None or _server[0].poll() is not None:
+            if _server is not None:  # it died: its pipes, left open, would be ResourceWarnings
+                _server[0].stdin.close()
+                _server[0].stdout.close()
             address = os.path.join(tempfile.mkdtemp(prefix="fabric-zygote-"), "sock")
             proc = subprocess.Popen(
                 [sys.executable, __file__, address],

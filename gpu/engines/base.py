@@ -121,10 +121,12 @@ def joined(parts: list[EngineResult]) -> EngineResult:
         return None if any(a is None for a in arrays) else np.concatenate(arrays)
 
     offsets = None
-    if all(part.offsets is not None for part in parts):
-        bases = np.cumsum([0] + [int(part.offsets[-1]) for part in parts[:-1]])
+    each = [part.offsets for part in parts]
+    if all(o is not None for o in each):
+        present = [o for o in each if o is not None]  # all of them: for the type checker
+        bases = np.cumsum(np.array([0] + [int(o[-1]) for o in present[:-1]], np.int64))
         offsets = np.concatenate(
-            [parts[0].offsets[:1]] + [p.offsets[1:] + b for p, b in zip(parts, bases, strict=True)]
+            [present[0][:1]] + [o[1:] + b for o, b in zip(present, bases, strict=True)]
         ).astype(np.int64)
     meta: dict = {}
     for part in parts:

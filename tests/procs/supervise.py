@@ -13,9 +13,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from config import load_settings
 from pipeline import exitcodes, supervisor
 from pipeline.errors import DataDirLockedError
+from pipeline.ports import free_loopback_ports
 from pipeline.stage import StageSpec
 from pipeline.supervisor import Supervisor
-from pipeline.topology import free_loopback_ports
 
 STAGES = {  # tests/procs/stages.py
     "idle": "stages:IdleStage",
