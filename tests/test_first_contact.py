@@ -120,7 +120,7 @@ def test_a_port_in_use_stops_the_start_with_its_cause_before_serving(tmp_path):
     assert "serving" not in done.stderr
 
 
-def test_a_taken_http_api_port_stops_the_start_in_under_a_second_before_serving(tmp_path):
+def test_a_taken_http_api_port_stops_the_start_at_once_before_serving(tmp_path):
     """The api's port is checked with the others: refused before "serving", not a crash-looping
     api stage after "ready" and exit 5 seconds later."""
     port = free_port()
@@ -143,7 +143,9 @@ def test_a_taken_http_api_port_stops_the_start_in_under_a_second_before_serving(
             raise
         elapsed = time.monotonic() - started
     assert proc.returncode == exitcodes.CONFIG, said
-    assert elapsed < 1.0, f"refused after {elapsed:.2f} s"
+    # 0.3 s on an idle host; 1.7 s seen with two suites on 2 cores. What fails on the old code
+    # is that it served and its api stage crash-looped (the assertions below), not the time.
+    assert elapsed < 5.0, f"refused after {elapsed:.2f} s"
     assert f"api.bind = '127.0.0.1:{port}'" in said and "already in use" in said, said
     assert f"grep :{port}" in said and "set api.bind to a free port" in said, said
     assert "fabric: serving" not in said and "fabric: ready" not in said, said
