@@ -30,6 +30,7 @@ import base64
 import copy
 import json
 import math
+import shutil
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -256,7 +257,9 @@ def through_submit(served: Served) -> Delivery:
     jobs = []
     for name in served.case.files:
         job = "doors-" + name.removesuffix(".jsonl")
-        done = submit(b.config, COLLECTION / name, "--job-id", job)
+        given = tmp / name  # submit writes the rejected lines beside its input: not in the repo
+        shutil.copyfile(COLLECTION / name, given)
+        done = submit(b.config, given, "--job-id", job)
         assert done.returncode == 0, f"submit {name}: {done.stderr}"
         jobs.append(job)
     delivery = Delivery([], [])
