@@ -116,6 +116,8 @@ class _ProxyHandler(_Quiet):
             proxy.most_in_flight = max(proxy.most_in_flight, proxy.in_flight)
         try:
             self._act(proxy, action, data)
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True  # the engine gave up on this request (its timeout)
         finally:
             with proxy.lock:
                 proxy.in_flight -= 1

@@ -54,8 +54,9 @@ MAX_BACKOFF_S = 5.0
 class _GaveUp:
     """An item's request that still had no answer when the batch's retry time ran out."""
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, first: bool = False) -> None:
         self.reason = reason
+        self.first = first  # the request whose retries ran out (the others stopped with it)
 
 
 class OpenAIEngine(Engine):
@@ -160,8 +161,9 @@ class OpenAIEngine(Engine):
             for body in bodies
         ]
         answers = [None if f is None else f.result() for f in futures]
-        lost = next((a for a in answers if isinstance(a, _GaveUp)), None)
-        if lost is not None:
+        lost = next((a for a in answers if isinstance(a, _GaveUp) and a.first), None)
+        if lost is not None or any(isinstance(a, _GaveUp) for a in answers):
+            lost = lost or _GaveUp("retries stopped")
             raise TransientEngineError(
                 f"openai engine: {self.upstream.base_url} gave no answer within retry_for_s "
                 f"{self.retry_for_s:g} s ({lost.reason}); the batch of {n} items is handed back "
@@ -230,8 +232,9 @@ class OpenAIEngine(Engine):
                     pause = backoff_s * (0.5 + random.random())
                     backoff_s = min(MAX_BACKOFF_S, backoff_s * 2)
                 if time.monotonic() + pause > deadline or gave_up.is_set():
+                    first = not gave_up.is_set()
                     gave_up.set()  # the batch goes back whole: stop the others' retries
-                    return _GaveUp(str(exc))
+                    return _GaveUp(str(exc), first)
                 self.retries += 1
                 if gave_up.wait(pause):
                     return _GaveUp("another request of the batch gave up")
