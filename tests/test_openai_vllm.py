@@ -50,13 +50,26 @@ max_tokens = 512
 
 
 def served_dir(tmp_path_factory) -> Path:
-    """The saved SmolLM2 weights with its tokenizer and chat template, as vLLM reads a model."""
+    """SmolLM2 as vLLM reads a model: the saved weights (tests/smollm2.py) with the tied
+    embedding written under both its names (safetensors keeps one name of a shared tensor,
+    and vLLM, missing `model.embed_tokens.weight`, would run on zeros), the architecture
+    named, and the tokenizer with its chat template."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
     from gpu.engines.transformers import smollm2_tokenizer_path
 
     weights = model_dir(shared_root(tmp_path_factory))
     target = tmp_path_factory.mktemp("vllm-model")
-    for name in ("config.json", "model.safetensors", "tokenizer.json"):
-        (target / name).symlink_to(weights / name)
+    tensors = load_file(str(weights / "model.safetensors"))
+    embedding = tensors.get("model.embed_tokens.weight", tensors.get("lm_head.weight"))
+    tensors["model.embed_tokens.weight"] = embedding
+    tensors["lm_head.weight"] = torch.clone(embedding)
+    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((weights / "config.json").read_text())
+    config["architectures"] = ["LlamaForCausalLM"]
+    (target / "config.json").write_text(json.dumps(config))
+    (target / "tokenizer.json").symlink_to(weights / "tokenizer.json")
     (target / "tokenizer_config.json").symlink_to(
         smollm2_tokenizer_path().parent / "tokenizer_config.json"
     )
@@ -125,11 +138,20 @@ class VllmServer:
             self.proc.wait(timeout=60)
 
 
+@pytest.fixture(scope="module")
+def vllm_server(tmp_path_factory):
+    """One vLLM server for the module (a start costs minutes of CPU); a test that kills it
+    starts it again."""
+    log = tmp_path_factory.mktemp("vllm-log") / "vllm.log"
+    server = VllmServer(served_dir(tmp_path_factory), log).start()
+    yield server
+    server.kill()
+
+
 @contextlib.contextmanager
-def broker_on_vllm(tmp_path: Path, tmp_path_factory):
+def broker_on_vllm(tmp_path: Path, server: VllmServer):
     from gpu.engines.transformers import smollm2_tokenizer_path
 
-    server = VllmServer(served_dir(tmp_path_factory), tmp_path / "vllm.log").start()
     config = write_config(tmp_path, workers=0)
     tokenizer = smollm2_tokenizer_path()
     config.write_text(config.read_text() + SMOL_OPENAI.format(tokenizer=tokenizer))
@@ -171,7 +193,6 @@ def broker_on_vllm(tmp_path: Path, tmp_path_factory):
         if worker.poll() is None:
             worker.kill()
             worker.wait(timeout=30)
-        server.kill()
         b.close()
     assert_check_clean(b.data_dir)
 
@@ -181,12 +202,14 @@ PROMPTS = ["The capital of France is", "Once upon a time", "2 + 2 =", "The sea i
 
 def job_lines(copies: int = 1) -> list[dict]:
     lines = []
+    greedy = {"max_tokens": 16, "temperature": 0}
     for k in range(copies):
         for i, prompt in enumerate(PROMPTS):
             chat = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 16}
+            chat["temperature"] = 0  # greedy, as asked directly (OpenAI's default samples)
             lines.append(line(f"chat-{k}-{i}", "/v1/chat/completions", model="smol", **chat))
             lines.append(
-                line(f"text-{k}-{i}", "/v1/completions", model="smol", prompt=prompt, max_tokens=16)
+                line(f"text-{k}-{i}", "/v1/completions", model="smol", prompt=prompt, **greedy)
             )
     return lines
 
@@ -200,8 +223,8 @@ def run_job(b: Broker, tmp_path: Path, job: str, lines: list[dict]) -> Path:
 
 @needs_model
 @pytest.mark.timeout(START_S + 600)
-def test_chat_and_completions_lines_give_what_vllm_gives_directly(tmp_path, tmp_path_factory):
-    with broker_on_vllm(tmp_path, tmp_path_factory) as (b, server):
+def test_chat_and_completions_lines_give_what_vllm_gives_directly(tmp_path, vllm_server):
+    with broker_on_vllm(tmp_path, vllm_server) as (b, server):
         lines = job_lines()
         out = run_job(b, tmp_path, "direct", lines)
         wait_for(lambda: finished(b, "direct"), "the job to finish", timeout_s=600)
@@ -233,8 +256,8 @@ def test_chat_and_completions_lines_give_what_vllm_gives_directly(tmp_path, tmp_
 
 @needs_model
 @pytest.mark.timeout(2 * START_S + 600)
-def test_vllm_killed_mid_job_and_started_again_every_line_once(tmp_path, tmp_path_factory):
-    with broker_on_vllm(tmp_path, tmp_path_factory) as (b, server):
+def test_vllm_killed_mid_job_and_started_again_every_line_once(tmp_path, vllm_server):
+    with broker_on_vllm(tmp_path, vllm_server) as (b, server):
         lines = job_lines(copies=6)
         out = run_job(b, tmp_path, "killed", lines)
         wait_for(
