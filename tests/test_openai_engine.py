@@ -154,3 +154,31 @@ def test_retry_after_reads_seconds_and_http_dates():
     assert retry_after_s("2") == 2.0
     assert retry_after_s("Wed, 21 Oct 2015 07:28:00 GMT", now_s=1445412470.0) == 10.0
     assert retry_after_s("soon") is None and retry_after_s(None) is None
+
+
+def test_a_local_openai_worker_gets_its_models_tokenizer_and_its_groups_options(tmp_path):
+    from broker import write_config
+
+    from config import load_settings
+    from gpu.worker.options import WorkerOptions
+
+    config = write_config(tmp_path, workers=0)
+    tokenizer = tmp_path / "tokenizer.json"
+    group = (
+        '[[workers]]\nmodel = "up"\ncount = 1\n'
+        'options = {base_url = "http://127.0.0.1:9/v1", model = "m", latency_target_ms = 500}\n'
+    )
+    text = config.read_text().replace("[workers]\nlocal = 0\n", group)
+    config.write_text(
+        text + f'[[models]]\nname = "up"\nengine = "openai"\ntokenizer = "{tokenizer}"\n'
+    )
+    options = WorkerOptions.from_settings(load_settings(config), 0)
+    assert (options.engine, options.model) == ("openai", "up")
+    assert options.engine_options == {
+        "tokenizer": str(tokenizer),
+        "base_url": "http://127.0.0.1:9/v1",
+        "model": "m",
+        "latency_target_ms": 500,
+    }
+    engine = make_engine(options.engine, **options.engine_options)
+    assert engine.gate.latency_target_s == 0.5
