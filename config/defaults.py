@@ -275,6 +275,7 @@ ENGINE_ENDPOINTS: Final[dict[str, list[str]]] = {
     "minilm": _EMBEDDINGS,
     "transformers": _COMPLETIONS,
     "vllm": _COMPLETIONS,
+    "openai": [*_EMBEDDINGS, *_COMPLETIONS],  # whatever the server behind it serves
 }
 
 # Engines that fix their model, and its vocabulary size: a model on one of them with neither

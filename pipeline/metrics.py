@@ -194,6 +194,23 @@ METRICS: dict[str, Metric] = _catalogue(
         "dispatch",
         carry=False,
     ),
+    Metric(
+        "fabric_worker_engine_concurrency",
+        GAUGE,
+        ("model", "session"),
+        "Requests the worker's engine may keep in flight to its upstream server now (the "
+        "openai engine's adaptive limit, as it reports)",
+        "dispatch",
+    ),
+    Metric(
+        "fabric_worker_upstream_retries_total",
+        COUNTER,
+        ("model", "session"),
+        "Requests the worker's engine sent its upstream server again after a 429, a 5xx or "
+        "a connection fault (the openai engine, as it reports)",
+        "dispatch",
+        carry=False,
+    ),
     # writers
     Metric(
         "fabric_items_appended_total",

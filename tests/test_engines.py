@@ -45,8 +45,8 @@ def test_simulated_takes_the_time_of_its_tokens_and_is_deterministic():
 def test_unknown_engines_and_bad_options_are_refused_by_name():
     with pytest.raises(
         EngineError,
-        match="engine 'nonesuch' is not available here; known engines: echo, minilm, simulated, "
-        "transformers, vllm",
+        match="engine 'nonesuch' is not available here; known engines: echo, minilm, openai, "
+        "simulated, transformers, vllm",
     ):
         make_engine("nonesuch")
     with pytest.raises(EngineError, match="tokens_per_s = 0"):

@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 
+from gpu.dispatch.sessions import WORKER_FIGURES
 from pipeline import item_seq
 from pipeline.item_error_codes import ItemErrorCode
 from pipeline.metrics import RECLAIM_CAUSES
@@ -40,6 +41,8 @@ def dispatch_metrics(stage, now: float) -> dict:
         "fabric_worker_prompt_tokens_total": {},
         "fabric_worker_engine_tokens_per_second": {},
         "fabric_worker_idle_seconds_total": {},
+        "fabric_worker_engine_concurrency": {},
+        "fabric_worker_upstream_retries_total": {},
     }
     for session_id, session in stage.sessions.items():
         if not session.model:
@@ -48,9 +51,7 @@ def dispatch_metrics(stage, now: float) -> dict:
         sessions[session.model] += 1
         in_flight[key] += 0
         leases[key] += 0
-        for name, field_name in zip(
-            figures, ("prompt_tokens", "tokens_per_s", "idle_s"), strict=True
-        ):
+        for name, field_name in zip(figures, WORKER_FIGURES, strict=True):
             if field_name in session.reported:
                 figures[name][key] = session.reported[field_name]
     for batch in stage.state.leases():  # a session serves one model: its batches'

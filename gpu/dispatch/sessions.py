@@ -46,11 +46,16 @@ class Parked:
     until: float
 
 
+# What a REPORT may say about the worker (docs/metrics.md): the first three from every worker,
+# `concurrency` and `upstream_retries` from an engine that has them (gpu/engines/openai.py).
+WORKER_FIGURES = ("prompt_tokens", "tokens_per_s", "idle_s", "concurrency", "upstream_retries")
+
+
 def worker_figures(meta: dict) -> dict[str, float]:
-    """What a worker's REPORT says about itself (prompt_tokens, tokens_per_s, idle_s; totals
+    """What a worker's REPORT says about itself (`WORKER_FIGURES`; totals
     since the worker started); a missing or malformed figure is left out."""
     figures = {}
-    for key in ("prompt_tokens", "tokens_per_s", "idle_s"):
+    for key in WORKER_FIGURES:
         value = meta.get(key)
         number = isinstance(value, int | float) and not isinstance(value, bool)
         if number and math.isfinite(value) and value >= 0:

@@ -67,6 +67,9 @@ class EngineResult:
     logprobs: np.ndarray | None = None
     top_ids: np.ndarray | None = None
     top_logprobs: np.ndarray | None = None
+    # Per item, the prompt's tokens as the engine counted them (uint32 [n]; an upstream server's
+    # usage.prompt_tokens); None: the prompt's length as sent.
+    prompt_tokens: np.ndarray | None = None
 
 
 # What an out-of-memory error says, lower-cased, whichever library raised it.
@@ -162,6 +165,10 @@ class Engine:
 
     def load(self) -> None:
         """Load weights and warm up (once per process)."""
+
+    def figures(self) -> dict:
+        """Numbers the engine reports through its worker (docs/metrics.md); none by default."""
+        return {}
 
     def run(self, batch: EngineBatch) -> EngineResult:
         """`infer(batch)` under the out-of-memory rule: a batch that runs out of memory is split

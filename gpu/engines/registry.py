@@ -11,6 +11,7 @@ run); no engine module imports it.
 | `minilm`       | `gpu/engines/minilm.py`       | onnxruntime, the pinned model  |
 | `transformers` | `gpu/engines/transformers.py` | torch, transformers            |
 | `vllm`         | `gpu/engines/vllm.py`         | vLLM and a GPU                 |
+| `openai`       | `gpu/engines/openai.py`       | an OpenAI-compatible server    |
 """
 
 from __future__ import annotations
@@ -44,12 +45,19 @@ def _vllm(**options) -> Engine:
     return VllmEngine(**options)
 
 
+def _openai(**options) -> Engine:
+    from gpu.engines.openai import OpenAIEngine
+
+    return OpenAIEngine(**options)
+
+
 ENGINES: dict[str, Callable[..., Engine]] = {
     "echo": EchoEngine,
     "simulated": SimulatedEngine,
     "minilm": _minilm,
     "transformers": _transformers,
     "vllm": _vllm,
+    "openai": _openai,
 }
 
 

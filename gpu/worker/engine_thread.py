@@ -104,6 +104,15 @@ class EngineThread:
             rate if self.tokens_per_s is None else 0.7 * self.tokens_per_s + 0.3 * rate
         )
 
+    def figures(self) -> dict:
+        """The REPORT's figures about the engine: prompt tokens, speed, and the engine's own
+        (the `openai` engine's concurrency)."""
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "tokens_per_s": round(self.tokens_per_s or 0.0, 1),
+            **self.engine.figures(),
+        }
+
     def _tell(self, done: Done) -> None:
         """One outcome for the network thread, which `wake_fd` wakes."""
         self.done.put(done)

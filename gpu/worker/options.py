@@ -153,6 +153,10 @@ class WorkerOptions:
         elif engine in ("minilm", "transformers"):  # the cores shared among local workers
             local = sum(g.local for g in settings.worker_groups)
             options["threads"] = max(1, (os.cpu_count() or 1) // max(1, local))
+        elif engine == "openai":  # to carry the upstream's text: the model's own tokenizer
+            entry = next((m for m in settings.models if m.name == model), None)
+            if entry is not None and entry.tokenizer:
+                options["tokenizer"] = entry.tokenizer
         options.update(group.options)
         return cls(
             broker=client_address(settings.dispatch.bind),

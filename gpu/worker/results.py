@@ -5,7 +5,7 @@
 | `items`         | `ITEM_DTYPE` | the item (gpu/work_protocol.py)                     |
 | `status`        | u1    | `ResultStatus`: RESULT, or ERROR for an item's own error   |
 | `kind`          | u1    | `ResultKind`: VECTOR (f32), TOKENS (u32), TOKEN_LOGPROBS (pipeline/token_logprobs.py), or TEXT (an error) |
-| `prompt_tokens` | u4    | the prompt's length                                        |
+| `prompt_tokens` | u4    | the prompt's length (or the engine's count: an upstream's usage) |
 | `payload`       | u1    | every item's bytes, back to back                           |
 | `offsets`       | i8    | `n + 1` byte offsets into `payload`                        |
 """
@@ -56,7 +56,9 @@ def results_message(items: np.ndarray, lengths: np.ndarray, result: EngineResult
         "items": items,
         "status": status,
         "kind": kind,
-        "prompt_tokens": lengths.astype(np.uint32),
+        "prompt_tokens": (lengths if result.prompt_tokens is None else result.prompt_tokens).astype(
+            np.uint32
+        ),
         "payload": payload,
         "offsets": offsets,
     }

@@ -263,8 +263,7 @@ class Worker:
                 "seen_batch": self.seen_batch,
                 "queued": queued,
                 # for the broker's metrics (docs/metrics.md): totals since this worker started
-                "prompt_tokens": self.engine_thread.prompt_tokens,
-                "tokens_per_s": round(self.engine_thread.tokens_per_s or 0.0, 1),
+                **self.engine_thread.figures(),
                 "idle_s": round(max(0.0, idle_s), 3),
             },
             {"held": self._held_items()},
