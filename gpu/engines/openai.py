@@ -30,6 +30,7 @@ import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -45,6 +46,9 @@ from gpu.engines.base import (
 )
 from gpu.engines.generation import Sampling, pack
 from gpu.engines.upstream import ItemRefused, PushBack, Upstream
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 PROMPTS = ("tokens", "text")
 FIRST_BACKOFF_S = 0.1
@@ -109,7 +113,7 @@ class OpenAIEngine(Engine):
         self.gate = AimdGate(int(max_concurrency), int(start_concurrency), latency_target_ms / 1e3)
         self.retries = 0  # requests sent again after a push-back (a figure)
         self.not_before = 0.0  # monotonic: the upstream's Retry-After holds every request
-        self._tokenizer = None
+        self._tokenizer: Tokenizer | None = None
         self._pool: ThreadPoolExecutor | None = None
 
     def load(self) -> None:
@@ -150,10 +154,10 @@ class OpenAIEngine(Engine):
         bodies: list[dict | None] = []
         errors: list[str | None] = [None] * n
         for i in range(n):
-            body = self._body(batch, i)
-            if isinstance(body, str):
-                errors[i], body = body, None
-            bodies.append(body)
+            made = self._body(batch, i)
+            if isinstance(made, str):
+                errors[i] = made
+            bodies.append(None if isinstance(made, str) else made)
         deadline = time.monotonic() + self.retry_for_s
         gave_up = threading.Event()
         futures = [
@@ -259,6 +263,7 @@ class OpenAIEngine(Engine):
             if not isinstance(text, str):
                 errors[i] = f"upstream answer has no choices[0].text: {str(answer)[:300]}"
                 continue
+            assert self._tokenizer is not None  # a generate batch is refused above without one
             ids = self._tokenizer.encode(text, add_special_tokens=False).ids
             outputs[i] = np.asarray(ids, np.uint32)
         tokens, offsets = pack(outputs)
