@@ -9,8 +9,10 @@
 | `keys.py`         | API keys (stored hashed) and their owners                          |
 | `file_store.py`   | files on disk: records, content, ids that exist only once durable  |
 | `upload.py`       | a multipart upload streamed to disk with bounded memory           |
+| `batch_record.py` | a batch record, typed: the JSON of `batch.json`                    |
 | `batch_store.py`  | batch records on disk, the OpenAI Batch object                     |
-| `batch_driver.py` | moves each batch through its states over the ingest and completion paths |
+| `batch_driver.py` | moves each batch through its states over the ingest and completion paths, on the `now` it is given |
+| `batch_files.py`  | a batch's output and error files and their File records (for the driver) |
 | `batch_validation.py` | OpenAI's validation of a batch, its lines sent as they check out |
 | `retention.py`    | a batch's output and error files follow its job's results retention |
 

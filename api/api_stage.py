@@ -131,15 +131,11 @@ class ApiStage(Stage):
 
     def step(self, now: float) -> None:
         if self.driver is not None and now >= self.next_drive:
-            self.by_status = self.driver.step()
+            self.by_status = self.driver.step(time.time())  # the driver's clock: the wall's
             self.next_drive = time.monotonic() + DRIVE_EVERY_S
         if self.driver is not None and now >= self.next_expiry:
             self.next_expiry = now + EXPIRE_EVERY_S
-            in_use = {
-                b["input_file_id"]
-                for b in self.batches.all()
-                if b["status"] in ("validating", "in_progress", "cancelling", "finalizing")
-            }
+            in_use = {b.input_file_id for b in self.batches.all() if not b.ended}
             for file_id in self.files.expire(time.time(), in_use):
                 self.log.info("input file %s expired (api.input_file_expiry_s)", file_id)
         if self.driver is not None and now >= self.next_retention:

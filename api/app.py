@@ -22,13 +22,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from api.batch_store import (
-    TERMINAL,
-    BatchStore,
-    idempotent_batch_id,
-    new_batch_id,
-    to_openai,
-)
+from api.batch_record import BatchRecord
+from api.batch_store import BatchStore, idempotent_batch_id, new_batch_id, to_openai
 from api.errors import ApiError, invalid, not_found
 from api.file_store import PURPOSE_INPUT, FileStore
 from api.keys import KeyRing
@@ -167,7 +162,7 @@ def make_app(settings, root: Path, endpoints: tuple[str, ...]) -> FastAPI:
         partial = False
         if record.batch_id is not None:
             batch = batches.get(record.batch_id)
-            partial = batch is None or batch["status"] not in TERMINAL
+            partial = batch is None or not batch.ended
         try:
             handle = open(files.content_path(record), "rb")  # noqa: SIM115 (closed by _stream)
         except FileNotFoundError:
@@ -210,23 +205,18 @@ def make_app(settings, root: Path, endpoints: tuple[str, ...]) -> FastAPI:
         key = request.headers.get("idempotency-key")
         batch_id = idempotent_batch_id(owner, key) if key else new_batch_id()
         now = int(time.time())
-        record = {
-            "id": batch_id,
-            "owner": owner,
-            "input_file_id": input_file_id,
-            "endpoint": endpoint,
-            "completion_window": window,
-            "metadata": metadata,
-            "created_at": now,
-            "expires_at": now + window_s,
-            "status": "validating",
-            "request_counts": {"total": 0, "completed": 0, "failed": 0},
-            "errors": None,
-        }
+        record = BatchRecord(
+            id=batch_id,
+            owner=owner,
+            input_file_id=input_file_id,
+            endpoint=endpoint,
+            completion_window=window,
+            metadata=metadata,
+            created_at=now,
+            expires_at=now + window_s,
+        )
         record, made = batches.create(record)
-        if not made and (
-            record["input_file_id"] != input_file_id or record["endpoint"] != endpoint
-        ):
+        if not made and (record.input_file_id != input_file_id or record.endpoint != endpoint):
             raise ApiError(
                 409,
                 f"Idempotency-Key {key!r} was used for batch {batch_id} of another input file "
@@ -241,9 +231,9 @@ def make_app(settings, root: Path, endpoints: tuple[str, ...]) -> FastAPI:
         owner = owner_of(request)
         if not 1 <= limit <= 100:
             raise invalid(f"limit {limit} must be between 1 and 100", param="limit")
-        mine = [r for r in batches.all() if r["owner"] == owner]
-        mine.sort(key=lambda r: (r["created_at"], r["id"]), reverse=True)
-        objects = [to_openai(r, batches.cancel_requested(r["id"])) for r in mine]
+        mine = [r for r in batches.all() if r.owner == owner]
+        mine.sort(key=lambda r: (r.created_at, r.id), reverse=True)
+        objects = [to_openai(r, batches.cancel_requested(r.id)) for r in mine]
         return _page(objects, after, limit)
 
     @app.get("/v1/batches/{batch_id}")
@@ -258,10 +248,10 @@ def make_app(settings, root: Path, endpoints: tuple[str, ...]) -> FastAPI:
         record = batches.get(batch_id, owner_of(request))
         if record is None:
             raise not_found("batch", batch_id)
-        if record["status"] in TERMINAL:
+        if record.ended:
             raise ApiError(
                 409,
-                f"Cannot cancel a batch with status '{record['status']}'.",
+                f"Cannot cancel a batch with status '{record.status}'.",
                 code="batch_not_cancellable",
             )
         batches.request_cancel(batch_id)

@@ -2,7 +2,7 @@
 
 | path (under `<data_dir>/api/`)      | what                                                |
 |-------------------------------------|-----------------------------------------------------|
-| `batches/<batch_id>/batch.json`     | the record: the create request, its owner, status, timestamps, counts, the job's token totals (`usage`), errors; replaced whole, atomically, by the driver (api-0) only |
+| `batches/<batch_id>/batch.json`     | the record (api/batch_record.py): the create request, its owner, status, timestamps, counts, the job's token totals (`usage`), errors; replaced whole, atomically, by the driver (api-0) only |
 | `batches/<batch_id>/cancel`         | a cancel request (its time), written by whichever process took it |
 | `batches/<batch_id>/output.jsonl`   | result lines, appended by the driver as completion delivers them |
 | `batches/<batch_id>/error.jsonl`    | error lines, likewise                                |
@@ -31,27 +31,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-import orjson
-
+from api.batch_record import BatchRecord
 from pipeline.durable import fsync_dir, write_whole
+from pipeline.job_states import BatchStatus
 
 RECORD = "batch.json"
 CANCEL = "cancel"
 OUTPUT = "output.jsonl"
 ERRORS = "error.jsonl"
 INPUT_COPY = "input.jsonl"  # the input with the lines kept out of the job blanked
-TERMINAL = ("failed", "completed", "expired", "cancelled")
-STATUSES = ("validating", "in_progress", "finalizing", "cancelling", *TERMINAL)  # OpenAI's
 ACCEPT_PARTIAL_KEY = "fabric_accept_partial"  # metadata extension: keep the good lines
-TIMESTAMPS = (
-    "in_progress_at",
-    "finalizing_at",
-    "completed_at",
-    "failed_at",
-    "expired_at",
-    "cancelling_at",
-    "cancelled_at",
-)
 
 
 BATCH_ID = re.compile(r"batch_[A-Za-z0-9_-]{1,58}\Z")  # what the two functions below make
@@ -83,16 +72,16 @@ class BatchStore:
         for path in self.dir.glob(".new-*"):
             shutil.rmtree(path, ignore_errors=True)
 
-    def create(self, record: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    def create(self, record: BatchRecord) -> tuple[BatchRecord, bool]:
         """Commit a new batch record; (the record, True), or (the existing one, False) when a
         batch with this id exists (a retried idempotent create)."""
-        batch_id = record["id"]
+        batch_id = record.id
         final = self.path(batch_id)
         if final.exists():
             return self.get(batch_id), False
         tmp = self.dir / f".new-{secrets.token_hex(8)}"
         tmp.mkdir()
-        write_whole(tmp / RECORD, orjson.dumps(record))
+        write_whole(tmp / RECORD, record.to_json())
         try:
             os.rename(tmp, final)
         except OSError:  # exists now: a create racing ours won
@@ -104,22 +93,22 @@ class BatchStore:
         fsync_dir(self.dir)
         return record, True
 
-    def get(self, batch_id: str, owner: str | None = None) -> dict[str, Any] | None:
+    def get(self, batch_id: str, owner: str | None = None) -> BatchRecord | None:
         if not BATCH_ID.match(batch_id):  # never a path of its own ("..", "/", a NUL byte)
             return None
         try:
-            record = orjson.loads(self.path(batch_id, RECORD).read_bytes())
+            record = BatchRecord.from_json(self.path(batch_id, RECORD).read_bytes())
         except (FileNotFoundError, NotADirectoryError):
             return None
-        if owner is not None and record["owner"] != owner:
+        if owner is not None and record.owner != owner:
             return None
         return record
 
-    def put(self, record: dict[str, Any]) -> None:
+    def put(self, record: BatchRecord) -> None:
         """Replace a record (the driver only)."""
-        write_whole(self.path(record["id"], RECORD), orjson.dumps(record))
+        write_whole(self.path(record.id, RECORD), record.to_json())
 
-    def all(self, skip: set[str] | frozenset = frozenset()) -> list[dict[str, Any]]:
+    def all(self, skip: set[str] | frozenset = frozenset()) -> list[BatchRecord]:
         """Every batch record but those in `skip`."""
         records = []
         for path in self.dir.iterdir():
@@ -142,32 +131,32 @@ class BatchStore:
             return None
 
 
-def to_openai(record: dict[str, Any], cancel_at: int | None = None) -> dict[str, Any]:
+def to_openai(record: BatchRecord, cancel_at: int | None = None) -> dict[str, Any]:
     """OpenAI's Batch object of a record. `cancel_at`: a cancel asked for that the driver has
     not taken up yet (the batch shows `cancelling` at once, as OpenAI's does)."""
-    status = record["status"]
-    stamps = {name: record.get(name) for name in TIMESTAMPS}
-    if cancel_at is not None and status not in TERMINAL and status != "cancelling":
-        status = "cancelling"
+    status = record.status
+    stamps = record.stamps()
+    if cancel_at is not None and not status.terminal and status != BatchStatus.CANCELLING:
+        status = BatchStatus.CANCELLING
         stamps["cancelling_at"] = stamps["cancelling_at"] or cancel_at
-    errors = record.get("errors")
+    errors = record.errors
     return {
-        "id": record["id"],
+        "id": record.id,
         "object": "batch",
-        "endpoint": record["endpoint"],
-        "model": record.get("model"),
+        "endpoint": record.endpoint,
+        "model": record.model,
         "errors": None if errors is None else {"object": "list", "data": errors},
-        "input_file_id": record["input_file_id"],
-        "completion_window": record["completion_window"],
-        "status": status,
-        "output_file_id": record.get("output_file_id"),
-        "error_file_id": record.get("error_file_id"),
-        "created_at": record["created_at"],
+        "input_file_id": record.input_file_id,
+        "completion_window": record.completion_window,
+        "status": str(status),
+        "output_file_id": record.output_file_id,
+        "error_file_id": record.error_file_id,
+        "created_at": record.created_at,
         **stamps,
-        "expires_at": record.get("expires_at"),
-        "request_counts": dict(record["request_counts"]),
-        "usage": batch_usage(record.get("usage")),
-        "metadata": record.get("metadata"),
+        "expires_at": record.expires_at,
+        "request_counts": dict(record.request_counts),
+        "usage": batch_usage(record.usage),
+        "metadata": record.metadata,
     }
 
 

@@ -25,9 +25,9 @@ import dataclasses
 import logging
 import math
 from pathlib import Path
-from typing import Any
 
-from api.batch_store import ERRORS, INPUT_COPY, OUTPUT, TERMINAL, BatchStore
+from api.batch_record import BatchRecord
+from api.batch_store import ERRORS, INPUT_COPY, OUTPUT, BatchStore
 from api.file_store import FileStore, output_file_id
 from pipeline.durable import fsync_dir
 from pipeline.job_files import JobFiles
@@ -35,15 +35,14 @@ from pipeline.job_files import JobFiles
 log = logging.getLogger("fabric.api")
 
 
-def files_expire_at(record: dict[str, Any], jobs: JobFiles, retention_s: float) -> int | None:
+def files_expire_at(record: BatchRecord, jobs: JobFiles, retention_s: float) -> int | None:
     """When an ended batch's output and error files expire (unix seconds, rounded up so never
     before the job's results), or None while that is not known (see the module table)."""
-    status = record["status"]
-    if status not in TERMINAL:
+    if not record.ended:
         return None
-    if record.get("in_progress_at") is None:  # never submitted: no job
-        return math.ceil(record[f"{status}_at"] + retention_s)
-    finished_ns = jobs.finished_ns(record["id"])
+    if record.in_progress_at is None:  # never submitted: no job
+        return math.ceil(record.stamp(record.status) + retention_s)
+    finished_ns = jobs.finished_ns(record.id)
     if finished_ns is None:
         return None
     return math.ceil(finished_ns / 1e9 + retention_s)

@@ -8,12 +8,16 @@ record, and reports to the front how many items it forwarded and which
 lines it rejected (TOKENIZED). Each of the `[ingest] processes` tokenizers
 encodes on its share of the cores (`share_cores`, ingest/tokenize.py). It
 waits for room when the ring is full, so a slow router pushes back on the
-front.
+front: the chunk waits in the stage (`waiting`), tried again at each
+`step(now)` and reading no new chunk meanwhile, until it is in the ring or
+`now` passes its deadline (then the front is told it failed). The stage
+reads no clock, so tests step it on a fake one (tests/test_tokenizer_stage.py).
 """
 
 from __future__ import annotations
 
-import time
+from collections import deque
+from dataclasses import dataclass
 
 import zmq
 
@@ -29,16 +33,20 @@ from pipeline.ring_records import Items, put_items, split_items
 from pipeline.stage import Stage
 from pipeline.topology import internal_address
 
+ROOM_WAIT_MS = 5  # a step waiting for room in a full ring waits this long for the router
 
-def forward(outlet: Outlet, items: Items, deadline_s: float) -> bool:
-    """Put `items` into the ring of router `chunk % routers`; False if no room before the deadline."""
-    router = router_for(items.chunk, len(outlet))
-    for piece in split_items(items):
-        while not outlet.try_put(router, put_items, piece):
-            if time.monotonic() > deadline_s:
-                return False
-            zmq.Poller().poll(5)  # wait a little for the router to make room
-    return True
+
+@dataclass
+class Waiting:
+    """A tokenized chunk whose pieces are not all in its router's ring yet."""
+
+    job_no: int
+    chunk: int
+    router: int
+    pieces: deque[Items]
+    deadline_s: float  # on the stage's `now` (CLOCK_MONOTONIC, like the chunk's deadline_ns)
+    errors: list
+    forwarded: int
 
 
 class TokenizerStage(Stage):
@@ -66,9 +74,15 @@ class TokenizerStage(Stage):
             connect=internal_address(settings, "front"),
         )
         self.outlet = Outlet(self.context, settings, self.label, "router")
+        self.waiting: Waiting | None = None
         self.done = 0
 
     def step(self, now: float) -> None:
+        if self.waiting is not None:
+            self._forward(now)
+            if self.waiting is not None:  # the ring is still full: wait a little for the router
+                zmq.Poller().poll(ROOM_WAIT_MS)
+            return
         if not self.poller.poll(self.poll_ms):
             return
         for message in self.inbox.read(1):
@@ -84,21 +98,33 @@ class TokenizerStage(Stage):
             self._report(job_no, int(meta["index"]), error=str(exc))
             return
         known = set(chunk.errors)
-        new_errors = [e for e in tokenized.errors if e not in known]
-        deadline_s = max(now, deadline_ns / 1e9)  # `now` is CLOCK_MONOTONIC, like deadline_ns
-        forwarded = tokenized.n_items
-        if forwarded and not forward(
-            self.outlet, items_of(tokenized, job_no, deadline_ns), deadline_s
-        ):
-            self._report(
-                job_no, chunk.index, error="the router did not take the chunk before its deadline"
-            )
-            return
-        self._report(
+        items = items_of(tokenized, job_no, deadline_ns) if tokenized.n_items else None
+        self.waiting = Waiting(
             job_no,
             chunk.index,
-            forwarded=forwarded,
-            errors=new_errors,
+            router_for(chunk.index, len(self.outlet)),
+            deque(split_items(items)) if items is not None else deque(),
+            deadline_s=max(now, deadline_ns / 1e9),  # `now` is CLOCK_MONOTONIC, like deadline_ns
+            errors=[e for e in tokenized.errors if e not in known],
+            forwarded=tokenized.n_items,
+        )
+        self._forward(now)
+
+    def _forward(self, now: float) -> None:
+        """Put the waiting chunk's pieces into its router's ring; report it once they are all
+        there, or failed once `now` passed its deadline first."""
+        waiting = self.waiting
+        while waiting.pieces and self.outlet.try_put(waiting.router, put_items, waiting.pieces[0]):
+            waiting.pieces.popleft()
+        if waiting.pieces and now <= waiting.deadline_s:
+            return
+        self.waiting = None
+        if waiting.pieces:
+            error = "the router did not take the chunk before its deadline"
+            self._report(waiting.job_no, waiting.chunk, error=error)
+            return
+        self._report(
+            waiting.job_no, waiting.chunk, forwarded=waiting.forwarded, errors=waiting.errors
         )
         self.done += 1
 

@@ -4,6 +4,7 @@ flow against a real broker with the openai client; tests/test_api_crash.py kills
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import os
@@ -24,6 +25,7 @@ from api.upload import JsonlChecker
 from config import load_settings
 from pipeline.errors import ConfigError
 from pipeline.job_files import JobFiles
+from pipeline.job_states import BatchStatus
 from pipeline.security import check_exposure
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/embeddings")
@@ -316,7 +318,7 @@ def test_cancel_shows_cancelling_at_once_and_a_finished_batch_refuses(client, ro
     assert answer["status"] == "cancelling" and answer["cancelling_at"]
     store = BatchStore(root)
     record = store.get(batch["id"])
-    record.update(status="completed", completed_at=1)
+    record.move_to(BatchStatus.COMPLETED, 1)
     store.put(record)
     refused = client.post(f"/v1/batches/{batch['id']}/cancel", headers=auth())
     assert_openai_error(refused, 409)
@@ -330,12 +332,16 @@ def test_output_files_expire_with_the_job_or_with_a_batch_that_had_none(client, 
     now = time.time()
     ids = [create(client, file_id)["id"] for _ in range(3)]
     ended = [
-        {"status": "failed", "failed_at": int(now) - 100},  # no job
-        {"status": "completed", "in_progress_at": int(now) - 5, "completed_at": int(now)},
-        {"status": "in_progress", "in_progress_at": int(now) - 5},
+        {"status": BatchStatus.FAILED, "failed_at": int(now) - 100},  # no job
+        {
+            "status": BatchStatus.COMPLETED,
+            "in_progress_at": int(now) - 5,
+            "completed_at": int(now),
+        },
+        {"status": BatchStatus.IN_PROGRESS, "in_progress_at": int(now) - 5},
     ]
     for batch_id, change in zip(ids, ended, strict=True):
-        store.put(store.get(batch_id) | change)
+        store.put(dataclasses.replace(store.get(batch_id), **change))
         store.path(batch_id, "error.jsonl").write_bytes(b'{"custom_id": "r0"}\n')
         record = FileRecord(
             id=output_file_id(batch_id, "error"),

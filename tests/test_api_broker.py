@@ -6,6 +6,7 @@ and error files. Cancel, expiry and partial downloads run on a broker with a slo
 from __future__ import annotations
 
 import re
+import time
 import urllib.request
 from collections import Counter
 from pathlib import Path
@@ -290,7 +291,9 @@ def test_the_driver_parses_an_input_file_once(fast, tmp_path, monkeypatch):
     results = ResultsClient(client_address(settings.completion.bind))
     driver = batch_driver.BatchDriver(FileStore(root), BatchStore(root), producers, results)
     try:
-        wait_for(lambda: driver.step()["completed"], "the batch to complete", timeout_s=120)
+        wait_for(
+            lambda: driver.step(time.time())["completed"], "the batch to complete", timeout_s=120
+        )
     finally:
         driver.close()
         results.close()
@@ -339,7 +342,7 @@ def drive_one_batch(broker, tmp_path: Path, monkeypatch, at_chunk_3, until: str)
     results = ResultsClient(client_address(broker.settings.completion.bind))
     driver = batch_driver.BatchDriver(FileStore(root), BatchStore(root), producers, results)
     try:
-        wait_for(lambda: driver.step()[until], f"the batch to be {until}", timeout_s=120)
+        wait_for(lambda: driver.step(time.time())[until], f"the batch to be {until}", timeout_s=120)
     finally:
         driver.close()
         results.close()

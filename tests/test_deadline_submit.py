@@ -52,6 +52,7 @@ def test_the_api_submits_a_batch_as_a_job_whose_deadline_is_its_expires_at():
     """The batch driver hands the producer SDK the batch's expires_at as the job's deadline
     (the front writes it into the job record, where dispatch reads it)."""
     from api.batch_driver import BatchDriver
+    from api.batch_record import BatchRecord
 
     class Producer:
         def __init__(self) -> None:
@@ -63,7 +64,16 @@ def test_the_api_submits_a_batch_as_a_job_whose_deadline_is_its_expires_at():
     producer = Producer()
     driver = BatchDriver(None, None, (None, producer), None)
     try:
-        record = {"id": "batch_1", "submit_path": "/in.jsonl", "expires_at": 1764630000}
+        record = BatchRecord(
+            id="batch_1",
+            owner="me",
+            input_file_id="file-1",
+            endpoint="/v1/embeddings",
+            completion_window="24h",
+            created_at=1764540000,
+            expires_at=1764630000,
+            submit_path="/in.jsonl",
+        )
         driver._submit(record)
         driver._submitting["batch_1"].result(timeout=30)
     finally:
