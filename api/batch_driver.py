@@ -266,6 +266,7 @@ class BatchDriver:
         batch_id = record.id
         if batch_id not in self._submitting:
             path = record.submit_path
+            assert path is not None  # set when the input validated, before in_progress
             self._submitting[batch_id] = self._submitter.submit(
                 self.producer.submit_file, path, batch_id, deadline=record.expires_at
             )
@@ -352,8 +353,6 @@ class BatchDriver:
         """Files complete and registered, then the end status, the job's (`ended_as`): safe to
         run again after a kill."""
         assert record.ended_as is not None
-        if record.ended_as == JobState.EXPIRED:  # its cancelled items' lines say why
-            self.out.rewrite_expired(record.id)
         self.out.register(record, "output")
         self.out.register_errors(record)
         self._end(record, openai_status(record.ended_as), now)

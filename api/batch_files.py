@@ -5,7 +5,6 @@
 | `register` | the File record of `output.jsonl` or `error.jsonl` (again: it is the same, its id fixed by the batch) |
 | `keep_out` | lines of another endpoint (`fabric_accept_partial`): their error lines, and a copy of the input with them blank |
 | `expire_unsent` | a batch past its deadline before its job existed: every line a `batch_expired` error line |
-| `rewrite_expired` | an expired job's cancelled items: their error lines say `batch_expired` |
 
 Every write is safe to repeat after a kill: error lines are keyed by
 custom_id (collector/delivery/result_file.py), a rewrite is whole and atomic.
@@ -24,11 +23,10 @@ from api.batch_store import ERRORS, INPUT_COPY, OUTPUT, BatchStore
 from api.file_store import PURPOSE_OUTPUT, FileRecord, FileStore, output_file_id
 from collector.delivery.lines import line_key
 from collector.delivery.result_file import ResultFile
-from pipeline.durable import write_whole
+from pipeline.item_error_codes import ItemErrorCode
 
-EXPIRED_CODE = "batch_expired"
+EXPIRED_CODE = ItemErrorCode.BATCH_EXPIRED  # completion gives an expired job's items the same
 EXPIRED_MESSAGE = "the batch expired before this request was run"
-CANCELLED_CODE = "cancelled"  # the code completion gives a cancelled item's error line
 
 
 class BatchFiles:
@@ -91,27 +89,6 @@ class BatchFiles:
             self._error_lines(record.id, lines)
             record.request_counts = {"total": len(lines), "completed": 0, "failed": len(lines)}
         self.register_errors(record)
-
-    def rewrite_expired(self, batch_id: str) -> None:
-        """Error lines with completion's `cancelled` code get `batch_expired` (an expired job's
-        cancelled items), in place of the file, atomically; a file already rewritten is left
-        as it is."""
-        path = self.batches.path(batch_id, ERRORS)
-        if not path.exists():
-            return
-        data = path.read_bytes()
-        marker = orjson.dumps({"code": CANCELLED_CODE})[1:-1]
-        if marker not in data:
-            return
-        out = []
-        for line in data.splitlines(keepends=True):
-            if marker in line:
-                record = orjson.loads(line)
-                if record.get("error", {}).get("code") == CANCELLED_CODE:
-                    record["error"] = {"code": EXPIRED_CODE, "message": EXPIRED_MESSAGE}
-                    line = orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE)
-            out.append(line)
-        write_whole(path, b"".join(out))
 
     def _error_lines(self, batch_id: str, lines) -> None:
         """Append (line number, custom_id, code, message) error lines, synced."""

@@ -41,7 +41,8 @@ def files_expire_at(record: BatchRecord, jobs: JobFiles, retention_s: float) -> 
     if not record.ended:
         return None
     if record.in_progress_at is None:  # never submitted: no job
-        return math.ceil(record.stamp(record.status) + retention_s)
+        ended_at = record.stamp(record.status)
+        return None if ended_at is None else math.ceil(ended_at + retention_s)
     finished_ns = jobs.finished_ns(record.id)
     if finished_ns is None:
         return None

@@ -114,6 +114,8 @@ class TokenizerStage(Stage):
         """Put the waiting chunk's pieces into its router's ring; report it once they are all
         there, or failed once `now` passed its deadline first."""
         waiting = self.waiting
+        if waiting is None:
+            return
         while waiting.pieces and self.outlet.try_put(waiting.router, put_items, waiting.pieces[0]):
             waiting.pieces.popleft()
         if waiting.pieces and now <= waiting.deadline_s:
