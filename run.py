@@ -29,15 +29,15 @@ import time
 
 from config import load_settings
 from config.defaults import DEFAULTS
-from pipeline import exitcodes
-from pipeline.errors import (
+from pipeline.core import exitcodes
+from pipeline.core.errors import (
     BrokerUnavailableError,
     ConfigError,
     DataDirLockedError,
     FabricError,
     OutputError,
 )
-from pipeline.invocation import how_to_run, note_config
+from pipeline.core.invocation import how_to_run, note_config
 
 COMMANDS: tuple[str, ...]
 COMMANDS = ("check", "submit", "status", "results", "cancel", "vectors", "worker", "demo", "keys")
@@ -53,7 +53,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _check(args: argparse.Namespace) -> int:
     from assembly.check import check_data_dir
-    from pipeline.datadir import DataDir
+    from pipeline.store.datadir import DataDir
 
     settings = load_settings(args.config)
     data_dir = DataDir(settings.data_path)
@@ -159,7 +159,7 @@ def _say(line: str) -> None:
 
 def _address(args: argparse.Namespace, section: str) -> str:
     """The broker address a client command uses: --broker, else the config's (as a client)."""
-    from pipeline.topology import client_address
+    from pipeline.transport.topology import client_address
 
     if getattr(args, "broker", None):
         return args.broker
@@ -173,7 +173,7 @@ def _curve(args: argparse.Namespace):
     works on a host without one.
     """
     from config.settings import SecuritySettings
-    from pipeline.security import client_curve
+    from pipeline.transport.security import client_curve
 
     config = getattr(args, "config", None)
     if config and (os.path.exists(config) or not getattr(args, "broker", None)):
@@ -297,7 +297,7 @@ def _watch(args: argparse.Namespace) -> int:
     """`status --watch`: the dashboard (collector/status_watch.py) until Ctrl-C."""
     from collector.status_sources import Sources
     from collector.status_watch import watch
-    from pipeline.topology import client_address
+    from pipeline.transport.topology import client_address
 
     if args.json:
         print("error: --watch and --json do not go together", file=sys.stderr)
@@ -352,7 +352,7 @@ def _keys(args: argparse.Namespace) -> int:
     """`keys new NAME [--dir DIR]`: a CURVE key pair, and how to use and authorize it."""
     from pathlib import Path
 
-    from pipeline.security import new_key_pair
+    from pipeline.transport.security import new_key_pair
 
     public, secret = new_key_pair(args.name, Path(args.dir))
     print(f"public key: {public}")

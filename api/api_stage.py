@@ -31,11 +31,11 @@ from api.retention import OutputRetention
 from collector.delivery.decoders import model_decoders
 from collector.results_client import ResultsClient
 from ingest.submit_client import Producer
-from pipeline.binds import host_port
-from pipeline.errors import ConfigError
-from pipeline.security import client_curve
-from pipeline.stage import Stage
-from pipeline.topology import client_address
+from pipeline.core.errors import ConfigError
+from pipeline.process.stage import Stage
+from pipeline.transport.binds import host_port
+from pipeline.transport.security import client_curve
+from pipeline.transport.topology import client_address
 
 DRIVE_EVERY_S = 0.2
 EXPIRE_EVERY_S = 60.0

@@ -6,7 +6,7 @@
     in_progress --(cancel)--> cancelling --> cancelled     (results made so far are kept)
     in_progress --(expires_at)--> expired                  (unfinished items: batch_expired lines)
 
-A batch ends in its job's end state (pipeline/job_states.py `OPENAI_STATUS`), so
+A batch ends in its job's end state (pipeline/core/job_states.py `OPENAI_STATUS`), so
 `run.py status`, `status --watch` and HTTP say one word: at `expires_at` the job is
 cancelled *at its deadline* and ends `expired`.
 
@@ -30,7 +30,7 @@ The driver reads no clock: `step(now)` is given the wall clock (unix seconds;
 the api stage passes `time.time()`), which stamps the record, decides expiry
 at `expires_at` and paces the fetches, so tests step it on a fake clock
 (tests/test_api_driver.py). The record is typed (api/batch_record.py), the
-statuses are `BatchStatus` (pipeline/job_states.py).
+statuses are `BatchStatus` (pipeline/core/job_states.py).
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ from api.file_store import FileStore, output_file_id
 from collector.delivery.decoders import Decoder
 from collector.results_client import ResultsClient
 from ingest.submit_client import Producer
-from pipeline.errors import FabricError
-from pipeline.job_states import BatchStatus, JobState, is_terminal, openai_status
+from pipeline.core.errors import FabricError
+from pipeline.core.job_states import BatchStatus, JobState, is_terminal, openai_status
 
 log = logging.getLogger("fabric.api")
 FETCH_EVERY_S = 1.0  # a running batch's results are fetched this often (and when it ends)

@@ -23,7 +23,7 @@ from api.batch_store import ERRORS, INPUT_COPY, OUTPUT, BatchStore
 from api.file_store import PURPOSE_OUTPUT, FileRecord, FileStore, output_file_id
 from collector.delivery.lines import line_key
 from collector.delivery.result_file import ResultFile
-from pipeline.item_error_codes import ItemErrorCode
+from pipeline.core.item_error_codes import ItemErrorCode
 
 EXPIRED_CODE = ItemErrorCode.BATCH_EXPIRED  # completion gives an expired job's items the same
 EXPIRED_MESSAGE = "the batch expired before this request was run"

@@ -9,7 +9,7 @@ kept as they were (`extra`).
 | key | what |
 |-----|------|
 | `id`, `owner`, `input_file_id`, `endpoint`, `completion_window`, `metadata`, `model` | the create request and who made it |
-| `status` | OpenAI's status (pipeline/job_states.py `BatchStatus`) |
+| `status` | OpenAI's status (pipeline/core/job_states.py `BatchStatus`) |
 | `created_at`, `expires_at`, `<status>_at` | unix seconds: OpenAI's timestamps |
 | `request_counts`, `usage`, `errors`, `output_file_id`, `error_file_id` | what the Batch object shows |
 | `local_errors` | lines the driver kept out of the job (another endpoint's), counted as failed |
@@ -27,7 +27,7 @@ from typing import Any
 
 import orjson
 
-from pipeline.job_states import BatchStatus, JobState
+from pipeline.core.job_states import BatchStatus, JobState
 
 STAMPED = (  # the statuses with a `<status>_at` timestamp, in OpenAI's order
     BatchStatus.IN_PROGRESS,

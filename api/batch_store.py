@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from api.batch_record import BatchRecord
-from pipeline.durable import fsync_dir, write_whole
-from pipeline.job_states import BatchStatus
+from pipeline.core.job_states import BatchStatus
+from pipeline.store.durable import fsync_dir, write_whole
 
 RECORD = "batch.json"
 CANCEL = "cancel"

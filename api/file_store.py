@@ -26,7 +26,7 @@ from typing import Any
 
 import orjson
 
-from pipeline.durable import fsync_dir, write_whole
+from pipeline.store.durable import fsync_dir, write_whole
 
 PURPOSE_INPUT = "batch"
 PURPOSE_OUTPUT = "batch_output"

@@ -9,7 +9,7 @@ key in hex and the owner's name, blank lines and `#` comments allowed:
 Only hashes are stored, so the file leaks no key. It is read again when its
 modification time changes (adding or removing a key needs no restart).
 Without a keys file every caller is the owner `local` (the stage then binds
-only to loopback: pipeline.security.exposed_binds refuses anything else).
+only to loopback: pipeline.transport.security.exposed_binds refuses anything else).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import re
 from pathlib import Path
 
 from api.errors import unauthorized
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
 
 LOCAL_OWNER = "local"
 _OWNER = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")

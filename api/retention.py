@@ -1,7 +1,7 @@
 """A batch's output and error files follow its broker job's retention.
 
 The job's results stay in the broker for `completion.results_retention_s`
-after the job's `finished` mark (pipeline/job_files.py; the collector then
+after the job's `finished` mark (pipeline/store/job_files.py; the collector then
 removes them, collector/segments.py). A batch's output and error files are
 its copy of those results, so they live exactly as long:
 
@@ -29,8 +29,8 @@ from pathlib import Path
 from api.batch_record import BatchRecord
 from api.batch_store import ERRORS, INPUT_COPY, OUTPUT, BatchStore
 from api.file_store import FileStore, output_file_id
-from pipeline.durable import fsync_dir
-from pipeline.job_files import JobFiles
+from pipeline.store.durable import fsync_dir
+from pipeline.store.job_files import JobFiles
 
 log = logging.getLogger("fabric.api")
 

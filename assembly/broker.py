@@ -4,7 +4,7 @@ upper floors (`python run.py --config FILE` runs it).
 | handed to the supervisor | from                                                         |
 |--------------------------|--------------------------------------------------------------|
 | stages                   | the stage table, assembly/stages.py                          |
-| rings                    | pipeline/topology.py                                         |
+| rings                    | pipeline/transport/topology.py                                         |
 | `check_files`            | every model's tokenizer loads (ingest/tokenize.py)           |
 | `after_recovery`         | isolate damaged input segments, end lost items (collector/losses.py) |
 | `collector`              | removes finished segment files (collector/segments.py)       |
@@ -16,9 +16,9 @@ from assembly.stages import stage_specs
 from collector.losses import after_recovery
 from collector.segments import SegmentCollector
 from ingest.tokenize import load_tokenizers
-from pipeline.errors import ConfigError, FabricError
-from pipeline.supervisor import Housekeeping, Supervisor
-from pipeline.topology import ring_specs
+from pipeline.core.errors import ConfigError, FabricError
+from pipeline.process.supervisor import Housekeeping, Supervisor
+from pipeline.transport.topology import ring_specs
 
 
 def check_tokenizers(settings) -> None:

@@ -4,7 +4,7 @@ It spans the stores of several floors, so it is composed here:
 
 | part                                  | where                     |
 |---------------------------------------|---------------------------|
-| segment files of both logs: bad magic, newer version, damaged header, wrong size, unknown markers, header counts, torn tails, bad checksums, orphan temporary and stray files | pipeline/check.py |
+| segment files of both logs: bad magic, newer version, damaged header, wrong size, unknown markers, header counts, torn tails, bad checksums, orphan temporary and stray files | pipeline/store/check.py |
 | job records that fail their checksum or share a job number | ingest/job_check.py |
 | the vector stores                     | collector/vectors/check.py |
 | acknowledged items that have neither a result nor a readable LIVE slot (a DEAD marker with no result, an EMPTY marker over a valid slot, a rotten slot an acknowledged chunk covers) | collector/losses.py |
@@ -20,8 +20,8 @@ from __future__ import annotations
 from collector.losses import find_lost, record_lost
 from collector.vectors.check import check_vectors
 from ingest.job_check import check_job_records
-from pipeline.check import CheckReport, Finding, check_logs
-from pipeline.datadir import DataDir
+from pipeline.store.check import CheckReport, Finding, check_logs
+from pipeline.store.datadir import DataDir
 
 
 def check_data_dir(data_dir: DataDir, fix: bool = False) -> CheckReport:

@@ -26,9 +26,9 @@ import time
 from pathlib import Path
 
 from collector.progress_line import ProgressLine, bar
-from pipeline import exitcodes
-from pipeline.invocation import how_to_run
-from pipeline.ports import free_loopback_ports
+from pipeline.core import exitcodes
+from pipeline.core.invocation import how_to_run
+from pipeline.transport.ports import free_loopback_ports
 
 REPO = Path(__file__).resolve().parents[1]
 MIN_WORDS = 6
@@ -123,7 +123,7 @@ def run_demo(root: Path | str = "var/demo", workers: int = 1, limit: int | None 
     from collector.vectors.client import VectorsClient
     from config import load_settings
     from ingest.submit_client import Producer
-    from pipeline.errors import BrokerUnavailableError
+    from pipeline.core.errors import BrokerUnavailableError
 
     root = (REPO / root) if not Path(root).is_absolute() else Path(root)
     root.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """The stage table: which stage classes a broker runs, how many of each, in stop order.
 
 The one place that names every stage class (the supervisor on the ground floor
-is handed this table; pipeline/topology.py says what each stage reads and
+is handed this table; pipeline/transport/topology.py says what each stage reads and
 writes). Stages are listed front first: the supervisor stops them in this
 order, so work already accepted drains downstream, and local workers hand back
 what they hold while dispatch and completion still run.
@@ -9,9 +9,9 @@ what they hold while dispatch and completion still run.
 
 from __future__ import annotations
 
-from pipeline.stage import StageSpec
+from pipeline.process.stage import StageSpec
 
-# By reference: the supervisor imports none of them (pipeline/stage.py StageSpec)
+# By reference: the supervisor imports none of them (pipeline/process/stage.py StageSpec)
 FRONT = "ingest.front_stage:FrontStage"
 TOKENIZER = "ingest.tokenizer_stage:TokenizerStage"
 ROUTER = "router.router_stage:RouterStage"

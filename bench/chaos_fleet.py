@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.ports import free_loopback_ports
-from pipeline.supervisor_report import all_up, read_report, stage_pids
+from pipeline.process.supervisor_report import all_up, read_report, stage_pids
+from pipeline.transport.ports import free_loopback_ports
 
 REPO = Path(__file__).resolve().parents[1]
 POISON_TOKEN = 7  # an echo worker that meets an item starting with it is SIGKILLed (a bad kernel)
@@ -159,7 +159,7 @@ class BrokerProcess:
             time.sleep(0.1)
 
     def report(self) -> dict | None:
-        """The supervisor's report of this broker life (pipeline/supervisor_report.py)."""
+        """The supervisor's report of this broker life (pipeline/process/supervisor_report.py)."""
         report = read_report(self.data_dir)
         if report is None or self.proc is None or report.get("pid") != self.proc.pid:
             return None

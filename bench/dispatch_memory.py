@@ -19,7 +19,7 @@ from bench.dispatch_common import MODEL, Status, make_rows, memory, submit, wait
 from bench.ingest_broker import BenchBroker
 from bench.ingest_common import Outcome, progress
 from bench.report import Row
-from pipeline.segment_format import slot_bytes_for
+from pipeline.store.segment_format import slot_bytes_for
 
 STEP = "3 memory"
 TOKENS = 64

@@ -40,7 +40,7 @@ from gpu.engines.base import Engine, EngineBatch, EngineResult
 from gpu.engines.registry import make_engine
 from gpu.worker.options import WorkerOptions
 from gpu.worker.session import Worker
-from pipeline import wire
+from pipeline.transport import wire
 
 MT = wire.MessageType
 

@@ -120,7 +120,7 @@ def stage_cpu(data_root: Path) -> dict[str, float]:
     """CPU seconds (user + system) each running stage process has spent, by stage label."""
     import psutil
 
-    from pipeline.supervisor_report import read_report, stage_pids
+    from pipeline.process.supervisor_report import read_report, stage_pids
 
     out = {}
     for label, pid in stage_pids(read_report(data_root)).items():

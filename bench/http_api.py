@@ -34,7 +34,7 @@ from bench.disk import write_bandwidth
 from bench.dispatch_common import pressure
 from bench.ingest_broker import REPO, BenchBroker, Model, RssSampler
 from bench.report import Row, render_section, write_section
-from pipeline.ports import free_loopback_ports
+from pipeline.transport.ports import free_loopback_ports
 
 DOC = REPO / "docs" / "BENCHMARKS.md"
 SECTION = "http-api"

@@ -24,10 +24,10 @@ from pathlib import Path
 
 from assembly.stages import stage_specs
 from config import load_settings
-from pipeline.ports import free_loopback_ports
-from pipeline.ring import Ring
-from pipeline.supervisor_report import all_up, read_report, stage_pids
-from pipeline.topology import ring_specs, run_dir
+from pipeline.process.supervisor_report import all_up, read_report, stage_pids
+from pipeline.transport.ports import free_loopback_ports
+from pipeline.transport.ring import Ring
+from pipeline.transport.topology import ring_specs, run_dir
 
 REPO = Path(__file__).resolve().parent.parent
 SEGMENT_BYTES = 256 << 20
@@ -228,7 +228,7 @@ class BenchBroker:
         return self._stderr.read()[-2000:]
 
     def _report(self) -> dict | None:
-        """The supervisor's report of this broker's life (pipeline/supervisor_report.py)."""
+        """The supervisor's report of this broker's life (pipeline/process/supervisor_report.py)."""
         report = read_report(self.data)
         return report if report is not None and report.get("pid") == self.proc.pid else None
 

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.segment_format import slot_bytes_for
+from pipeline.store.segment_format import slot_bytes_for
 
 TOKENS = 512  # per item
 CHUNK_ITEMS = 4096  # items per SDK chunk (the broker's default)

@@ -41,7 +41,7 @@ from bench.ingest_broker import BenchBroker, Model, cpu_times, write_config
 from bench.ingest_common import CHUNK_ITEMS, SEED, WINDOW, Outcome, Plan, progress
 from bench.report import Row, markdown_table
 from ingest.submit_client import Producer
-from pipeline.errors import BrokerUnavailableError
+from pipeline.core.errors import BrokerUnavailableError
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB_WORDS = 30_000

@@ -39,12 +39,12 @@ from bench import disk
 from bench.ingest_broker import Model, write_config
 from bench.ingest_common import SLOT_BYTES, TOKENS
 from config import load_settings
-from pipeline import wire
-from pipeline.datadir import DataDir
-from pipeline.ring import Ring
-from pipeline.ring_records import Keyed, put_keyed
-from pipeline.segment import Segment
-from pipeline.topology import internal_address, rings_to
+from pipeline.store.datadir import DataDir
+from pipeline.store.segment import Segment
+from pipeline.transport import wire
+from pipeline.transport.ring import Ring
+from pipeline.transport.ring_records import Keyed, put_keyed
+from pipeline.transport.topology import internal_address, rings_to
 from router.sync_thread import SyncThread
 from router.writer_stage import WriterStage
 

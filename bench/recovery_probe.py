@@ -14,8 +14,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline.datadir import DataDir
-from pipeline.recovery import recover
+from pipeline.store.datadir import DataDir
+from pipeline.store.recovery import recover
 
 
 def _vm_hwm_kib() -> int:

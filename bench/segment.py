@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import machine, segment_append, segment_backlog, segment_recovery
 from bench.report import Row, render_section, write_section
 from bench.segment_items import SEGMENT_BYTES
-from pipeline.datadir import DataDir
+from pipeline.store.datadir import DataDir
 
 REPO = Path(__file__).resolve().parent.parent
 DOC = REPO / "docs" / "BENCHMARKS.md"

@@ -18,8 +18,8 @@ import numpy as np
 from bench import disk
 from bench.report import Row
 from bench.segment_items import MIB, open_appender, seconds_to_mb, token_pool
-from pipeline.datadir import DataDir
-from pipeline.segment_format import slot_bytes_for
+from pipeline.store.datadir import DataDir
+from pipeline.store.segment_format import slot_bytes_for
 
 LANE = 512
 SLOT_BYTES = slot_bytes_for(LANE * 4)

@@ -17,9 +17,9 @@ import numpy as np
 
 from bench.report import Row
 from bench.segment_items import open_appender, token_pool
-from pipeline.datadir import DataDir
-from pipeline.segment import Segment
-from pipeline.segment_format import SEALED_OFFSET, slot_bytes_for
+from pipeline.store.datadir import DataDir
+from pipeline.store.segment import Segment
+from pipeline.store.segment_format import SEALED_OFFSET, slot_bytes_for
 
 LANE = 64
 SLOT_BYTES = slot_bytes_for(LANE * 4)

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.datadir import DataDir
-from pipeline.segment_append import SegmentAppender, SegmentIds
-from pipeline.segment_format import KIND_INPUT, SegmentKey
+from pipeline.store.datadir import DataDir
+from pipeline.store.segment_append import SegmentAppender, SegmentIds
+from pipeline.store.segment_format import KIND_INPUT, SegmentKey
 
 SEGMENT_BYTES = 256 << 20  # the broker's default segment size
 MIB = 1 << 20

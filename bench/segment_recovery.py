@@ -14,8 +14,8 @@ import numpy as np
 from bench import disk
 from bench.report import Row
 from bench.segment_backlog import build_backlog, retire_half, unseal
-from pipeline.datadir import DataDir
-from pipeline.recovery import recover
+from pipeline.store.datadir import DataDir
+from pipeline.store.recovery import recover
 
 PROBE = Path(__file__).resolve().parent / "recovery_probe.py"
 TARGET_ITEMS = 5_000_000

@@ -40,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.job_states import is_terminal
+from pipeline.core.job_states import is_terminal
 
 ANSWER_TIMEOUT_S = 10.0  # a FETCH without an answer is sent again after this long
 

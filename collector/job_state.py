@@ -4,7 +4,7 @@ The completion stage knows how many of a job's items have a result; only
 dispatch knows which are with workers right now. A job with no result yet
 is `queued` at completion, but it is `in_progress` as soon as one of its
 items is handed to a worker. `status JOB` and `status --watch` ask both and
-merge them here (the states: pipeline/job_states.py):
+merge them here (the states: pipeline/core/job_states.py):
 
 | completion says | dispatch says              | shown         |
 |-----------------|----------------------------|---------------|
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.job_states import JobState
+from pipeline.core.job_states import JobState
 
 
 def with_in_flight(info: dict[str, Any], broker: dict[str, Any] | None) -> dict[str, Any]:

@@ -1,11 +1,11 @@
 """The completion stage's read-only view of jobs, from the files the front writes.
 
 The front owns `jobs/<job_id>/job.json` and `jobs/<job_id>/chunks.log`
-(their formats: pipeline/job_files.py); the completion stage only reads them,
+(their formats: pipeline/store/job_files.py); the completion stage only reads them,
 incrementally, to learn a job's number, its total once every chunk is
 committed, the lines ingest rejected (each becomes an error result), and the
 `custom_id` of an item when a results client asks. The completion stage owns
-one file here, the job's `cancel` mark (pipeline/job_files.py): a cancelled
+one file here, the job's `cancel` mark (pipeline/store/job_files.py): a cancelled
 job's queued items are retired with a `cancelled` error result.
 
 Memory stays small for big jobs: a view keeps, per committed chunk, where
@@ -24,17 +24,16 @@ from typing import Any
 
 import numpy as np
 
-from ingest.jobs import DELIVER_FILE
-from pipeline.item_seq import PART_BASE
-from pipeline.job_files import (
+from pipeline.core.item_seq import PART_BASE
+from pipeline.core.job_states import JobState
+from pipeline.core.line_table import LineTable
+from pipeline.store.job_files import (
     ChunkProgress,
     JobFiles,
     journal_record_at,
     journal_records,
 )
-from pipeline.job_record import JobRecordError
-from pipeline.job_states import JobState
-from pipeline.line_table import LineTable
+from pipeline.store.job_record import DELIVER_FILE, JobRecordError
 
 CHUNKS_CACHED = 16
 

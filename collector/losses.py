@@ -4,7 +4,7 @@ An item is acknowledged once its chunk's commit record is in the job's
 journal (`jobs/<job_id>/chunks.log`, ingest/jobs.py: the commit's `lines`,
 index = line - 1). From then on, until its job finishes, it must be in one
 of two places: a LIVE input slot that can be trusted (marker exactly LIVE,
-checksum valid, seq agreeing with job and index: pipeline/salvage.py), or
+checksum valid, seq agreeing with job and index: pipeline/store/salvage.py), or
 the job's completion log (a result or an error result, dead letters
 included). An item in neither is lost: its slot was damaged (a truncated
 file, a torn or rotten slot, a marker flipped to DEAD or EMPTY without a
@@ -28,14 +28,14 @@ from pathlib import Path
 import numpy as np
 
 from collector.completion.results_log import CompletionLog
-from pipeline.datadir import DataDir
-from pipeline.errors import SegmentError
-from pipeline.item_error_codes import ItemErrorCode
-from pipeline.item_seq import job_of, seq_of
-from pipeline.job_files import JOURNAL_FILE, JobFiles, acknowledged_indexes
-from pipeline.job_record import JobRecordError
-from pipeline.salvage import isolate, iter_slots, trusted_header
-from pipeline.segment_format import (
+from pipeline.core.errors import SegmentError
+from pipeline.core.item_error_codes import ItemErrorCode
+from pipeline.core.item_seq import job_of, seq_of
+from pipeline.store.datadir import DataDir
+from pipeline.store.job_files import JOURNAL_FILE, JobFiles, acknowledged_indexes
+from pipeline.store.job_record import JobRecordError
+from pipeline.store.salvage import isolate, iter_slots, trusted_header
+from pipeline.store.segment_format import (
     DEAD,
     EMPTY,
     HEADER_BYTES,
@@ -121,7 +121,7 @@ def _readable_seqs(data_dir: DataDir, job_nos: np.ndarray) -> np.ndarray:
 
 def _slots(data_dir: DataDir, wanted):
     """(header, slots, markers, words, trusted) chunks of every input file's slots whose
-    marker state `wanted(states)` selects (pipeline.salvage.iter_slots)."""
+    marker state `wanted(states)` selects (pipeline.store.salvage.iter_slots)."""
     for path in _input_files(data_dir):
         try:
             fd = os.open(path, os.O_RDONLY)

@@ -22,7 +22,7 @@ Like `vllm run-batch`, with the broker's guarantees:
    the job's counters, its rate and the time left, as `status JOB` has them.
 6. SIGTERM the broker and wait for it to drain (collector/oneshot_broker.py);
    exit 0 when every line has its outcome (a result or an error line), 9 when
-   every line has one but none succeeded, 7 otherwise (pipeline/exitcodes.py).
+   every line has one but none succeeded, 7 otherwise (pipeline/core/exitcodes.py).
 
 Killed at any point and run again with the same arguments, it resumes (and
 says how many lines OUT already holds): OUT keeps what it holds (a torn last
@@ -46,11 +46,11 @@ from pathlib import Path
 from collector.oneshot_broker import start_broker, stop_broker, wait_for_lock
 from collector.progress_line import ProgressLine, bar
 from collector.status_view import job_done, job_fields
-from pipeline import exitcodes
-from pipeline.errors import ConfigError, FabricError, OutputError
-from pipeline.job_states import is_terminal
-from pipeline.ports import free_loopback_ports
-from pipeline.topology import client_address
+from pipeline.core import exitcodes
+from pipeline.core.errors import ConfigError, FabricError, OutputError
+from pipeline.core.job_states import is_terminal
+from pipeline.transport.ports import free_loopback_ports
+from pipeline.transport.topology import client_address
 
 REPO = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 300.0  # for the broker to answer (recovery of a large data dir, model loads)
@@ -97,7 +97,7 @@ class OneShot:
 def write_config(run: OneShot) -> Path:
     """The config of a private broker for one model, in the state dir (rewritten each run)."""
     from config.defaults import ENGINE_ENDPOINTS
-    from pipeline.model_names import NAME_RULE, name_problem
+    from pipeline.store.model_names import NAME_RULE, name_problem
 
     if not run.model:
         raise OneShotError("name the model: --model NAME (and --engine E), or --config FILE")
@@ -188,7 +188,7 @@ def _claim_output(run: OneShot, job_id: str) -> bool:
                 f"{path} exists but was not written for this input (job {job_id}): the input "
                 f"changed, or the file is another's; move it away or choose another -o"
             )
-    from pipeline.durable import fsync_dir
+    from pipeline.store.durable import fsync_dir
 
     marks.mkdir(parents=True, exist_ok=True)
     mark.write_text(f"{run.input.resolve()}\n")
@@ -271,8 +271,8 @@ def _drive(run: OneShot, settings, job_id: str, broker, progress: ProgressLine, 
     from collector.delivery.decoders import model_decoders
     from collector.results_client import ResultsClient
     from ingest.submit_client import Producer
-    from pipeline.errors import BrokerUnavailableError
-    from pipeline.security import client_curve
+    from pipeline.core.errors import BrokerUnavailableError
+    from pipeline.transport.security import client_curve
 
     curve = client_curve(settings.security, None, None)  # the config's keys, if it sets any
 

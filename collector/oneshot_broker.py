@@ -23,11 +23,11 @@ import threading
 import time
 from pathlib import Path
 
-from pipeline.datadir import LOCK_NAME
-from pipeline.errors import FabricError
-from pipeline.ring import Ring
-from pipeline.supervisor_report import left_from_last_life
-from pipeline.topology import ring_specs
+from pipeline.core.errors import FabricError
+from pipeline.process.supervisor_report import left_from_last_life
+from pipeline.store.datadir import LOCK_NAME
+from pipeline.transport.ring import Ring
+from pipeline.transport.topology import ring_specs
 
 REPO = Path(__file__).resolve().parents[1]
 STOP_TIMEOUT_S = 120.0  # for the broker to drain after SIGTERM, before it is killed

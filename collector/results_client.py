@@ -9,7 +9,7 @@ The request for the next page goes out before a page is written (asking
 ahead, when completion offers it), so completion reads it while the client
 formats and writes; a page's fsync runs on a thread (`Syncing`) while the
 next page is written, and its ack goes with the first request after it. A broker that goes away is retried with
-backoff (pipeline/broker_client.py); with `follow` the client keeps going
+backoff (pipeline/transport/broker_client.py); with `follow` the client keeps going
 until the job is finished.
 """
 
@@ -28,11 +28,11 @@ from collector.delivery.lines import render_page
 from collector.delivery.result_file import ResultFile
 from collector.delivery.result_page import ExportContext, PageError, ResultPage
 from collector.delivery_client import Delivery
-from pipeline import wire
-from pipeline.broker_client import BrokerClient
-from pipeline.errors import FabricError, WireError
-from pipeline.job_states import JobState
-from pipeline.ragged import Ragged
+from pipeline.core.errors import FabricError, WireError
+from pipeline.core.job_states import JobState
+from pipeline.core.ragged import Ragged
+from pipeline.transport import wire
+from pipeline.transport.broker_client import BrokerClient
 
 MT = wire.MessageType
 

@@ -2,7 +2,7 @@
 
 A segment is finished when it is sealed and none of its slots is LIVE (for
 the completion log: every result delivered). Every process that opens a
-segment holds a shared `flock` on it (see pipeline.segment.Segment); the
+segment holds a shared `flock` on it (see pipeline.store.segment.Segment); the
 collector removes a file only while it holds the exclusive lock, taken
 without blocking, and after checking the markers again under that lock.
 A file in use stays pending and is tried again on a later step.
@@ -18,10 +18,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.durable import fsync_dir
-from pipeline.job_files import JOB_ID, JobFiles
-from pipeline.scan import SegmentSummary, scan_segment
-from pipeline.segment_format import (
+from pipeline.store.durable import fsync_dir
+from pipeline.store.job_files import JOB_ID, JobFiles
+from pipeline.store.scan import SegmentSummary, scan_segment
+from pipeline.store.segment_format import (
     DELETED_OFFSET,
     ENTRIES_OFFSET,
     HEADER_BYTES,
@@ -80,7 +80,7 @@ class SegmentCollector:
         (every result delivered) once their job finished `retention_s` ago.
 
         A job has finished when every item has a result: the completion stage then
-        writes the job's `finished` mark (pipeline/job_files.py), which retention counts from.
+        writes the job's `finished` mark (pipeline/store/job_files.py), which retention counts from.
         """
         candidates = []
         now_ns = time.time_ns()

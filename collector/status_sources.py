@@ -4,8 +4,8 @@
 |----------------------------|-----------------------------------------------------|------------------|
 | lanes, in flight, rates, workers, dead letters | BROKER_STATUS to dispatch (`dispatch.bind`) | one request |
 | jobs: progress, rate, time left | JOB_STATUS to completion (`completion.bind`), one per job shown | one request per job |
-| which jobs exist           | each job's record (id, number, created_ns; read once per job) and its `finished` mark (ns; one read per unfinished job), through pipeline/job_files.py | a directory listing |
-| recent restarts            | the supervisor's report, `<data_dir>/supervisor.json` (pipeline/supervisor_report.py): its `deaths` | one read |
+| which jobs exist           | each job's record (id, number, created_ns; read once per job) and its `finished` mark (ns; one read per unfinished job), through pipeline/store/job_files.py | a directory listing |
+| recent restarts            | the supervisor's report, `<data_dir>/supervisor.json` (pipeline/process/supervisor_report.py): its `deaths` | one read |
 
 The data dir is read only when the dashboard runs where the broker does
 (`--config`, and not `--broker`); elsewhere jobs and restarts are left out,
@@ -21,10 +21,10 @@ from typing import Any
 
 from collector.job_state import with_in_flight
 from collector.results_client import DispatchClient, ResultsClient
-from pipeline.errors import BrokerUnavailableError, FabricError, IngestError
-from pipeline.job_files import JobFiles
-from pipeline.security import ClientCurve
-from pipeline.supervisor_report import read_report
+from pipeline.core.errors import BrokerUnavailableError, FabricError, IngestError
+from pipeline.process.supervisor_report import read_report
+from pipeline.store.job_files import JobFiles
+from pipeline.transport.security import ClientCurve
 
 FINISHED_SHOWN_S = 300.0  # a finished job stays on the dashboard this long
 JOBS_SHOWN = 8
@@ -144,7 +144,7 @@ class Sources:
         curve: ClientCurve | None = None,
     ) -> None:
         self.dispatch_address = dispatch_address
-        self.curve = curve  # CURVE keys for both addresses (pipeline/security.py)
+        self.curve = curve  # CURVE keys for both addresses (pipeline/transport/security.py)
         self.only_job = only_job
         self.completion_address = completion_address
         self.timeout_s = timeout_s

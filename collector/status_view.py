@@ -6,8 +6,8 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from pipeline.job_states import JobState
-from pipeline.stage_restarts import describe
+from pipeline.core.job_states import JobState
+from pipeline.process.stage_restarts import describe
 
 
 def _table(header: list[str], rows: list[list[Any]]) -> str:

@@ -31,9 +31,9 @@ from typing import Any, TextIO
 
 from collector.status_sources import Snapshot, Sources
 from collector.status_view import duration, job_done, job_fields
-from pipeline import exitcodes
-from pipeline.stage import StopFlags
-from pipeline.stage_restarts import describe
+from pipeline.core import exitcodes
+from pipeline.process.stage import StopFlags
+from pipeline.process.stage_restarts import describe
 
 PAUSE_SLICE_S = 0.05  # how often the wait between refreshes looks at the stop flag
 

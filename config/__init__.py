@@ -9,6 +9,6 @@ See docs/configuration.md for every key.
 
 from config.load import load_settings
 from config.settings import Settings
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
 
 __all__ = ["ConfigError", "Settings", "load_settings"]

@@ -245,7 +245,7 @@ DEFAULTS: Final[dict[str, Any]] = {
 # The keys of one [[models]] table.
 MODEL_DEFAULTS: Final[dict[str, Any]] = {
     # What input lines name in body.model: 1-64 of letters, digits, '/', ':', '.', '_' and '-'
-    # (pipeline/model_names.py), e.g. "meta-llama/Llama-3.1-8B-Instruct".
+    # (pipeline/store/model_names.py), e.g. "meta-llama/Llama-3.1-8B-Instruct".
     "name": REQUIRED,
     # Engine that runs the model: a key of ENGINE_ENDPOINTS.
     "engine": REQUIRED,

@@ -20,7 +20,7 @@ from typing import Any
 from config.defaults import DEFAULTS
 from config.settings import Settings, build_settings
 from config.validate import validate
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
 
 __all__ = ["load_settings", "read_toml", "validate"]
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from config.defaults import ENDPOINTS, ENGINE_ENDPOINTS
-from pipeline.model_names import NAME_RULE, name_problem
+from pipeline.store.model_names import NAME_RULE, name_problem
 
 MIN_SEGMENT_BYTES: Final = 1024 * 1024
 MIN_FIRST_SEGMENT_BYTES: Final = 64 * 1024

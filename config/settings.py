@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from config.defaults import BY_ENGINE, DEFAULTS, ENGINE_ENDPOINTS, MODEL_DEFAULTS, SECTIONS
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,7 +180,7 @@ class ApiSettings:
 
 @dataclass(frozen=True, slots=True)
 class SecuritySettings:
-    """[security]: CURVE keys of the broker and its clients (pipeline/security.py uses them)."""
+    """[security]: CURVE keys of the broker and its clients (pipeline/transport/security.py uses them)."""
 
     server_key: str
     authorized_keys: str

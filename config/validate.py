@@ -20,7 +20,7 @@ and aliases (an alias is no model's name and no other model's alias),
 per model) naming served models, no two stages on one address, and the
 broker's key (`security.server_key`) only together with `security.authorized_keys`.
 Whether a bind may listen beyond loopback is judged when the broker starts
-(`pipeline/security.py`), since client commands read the same file.
+(`pipeline/transport/security.py`), since client commands read the same file.
 """
 
 import datetime
@@ -32,7 +32,7 @@ from typing import Any
 
 from config.defaults import DEFAULTS, MODEL_DEFAULTS, REQUIRED, SECTIONS
 from config.rules import ADDRESS, HTTP_ADDRESS, MODEL_RULES, RULES, WORKER_GROUP_RULES, Rule, clash
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
 
 
 def validate(data: Mapping[str, Any], source: str, overridden: Set[str] = frozenset()) -> None:

@@ -1,12 +1,12 @@
 """What dispatch and workers exchange, and what a worker may rely on (docs/wire.md).
 
 The worker SDK runs on remote GPU hosts: it depends on this module, the wire
-framing (`pipeline/wire.py`), the result kinds (`pipeline/result_kinds.py`)
-and the slot layout WORK ships (`pipeline/segment_format.py`), never on
+framing (`pipeline/transport/wire.py`), the result kinds (`pipeline/core/result_kinds.py`)
+and the slot layout WORK ships (`pipeline/store/segment_format.py`), never on
 dispatch's internal state.
 
 `ITEM_DTYPE` is one item's descriptor in WORK, RESULTS, HELLO and RECLAIM
-messages: where its slot lies and its seq (`pipeline/item_seq.py`).
+messages: where its slot lies and its seq (`pipeline/core/item_seq.py`).
 
 | field     | type | meaning                                  |
 |-----------|------|------------------------------------------|

@@ -39,7 +39,7 @@ from ingest.input_chunk import ChunkBuilder, InputChunk
 from ingest.jsonl_lines import numbered_lines
 from ingest.line_errors import DUPLICATE_CUSTOM_ID, LINE_TOO_LONG, LineError, Rejected, show
 from ingest.line_parser import parse_line
-from pipeline.errors import IngestError
+from pipeline.core.errors import IngestError
 
 Source = str | os.PathLike[str] | BinaryIO
 

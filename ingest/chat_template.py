@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ingest.line_parser import ChatMessage
-from pipeline.errors import TokenizerError
+from pipeline.core.errors import TokenizerError
 
 GENERATION_TAG = "<|assistant|>\n"
 

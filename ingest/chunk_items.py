@@ -7,7 +7,7 @@ both send a chunk on this way, so it is written once here.
 from __future__ import annotations
 
 from ingest.input_chunk import InputChunk
-from pipeline.ring_records import Items
+from pipeline.transport.ring_records import Items
 
 
 def items_of(chunk: InputChunk, job_no: int, deadline_ns: int) -> Items:

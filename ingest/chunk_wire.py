@@ -32,8 +32,8 @@ import orjson
 from ingest.input_chunk import InputChunk, fanout_entry, fanout_indexes, fanout_record
 from ingest.line_errors import LineError, Rejected
 from ingest.request_shape import SHAPE_PARAMETERS, Shape, parse_shape
-from pipeline.errors import WireError
-from pipeline.ragged import offsets_of, offsets_problem
+from pipeline.core.errors import WireError
+from pipeline.core.ragged import offsets_of, offsets_problem
 
 ARRAYS = (
     "line",
@@ -195,7 +195,7 @@ def _strings(blob: bytes, offsets: np.ndarray) -> tuple[str, ...]:
 
 
 def _offsets(raw: np.ndarray, n: int, blob: int, what: str) -> np.ndarray:
-    """n + 1 offsets from 0 to `blob`, never decreasing (pipeline/ragged.py's rule), as int64;
+    """n + 1 offsets from 0 to `blob`, never decreasing (pipeline/core/ragged.py's rule), as int64;
     WireError naming the array (`what`) and the problem otherwise."""
     problem = offsets_problem(raw, n, blob)
     _check(problem is None, f"{what} offsets into {blob} entries: {problem}")

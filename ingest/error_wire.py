@@ -32,8 +32,8 @@ import numpy as np
 import orjson
 
 from ingest.line_errors import LineError
-from pipeline.errors import WireError
-from pipeline.ragged import offsets_of, offsets_problem
+from pipeline.core.errors import WireError
+from pipeline.core.ragged import offsets_of, offsets_problem
 
 ARRAYS = (
     "err_line",

@@ -17,7 +17,7 @@ from ingest.catalog import ModelCatalog
 from ingest.error_wire import errors_to_wire
 from ingest.jobs import Job, JobRegistry
 from ingest.line_errors import LineError
-from pipeline.errors import IngestError
+from pipeline.core.errors import IngestError
 
 
 def catalog(settings, models: ModelCatalog) -> dict[str, Any]:

@@ -56,22 +56,23 @@ from ingest.custom_ids import Digests
 from ingest.error_wire import errors_from_wire
 from ingest.inflight import DEADLINE_MARGIN_S, Inflight, InflightChunks
 from ingest.input_chunk import InputChunk
-from ingest.jobs import DELIVER_FILE, Job, JobRegistry, parse_deadline_field, parse_deliver
+from ingest.jobs import Job, JobRegistry, parse_deadline_field
 from ingest.line_errors import LineError
 from ingest.parked_chunks import ParkedChunks
 from ingest.peer_guard import PeerGuard
 from ingest.reconcile import stored_indexes
-from pipeline import wire
-from pipeline.datadir import DataDir
-from pipeline.disk_full import FullDisk
-from pipeline.errors import DiskFullError, FabricError, IngestError, WireError
-from pipeline.job_files import ChunkEntry, Landing, check_job_id
-from pipeline.job_states import JobState
-from pipeline.outlet import Outlet
-from pipeline.ring_records import put_items, split_items
-from pipeline.security import ServerGate
-from pipeline.stage import Stage, broker_epoch
-from pipeline.topology import internal_address
+from pipeline.core.errors import DiskFullError, FabricError, IngestError, WireError
+from pipeline.core.job_states import JobState
+from pipeline.process.stage import Stage, broker_epoch
+from pipeline.store.datadir import DataDir
+from pipeline.store.disk_full import FullDisk
+from pipeline.store.job_files import ChunkEntry, Landing, check_job_id
+from pipeline.store.job_record import DELIVER_FILE, parse_deliver
+from pipeline.transport import wire
+from pipeline.transport.outlet import Outlet
+from pipeline.transport.ring_records import put_items, split_items
+from pipeline.transport.security import ServerGate
+from pipeline.transport.topology import internal_address
 
 MT = wire.MessageType
 MAX_REPORTS_PER_STEP = 4096  # writer and tokenizer reports read in one step

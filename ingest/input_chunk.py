@@ -22,7 +22,7 @@ chunk; those neither items nor errors were blank.
 A line with k > 1 parts (ingest.line_parser) is k consecutive items, one per
 part in part order, all with its line number. `item_index` gives each item's
 index in the job: line - 1 for a line's first part, and for parts 1..k-1
-consecutive indexes from `PART_BASE` (pipeline/item_seq.py), given in
+consecutive indexes from `PART_BASE` (pipeline/core/item_seq.py), given in
 reading order across the whole file; `fanout` lists (line, k, index of part
 1, n) for each such line, n the samples of each of its prompts (parts
 i * n .. i * n + n - 1 share prompt i; 1 unless the request set `n`). A chunk without fan-out has `item_index` None (every
@@ -39,8 +39,8 @@ import numpy as np
 from ingest.line_errors import LineError
 from ingest.line_parser import ParsedLine, TextPrompt
 from ingest.request_shape import Shape
-from pipeline.item_seq import PART_BASE
-from pipeline.ragged import offsets_of, scatter
+from pipeline.core.item_seq import PART_BASE
+from pipeline.core.ragged import offsets_of, scatter
 
 Fanout = tuple[tuple[int, int, int, int], ...]  # (line, parts, index of part 1, n) per line
 

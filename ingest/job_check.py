@@ -2,7 +2,7 @@
 
 | finding                | meaning                                                        |
 |------------------------|----------------------------------------------------------------|
-| `bad-job-record`       | job.json fails its checksum, names another job, or lacks fields: the job is refused (pipeline/job_record.py) |
+| `bad-job-record`       | job.json fails its checksum, names another job, or lacks fields: the job is refused (pipeline/store/job_record.py) |
 | `duplicate-job-number` | two job records claim one number: both are refused, so neither job's results go out under the other's custom_ids |
 
 Neither is repaired by `--fix`: which record is right needs a person (the
@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from pipeline.check import Finding
-from pipeline.job_record import RECORD_NAME, JobRecordError, read_job_record
+from pipeline.store.check import Finding
+from pipeline.store.job_record import RECORD_NAME, JobRecordError, read_job_record
 
 
 def check_job_records(data_root: Path) -> list[Finding]:

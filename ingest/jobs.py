@@ -2,9 +2,9 @@
 
 The registry writes `jobs/next-job-no`, `jobs/<job_id>/job.json` and
 `jobs/<job_id>/chunks.log`; their paths and formats, and the chunk events of
-the journal, are in pipeline/job_files.py (the one home of the `jobs/`
+the journal, are in pipeline/store/job_files.py (the one home of the `jobs/`
 layout). A job's item index is its line number minus one, and an item's seq
-in the log is its `pipeline.item_seq.seq_of(job_no, index)`, so a retried
+in the log is its `pipeline.core.item_seq.seq_of(job_no, index)`, so a retried
 chunk carries the same seqs. The registry has one owner (the front); it
 batches appends and makes them durable with `flush()`, before the producer
 hears anything.
@@ -17,33 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from ingest.custom_ids import CustomIdSet
-from pipeline.counter import DurableCounter
-from pipeline.errors import IngestError
-from pipeline.job_files import ChunkEntry, ChunkProgress, JobFiles, Landing
-from pipeline.job_states import JobState
-from pipeline.model_names import NAME_RULE, name_problem
-from pipeline.records import RecordLog
-from pipeline.segment import disk_error
-
-DELIVER_FILE = "file"
-DELIVER_VECTORS = "vectors"
-
-
-def parse_deliver(text: str) -> str:
-    """Where a job's results go: "file" (results clients), "vectors" (the vector store named
-    after each result's model) or "vectors:STORE". Returns the canonical form."""
-    kind, _, store = str(text).partition(":")
-    if kind == DELIVER_FILE and not store:
-        return DELIVER_FILE
-    if kind == DELIVER_VECTORS:
-        if not store:
-            return DELIVER_VECTORS
-        if name_problem(store) is None:
-            return f"{DELIVER_VECTORS}:{store}"
-    raise IngestError(
-        f"deliver {text!r} is not understood: use 'file', 'vectors' (a store named after "
-        f"the model) or 'vectors:STORE' (a store name of {NAME_RULE})"
-    )
+from pipeline.core.errors import IngestError
+from pipeline.core.job_states import JobState
+from pipeline.store.counter import DurableCounter
+from pipeline.store.job_files import ChunkEntry, ChunkProgress, JobFiles, Landing
+from pipeline.store.job_record import DELIVER_FILE
+from pipeline.store.records import RecordLog
+from pipeline.store.segment import disk_error
 
 
 def parse_deadline_field(value: Any) -> float | None:
@@ -63,7 +43,7 @@ def parse_deadline_field(value: Any) -> float | None:
 
 class Job:
     """One job's durable record and the front's view of it (its journal folded by
-    pipeline.job_files.ChunkProgress)."""
+    pipeline.store.job_files.ChunkProgress)."""
 
     def __init__(
         self,
@@ -119,7 +99,7 @@ class Job:
         landing: Landing | None = None,
     ) -> None:
         """Record that chunk `chunk` may start landing in the log (durable at flush); the front
-        records every try it sends on, with its `landing` (pipeline/job_files.py)."""
+        records every try it sends on, with its `landing` (pipeline/store/job_files.py)."""
         record = {
             "e": "accept",
             "c": chunk,
@@ -150,7 +130,7 @@ class Job:
         `digests` are those of `ids` (ingest.custom_ids.digests), if known; passing them
         says the ids were checked for repeats in the job already (the front's recheck).
         `parts` the chunk's fan-out lines, `[line, parts, index of part 1]`; `names` the
-        aliases its stored lines gave and `name_ix` which each gave (pipeline/job_files.py).
+        aliases its stored lines gave and `name_ix` which each gave (pipeline/store/job_files.py).
         """
         state = self.chunks[chunk]
         record = {
@@ -203,7 +183,7 @@ class Job:
 
 
 class JobRegistry:
-    """All jobs under `<data_dir>/jobs` (pipeline/job_files.py), loaded lazily; one owner."""
+    """All jobs under `<data_dir>/jobs` (pipeline/store/job_files.py), loaded lazily; one owner."""
 
     def __init__(self, data_root: Path) -> None:
         self.files = JobFiles(data_root)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import BinaryIO
 
-from pipeline.errors import IngestError
+from pipeline.core.errors import IngestError
 
 BLOCK_BYTES = 1 << 20
 _BOM = b"\xef\xbb\xbf"

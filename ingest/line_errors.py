@@ -14,7 +14,7 @@ from typing import Any, Final
 
 import orjson
 
-from pipeline.errors import InputLineError
+from pipeline.core.errors import InputLineError
 
 LINE_TOO_LONG: Final = "line_too_long"
 INVALID_JSON: Final = "invalid_json"

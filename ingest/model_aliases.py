@@ -12,7 +12,7 @@ front keeps that (`WrittenNames`) until it writes the chunk's commit record,
 which lists it for the stored lines that gave another name than their
 model's own: `names`, the aliases they gave, and `name_ix`, one entry per
 stored line (0 = its model's own name, k = `names[k - 1]`), left out when
-every stored line gave `names[0]` (pipeline/job_files.py). A chunk whose
+every stored line gave `names[0]` (pipeline/store/job_files.py). A chunk whose
 lines give their models' own names records neither: nothing per line, and
 nothing at all for a job without aliases.
 """

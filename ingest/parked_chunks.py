@@ -4,15 +4,15 @@ A front killed alone leaves the router, writers and tokenizers behind it running
 they may still hold the records of a chunk's try that the earlier front sent on, until
 that try's deadline. A retry checked and reconciled before then would land as well, so
 the retry waits here until the earlier try can no longer land (its `Landing` in the job's
-journal, pipeline/job_files.py: the broker epoch, the front life and the deadline). A new
+journal, pipeline/store/job_files.py: the broker epoch, the front life and the deadline). A new
 broker life starts with empty rings, and a front knows its own tries: neither waits.
 """
 
 from __future__ import annotations
 
 from ingest.inflight import DEADLINE_MARGIN_S
-from pipeline import wire
-from pipeline.job_files import ChunkEntry
+from pipeline.store.job_files import ChunkEntry
+from pipeline.transport import wire
 
 
 class ParkedChunks:

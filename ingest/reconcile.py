@@ -3,7 +3,7 @@
 A chunk that was accepted but never committed (a stage or the broker died,
 or the front gave up waiting) may have some of its items in the log. Its
 retry must store only the others. An item's seq joins its job and index
-(pipeline/item_seq.py), so this reads the seq column of the segments that could hold the chunk:
+(pipeline/core/item_seq.py), so this reads the seq column of the segments that could hold the chunk:
 those still open, or sealed after the chunk was accepted. Only retries pay
 for it; the normal path never scans.
 """
@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.datadir import DataDir
-from pipeline.errors import SegmentError
-from pipeline.item_seq import index_of, seq_range
-from pipeline.segment import Segment
-from pipeline.segment_format import EMPTY
+from pipeline.core.errors import SegmentError
+from pipeline.core.item_seq import index_of, seq_range
+from pipeline.store.datadir import DataDir
+from pipeline.store.segment import Segment
+from pipeline.store.segment_format import EMPTY
 
 
 def stored_indexes(

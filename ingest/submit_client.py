@@ -10,13 +10,13 @@ A job is sent in numbered chunks of `chunk_lines` lines, a few at a time
 durable in the broker's log, so when `submit_*` returns, the producer may
 exit. A chunk that fails retryably (a full disk, a busy broker) is sent
 again after a backoff of 0.2 s doubling to 5 s (`on_retry` hears of each;
-pipeline/broker_client.py `backoff_s`), one that gets no answer in
+pipeline/transport/broker_client.py `backoff_s`), one that gets no answer in
 `timeout_s` at once, and every one still unanswered when the connection was
-lost as soon as it is back (a restarted broker or front: pipeline/reconnect_watch.py);
+lost as soon as it is back (a restarted broker or front: pipeline/transport/reconnect_watch.py);
 the broker stores nothing twice. Small requests (the
 catalog, a job's status) go through the one request loop of every client
-(pipeline/broker_client.py). If the broker stays silent,
-BrokerUnavailableError (pipeline/errors.py) says how far the job got; running the same submit
+(pipeline/transport/broker_client.py). If the broker stays silent,
+BrokerUnavailableError (pipeline/core/errors.py) says how far the job got; running the same submit
 again with the same job id resumes after the chunks already acknowledged.
 
 Lines are parsed and checked here, with the broker's own catalog of models
@@ -43,13 +43,13 @@ from ingest.chunk_size import lines_per_chunk
 from ingest.chunk_wire import chunk_to_wire
 from ingest.error_wire import errors_from_wire
 from ingest.input_chunk import InputChunk
-from ingest.jobs import DELIVER_FILE
 from ingest.request_shape import Shape
-from pipeline import wire
-from pipeline.broker_client import BrokerClient, backoff_s
-from pipeline.errors import BrokerUnavailableError, IngestError
-from pipeline.reconnect_watch import ReconnectWatch
-from pipeline.security import ClientCurve
+from pipeline.core.errors import BrokerUnavailableError, IngestError
+from pipeline.store.job_record import DELIVER_FILE
+from pipeline.transport import wire
+from pipeline.transport.broker_client import BrokerClient, backoff_s
+from pipeline.transport.reconnect_watch import ReconnectWatch
+from pipeline.transport.security import ClientCurve
 
 MT = wire.MessageType
 QUICK_TRIES = 3  # requests that are not chunks: HELLO, JOB_STATUS
@@ -100,7 +100,7 @@ class Producer(BrokerClient):
         `attempts`: tries of one chunk. `curve`: this producer's CURVE keys, for a broker that
         requires them. `patient`: wait for a broker that is not listening yet (one just
         started) instead of failing fast; `on_waiting` hears once "waiting for the broker at
-        ADDR" (pipeline/first_contact.py)."""
+        ADDR" (pipeline/transport/first_contact.py)."""
         self._watch: ReconnectWatch | None = None  # made with each socket (`_connect`)
         super().__init__(
             address,

@@ -46,8 +46,8 @@ from ingest.line_errors import (
     show,
 )
 from ingest.line_parser import TEXT_FIELD, TextPrompt, too_many_tokens
-from pipeline.errors import TokenizerError
-from pipeline.ragged import offsets_of
+from pipeline.core.errors import TokenizerError
+from pipeline.core.ragged import offsets_of
 
 _IDS = attrgetter("ids")
 

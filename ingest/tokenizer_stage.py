@@ -26,12 +26,12 @@ from ingest.chunk_items import items_of, router_for
 from ingest.chunk_wire import chunk_from_wire
 from ingest.error_wire import errors_to_wire
 from ingest.tokenize import load_tokenizers, share_cores, tokenize_chunk
-from pipeline import wire
-from pipeline.errors import FabricError
-from pipeline.outlet import Outlet
-from pipeline.ring_records import Items, put_items, split_items
-from pipeline.stage import Stage
-from pipeline.topology import internal_address
+from pipeline.core.errors import FabricError
+from pipeline.process.stage import Stage
+from pipeline.transport import wire
+from pipeline.transport.outlet import Outlet
+from pipeline.transport.ring_records import Items, put_items, split_items
+from pipeline.transport.topology import internal_address
 
 ROOM_WAIT_MS = 5  # a step waiting for room in a full ring waits this long for the router
 

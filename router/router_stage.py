@@ -24,12 +24,14 @@ from collections import deque
 import numpy as np
 import zmq
 
-from pipeline import wire
-from pipeline.idle_wait import IdleWait
-from pipeline.outlet import Outlet
-from pipeline.ragged import offsets_of, pad
-from pipeline.ring_port import RingPort
-from pipeline.ring_records import (
+from pipeline.core.idle_wait import IdleWait
+from pipeline.core.ragged import offsets_of, pad
+from pipeline.process.stage import Stage
+from pipeline.store.intern_table import InternTable
+from pipeline.transport import wire
+from pipeline.transport.outlet import Outlet
+from pipeline.transport.ring_port import RingPort
+from pipeline.transport.ring_records import (
     ITEMS,
     Items,
     Keyed,
@@ -37,9 +39,7 @@ from pipeline.ring_records import (
     read_items,
     split_keyed,
 )
-from pipeline.stage import Stage
-from pipeline.topology import internal_address, rings_to
-from router.intern_table import InternTable
+from pipeline.transport.topology import internal_address, rings_to
 
 
 def writer_for(model: str, shape: int, lane: int, writers: int) -> int:

@@ -32,7 +32,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from pipeline.segment import Segment
+from pipeline.store.segment import Segment
 
 
 @dataclass

@@ -17,7 +17,7 @@ given up on that chunk and its producer will retry it. A full disk answers
 the chunk with a retryable error (nothing of a failed append is stored, and
 a failed sync fails exactly the chunks of its step; the next step's appends
 go on and its sync tries those segments again), logged once, not once per
-chunk (pipeline/disk_full.py); with nothing to append it probes the disk
+chunk (pipeline/store/disk_full.py); with nothing to append it probes the disk
 once a second, so "disk writable again" is said once space is freed whether
 or not more work comes.
 
@@ -42,20 +42,20 @@ from dataclasses import dataclass, field
 import numpy as np
 import zmq
 
-from pipeline import wire
-from pipeline.datadir import DataDir
-from pipeline.disk_full import FullDisk, probe
-from pipeline.errors import DiskFullError, FabricError
-from pipeline.idle_wait import IdleWait
-from pipeline.item_seq import seq_of
-from pipeline.metrics import FSYNC_BUCKETS_S, Histogram
-from pipeline.ring_port import RingPort
-from pipeline.ring_records import KEYED, Keyed, read_keyed
-from pipeline.segment import Segment
-from pipeline.segment_append import SegmentAppender, SegmentIds
-from pipeline.segment_format import KIND_INPUT, SegmentKey, slot_bytes_for
-from pipeline.stage import Stage
-from pipeline.topology import internal_address, rings_to
+from pipeline.core.errors import DiskFullError, FabricError
+from pipeline.core.idle_wait import IdleWait
+from pipeline.core.item_seq import seq_of
+from pipeline.process.stage import Stage
+from pipeline.store.datadir import DataDir
+from pipeline.store.disk_full import FullDisk, probe
+from pipeline.store.segment import Segment
+from pipeline.store.segment_append import SegmentAppender, SegmentIds
+from pipeline.store.segment_format import KIND_INPUT, SegmentKey, slot_bytes_for
+from pipeline.telemetry.metrics import FSYNC_BUCKETS_S, Histogram
+from pipeline.transport import wire
+from pipeline.transport.ring_port import RingPort
+from pipeline.transport.ring_records import KEYED, Keyed, read_keyed
+from pipeline.transport.topology import internal_address, rings_to
 from router.sync_thread import SyncThread, Ticket
 
 MAX_RECORDS_PER_STEP = 256

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.datadir import DataDir
-from pipeline.segment_append import SegmentAppender, SegmentIds
-from pipeline.segment_format import KIND_INPUT, SegmentKey, slot_bytes_for
+from pipeline.store.datadir import DataDir
+from pipeline.store.segment_append import SegmentAppender, SegmentIds
+from pipeline.store.segment_format import KIND_INPUT, SegmentKey, slot_bytes_for
 
 LANE = 64
 KEY = SegmentKey(KIND_INPUT, "minilm", shape=1, lane=LANE)

@@ -17,20 +17,20 @@ from client_commands import run_cli
 from conftest import wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
-from pipeline.datadir import DataDir
-from pipeline.errors import FabricError
-from pipeline.ports import free_loopback_ports
-from pipeline.ring import Ring
-from pipeline.security import client_curve
-from pipeline.segment import Segment
-from pipeline.supervisor_report import all_up, read_report, stage_pids
-from pipeline.topology import client_address, ring_specs
+from pipeline.core.errors import FabricError
+from pipeline.process.supervisor_report import all_up, read_report, stage_pids
+from pipeline.store.datadir import DataDir
+from pipeline.store.segment import Segment
+from pipeline.transport.ports import free_loopback_ports
+from pipeline.transport.ring import Ring
+from pipeline.transport.security import client_curve
+from pipeline.transport.topology import client_address, ring_specs
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def free_ports(n: int) -> list[int]:
-    """n free loopback ports, reserved host-wide for this test (pipeline/ports.py): no other
+    """n free loopback ports, reserved host-wide for this test (pipeline/transport/ports.py): no other
     test process, on this host or in another suite, gets them while this test runs, even while
     its broker is killed and down. conftest.py's `ports_of_the_test` gives them back after the
     test; a module's or the session's fixture keeps its own until the process ends."""
@@ -176,7 +176,7 @@ class Broker:
         return path.read_text() if path.exists() else ""
 
     def report(self) -> dict | None:
-        """The supervisor's report of this broker life (pipeline/supervisor_report.py)."""
+        """The supervisor's report of this broker life (pipeline/process/supervisor_report.py)."""
         report = read_report(self.data_dir.root)
         if report is None or self.proc is None or report.get("pid") != self.proc.pid:
             return None

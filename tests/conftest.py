@@ -22,8 +22,8 @@ import xdist_schedule
 import zygote
 from batches import KEY, LANE, SLOT_BYTES, appender, make_batch  # noqa: F401 (for the tests)
 
-from pipeline.datadir import DataDir
-from pipeline.ports import release_ports, reserved_ports
+from pipeline.store.datadir import DataDir
+from pipeline.transport.ports import release_ports, reserved_ports
 
 # One SmolLM2 broker for the session (tests/smollm2.py). Defined here, once: a fixture
 # bound in each test module would be one fixture per module, and one broker and worker each.
@@ -117,7 +117,7 @@ def _uses_a_module_fixture(item) -> bool:
 @pytest.fixture(autouse=True)
 def ports_of_the_test():
     """Give back, after each test, the ports picked for it (tests/broker.py `free_ports`,
-    pipeline/ports.py), its brokers stopped: a fixture of the module or the session is made
+    pipeline/transport/ports.py), its brokers stopped: a fixture of the module or the session is made
     before this one, so the ports it picked stay reserved for as long as it lives."""
     before = reserved_ports()
     yield

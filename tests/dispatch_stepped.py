@@ -1,7 +1,7 @@
 """A real DispatchStage stepped in-process with a fake clock, for tests (tests/test_dispatch_*).
 
 `SteppedDispatch` opens the production stage on a real data dir (input
-segments written with pipeline/segment.py) and real sockets: its worker
+segments written with pipeline/store/segment.py) and real sockets: its worker
 ROUTER on a loopback port, its inbox and the completion socket on ipc. The
 test plays the workers (`FakeWorker`, a DEALER speaking the worker protocol)
 and the completion stage (`FakeCompletion`: it takes forwarded RESULTS and
@@ -21,14 +21,15 @@ from broker import write_config
 from conftest import make_batch
 
 from config import load_settings
-from gpu.dispatch import forward
 from gpu.dispatch.dispatch_stage import DispatchStage
 from gpu.work_protocol import ITEM_DTYPE
-from pipeline import item_seq, wire
-from pipeline.datadir import DataDir
-from pipeline.segment import Segment
-from pipeline.segment_format import KIND_INPUT, SegmentKey, slot_bytes_for
-from pipeline.topology import internal_address, run_dir
+from pipeline.core import item_seq
+from pipeline.store.datadir import DataDir
+from pipeline.store.segment import Segment
+from pipeline.store.segment_format import KIND_INPUT, SegmentKey, slot_bytes_for
+from pipeline.transport import wire
+from pipeline.transport.topology import internal_address, run_dir
+from pipeline.transport.wire import forwarded
 
 MT = wire.MessageType
 LANE = 64
@@ -130,7 +131,7 @@ class FakeCompletion:
     def pump(self) -> int:
         """Take and retire what has arrived; the number of messages."""
         taken = 0
-        while (message := forward.recv(self.inbox, 0)) is not None:
+        while (message := forwarded.recv(self.inbox, 0)) is not None:
             taken += 1
             items = message.arrays["items"]
             acks = []

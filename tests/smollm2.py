@@ -119,7 +119,7 @@ def smol_broker(tmp_path_factory):
     must check clean."""
     from conftest import assert_check_clean
 
-    from pipeline import exitcodes
+    from pipeline.core import exitcodes
 
     with broker_with_worker(tmp_path_factory.mktemp("smol-broker"), tmp_path_factory) as b:
         yield b

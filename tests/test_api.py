@@ -23,10 +23,10 @@ from api.file_store import PURPOSE_OUTPUT, FileRecord, FileStore, output_file_id
 from api.retention import OutputRetention
 from api.upload import JsonlChecker
 from config import load_settings
-from pipeline.errors import ConfigError
-from pipeline.job_files import JobFiles
-from pipeline.job_states import BatchStatus
-from pipeline.security import check_exposure
+from pipeline.core.errors import ConfigError
+from pipeline.core.job_states import BatchStatus
+from pipeline.store.job_files import JobFiles
+from pipeline.transport.security import check_exposure
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/embeddings")
 KEYS = {"key-a": "team-a", "key-b": "team-b"}
@@ -462,6 +462,6 @@ def test_requests_are_counted_per_route_template(client):
     assert requests[("/v1/files/{file_id}", "GET", "200")] == 1
     assert requests[("/v1/files/{file_id}", "GET", "404")] == 1
     assert stats["fabric_api_request_seconds_total"][("/v1/files/{file_id}", "GET")] > 0
-    from pipeline.metrics import encode_samples
+    from pipeline.telemetry.metrics import encode_samples
 
     assert encode_samples(stats)  # the catalogue takes them

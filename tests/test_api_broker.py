@@ -32,7 +32,7 @@ from collector.results_client import ResultsClient
 from ingest import submit_client
 from ingest.batch_input import iter_batch_input
 from ingest.submit_client import Producer
-from pipeline.topology import client_address
+from pipeline.transport.topology import client_address
 
 GENERATE = '["/v1/embeddings", "/v1/chat/completions", "/v1/completions", "/v1/responses"]'
 DONE = ("completed", "failed", "expired", "cancelled")
@@ -615,7 +615,7 @@ def job_state_at_each_door(broker: Broker, job_id: str, tmp_path: Path) -> dict[
 def test_a_short_window_expires_keeping_results_made_and_every_door_says_expired(slow, tmp_path):
     """At expires_at the batch's job is cancelled at its deadline: the batch ends `expired`
     over HTTP, and `status JOB`, `status --watch` and `results` name its job `expired` too
-    (one table: pipeline/job_states.py OPENAI_STATUS), not `cancelled`."""
+    (one table: pipeline/core/job_states.py OPENAI_STATUS), not `cancelled`."""
     broker, client = slow
     path = tmp_path / "in.jsonl"
     write_jsonl(path, 500, seed=4)

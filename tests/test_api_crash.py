@@ -19,7 +19,7 @@ from broker import Broker, free_port, write_config, write_jsonl
 from conftest import assert_check_clean, wait_for
 
 from ingest.submit_client import Producer
-from pipeline.topology import client_address
+from pipeline.transport.topology import client_address
 
 LIVENESS_S = 120  # a batch ends this soon after the last kill
 MAX_KILLS = 6  # each after the batches moved on, so in successive phases (was 10: a minute)

@@ -23,8 +23,8 @@ from api.batch_store import BatchStore, new_batch_id
 from api.file_store import FileStore
 from collector.results_client import ResultsClient
 from ingest.submit_client import Producer
-from pipeline.job_states import BatchStatus
-from pipeline.topology import client_address
+from pipeline.core.job_states import BatchStatus
+from pipeline.transport.topology import client_address
 
 S = BatchStatus
 T0 = 1_700_000_000  # the fake wall clock's start (unix seconds)

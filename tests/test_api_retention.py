@@ -13,8 +13,8 @@ from conftest import wait_for
 from test_api_broker import api_broker, finish, lines_of, requests_file, upload
 
 from collector.results_client import ResultsClient
-from pipeline.job_files import JobFiles
-from pipeline.topology import client_address
+from pipeline.store.job_files import JobFiles
+from pipeline.transport.topology import client_address
 
 RETENTION_S = 12.0  # long enough to download the files first on a loaded machine
 

@@ -32,9 +32,10 @@ from config import load_settings
 from config.settings import SecuritySettings
 from gpu.work_protocol import ITEM_DTYPE
 from gpu.worker.options import WorkerOptions
-from pipeline import exitcodes, wire
-from pipeline.errors import ConfigError
-from pipeline.security import ClientCurve, client_curve, read_key_pair, read_public_key
+from pipeline.core import exitcodes
+from pipeline.core.errors import ConfigError
+from pipeline.transport import wire
+from pipeline.transport.security import ClientCurve, client_curve, read_key_pair, read_public_key
 
 MT = wire.MessageType
 INTRUDER_SESSION = "badc0ffeebadc0ff"

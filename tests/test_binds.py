@@ -1,4 +1,4 @@
-"""The one table of the ports a broker listens on (pipeline/binds.py), and the three start-up
+"""The one table of the ports a broker listens on (pipeline/transport/binds.py), and the three start-up
 steps that read it: each row is checked for exposure, probed before the start, and listed.
 
 Every row is tried here, so a bind setting added to the config defaults without its row
@@ -14,11 +14,11 @@ from broker import free_ports
 from config import ConfigError, load_settings
 from config.defaults import DEFAULTS, SECTIONS
 from config.rules import ADDRESS, HTTP_ADDRESS, RULES
-from pipeline.announce import start_lines
-from pipeline.binds import BINDS, Bind, bound, host_port
-from pipeline.preflight import check_ports
-from pipeline.security import EXPOSURE_FIX, check_exposure
-from pipeline.topology import client_address
+from pipeline.process.announce import start_lines
+from pipeline.process.preflight import check_ports
+from pipeline.transport.binds import BINDS, Bind, bound, host_port
+from pipeline.transport.security import EXPOSURE_FIX, check_exposure
+from pipeline.transport.topology import client_address
 
 
 def test_every_bind_setting_of_the_defaults_has_its_row():

@@ -1,5 +1,5 @@
 """Every client goes through one request/retry loop and says "broker unavailable" one way
-(pipeline/broker_client.py, pipeline/errors.py BrokerUnavailableError), in-process."""
+(pipeline/transport/broker_client.py, pipeline/core/errors.py BrokerUnavailableError), in-process."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from conftest import wait_for
 from collector.results_client import DispatchClient, ResultsClient
 from collector.vectors.client import VectorsClient
 from ingest.submit_client import Producer
-from pipeline import wire
-from pipeline.broker_client import MAX_BACKOFF_S, BrokerClient, backoff_s
-from pipeline.errors import BrokerUnavailableError, FabricError
+from pipeline.core.errors import BrokerUnavailableError, FabricError
+from pipeline.transport import wire
+from pipeline.transport.broker_client import MAX_BACKOFF_S, BrokerClient, backoff_s
 
 MT = wire.MessageType
 
@@ -124,7 +124,7 @@ def test_backoff_doubles_from_a_fifth_of_a_second_to_five_with_jitter():
 def test_a_chunk_lost_with_a_dead_front_is_sent_again_as_soon_as_a_new_one_answers(tmp_path):
     """The front dies holding a chunk it never answered; a new front binds the same address:
     the producer sends the chunk again as soon as it is connected to the new one
-    (pipeline/reconnect_watch.py), not after its 30 s answer timeout."""
+    (pipeline/transport/reconnect_watch.py), not after its 30 s answer timeout."""
     import numpy as np
 
     def first(message):

@@ -180,14 +180,14 @@ def test_the_front_refuses_chunks_past_its_byte_caps_but_never_a_first_one():
 
 
 def test_offsets_that_wrap_around_in_a_difference_are_refused_naming_the_array():
-    """The one offsets rule (pipeline/ragged.py) compares offsets instead of subtracting them:
+    """The one offsets rule (pipeline/core/ragged.py) compares offsets instead of subtracting them:
     a difference of int64s wraps and once let [0, 2**63 - 1, -2**63, -1, 2] pass."""
     import pytest
 
     from ingest.chunk_wire import chunk_from_wire
     from ingest.error_wire import errors_from_wire, errors_to_wire
     from ingest.line_errors import LineError
-    from pipeline.errors import WireError
+    from pipeline.core.errors import WireError
 
     good = {
         "line": np.arange(1, 5, dtype="<u8"),

@@ -8,7 +8,7 @@ import threading
 
 from client_commands import run_cli
 
-from pipeline import exitcodes
+from pipeline.core import exitcodes
 
 
 def test_each_thread_gets_its_own_command_output_and_exit_code(tmp_path):

@@ -10,9 +10,9 @@ import numpy as np
 from conftest import appender, assert_check_clean, make_batch
 
 from collector.segments import SegmentCollector
-from pipeline.recovery import recover
-from pipeline.segment import Segment
-from pipeline.segment_format import HEADER_BYTES
+from pipeline.store.recovery import recover
+from pipeline.store.segment import Segment
+from pipeline.store.segment_format import HEADER_BYTES
 
 PROCS = Path(__file__).parent / "procs"
 

@@ -16,10 +16,10 @@ from conftest import appender, assert_check_clean, make_batch
 
 from collector.completion.record_format import SIZE_CLASSES
 from collector.completion.results_log import CompletionLog, Results
-from pipeline.recovery import recover
-from pipeline.result_kinds import ResultStatus
-from pipeline.segment import Segment
-from pipeline.segment_format import DEAD, LIVE
+from pipeline.core.result_kinds import ResultStatus
+from pipeline.store.recovery import recover
+from pipeline.store.segment import Segment
+from pipeline.store.segment_format import DEAD, LIVE
 
 PROCS = Path(__file__).parent / "procs"
 

@@ -19,10 +19,10 @@ from collector.segments import SegmentCollector
 from config import load_settings
 from gpu.work_protocol import ITEM_DTYPE
 from ingest.jobs import JobRegistry
-from pipeline import wire
-from pipeline.datadir import DataDir
-from pipeline.item_seq import seq_of
-from pipeline.topology import internal_address
+from pipeline.core.item_seq import seq_of
+from pipeline.store.datadir import DataDir
+from pipeline.transport import wire
+from pipeline.transport.topology import internal_address
 
 MT = wire.MessageType
 WALL_NS = 1_000 * 10**9  # the fake wall clock at which jobs finish in these tests

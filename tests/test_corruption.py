@@ -14,10 +14,10 @@ import pytest
 from conftest import appender, assert_check_clean, make_batch
 
 from assembly.check import check_data_dir
-from pipeline.errors import SegmentFormatError
-from pipeline.recovery import recover
-from pipeline.segment import Segment
-from pipeline.segment_format import HEADER_BYTES, HEADER_CHECKED, LIVE
+from pipeline.core.errors import SegmentFormatError
+from pipeline.store.recovery import recover
+from pipeline.store.segment import Segment
+from pipeline.store.segment_format import HEADER_BYTES, HEADER_CHECKED, LIVE
 
 REPO = Path(__file__).resolve().parents[1]
 

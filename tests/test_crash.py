@@ -28,9 +28,9 @@ import pytest
 import zygote
 from conftest import assert_check_clean
 
-from pipeline.recovery import recover
-from pipeline.segment import Segment
-from pipeline.segment_format import DEAD, LIVE
+from pipeline.store.recovery import recover
+from pipeline.store.segment import Segment
+from pipeline.store.segment_format import DEAD, LIVE
 
 PROCS = Path(__file__).parent / "procs"
 # 20 cycles, each killing a writer and a retirer after 1..40 acknowledged batches, at a random

@@ -22,10 +22,10 @@ from broker import Broker, submit, write_config, write_jsonl
 from client_commands import run_cli
 from conftest import assert_check_clean, wait_for
 
-from pipeline import exitcodes
-from pipeline.errors import FabricError
-from pipeline.segment import Segment
-from pipeline.segment_format import DEAD, EMPTY, LIVE
+from pipeline.core import exitcodes
+from pipeline.core.errors import FabricError
+from pipeline.store.segment import Segment
+from pipeline.store.segment_format import DEAD, EMPTY, LIVE
 
 # Three broker lives per test (queue, restart, stop): more than the suite's default 120 s
 # on a loaded machine.

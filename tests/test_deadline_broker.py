@@ -12,7 +12,7 @@ from conftest import assert_check_clean, wait_for
 
 from collector.results_client import ResultsClient
 from gpu.worker.options import WorkerOptions
-from pipeline import exitcodes
+from pipeline.core import exitcodes
 
 FAST = """lease_s = 6.0
 session_timeout_s = 2.0

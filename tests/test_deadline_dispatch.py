@@ -21,10 +21,10 @@ from gpu.dispatch.deadline_order import DEADLINE_RUN
 from gpu.dispatch.deadlines import JobDeadlines
 from gpu.dispatch.state import DispatchState
 from ingest.jobs import JobRegistry
-from pipeline import item_seq
-from pipeline.job_record import read_job_record
-from pipeline.segment import Segment
-from pipeline.segment_format import KIND_INPUT, SegmentKey, slot_bytes_for
+from pipeline.core import item_seq
+from pipeline.store.job_record import read_job_record
+from pipeline.store.segment import Segment
+from pipeline.store.segment_format import KIND_INPUT, SegmentKey, slot_bytes_for
 
 log = logging.getLogger("test")
 

@@ -8,8 +8,8 @@ import pytest
 
 from ingest.jobs import parse_deadline_field
 from ingest.submit_client import parse_deadline
-from pipeline.errors import IngestError
-from pipeline.job_record import record_deadline
+from pipeline.core.errors import IngestError
+from pipeline.store.job_record import record_deadline
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ from test_vector_sink import page
 
 from collector.delivery_client import Delivery
 from collector.results_client import ResultsClient
-from pipeline import wire
+from pipeline.transport import wire
 
 MT = wire.MessageType
 

@@ -13,7 +13,7 @@ import tomllib
 from broker import REPO
 from conftest import assert_check_clean
 
-from pipeline.datadir import DataDir
+from pipeline.store.datadir import DataDir
 
 
 def extras_only() -> list[str]:

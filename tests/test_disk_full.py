@@ -26,13 +26,13 @@ from collector.completion.record_format import FIRST_SEGMENT_BYTES
 from collector.results_client import ResultsClient
 from ingest.jobs import JobRegistry
 from ingest.submit_client import Producer
-from pipeline.datadir import DataDir
-from pipeline.disk_full import FullDisk
-from pipeline.errors import DiskFullError
-from pipeline.recovery import recover
-from pipeline.segment import Segment
-from pipeline.segment_append import capacity_for
-from pipeline.segment_format import LIVE, slot_bytes_for
+from pipeline.core.errors import DiskFullError
+from pipeline.store.datadir import DataDir
+from pipeline.store.disk_full import FullDisk
+from pipeline.store.recovery import recover
+from pipeline.store.segment import Segment
+from pipeline.store.segment_append import capacity_for
+from pipeline.store.segment_format import LIVE, slot_bytes_for
 
 
 @pytest.fixture
@@ -313,7 +313,7 @@ def test_the_writer_ends_a_full_disk_episode_once_space_is_freed_with_nothing_mo
     """The last failed write is never tried again (a retried chunk whose items an earlier try
     placed is not appended anew): the writer must find out by itself that the disk has room."""
     from config import load_settings
-    from pipeline.disk_full import CALM_S, RETRY_S
+    from pipeline.store.disk_full import CALM_S, RETRY_S
     from router.writer_stage import WriterStage
 
     settings = load_settings(None, {"broker": {"data_dir": str(tmp_path / "fabric")}})

@@ -1,6 +1,6 @@
 """Disk use with real processes: a small job leaves a small data dir.
 
-Segments start small and grow with their key's traffic (pipeline/segment_append.py), so a
+Segments start small and grow with their key's traffic (pipeline/store/segment_append.py), so a
 broker with the default `segment_bytes` (256 MiB) does not reserve 256 MiB per active lane,
 nor 64 MiB per job for its results.
 """
@@ -14,7 +14,7 @@ from broker import Broker, write_config
 from conftest import assert_check_clean, wait_for
 from test_dispatch_pipeline import assert_each_once, fetch, finished, submit_job
 
-from pipeline import exitcodes
+from pipeline.core import exitcodes
 
 # What the data dir may take after the job: four active lanes of 4 MiB first segments, the
 # job's results (a few hundred KiB) and the logs, dispatch files and tables besides.
@@ -56,7 +56,7 @@ def test_input_segments_double_up_to_segment_bytes_and_restart_small_when_idle(d
     import numpy as np
     from conftest import KEY, SLOT_BYTES, make_batch
 
-    from pipeline.segment_append import SegmentAppender, SegmentIds
+    from pipeline.store.segment_append import SegmentAppender, SegmentIds
 
     appender = SegmentAppender(
         data_dir, KEY, SLOT_BYTES, 4 << 20, SegmentIds(data_dir), idle_s=5.0, min_bytes=1 << 20

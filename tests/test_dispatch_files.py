@@ -28,7 +28,7 @@ from gpu.dispatch.file_format import (
     parse_header,
 )
 from gpu.work_protocol import ITEM_DTYPE
-from pipeline.errors import FabricError
+from pipeline.core.errors import FabricError
 
 PROCS = Path(__file__).parent / "procs"
 EPOCH = 1_764_000_000_123

@@ -1,4 +1,4 @@
-"""Results pass through dispatch unparsed (gpu/dispatch/forward.py): completion receives the
+"""Results pass through dispatch unparsed (pipeline/transport/wire/forwarded.py): completion receives the
 worker's RESULTS frames byte for byte, with the worker's route taken from dispatch's envelope."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import zmq
 
-from gpu.dispatch import forward
 from gpu.work_protocol import ITEM_DTYPE
-from pipeline import wire
-from pipeline.errors import WireError
+from pipeline.core.errors import WireError
+from pipeline.transport import wire
+from pipeline.transport.wire import forwarded
 
 MT = wire.MessageType
 
@@ -51,10 +51,10 @@ def test_a_worker_s_results_reach_completion_as_sent_with_dispatch_s_route(socke
     meta = {"session": "w-1", "result_id": 7, "batch_id": 9, "token": "t", "route": "ff"}
     wire.send(dealer, MT.RESULTS, meta, results_arrays())
     received = wire.recv(router, 2000)
-    frames = forward.forwarded(received)
+    frames = forwarded.forwarded(received)
     assert all(a is b for a, b in zip(frames[1:], received.frames, strict=True))  # not rebuilt
     push.send_multipart(frames, copy=False)
-    message = forward.recv(pull, 2000)
+    message = forwarded.recv(pull, 2000)
     assert message.type == MT.RESULTS and message.route == (b"w-1",)
     assert message.meta["route"] == b"w-1".hex()  # dispatch's word, not the worker's "ff"
     assert message.meta["result_id"] == 7 and message.meta["token"] == "t"
@@ -66,12 +66,12 @@ def test_item_errors_and_malformed_forwards_on_the_completion_inbox(sockets):
     _, _, push, pull = sockets
     items = np.zeros(2, ITEM_DTYPE)
     push.send_multipart(wire.encode(MT.ITEM_ERRORS, {"reason": "r"}, {"items": items}))
-    message = forward.recv(pull, 2000)
+    message = forwarded.recv(pull, 2000)
     assert message.type == MT.ITEM_ERRORS and message.route == ()
-    push.send_multipart([forward.FORWARDED + b"w-1", *wire.encode(MT.PING, {})])
+    push.send_multipart([forwarded.FORWARDED + b"w-1", *wire.encode(MT.PING, {})])
     with pytest.raises(WireError, match="only RESULTS"):
-        forward.recv(pull, 2000)
-    push.send_multipart([forward.FORWARDED + b"w-1", b"junk"])
+        forwarded.recv(pull, 2000)
+    push.send_multipart([forwarded.FORWARDED + b"w-1", b"junk"])
     with pytest.raises(WireError, match="truncated header"):
-        forward.recv(pull, 2000)
-    assert forward.recv(pull, 0) is None
+        forwarded.recv(pull, 2000)
+    assert forwarded.recv(pull, 0) is None

@@ -26,8 +26,8 @@ from conftest import assert_check_clean, wait_for
 
 from collector.results_client import DispatchClient
 from gpu.worker.options import WorkerOptions
-from pipeline import exitcodes
-from pipeline.supervisor_report import read_report
+from pipeline.core import exitcodes
+from pipeline.process.supervisor_report import read_report
 
 FAST = """lease_s = 6.0
 session_timeout_s = 2.0
@@ -339,7 +339,7 @@ def test_sigterm_to_the_broker_mid_job_drains_its_local_worker_and_the_next_life
     tmp_path, broker
 ):
     """Invariant 15 through the broker's own stop. Every stage's wait ends with the signal
-    (pipeline/stage.py), so the local worker drains at once: it finishes its running batch and
+    (pipeline/process/stage.py), so the local worker drains at once: it finishes its running batch and
     hands back the rest while dispatch and completion still run. No stage waits for its stop
     timeout to be killed; the data dir checks clean; the next life finishes the job with each
     line once and nothing computed twice."""
@@ -529,7 +529,7 @@ def test_delivered_results_expire_after_retention_and_finished_inputs_are_collec
 def test_the_heartbeat_port_answers_while_dispatch_restarts(tmp_path, broker):
     import zmq
 
-    from pipeline import wire
+    from pipeline.transport import wire
 
     b = broker(workers=0)
     context = zmq.Context()

@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpu.dispatch.state import DispatchState
-from pipeline import item_seq
-from pipeline.segment import Segment
-from pipeline.segment_format import DEAD, KIND_INPUT, SegmentKey, slot_bytes_for
+from pipeline.core import item_seq
+from pipeline.store.segment import Segment
+from pipeline.store.segment_format import DEAD, KIND_INPUT, SegmentKey, slot_bytes_for
 
 LANE = 64
 
@@ -153,7 +153,7 @@ def test_a_batch_can_be_handed_back_in_part(data_dir):
     )
 )
 def test_random_operations_never_lease_a_slot_twice_or_lose_one(tmp_path_factory, ops):
-    from pipeline.datadir import DataDir
+    from pipeline.store.datadir import DataDir
 
     data_dir = DataDir(tmp_path_factory.mktemp("d")).ensure()
     seg = segment(data_dir, 1, 30)

@@ -17,11 +17,11 @@ from dispatch_stepped import JOB_NO, MT, SteppedDispatch, input_segment
 from prometheus_client import CollectorRegistry, generate_latest
 
 from collector.status_watch import lane_rows
-from pipeline import item_seq
-from pipeline.item_error_codes import ItemErrorCode
-from pipeline.metrics import encode_samples
-from pipeline.metrics_hub import MetricsHub
-from pipeline.metrics_server import FabricCollector
+from pipeline.core import item_seq
+from pipeline.core.item_error_codes import ItemErrorCode
+from pipeline.telemetry.metrics import encode_samples
+from pipeline.telemetry.metrics_hub import MetricsHub
+from pipeline.telemetry.metrics_server import FabricCollector
 
 
 @pytest.fixture

@@ -53,7 +53,7 @@ from test_dispatch_pipeline import cli
 from test_vllm_engine import GENERATE_MODEL, vllm_host  # noqa: F401 (the fixture)
 from tokenizers import Tokenizer
 
-from pipeline import exitcodes
+from pipeline.core import exitcodes
 
 COLLECTION = Path(__file__).parent / "data" / "doors"
 EMBEDDINGS = "/v1/embeddings"

@@ -36,9 +36,9 @@ from gpu.engines.registry import ENGINES, make_engine
 from gpu.work_protocol import ITEM_DTYPE
 from gpu.worker.results import results_message
 from ingest.catalog import COMPLETIONS, EMBEDDINGS, LOGPROB_ENGINES
-from pipeline import token_logprobs
-from pipeline.result_kinds import ResultKind, ResultStatus
-from pipeline.segment_format import SLOT_HEADER_WORDS
+from pipeline.core import token_logprobs
+from pipeline.core.result_kinds import ResultKind, ResultStatus
+from pipeline.store.segment_format import SLOT_HEADER_WORDS
 
 FOLLOWS, IGNORES, REFUSES = "follows", "ignores", "refuses"
 

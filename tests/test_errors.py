@@ -5,8 +5,8 @@ from __future__ import annotations
 import errno
 from pathlib import Path
 
-from pipeline.errors import DiskFullError, FabricError, SegmentError
-from pipeline.segment import disk_error
+from pipeline.core.errors import DiskFullError, FabricError, SegmentError
+from pipeline.store.segment import disk_error
 
 
 def test_a_full_disk_is_not_a_segment_error():

@@ -26,7 +26,7 @@ from conftest import wait_for
 from collector.delivery.lines import format_page, line_key, page_keys
 from collector.delivery.result_file import ResultFile, ResultFileError
 from collector.delivery.result_page import ExportContext, PageError, ResultPage
-from pipeline.errors import FabricError
+from pipeline.core.errors import FabricError
 
 EMBED, CHAT, COMPLETE = 1, 2, 3
 SHAPES = {

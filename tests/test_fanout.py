@@ -30,10 +30,10 @@ from ingest.batch_input import iter_batch_input
 from ingest.catalog import ModelCatalog
 from ingest.chunk_check import recheck
 from ingest.custom_ids import CustomIdSet
-from pipeline.errors import FabricError
-from pipeline.item_seq import PART_BASE
-from pipeline.job_files import JobFiles, acknowledged_indexes
-from router.intern_table import InternTable
+from pipeline.core.errors import FabricError
+from pipeline.core.item_seq import PART_BASE
+from pipeline.store.intern_table import InternTable
+from pipeline.store.job_files import JobFiles, acknowledged_indexes
 
 GEN_MODEL = """
 [[models]]
@@ -291,7 +291,7 @@ def test_a_64000_item_list_job_survives_a_broker_kill_with_each_line_once_and_wh
     data = write(tmp_path / "big.jsonl", lines)
     cmd = [sys.executable, "run.py", "submit", str(data), "--job-id", "big", "--chunk-lines", "50"]
     # an answer timeout longer than the test: a chunk lost with the killed broker must be sent
-    # again as soon as the producer is connected to the new one (pipeline/reconnect_watch.py)
+    # again as soon as the producer is connected to the new one (pipeline/transport/reconnect_watch.py)
     cmd += ["--timeout", "900"]
     cmd.append("--config")  # --chunk-lines: submit would size chunks by parts (64 items each)
     producer = subprocess.Popen(
@@ -394,7 +394,7 @@ def test_completion_counts_lines_and_pages_carry_whole_lines_even_half_marked(da
     a line; a page is cut to about its limit in whole lines; and a line whose parts were
     marked delivered only in part (a crash between segments) still comes whole."""
     from collector.completion.results_log import CompletionLog
-    from pipeline.line_table import LineTable
+    from pipeline.core.line_table import LineTable
 
     table = LineTable()
     table.add([[1, 3, PART_BASE], [2, 3, PART_BASE + 2], [3, 3, PART_BASE + 4]])

@@ -15,7 +15,7 @@ from test_dispatch_pipeline import job_info
 from test_fanout import embed, line, run_job, write
 
 from ingest.chunk_size import lines_per_chunk, parts_of
-from pipeline.job_files import JobFiles
+from pipeline.store.job_files import JobFiles
 
 broker = test_fanout.broker  # the fixture: a broker with the echo model `gen`
 

@@ -18,7 +18,7 @@ from collector.delivery import join, lines
 from collector.delivery.join import join_lines
 from collector.delivery.lines import format_page, page_keys
 from collector.delivery.result_page import ExportContext, ResultPage
-from pipeline.result_kinds import ResultKind, ResultStatus
+from pipeline.core.result_kinds import ResultKind, ResultStatus
 
 
 def fanned_page(rows: int = 12, per_line: int = 4, dim: int = 3, failed_row: int = 5):
@@ -154,8 +154,8 @@ def test_completion_reads_past_the_parts_of_lines_not_done_yet(data_dir):
     limit (an earlier line waiting for its last part held back every later line) nor get read
     and checksummed again on every page (collector/completion/line_pages.py `ready_rows`)."""
     from collector.completion.results_log import CompletionLog
-    from pipeline.item_seq import PART_BASE
-    from pipeline.line_table import LineTable
+    from pipeline.core.item_seq import PART_BASE
+    from pipeline.core.line_table import LineTable
 
     table = LineTable()
     table.add([[1, 3, PART_BASE], [2, 3, PART_BASE + 2]])

@@ -23,10 +23,10 @@ from test_dispatch_pipeline import assert_each_once, job_info
 from test_fanout import line, outputs, run_job, write
 from test_oneshot import RUN_BOUND_S, batch
 
-from pipeline import exitcodes
-from pipeline.datadir import DataDir
-from pipeline.item_seq import PART_BASE
-from pipeline.line_table import LineTable
+from pipeline.core import exitcodes
+from pipeline.core.item_seq import PART_BASE
+from pipeline.core.line_table import LineTable
+from pipeline.store.datadir import DataDir
 
 broker = test_fanout.broker  # the fixture: a broker with the echo model `gen`
 

@@ -25,7 +25,7 @@ from broker import REPO, Broker, free_port, submit, write_config, write_jsonl
 from conftest import wait_for
 
 from gpu.worker.options import WorkerOptions
-from pipeline import exitcodes
+from pipeline.core import exitcodes
 
 
 @pytest.fixture(scope="module")

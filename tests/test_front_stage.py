@@ -19,9 +19,9 @@ from ingest.batch_input import iter_batch_input
 from ingest.chunk_wire import chunk_to_wire
 from ingest.front_stage import FrontStage
 from ingest.inflight import DEADLINE_MARGIN_S
-from pipeline import wire
-from pipeline.datadir import DataDir
-from pipeline.topology import internal_address
+from pipeline.store.datadir import DataDir
+from pipeline.transport import wire
+from pipeline.transport.topology import internal_address
 
 MT = wire.MessageType
 T0 = 1000.0  # the test's clock: far from the host's monotonic clock, so a real read shows

@@ -29,8 +29,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpu.work_protocol import ITEM_DTYPE
-from pipeline import exitcodes, wire
-from pipeline.wire import HEADER, MAGIC
+from pipeline.core import exitcodes
+from pipeline.transport import wire
+from pipeline.transport.wire import HEADER, MAGIC
 
 MT = wire.MessageType
 PORTS = ("ingest", "dispatch", "heartbeat", "completion", "vectors")

@@ -27,10 +27,10 @@ from ingest.chunk_wire import chunk_from_wire, chunk_to_wire
 from ingest.input_chunk import InputChunk
 from ingest.line_errors import LineError
 from ingest.request_shape import parse_shape
-from pipeline import wire
-from pipeline.errors import WireError
-from pipeline.segment import Segment
-from pipeline.segment_format import KIND_INPUT, SegmentKey, slot_bytes_for
+from pipeline.core.errors import WireError
+from pipeline.store.segment import Segment
+from pipeline.store.segment_format import KIND_INPUT, SegmentKey, slot_bytes_for
+from pipeline.transport import wire
 
 MT = wire.MessageType
 FUZZ = settings(

@@ -9,7 +9,7 @@ import pytest
 from broker import Broker, write_config
 from conftest import skip_or_fail
 
-from pipeline.binds import host_port
+from pipeline.transport.binds import host_port
 
 
 def test_a_missing_capability_skips_here_and_fails_where_ci_is_set(monkeypatch):

@@ -1,9 +1,9 @@
-"""pipeline/idle_wait.py: an idle loop waits short at first, longer once idle a while, short
+"""pipeline/core/idle_wait.py: an idle loop waits short at first, longer once idle a while, short
 again after work."""
 
 from __future__ import annotations
 
-from pipeline.idle_wait import IdleWait
+from pipeline.core.idle_wait import IdleWait
 
 
 def test_the_wait_is_short_until_idle_for_a_while_then_doubles_to_its_cap_and_work_resets_it():

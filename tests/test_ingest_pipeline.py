@@ -10,7 +10,8 @@ import zmq
 from broker import Broker, seq_counts, submit, write_config, write_jsonl
 from conftest import assert_check_clean, small_tmpfs, wait_for
 
-from pipeline import exitcodes, wire
+from pipeline.core import exitcodes
+from pipeline.transport import wire
 
 # A chunk that a killed stage took with it is sent again after 4 s (--timeout), up to 20 tries:
 # 80 s of patience in all, as 10 tries of 8 s were, with less of it spent waiting on each loss.

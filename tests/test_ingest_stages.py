@@ -1,7 +1,7 @@
 """Router and writer stages stepped in-process, on a clock of the test's own.
 
 A malformed message on their wakeup socket is logged, counted and skipped
-(pipeline/wire/sockets.py Inbox), never raised out of step(); a writer judges a
+(pipeline/transport/wire/sockets.py Inbox), never raised out of step(); a writer judges a
 record's deadline on the `now` it is given, appends the next step's records while
 the last step's segments sync and answers a chunk only once its sync is back
 (failed exactly when that sync failed); a router keeps an input record until the groups
@@ -18,13 +18,13 @@ from broker import write_config
 from conftest import wait_for
 
 from config import load_settings
-from pipeline import wire
-from pipeline.datadir import DataDir
-from pipeline.errors import DiskFullError
-from pipeline.ring import Ring
-from pipeline.ring_records import KEYED, Items, Keyed, put_items, put_keyed, read_keyed
-from pipeline.segment import Segment
-from pipeline.topology import internal_address, rings_to
+from pipeline.core.errors import DiskFullError
+from pipeline.store.datadir import DataDir
+from pipeline.store.segment import Segment
+from pipeline.transport import wire
+from pipeline.transport.ring import Ring
+from pipeline.transport.ring_records import KEYED, Items, Keyed, put_items, put_keyed, read_keyed
+from pipeline.transport.topology import internal_address, rings_to
 from router.router_stage import RouterStage
 from router.writer_stage import WriterStage
 

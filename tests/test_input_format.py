@@ -21,7 +21,7 @@ from ingest.custom_ids import CustomIdSet
 from ingest.jsonl_lines import numbered_lines
 from ingest.line_errors import CODES, LineError
 from ingest.request_shape import Shape
-from pipeline.errors import IngestError, InputLineError
+from pipeline.core.errors import IngestError, InputLineError
 
 DATA = Path(__file__).parent / "data"
 MODELS = [

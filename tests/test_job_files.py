@@ -1,4 +1,4 @@
-"""The `jobs/` layout's one home (pipeline/job_files.py): its marks, its listing, and the one
+"""The `jobs/` layout's one home (pipeline/store/job_files.py): its marks, its listing, and the one
 fold of `chunks.log` that the front and the completion stage's view share."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 
 from collector.job_view import JobIndex
 from ingest.jobs import JobRegistry
-from pipeline.errors import IngestError
-from pipeline.job_files import ChunkProgress, JobFiles, acknowledged_indexes
-from pipeline.job_states import JobState
+from pipeline.core.errors import IngestError
+from pipeline.core.job_states import JobState
+from pipeline.store.job_files import ChunkProgress, JobFiles, acknowledged_indexes
 
 
 def commit(c, first, last, stored, errors=(), final=False, lines=None, ids=None):

@@ -24,7 +24,9 @@ def test_a_job_created_after_a_miss_is_found_at_once_and_read_once(tmp_path, mon
     make_job(tmp_path, "b", 2)  # results for it can arrive within the same millisecond
     reads = []
     real = orjson.loads
-    monkeypatch.setattr("pipeline.job_record.orjson.loads", lambda b: reads.append(b) or real(b))
+    monkeypatch.setattr(
+        "pipeline.store.job_record.orjson.loads", lambda b: reads.append(b) or real(b)
+    )
     assert index.job_id(2) == "b"
     assert len(reads) == 1  # only the new job's job.json was read, not every job again
     assert index.job_id(3) is None
@@ -34,7 +36,7 @@ def test_a_job_created_after_a_miss_is_found_at_once_and_read_once(tmp_path, mon
 def test_a_changed_job_number_is_caught_by_the_record_checksum_and_the_job_refused(tmp_path):
     from ingest.job_check import check_job_records
     from ingest.jobs import JobRegistry
-    from pipeline.job_record import JobRecordError
+    from pipeline.store.job_record import JobRecordError
 
     registry = JobRegistry(tmp_path)
     registry.create("first", 10)

@@ -7,8 +7,8 @@ from test_completion_log import inputs, results
 
 from collector.completion.job_status import JobStatus
 from collector.completion.results_log import CompletionLog
-from pipeline.line_table import LineTable
-from pipeline.result_kinds import ResultKind, ResultStatus
+from pipeline.core.line_table import LineTable
+from pipeline.core.result_kinds import ResultKind, ResultStatus
 
 
 def with_prompts(batch, prompts):

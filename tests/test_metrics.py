@@ -26,10 +26,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpu.dispatch.arrivals import Arrivals
 from gpu.worker.options import WorkerOptions
-from pipeline import exitcodes
-from pipeline.metrics import COUNTER, FSYNC_BUCKETS_S, METRICS, Histogram, encode_samples
-from pipeline.metrics_hub import MetricsHub
-from pipeline.metrics_server import valid_samples
+from pipeline.core import exitcodes
+from pipeline.telemetry.metrics import COUNTER, FSYNC_BUCKETS_S, METRICS, Histogram, encode_samples
+from pipeline.telemetry.metrics_hub import MetricsHub
+from pipeline.telemetry.metrics_server import valid_samples
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = re.compile(r"fabric_[a-z][a-z0-9_]*[a-z0-9]")

@@ -16,7 +16,7 @@ import gpu.engines.minilm as minilm
 from gpu.engines.base import EMBED, EngineBatch, EngineError, TransientEngineError
 from gpu.engines.minilm import DIM, MODEL_SHA256, MiniLMEngine, minilm_tokenizer_path
 from gpu.engines.registry import make_engine
-from pipeline.segment_format import SLOT_HEADER_WORDS  # batches are views into whole slots
+from pipeline.store.segment_format import SLOT_HEADER_WORDS  # batches are views into whole slots
 
 REFERENCE = Path(__file__).parent / "data" / "minilm_reference.json"
 

@@ -30,12 +30,12 @@ from test_dispatch_pipeline import fetch, job_info
 from test_oneshot import batch
 
 from config import load_settings
-from pipeline import exitcodes
-from pipeline.errors import ConfigError
-from pipeline.file_names import file_safe, from_file_safe
-from pipeline.job_files import JobFiles, journal_records
-from pipeline.segment import Segment
-from pipeline.segment_format import KIND_INPUT, SegmentKey, segment_file_name
+from pipeline.core import exitcodes
+from pipeline.core.errors import ConfigError
+from pipeline.core.file_names import file_safe, from_file_safe
+from pipeline.store.job_files import JobFiles, journal_records
+from pipeline.store.segment import Segment
+from pipeline.store.segment_format import KIND_INPUT, SegmentKey, segment_file_name
 
 LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
 E5 = "intfloat/e5-mistral-7b-instruct"

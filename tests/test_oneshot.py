@@ -25,11 +25,11 @@ from client_commands import run_cli
 from conftest import assert_check_clean, read_only_dir, wait_for
 
 from config import load_settings
-from pipeline import exitcodes
-from pipeline.datadir import DataDir
-from pipeline.ring import Ring
-from pipeline.supervisor_report import read_report
-from pipeline.topology import ring_specs
+from pipeline.core import exitcodes
+from pipeline.process.supervisor_report import read_report
+from pipeline.store.datadir import DataDir
+from pipeline.transport.ring import Ring
+from pipeline.transport.topology import ring_specs
 
 LINES = 1200  # about 5 s of the simulated worker: enough to kill it while results stream
 RUN_BOUND_S = 240  # one whole run to the end, broker start and stop included, under load

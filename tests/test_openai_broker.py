@@ -26,7 +26,7 @@ from openai_fakes import EXTRA_PROMPT_TOKENS, REFUSED_MESSAGE, FakeOpenAI, Fault
 from test_dispatch_pipeline import assert_each_once, fetch, finished
 from test_fanout import errors, line, outputs, write
 
-from pipeline import exitcodes
+from pipeline.core import exitcodes
 
 UP_MODEL = """
 [[models]]

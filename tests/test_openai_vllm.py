@@ -27,7 +27,7 @@ from smollm2 import model_dir, needs_model, shared_root
 from test_dispatch_pipeline import assert_each_once, fetch, finished
 from test_fanout import line, outputs, write
 
-from pipeline import exitcodes
+from pipeline.core import exitcodes
 
 VLLM_PYTHON = os.environ.get("FABRIC_VLLM_PYTHON", "")
 START_S = 900  # vLLM's CPU build compiles its graphs at start: minutes on 2 cores

@@ -1,4 +1,4 @@
-"""Free ports for generated configs, reserved host-wide (pipeline/ports.py): two test suites,
+"""Free ports for generated configs, reserved host-wide (pipeline/transport/ports.py): two test suites,
 or `run.py batch` next to a test run, on one host never pick the same port, even while the
 broker on it is killed and down."""
 
@@ -14,13 +14,18 @@ from pathlib import Path
 from broker import REPO, Broker, write_config
 from conftest import wait_for
 
-from pipeline.binds import bound, host_port
-from pipeline.ports import EPHEMERAL_RANGE, free_loopback_ports, release_ports, reserved_ports
+from pipeline.transport.binds import bound, host_port
+from pipeline.transport.ports import (
+    EPHEMERAL_RANGE,
+    free_loopback_ports,
+    release_ports,
+    reserved_ports,
+)
 
 # Another process on the host: it picks n ports from the candidates, prints them, and holds
 # them until its stdin closes (or it is killed).
 PICKER = (
-    "import json, sys; from pipeline.ports import free_loopback_ports; "
+    "import json, sys; from pipeline.transport.ports import free_loopback_ports; "
     "print(json.dumps(free_loopback_ports(int(sys.argv[1]), json.loads(sys.argv[2]))), "
     "flush=True); sys.stdin.read()"
 )

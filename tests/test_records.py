@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from pipeline.counter import DurableCounter
-from pipeline.records import RecordLog, encode_record, read_records
-from router.intern_table import InternTable
+from pipeline.store.counter import DurableCounter
+from pipeline.store.intern_table import InternTable
+from pipeline.store.records import RecordLog, encode_record, read_records
 
 EMBED = {"endpoint": "/v1/embeddings", "priority": 0}
 CHAT = {"endpoint": "/v1/chat/completions", "max_tokens": 16, "temperature": 0.0, "priority": 2}
@@ -44,7 +44,7 @@ def test_a_flipped_byte_stops_the_reader_there(tmp_path):
 
 def test_counter_is_unique_across_processes_and_honours_the_floor(tmp_path):
     code = (
-        "import sys; from pipeline.counter import DurableCounter;"
+        "import sys; from pipeline.store.counter import DurableCounter;"
         "c = DurableCounter(sys.argv[1]); print(' '.join(str(c.next()) for _ in range(100)))"
     )
     procs = [
@@ -86,7 +86,7 @@ def test_shape_ids_are_shared_durable_and_canonical(tmp_path):
 
 def test_shapes_added_by_racing_processes_get_one_id_each(tmp_path):
     code = (
-        "import sys; from router.intern_table import InternTable; t = InternTable(sys.argv[1]);"
+        "import sys; from pipeline.store.intern_table import InternTable; t = InternTable(sys.argv[1]);"
         "print(' '.join(str(t.id_for({'endpoint': 'e', 'priority': p})) for p in range(20)))"
     )
     procs = [

@@ -19,7 +19,7 @@ from broker import Broker, submit, write_config
 from conftest import assert_check_clean
 from test_dispatch_pipeline import cli
 
-from pipeline import exitcodes
+from pipeline.core import exitcodes
 
 openai = pytest.importorskip("openai")
 from openai._models import construct_type  # noqa: E402

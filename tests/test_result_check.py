@@ -18,7 +18,7 @@ from collector.completion.result_check import (
     Expected,
     ResultCheck,
 )
-from pipeline.result_kinds import ResultKind
+from pipeline.core.result_kinds import ResultKind
 
 
 def message(

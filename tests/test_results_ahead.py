@@ -32,7 +32,7 @@ from test_dispatch_pipeline import (
 )
 
 from collector.delivery_client import Delivery
-from pipeline import wire
+from pipeline.transport import wire
 
 MT = wire.MessageType
 broker = test_dispatch_pipeline.broker  # the fixture: a real broker

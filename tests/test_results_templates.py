@@ -20,7 +20,7 @@ import orjson
 import pytest
 
 from collector.delivery.result_page import ExportContext, ResultPage
-from pipeline.token_logprobs import pack
+from pipeline.core.token_logprobs import pack
 
 EMBED, BASE64, CHAT, COMPLETE, CHAT_SCORED, COMPLETE_SCORED, RESPOND = 1, 2, 3, 4, 5, 6, 7
 COMPLETE_LONG = 8

@@ -21,8 +21,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.errors import RingError
-from pipeline.ring import (
+from pipeline.core.errors import RingError
+from pipeline.transport.ring import (
     HEADER_BYTES,
     NAME_MAX_CHARS,
     RECORD_HEADER_BYTES,

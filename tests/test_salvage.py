@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from conftest import KEY, SLOT_BYTES
 
-from pipeline.datadir import DataDir
-from pipeline.recovery import recover
-from pipeline.salvage import isolate, isolated_files
-from pipeline.segment import Segment
-from pipeline.segment_format import DEAD, HEADER_CHECKED, KIND_INPUT, SegmentKey
+from pipeline.store.datadir import DataDir
+from pipeline.store.recovery import recover
+from pipeline.store.salvage import isolate, isolated_files
+from pipeline.store.segment import Segment
+from pipeline.store.segment_format import DEAD, HEADER_CHECKED, KIND_INPUT, SegmentKey
 
 JOB_NO = 3
 

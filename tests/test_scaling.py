@@ -26,8 +26,8 @@ from client_commands import run_cli
 from conftest import assert_check_clean, skip_or_fail, wait_for
 
 from gpu.worker.options import WorkerOptions
-from pipeline import exitcodes
-from pipeline.errors import FabricError
+from pipeline.core import exitcodes
+from pipeline.core.errors import FabricError
 
 HOSTS = 3  # authorized worker hosts; one more host holds a key nobody authorized
 FAST = "lease_s = 6.0\nsession_timeout_s = 2.0\nreregister_grace_s = 0.5\nreport_s = 0.3"

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from conftest import KEY, SLOT_BYTES, appender, assert_check_clean, make_batch
 
-from pipeline.errors import SegmentError, SegmentFullError, SegmentSealedError
-from pipeline.recovery import recover
-from pipeline.segment import Segment
-from pipeline.segment_append import SegmentIds
-from pipeline.segment_format import (
+from pipeline.core.errors import SegmentError, SegmentFullError, SegmentSealedError
+from pipeline.store.recovery import recover
+from pipeline.store.segment import Segment
+from pipeline.store.segment_append import SegmentIds
+from pipeline.store.segment_format import (
     DEAD,
     HEADER_BYTES,
     LIVE,
@@ -136,7 +136,7 @@ def test_append_refusals_name_the_problem(data_dir, rng):
 
 def test_segment_ids_are_unique_across_processes(data_dir):
     code = (
-        "import sys; from pipeline.datadir import DataDir; from pipeline.segment_append import SegmentIds;"
+        "import sys; from pipeline.store.datadir import DataDir; from pipeline.store.segment_append import SegmentIds;"
         "ids = SegmentIds(DataDir(sys.argv[1]));"
         "print(' '.join(str(ids.allocate()) for _ in range(50)))"
     )
@@ -189,8 +189,8 @@ def test_recovery_summarises_seals_and_recounts(data_dir, rng):
 
 
 def test_segment_too_small_for_one_slot_is_refused_with_the_fix(data_dir):
-    from pipeline.segment_append import SegmentAppender
-    from pipeline.segment_format import KIND_INPUT, SegmentKey, slot_bytes_for
+    from pipeline.store.segment_append import SegmentAppender
+    from pipeline.store.segment_format import KIND_INPUT, SegmentKey, slot_bytes_for
 
     key = SegmentKey(KIND_INPUT, "big", 0, 1 << 20)
     with pytest.raises(

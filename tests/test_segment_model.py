@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from assembly.check import check_data_dir
-from pipeline.datadir import DataDir
-from pipeline.recovery import recover
-from pipeline.segment import Segment
-from pipeline.segment_format import DEAD, LIVE
+from pipeline.store.datadir import DataDir
+from pipeline.store.recovery import recover
+from pipeline.store.segment import Segment
+from pipeline.store.segment_format import DEAD, LIVE
 
 
 class SegmentLogMachine(RuleBasedStateMachine):

@@ -36,9 +36,9 @@ from gpu.dispatch.item_errors import ItemErrors
 from gpu.dispatch.report import idle_fraction
 from gpu.dispatch.sessions import Session
 from gpu.work_protocol import ITEM_DTYPE
-from pipeline import exitcodes
-from pipeline.item_error_codes import ItemErrorCode
-from pipeline.supervisor_report import write_report
+from pipeline.core import exitcodes
+from pipeline.core.item_error_codes import ItemErrorCode
+from pipeline.process.supervisor_report import write_report
 
 ROWS, COLS = 50, 150
 TOKENS = 100  # every item: lane 128
@@ -340,7 +340,7 @@ def test_dispatch_reports_idle_share_and_dead_letters_per_job():
 
 def test_the_runbook_and_its_examples_match_the_code():
     import run
-    from pipeline import logs
+    from pipeline.process import logs
 
     docs = REPO / "docs"
     runbook = (docs / "operations.md").read_text()

@@ -17,10 +17,10 @@ import pytest
 import zygote
 from conftest import assert_check_clean, wait_for
 
-from pipeline import exitcodes
-from pipeline.datadir import DataDir
-from pipeline.supervisor_report import read_report
-from pipeline.topology import run_dir_path
+from pipeline.core import exitcodes
+from pipeline.process.supervisor_report import read_report
+from pipeline.store.datadir import DataDir
+from pipeline.transport.topology import run_dir_path
 
 SUPERVISE = Path(__file__).resolve().parent / "procs" / "supervise.py"
 
@@ -152,7 +152,7 @@ def test_stages_never_outlive_a_killed_supervisor(data_dir, broker):
         wait_for(lambda label=label: pid_of(data_dir, label), label)
         for label in ("idle-0", "idle-1")
     ]
-    # The stages come from one fork server, a fork of the supervisor (pipeline/fork_server.py)
+    # The stages come from one fork server, a fork of the supervisor (pipeline/process/fork_server.py)
     # that holds none of its files: not the data dir's lock, not its log.
     server = parent_of(pids[0])
     assert parent_of(pids[1]) == server and parent_of(server) == proc.pid
@@ -171,7 +171,7 @@ def test_stages_never_outlive_a_killed_supervisor(data_dir, broker):
 
 
 def test_the_last_error_said_is_from_the_stages_last_life_only(tmp_path):
-    from pipeline.stage_restarts import last_error_line, log_size
+    from pipeline.process.stage_restarts import last_error_line, log_size
 
     log = tmp_path / "worker-0.log"
     log.write_text("t ERROR worker-0 1 a problem of an earlier life\n")
@@ -184,8 +184,8 @@ def test_the_last_error_said_is_from_the_stages_last_life_only(tmp_path):
 
 
 def test_status_lists_from_the_report_only_local_workers_that_died(tmp_path):
-    from pipeline.stage_restarts import read_restarts
-    from pipeline.supervisor_report import write_report
+    from pipeline.process.stage_restarts import read_restarts
+    from pipeline.process.supervisor_report import write_report
 
     def stage(label: str, critical: bool, deaths: int, state: str, at_ns: int = 0) -> dict:
         return {
@@ -269,7 +269,7 @@ def test_a_broker_started_right_after_a_kill_waits_for_the_last_lifes_stages(tmp
 
 
 def test_sigterm_ends_an_idle_supervisors_wait_at_once(data_dir, broker):
-    """An idle supervisor sleeps until a stage exits or something is due (pipeline/supervisor.py
+    """An idle supervisor sleeps until a stage exits or something is due (pipeline/process/supervisor.py
     `_wait_s`); a signal must end that sleep, not the next timeout: here the longest idle wait
     is 60 s, and the broker must have stopped well before."""
     proc = broker("idle:1", env={"FABRIC_TEST_IDLE_WAIT_S": "60"})
@@ -347,7 +347,7 @@ def test_a_stage_whose_main_thread_is_a_zombie_is_waited_for_until_its_threads_e
     once found the port in use, restarted within milliseconds of a whole-broker kill)."""
     import orjson
 
-    from pipeline.supervisor_report import left_from_last_life
+    from pipeline.process.supervisor_report import left_from_last_life
 
     holder = subprocess.Popen(
         [

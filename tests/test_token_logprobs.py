@@ -30,8 +30,8 @@ from config import load_settings
 from gpu.engines.base import EngineResult
 from gpu.worker.results import results_message
 from ingest.batch_input import iter_batch_input
-from pipeline import token_logprobs
-from pipeline.result_kinds import ResultKind
+from pipeline.core import token_logprobs
+from pipeline.core.result_kinds import ResultKind
 
 CHAT = "/v1/chat/completions"
 MODELS = [

@@ -18,7 +18,7 @@ from config import load_settings
 from ingest.batch_input import iter_batch_input
 from ingest.chat_template import render_role_tags
 from ingest.tokenize import ModelTokenizer, load_tokenizers, share_cores, tokenize_chunk
-from pipeline.errors import InputLineError, TokenizerError
+from pipeline.core.errors import InputLineError, TokenizerError
 
 WORDS = (
     "the",

@@ -18,11 +18,11 @@ from config import load_settings
 from ingest.batch_input import iter_batch_input
 from ingest.chunk_wire import chunk_to_wire
 from ingest.tokenizer_stage import TokenizerStage
-from pipeline import wire
-from pipeline.datadir import DataDir
-from pipeline.ring import Ring
-from pipeline.ring_records import read_items
-from pipeline.topology import internal_address, rings_from
+from pipeline.store.datadir import DataDir
+from pipeline.transport import wire
+from pipeline.transport.ring import Ring
+from pipeline.transport.ring_records import read_items
+from pipeline.transport.topology import internal_address, rings_from
 
 MT = wire.MessageType
 T0 = 1000.0  # the test's clock: far from the host's monotonic clock, so a real read shows

@@ -29,7 +29,7 @@ from gpu.engines.transformers import (
     left_padded,
     smollm2_tokenizer_path,
 )
-from pipeline.segment_format import SLOT_HEADER_WORDS  # batches are views into whole slots
+from pipeline.store.segment_format import SLOT_HEADER_WORDS  # batches are views into whole slots
 
 EOS = 2  # <|im_end|>
 

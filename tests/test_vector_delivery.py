@@ -23,10 +23,10 @@ from conftest import assert_check_clean, wait_for
 
 from collector.vectors.shard import IDS_DTYPE, shard_paths
 from config import load_settings
-from pipeline import exitcodes
-from pipeline.errors import FabricError
-from pipeline.security import client_curve
-from pipeline.topology import client_address
+from pipeline.core import exitcodes
+from pipeline.core.errors import FabricError
+from pipeline.transport.security import client_curve
+from pipeline.transport.topology import client_address
 
 NEEDLE = "w5 w6 w7 w8"
 SIM_WORKER = 'model = "sim"\nsimulated_tokens_per_s = 5e6\nbatch_items = 64\ntarget_batch_s = 0'

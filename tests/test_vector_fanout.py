@@ -18,8 +18,8 @@ from broker import WORDS, Broker, submit
 from conftest import assert_check_clean, wait_for
 from test_vector_delivery import SIM_WORKER, cli, delivered, store_rows
 
-from pipeline import exitcodes
-from pipeline.item_seq import PART_BASE, index_of, job_of
+from pipeline.core import exitcodes
+from pipeline.core.item_seq import PART_BASE, index_of, job_of
 
 broker = test_vector_delivery.broker  # the fixture: a broker with a `sim` worker
 

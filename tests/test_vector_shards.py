@@ -27,9 +27,9 @@ from collector.vectors.shard import (
 )
 from collector.vectors.store_catalog import create_store
 from collector.vectors.vector_store import VectorStore
-from pipeline.datadir import DataDir
-from pipeline.errors import DiskFullError
-from pipeline.records import read_records
+from pipeline.core.errors import DiskFullError
+from pipeline.store.datadir import DataDir
+from pipeline.store.records import read_records
 
 PROCS = Path(__file__).parent / "procs"
 _spec = importlib.util.spec_from_file_location("vector_writer", PROCS / "vector_writer.py")

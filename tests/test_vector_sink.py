@@ -11,9 +11,9 @@ import pytest
 
 from collector.vectors.sink import VectorSink
 from collector.vectors.store_catalog import StoreSet
-from pipeline.item_seq import PART_BASE
-from pipeline.job_files import JobFiles
-from pipeline.result_kinds import ResultKind
+from pipeline.core.item_seq import PART_BASE
+from pipeline.core.result_kinds import ResultKind
+from pipeline.store.job_files import JobFiles
 
 DIM = 8
 LOG = logging.getLogger("test")
@@ -169,7 +169,7 @@ def test_a_page_of_only_errors_is_acknowledged_without_a_flush(sink):
 
 def test_a_rotation_that_fails_midway_stores_each_row_once_after_the_retry(tmp_path, monkeypatch):
     from collector.vectors import vector_store as store_module
-    from pipeline.errors import DiskFullError
+    from pipeline.core.errors import DiskFullError
 
     make_job(tmp_path, "j", 7, "vectors:docs")
     stores = StoreSet(tmp_path / "vectors", "float32", 4 * DIM * 4)  # 4 rows a shard
@@ -203,7 +203,7 @@ def test_a_rotation_that_fails_midway_stores_each_row_once_after_the_retry(tmp_p
 def test_a_fan_out_page_keeps_its_parts_in_a_small_set_and_skips_them_when_sent_again(
     sink, tmp_path
 ):
-    """A part's item index is PART_BASE and up (pipeline/item_seq.py): the set of stored items
+    """A part's item index is PART_BASE and up (pipeline/core/item_seq.py): the set of stored items
     holds it at index - PART_BASE, not as bit 2**31 of one bitmap (2 GiB, grown and copied
     while the stage answers nobody)."""
     rng = np.random.default_rng(2)

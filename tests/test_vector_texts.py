@@ -9,7 +9,7 @@ from conftest import wait_for
 from test_vector_delivery import NEEDLE, SIM_WORKER, cli, delivered, write_texts
 
 from collector.vectors.texts import line_text
-from pipeline import exitcodes
+from pipeline.core import exitcodes
 
 
 def test_search_defaults_to_the_models_store_and_prints_the_hits_text(tmp_path):

@@ -23,7 +23,7 @@ import gpu.engines.vllm as ve
 from gpu.engines.base import EMBED, GENERATE, EngineBatch, EngineError
 from gpu.engines.registry import make_engine
 from gpu.engines.vllm import VllmEngine
-from pipeline.segment_format import SLOT_HEADER_WORDS  # batches are views into whole slots
+from pipeline.store.segment_format import SLOT_HEADER_WORDS  # batches are views into whole slots
 
 EXPECT_ENV = "FABRIC_EXPECT_VLLM"  # "1" on a GPU host with vLLM: its real runs fail, never skip
 

@@ -16,8 +16,8 @@ from conftest import fuzz_examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.errors import SendTimeoutError, WireError
-from pipeline.wire import (
+from pipeline.core.errors import SendTimeoutError, WireError
+from pipeline.transport.wire import (
     HEADER,
     MAGIC,
     REQUIRED_META,
@@ -519,7 +519,7 @@ def test_an_inbox_logs_counts_and_skips_a_malformed_message_and_reads_on(context
 
 
 def test_an_inbox_reads_through_the_receive_function_it_is_given(context, ipc_dir):
-    """Completion's inbox reads with gpu.dispatch.forward.recv: an inbox given `receive`
+    """Completion's inbox reads with pipeline.transport.wire.forwarded.recv: an inbox given `receive`
     reads every message through it, and what that function refuses is counted and skipped."""
     address = f"ipc://{ipc_dir}/inbox.sock"
     pull = open_socket(context, zmq.PULL, bind=address)

@@ -35,9 +35,10 @@ from gpu.engines.base import EngineResult
 from gpu.work_protocol import ITEM_DTYPE
 from gpu.worker.options import WorkerOptions
 from gpu.worker.results import results_message
-from pipeline import exitcodes, item_seq, wire
-from pipeline.errors import FabricError
-from pipeline.segment import Segment
+from pipeline.core import exitcodes, item_seq
+from pipeline.core.errors import FabricError
+from pipeline.store.segment import Segment
+from pipeline.transport import wire
 
 MT = wire.MessageType
 FAST = "lease_s = 6.0\nsession_timeout_s = 1.5\nreregister_grace_s = 0.5\nreport_s = 0.3"

@@ -91,7 +91,7 @@ class _Gate:
 
 
 def _worker_with(engine, **options):
-    from pipeline import wire
+    from pipeline.transport import wire
 
     worker = Worker(WorkerOptions("tcp://127.0.0.1:1", "m", **options), engine)
     sent = []
@@ -113,7 +113,7 @@ def _worker_with(engine, **options):
 
 
 def _welcome(worker, known: list[int]) -> None:
-    from pipeline import wire
+    from pipeline.transport import wire
 
     meta = {"epoch": 1, "report_s": 1e9}
     arrays = {"known": np.array(known, np.uint8)}
@@ -202,7 +202,7 @@ def test_an_idle_worker_waits_for_the_broker_until_its_next_timer():
 def test_a_worker_whose_engine_failed_on_a_batch_it_no_longer_holds_hands_back_and_exits():
     from conftest import wait_for
 
-    from pipeline import exitcodes
+    from pipeline.core import exitcodes
 
     engine = _Gate()
     worker, sent, work = _worker_with(engine)
@@ -229,7 +229,7 @@ def test_a_worker_whose_engine_thread_ended_or_took_no_work_hands_back_and_exits
 
     from conftest import wait_for
 
-    from pipeline import exitcodes
+    from pipeline.core import exitcodes
 
     worker, sent, work = _worker_with(_Gate())
     worker.engine_thread.stop(5)  # the engine thread ends, whatever the cause

@@ -9,7 +9,7 @@ from broker import WORDS, Broker, submit, write_config
 from test_dispatch_pipeline import assert_each_once, fetch, finished, job_info, stop_and_check
 
 from config import load_settings
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
 
 GROUPS = """[[workers]]
 model = "echo"

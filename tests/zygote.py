@@ -46,7 +46,7 @@ import setproctitle
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 # What a broker, a worker and the crash tests' helpers import, besides the standard library
-# (the supervisor's stage table names the rest: pipeline/stage.py StageSpec).
+# (the supervisor's stage table names the rest: pipeline/process/stage.py StageSpec).
 PRELOAD = (
     "numpy",
     "zmq",
@@ -61,9 +61,9 @@ PRELOAD = (
     "gpu.worker.options",
     "gpu.worker.session",
     "collector.results_client",
-    "pipeline.broker_client",
-    "pipeline.datadir",
-    "pipeline.segment",
+    "pipeline.transport.broker_client",
+    "pipeline.store.datadir",
+    "pipeline.store.segment",
     "batches",
 )
 _STATUS = struct.Struct("!i")  # a pid, then a wait status, each in one message

@@ -18,10 +18,10 @@ import logging
 import zmq
 
 from collector.job_view import JobView, write_cancel
-from pipeline import wire
-from pipeline.errors import FabricError
-from pipeline.job_states import JobState
-from pipeline.segment import disk_error
+from pipeline.core.errors import FabricError
+from pipeline.core.job_states import JobState
+from pipeline.store.segment import disk_error
+from pipeline.transport import wire
 
 NOT_CANCELLABLE = (JobState.COMPLETED, JobState.EXPIRED)
 AT_DEADLINE = JobState.EXPIRED  # a CANCEL's `reason` when the job's deadline passed

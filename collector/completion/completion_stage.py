@@ -31,7 +31,7 @@ are not acknowledged (their workers keep them and send them again), item
 errors from dispatch (sent once) are kept here, client requests are served
 as before, one ERROR line says so, and a store (of the latest results
 refused) is tried again every second until one goes through
-(pipeline/disk_full.py).
+(pipeline/store/disk_full.py).
 """
 
 from __future__ import annotations
@@ -50,18 +50,18 @@ from collector.completion.job_status import JobStatus
 from collector.completion.result_check import CAUSES
 from collector.completion.results_log import CompletionLog
 from collector.job_view import JobIndex, JobView
-from gpu.dispatch import forward
 from gpu.work_protocol import ITEM_DTYPE
-from pipeline import wire
-from pipeline.datadir import DataDir
-from pipeline.disk_full import FullDisk
-from pipeline.errors import DiskFullError, FabricError, SegmentError
-from pipeline.job_files import JOB_ID
-from pipeline.security import ServerGate
-from pipeline.segment import Segment
-from pipeline.stage import Stage
-from pipeline.topology import internal_address
-from router.intern_table import InternTable
+from pipeline.core.errors import DiskFullError, FabricError, SegmentError
+from pipeline.process.stage import Stage
+from pipeline.store.datadir import DataDir
+from pipeline.store.disk_full import FullDisk
+from pipeline.store.intern_table import InternTable
+from pipeline.store.job_files import JOB_ID
+from pipeline.store.segment import Segment
+from pipeline.transport import wire
+from pipeline.transport.security import ServerGate
+from pipeline.transport.topology import internal_address
+from pipeline.transport.wire import forwarded
 
 MT = wire.MessageType
 MAX_MESSAGES_PER_STEP = 256
@@ -112,8 +112,8 @@ class CompletionStage(Stage):
         inbox = wire.open_socket(
             self.context, zmq.PULL, bind=internal_address(settings, "completion")
         )
-        # forwarded RESULTS come as the worker sent them (gpu/dispatch/forward.py)
-        self.inbox = wire.Inbox(inbox, self.log, "dispatch", receive=forward.recv)
+        # forwarded RESULTS come as the worker sent them (pipeline/transport/wire/forwarded.py)
+        self.inbox = wire.Inbox(inbox, self.log, "dispatch", receive=forwarded.recv)
         self.dispatch = wire.open_socket(
             self.context,
             zmq.PUSH,
@@ -147,7 +147,7 @@ class CompletionStage(Stage):
 
     # ---- the loop --------------------------------------------------------------------------
     def _lines(self, job_id: str):
-        """The job's fan-out line table (pipeline/line_table.py), None if no job."""
+        """The job's fan-out line table (pipeline/core/line_table.py), None if no job."""
         view = self.jobs.view(job_id)
         return None if view is None else view.lines
 

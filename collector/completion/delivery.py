@@ -29,7 +29,7 @@ import orjson
 
 from collector.completion.results_log import CompletionLog
 from collector.job_view import JobView
-from router.intern_table import InternTable
+from pipeline.store.intern_table import InternTable
 
 MAX_PAGE_ITEMS = 65536
 MAX_OUTSTANDING = 4  # pages of one job sent and not yet acknowledged (`hold` keeps the newest)

@@ -13,7 +13,7 @@ where it happens, never in a status or results request (reads never write):
 Finishing seals the job's open completion segments and writes
 `jobs/<id>/finished` (the wall-clock ns, written whole): the start of the
 job's retention (collector/segments.py). On a full disk, again at the next
-tidy. The `jobs/` layout is pipeline/job_files.py's.
+tidy. The `jobs/` layout is pipeline/store/job_files.py's.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from collections.abc import Callable
 
 from collector.completion.results_log import CompletionLog
 from collector.job_view import JobIndex, JobView
-from pipeline.errors import FabricError
-from pipeline.segment import disk_error
+from pipeline.core.errors import FabricError
+from pipeline.store.segment import disk_error
 
 
 class JobFinisher:

@@ -29,14 +29,14 @@ from collector.completion.result_check import CAUSES, HAND_BACK, ResultCheck, ex
 from collector.completion.results_log import CompletionLog, Results
 from collector.job_view import JobIndex, JobView
 from gpu.work_protocol import ITEM_DTYPE
-from pipeline import wire
-from pipeline.errors import DiskFullError
-from pipeline.item_error_codes import ItemErrorCode
-from pipeline.item_seq import job_of
-from pipeline.ragged import Ragged, offsets_problem
-from pipeline.result_kinds import ResultKind, ResultStatus
-from pipeline.segment import Segment
-from router.intern_table import InternTable
+from pipeline.core.errors import DiskFullError
+from pipeline.core.item_error_codes import ItemErrorCode
+from pipeline.core.item_seq import job_of
+from pipeline.core.ragged import Ragged, offsets_problem
+from pipeline.core.result_kinds import ResultKind, ResultStatus
+from pipeline.store.intern_table import InternTable
+from pipeline.store.segment import Segment
+from pipeline.transport import wire
 
 ERROR_TEXT = flags_of(ResultStatus.ERROR, ResultKind.TEXT)  # an error result's flags
 
@@ -45,7 +45,7 @@ def results_problem(arrays: dict[str, np.ndarray]) -> str | None:
     """What is wrong with the arrays of a RESULTS message (docs/wire.md), or None.
 
     Every array is one-dimensional with one entry per item (offsets: n + 1 byte
-    offsets into the u1 payload, by the offsets rule of pipeline/ragged.py), so
+    offsets into the u1 payload, by the offsets rule of pipeline/core/ragged.py), so
     nothing a worker sends can index outside what it sent.
     """
     names = ("items", "status", "kind", "prompt_tokens", "payload", "offsets")

@@ -13,9 +13,9 @@ each result counted once: added for the results `mark` newly stores, and
 rebuilt with the bitmaps from one slot per item. The prompt tokens of
 part-region results are also kept per part (`part_prompt`), so that
 `prompt_total` can leave out the samples j > 0 of a prompt once the line
-table knows them (pipeline/line_table.py, `repeats`): OpenAI counts a
+table knows them (pipeline/core/line_table.py, `repeats`): OpenAI counts a
 prompt once however many samples `n` it asks for.
-Indexes in the part region (parts 1.. of fan-out lines, pipeline/item_seq.py)
+Indexes in the part region (parts 1.. of fan-out lines, pipeline/core/item_seq.py)
 have bitmaps of their own, at index - PART_BASE; `line_counts` folds the
 items into lines with the job's line table.
 """
@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.index_bitmap import ItemIndexSet
-from pipeline.item_seq import PART_BASE
-from pipeline.line_table import LineTable
-from pipeline.segment import Segment
-from pipeline.segment_append import SegmentAppender
+from pipeline.core.index_bitmap import ItemIndexSet
+from pipeline.core.item_seq import PART_BASE
+from pipeline.core.line_table import LineTable
+from pipeline.store.segment import Segment
+from pipeline.store.segment_append import SegmentAppender
 
 
 class JobResults:

@@ -4,7 +4,7 @@ Reads only: the job's view (collector/job_view.py), its exact counters in the
 completion log, and whether it has finished. Nothing here writes a file:
 a job finishes where it finishes (collector/completion/finishing.py).
 
-| state (pipeline/job_states.py) | when |
+| state (pipeline/core/job_states.py) | when |
 |--------------|------|
 | `validating` | not every chunk up to the final one is committed: `total` unknown |
 | `queued`     | nothing done yet, not cancelled by a client |
@@ -14,10 +14,10 @@ a job finishes where it finishes (collector/completion/finishing.py).
 | `completed`  | every item done, not cancelled |
 | `expired`    | cancelled at its deadline (the HTTP API's `completion_window`), every item done; or finished, fewer items done than its total and nothing undelivered: its delivered results were past retention and removed |
 
-A job cancelled at its deadline (its cancel mark says so: pipeline/job_files.py)
+A job cancelled at its deadline (its cancel mark says so: pipeline/store/job_files.py)
 stays `queued` or `in_progress` while its last items are retired, as its batch
 stays `in_progress` over HTTP, and then reads `expired`, as its batch does
-(pipeline/job_states.py `OPENAI_STATUS`).
+(pipeline/core/job_states.py `OPENAI_STATUS`).
 
 `done` is the number of lines whose every part has a result or an error
 result (a line of one part: its item); `fanout` gives the job's lines of
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collector.completion.results_log import CompletionLog
 from collector.job_view import JobView
-from pipeline.job_states import JobState
+from pipeline.core.job_states import JobState
 
 
 def job_state(done: int, total: int | None, cancelled: bool, at_deadline: bool = False) -> JobState:

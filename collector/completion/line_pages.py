@@ -21,7 +21,7 @@ The page's `index` becomes each row's line index (line - 1) and `part` its
 part, which the client's join (collector/delivery/join.py) orders by; `item`
 keeps each row's own item index (the vector sink's ids are item seqs).
 The `prompt_tokens` of a row that is a sample j > 0 of its prompt (a line
-with n > 1, pipeline/line_table.py `repeats`) is 0: the join sums its rows'
+with n > 1, pipeline/core/line_table.py `repeats`) is 0: the join sums its rows'
 usage, and OpenAI counts a prompt once however many samples it asks for.
 Acknowledging the page marks every row's slot delivered, so a line is
 marked whole.
@@ -35,9 +35,9 @@ import numpy as np
 
 from collector.completion.job_results import JobResults
 from collector.completion.pages import Page, page_of_slots
-from pipeline.line_table import LineTable
-from pipeline.segment import Segment
-from pipeline.segment_format import EMPTY, STATE_MASK
+from pipeline.core.line_table import LineTable
+from pipeline.store.segment import Segment
+from pipeline.store.segment_format import EMPTY, STATE_MASK
 
 
 def ready_rows(job: JobResults, table: LineTable) -> Callable[[np.ndarray], np.ndarray]:

@@ -20,10 +20,10 @@ import numpy as np
 
 from collector.completion.job_results import JobResults
 from collector.completion.record_format import PROMPT_HEADER, split_flags
-from pipeline.errors import FabricError
-from pipeline.ragged import offsets_of
-from pipeline.segment import Segment
-from pipeline.segment_format import DEAD, EMPTY, LIVE, STATE_MASK
+from pipeline.core.errors import FabricError
+from pipeline.core.ragged import offsets_of
+from pipeline.store.segment import Segment
+from pipeline.store.segment_format import DEAD, EMPTY, LIVE, STATE_MASK
 
 log = logging.getLogger("fabric.completion")
 

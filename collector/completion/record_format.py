@@ -5,7 +5,7 @@ kind 2, keyed by the job id and a size class). In each slot:
 
 | field | content |
 |-------|---------|
-| seq, job, index | the item (pipeline/item_seq.py) |
+| seq, job, index | the item (pipeline/core/item_seq.py) |
 | count | stored bytes: `PROMPT_HEADER` + payload |
 | body  | `[u32 prompt tokens][payload]`, zero padded |
 | flags | `status \\| kind << 4 \\| model << 8 \\| shape << 16` (below) |
@@ -13,7 +13,7 @@ kind 2, keyed by the job id and a size class). In each slot:
 
 | flags bits | field  | values |
 |------------|--------|--------|
-| 0-3        | status | `ResultStatus` (pipeline/result_kinds.py) |
+| 0-3        | status | `ResultStatus` (pipeline/core/result_kinds.py) |
 | 4-7        | kind   | `ResultKind` |
 | 8-15       | model  | the input's model, its id in `<data_dir>/models.log` (0 = unknown; above 255 stored as 255) |
 | 16-31      | shape  | the input's shape id (0 = none; above 65535 stored as 65535) |
@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.item_error_codes import ItemErrorCode
-from pipeline.result_kinds import ResultKind, ResultStatus
+from pipeline.core.item_error_codes import ItemErrorCode
+from pipeline.core.result_kinds import ResultKind, ResultStatus
 
 PROMPT_HEADER = 4
 SIZE_CLASSES = (256, 1024, 4096, 16384, 65536, 262144, 1 << 20)  # stored bytes per result
@@ -69,7 +69,7 @@ def result_tokens(
 ) -> tuple[np.ndarray, np.ndarray]:
     """(prompt tokens, generated tokens) per stored result: both 0 for an error result; the
     generated tokens are the payload's u4 words for a TOKENS result, its first word (m,
-    pipeline/token_logprobs.py) for a TOKEN_LOGPROBS one, 0 for any other kind."""
+    pipeline/core/token_logprobs.py) for a TOKEN_LOGPROBS one, 0 for any other kind."""
     status, kind, _, _ = split_flags(np.asarray(flags, np.uint32))
     ok = status == ResultStatus.RESULT
     prompt = np.where(ok, np.asarray(prompt, np.int64), 0)

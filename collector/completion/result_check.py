@@ -10,7 +10,7 @@ item's input segment names its model and shape, the shape names its endpoint
 |-------------------|--------------------------------------------------------------------------|---------------------------------|
 | `bad_status`      | status is neither 0 (result) nor 1 (error)                               | hands the item back             |
 | `wrong_kind`      | a result (status 0) whose kind is not its endpoint's: 1 (vector) for `/v1/embeddings`, 3 (tokens with logprobs) for a shape with `top_logprobs`, 0 (tokens) otherwise | hands the item back |
-| `wrong_size`      | a payload that is not a whole number of 4-byte values, an empty embedding, more tokens than the shape's `max_tokens`, or a logprobs payload whose size is not what its header says (pipeline/token_logprobs.py) | hands the item back |
+| `wrong_size`      | a payload that is not a whole number of 4-byte values, an empty embedding, more tokens than the shape's `max_tokens`, or a logprobs payload whose size is not what its header says (pipeline/core/token_logprobs.py) | hands the item back |
 | `wrong_dimension` | an embedding whose number of values is not the model's (below)           | hands the item back             |
 | `not_finite`      | an embedding holding NaN or an infinity                                  | stores error `invalid_result` at once |
 
@@ -42,11 +42,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ingest.catalog import EMBEDDINGS
-from pipeline import token_logprobs
-from pipeline.errors import FabricError
-from pipeline.item_error_codes import ItemErrorCode
-from pipeline.metrics import RESULT_REFUSALS
-from pipeline.result_kinds import ResultKind, ResultStatus
+from pipeline.core import token_logprobs
+from pipeline.core.errors import FabricError
+from pipeline.core.item_error_codes import ItemErrorCode
+from pipeline.core.result_kinds import ResultKind, ResultStatus
+from pipeline.telemetry.metrics import RESULT_REFUSALS
 
 OK = 0
 BAD_STATUS = 1
@@ -246,7 +246,7 @@ def _not_finite(payload: np.ndarray, offsets: np.ndarray, pick: np.ndarray) -> n
 def expected_for(items: np.ndarray, open_input, shapes) -> tuple[Expected, np.ndarray]:
     """What each item's result must look like, and each item's attempts so far (the marker's
     attempts byte), read from its input segment and shape (`open_input(segment_id)`, the
-    shape table: router.intern_table.InternTable). An item whose segment cannot be opened, or
+    shape table: pipeline.store.intern_table.InternTable). An item whose segment cannot be opened, or
     whose slot is outside it, is not checked here: the completion log refuses it (its seq cannot match)."""
     n = len(items)
     kind = np.full(n, 0xFF, np.uint8)

@@ -53,15 +53,16 @@ from collector.completion.record_format import (
     result_tokens,
     status_of,
 )
-from pipeline.datadir import DataDir
-from pipeline.errors import FabricError
-from pipeline.item_seq import index_of, seq_of
-from pipeline.line_table import LineTable
-from pipeline.ragged import offsets_of, pad
-from pipeline.result_kinds import ResultKind, ResultStatus
-from pipeline.segment import Segment
-from pipeline.segment_append import SegmentAppender, SegmentIds
-from pipeline.segment_format import (
+from pipeline.core.errors import FabricError
+from pipeline.core.item_seq import index_of, seq_of
+from pipeline.core.line_table import LineTable
+from pipeline.core.ragged import offsets_of, pad
+from pipeline.core.result_kinds import ResultKind, ResultStatus
+from pipeline.store.datadir import DataDir
+from pipeline.store.intern_table import InternTable
+from pipeline.store.segment import Segment
+from pipeline.store.segment_append import SegmentAppender, SegmentIds
+from pipeline.store.segment_format import (
     DEAD,
     EMPTY,
     KIND_COMPLETION,
@@ -71,7 +72,6 @@ from pipeline.segment_format import (
     SegmentKey,
     slot_bytes_for,
 )
-from router.intern_table import InternTable
 
 
 @dataclass(eq=False)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from config.settings import Settings
-from pipeline.errors import TokenizerError
+from pipeline.core.errors import TokenizerError
 
 Decoder = Callable[[list[int]], str]
 

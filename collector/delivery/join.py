@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from pipeline.item_error_codes import ItemErrorCode
+from pipeline.core.item_error_codes import ItemErrorCode
 
 _DUMPS_OPTIONS = orjson.OPT_APPEND_NEWLINE | orjson.OPT_SERIALIZE_NUMPY
 

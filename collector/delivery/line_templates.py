@@ -33,7 +33,7 @@ import numpy as np
 import orjson
 
 from ingest.catalog import CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS
-from pipeline.ragged import ranges
+from pipeline.core.ragged import ranges
 
 _NUMPY = orjson.OPT_SERIALIZE_NUMPY
 Piece = bytes | list  # a constant, or one value per line

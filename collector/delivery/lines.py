@@ -24,14 +24,14 @@ a page fails, each of its lines is rendered alone, and the ones that fail
 become `invalid_result` error lines naming the exception), and a fan-out line
 it fails to join (collector/delivery/join.py): no line takes its page down.
 
-Payload, by `kind` and `status` (pipeline/result_kinds.py):
+Payload, by `kind` and `status` (pipeline/core/result_kinds.py):
 
 | kind       | status   | payload                               | rendered as                               |
 |------------|----------|---------------------------------------|-------------------------------------------|
 | 0 `TOKENS` | 0 RESULT | generated token ids, little-endian u4 | a chat.completion or text_completion line |
 | 1 `VECTOR` | 0 RESULT | embedding, little-endian f4           | an embedding line (shortest f32 decimals) |
 | 2 `TEXT`   | 1 ERROR  | UTF-8 `code: message`, or a message   | an error line; code `item_failed` unless the text starts with a bare identifier and ": " |
-| 3 `TOKEN_LOGPROBS` | 0 RESULT | tokens with log probabilities (pipeline/token_logprobs.py) | a chat.completion or text_completion line whose choice has `logprobs` (collector/delivery/logprobs.py) |
+| 3 `TOKEN_LOGPROBS` | 0 RESULT | tokens with log probabilities (pipeline/core/token_logprobs.py) | a chat.completion or text_completion line whose choice has `logprobs` (collector/delivery/logprobs.py) |
 
 Line forms (`id` and `request_id` depend only on (job_id, index), so a
 re-fetch writes identical bytes: collector/delivery/line_ids.py; error lines are rendered by
@@ -94,10 +94,10 @@ from collector.delivery.result_page import (
 )
 from ingest.catalog import CHAT_COMPLETIONS, EMBEDDINGS, RESPONSES
 from ingest.line_errors import LineError
-from pipeline.item_error_codes import ItemErrorCode
-from pipeline.ragged import ranges
-from pipeline.result_kinds import ResultKind
-from pipeline.token_logprobs import unpack
+from pipeline.core.item_error_codes import ItemErrorCode
+from pipeline.core.ragged import ranges
+from pipeline.core.result_kinds import ResultKind
+from pipeline.core.token_logprobs import unpack
 
 _BARE_CODE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _DUMPS_OPTIONS = orjson.OPT_APPEND_NEWLINE | orjson.OPT_SERIALIZE_NUMPY

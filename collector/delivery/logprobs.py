@@ -1,6 +1,6 @@
 """The `logprobs` of a chat or completion choice, from a TOKEN_LOGPROBS result.
 
-The payload (pipeline/token_logprobs.py) holds each generated token's id and
+The payload (pipeline/core/token_logprobs.py) holds each generated token's id and
 log probability and its k most likely alternatives. Rendered in OpenAI's
 shapes:
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from pipeline.token_logprobs import TokenLogprobs
+from pipeline.core.token_logprobs import TokenLogprobs
 
 
 class TokenTexts:

@@ -25,8 +25,8 @@ import numpy as np
 import orjson
 
 from collector.delivery.lines import split_lines
-from pipeline.durable import fsync_dir
-from pipeline.errors import FabricError
+from pipeline.core.errors import FabricError
+from pipeline.store.durable import fsync_dir
 
 NEWLINE = ord("\n")
 CUSTOM_ID_KEY, ID_KEY = "custom_id:", "id:"  # lines.py `line_key`

@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 
 from ingest.catalog import CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS, RESPONSES
-from pipeline.errors import FabricError
-from pipeline.ragged import offsets_problem, ranges
-from pipeline.result_kinds import ResultKind, ResultStatus
-from pipeline.token_logprobs import HEADER_WORDS, headers
+from pipeline.core.errors import FabricError
+from pipeline.core.ragged import offsets_problem, ranges
+from pipeline.core.result_kinds import ResultKind, ResultStatus
+from pipeline.core.token_logprobs import HEADER_WORDS, headers
 
 
 class PageError(FabricError):

@@ -29,7 +29,7 @@ from collector.vectors.store_catalog import (
     store_name_of,
     stores_root,
 )
-from pipeline.check import Finding
+from pipeline.store.check import Finding
 
 SHARD_SUFFIXES = (".payload", ".ids", ".journal")
 

@@ -13,8 +13,8 @@ from collector.vectors.client import VectorsClient, embed_texts
 from collector.vectors.search import METRICS
 from collector.vectors.shard import VectorInputError
 from collector.vectors.texts import input_texts
-from pipeline import exitcodes
-from pipeline.item_seq import index_of
+from pipeline.core import exitcodes
+from pipeline.core.item_seq import index_of
 
 
 def add_parser(commands, client_options, handler) -> None:

@@ -22,9 +22,9 @@ import numpy as np
 import orjson
 
 from collector.vectors.shard import VectorInputError
-from pipeline import wire
-from pipeline.broker_client import BrokerClient
-from pipeline.ragged import pad
+from pipeline.core.ragged import pad
+from pipeline.transport import wire
+from pipeline.transport.broker_client import BrokerClient
 
 MT = wire.MessageType
 READ_ROWS = 65536

@@ -4,7 +4,7 @@
 |-----------------|-------------------------------------------|------------------------------|
 | `<id>.payload`  | rows of `dtype` (`<f2` or `<f4`), `dim` each, row-major, no header | `rows * dim * itemsize` |
 | `<id>.ids`      | one `<u8` (u64, little-endian) per row    | `rows * 8`                   |
-| `<id>.journal`  | checksummed records (`pipeline.records`)  | grows by one record a flush  |
+| `<id>.journal`  | checksummed records (`pipeline.store.records`)  | grows by one record a flush  |
 
 Each journal record is `[u32 length][u32 crc32 of payload][payload: JSON]`:
 
@@ -35,10 +35,10 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.durable import fsync_dir
-from pipeline.errors import FabricError
-from pipeline.records import MAX_RECORD_BYTES, encode_record, read_records
-from pipeline.segment import disk_error
+from pipeline.core.errors import FabricError
+from pipeline.store.durable import fsync_dir
+from pipeline.store.records import MAX_RECORD_BYTES, encode_record, read_records
+from pipeline.store.segment import disk_error
 
 FORMAT_VERSION = 1
 DTYPES = {"float16": np.dtype("<f2"), "float32": np.dtype("<f4")}

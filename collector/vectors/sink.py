@@ -21,7 +21,7 @@ Exactly once. The store does not deduplicate; the sink does. A page can come
 back (the sink or completion restarted between a flush and its ack), so the
 sink keeps, per job being delivered, a bitmap of the items already stored.
 It is rebuilt at start from the stores' ids files (an id is the item's global
-id, its seq: pipeline/item_seq.py), and an item already there is skipped. Error lines
+id, its seq: pipeline/core/item_seq.py), and an item already there is skipped. Error lines
 are deduplicated by their file (collector/delivery/result_file.py `ResultFile`).
 
 Lines of several parts (an embeddings `input` list: docs/completion.md,
@@ -29,7 +29,7 @@ Lines of several parts (an embeddings `input` list: docs/completion.md,
 `index` = the line's index, `part` and `item` = each row's own item index,
 and a vector's id is its part's item seq: `job_no << 32 | item`, with item =
 line - 1 for part 0 and the part-region index the job's chunk journal gives
-part p >= 1 (pipeline/item_seq.py `PART_BASE`); `run.py vectors` shows each
+part p >= 1 (pipeline/core/item_seq.py `PART_BASE`); `run.py vectors` shows each
 hit's and row's custom_id and part. The bitmap is of items, so a page sent
 again skips exactly the parts already stored. A failed part is one error
 line for its line (keyed by custom_id, so at most one per line), its message
@@ -48,13 +48,13 @@ from collector.delivery.lines import error_line
 from collector.delivery.result_file import ResultFile
 from collector.delivery_client import Delivery
 from collector.vectors.store_catalog import StoreSet
-from ingest.jobs import DELIVER_FILE, DELIVER_VECTORS
-from pipeline.errors import FabricError, IngestError
-from pipeline.index_bitmap import ItemIndexSet
-from pipeline.item_seq import index_of, job_of, seq_of
-from pipeline.job_files import JobFiles
-from pipeline.ragged import Ragged
-from pipeline.result_kinds import ResultKind, ResultStatus
+from pipeline.core.errors import FabricError, IngestError
+from pipeline.core.index_bitmap import ItemIndexSet
+from pipeline.core.item_seq import index_of, job_of, seq_of
+from pipeline.core.ragged import Ragged
+from pipeline.core.result_kinds import ResultKind, ResultStatus
+from pipeline.store.job_files import JobFiles
+from pipeline.store.job_record import DELIVER_FILE, DELIVER_VECTORS
 
 IDLE_POLL_S = 0.25  # a job with nothing new is asked again this often
 BROKEN_RETRY_S = 30.0  # a job whose store is not served is asked again this often

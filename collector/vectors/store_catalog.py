@@ -2,17 +2,17 @@
 
 | path                                   | what                                                    |
 |----------------------------------------|---------------------------------------------------------|
-| `vectors/<store>/store.json`           | `name`, `model`, `dim`, `dtype`, `shard_rows`, `created_ns`; written once, atomically, before the first shard; `<store>` is the store's name made file-safe (pipeline/file_names.py: `intfloat/e5-mistral-7b-instruct` is `intfloat%2Fe5-mistral-7b-instruct`) |
+| `vectors/<store>/store.json`           | `name`, `model`, `dim`, `dtype`, `shard_rows`, `created_ns`; written once, atomically, before the first shard; `<store>` is the store's name made file-safe (pipeline/core/file_names.py: `intfloat/e5-mistral-7b-instruct` is `intfloat%2Fe5-mistral-7b-instruct`) |
 | `vectors/<store>/<id>.payload/.ids/.journal` | the shards (collector/vectors/shard.py)           |
 | `vectors/errors/<job>.jsonl`           | OpenAI Batch error lines of the job's results that are not stored vectors (failed items, wrong model or dim, NaN) |
 | `vectors/delivered/<job>`              | empty: every result of the job was delivered (collector/vectors/sink.py) |
 
-A store's name follows the rule of model names (pipeline/model_names.py),
+A store's name follows the rule of model names (pipeline/store/model_names.py),
 since a store is named after its model unless the job names one
 (`--deliver vectors:STORE`). A store is created by the vector sink when the first embedding for it
 arrives: its dim is that embedding's, its dtype `vectors.dtype`, and a shard
 holds `vectors.shard_bytes` of payload. The ids row of a vector is the
-item's global id, its seq (pipeline/item_seq.py `seq_of`), which
+item's global id, its seq (pipeline/core/item_seq.py `seq_of`), which
 leads back to its job and `custom_id`.
 """
 
@@ -26,9 +26,9 @@ import orjson
 
 from collector.vectors.shard import DTYPES, VectorInputError, VectorShardError
 from collector.vectors.vector_store import VectorStore
-from pipeline.durable import write_whole
-from pipeline.file_names import file_safe, from_file_safe
-from pipeline.model_names import NAME_RULE, name_problem
+from pipeline.core.file_names import file_safe, from_file_safe
+from pipeline.store.durable import write_whole
+from pipeline.store.model_names import NAME_RULE, name_problem
 
 META_FILE = "store.json"
 SINK_DIRS = ("errors", "delivered")

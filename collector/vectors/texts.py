@@ -1,9 +1,9 @@
 """The text behind a vector: read back from its job's input file, when this host has it.
 
-The store keeps vectors and their global ids (item seqs, pipeline/item_seq.py), not the
+The store keeps vectors and their global ids (item seqs, pipeline/core/item_seq.py), not the
 text that was embedded; the text lived in the input file. `submit` (the producer SDK)
 sends that file's absolute path with the job, and the front keeps it in the job's
-record (`source`, pipeline/job_record.py). For a search hit, `input_texts` opens the job's source, reads the hit's
+record (`source`, pipeline/store/job_record.py). For a search hit, `input_texts` opens the job's source, reads the hit's
 line, and returns its text only if the line still carries the hit's custom_id (a file
 changed or replaced since is never shown as the hit's text). No source, a file gone
 or unreadable, or another host: None, and the caller shows the custom_id alone.
@@ -21,8 +21,8 @@ from typing import Any
 
 import orjson
 
-from pipeline.errors import FabricError
-from pipeline.job_files import JobFiles
+from pipeline.core.errors import FabricError
+from pipeline.store.job_files import JobFiles
 
 
 def line_text(record: Any, part: int = 0) -> str | None:

@@ -26,13 +26,13 @@ from collector.vectors.search import search
 from collector.vectors.shard import VectorError, VectorInputError
 from collector.vectors.sink import VectorSink
 from collector.vectors.store_catalog import StoreSet, stores_root
-from pipeline import wire
-from pipeline.errors import FabricError
-from pipeline.item_seq import index_of, job_of
-from pipeline.job_files import JOB_ID
-from pipeline.security import ServerGate, internal_curve, secure_client
-from pipeline.stage import Stage
-from pipeline.topology import client_address
+from pipeline.core.errors import FabricError
+from pipeline.core.item_seq import index_of, job_of
+from pipeline.process.stage import Stage
+from pipeline.store.job_files import JOB_ID
+from pipeline.transport import wire
+from pipeline.transport.security import ServerGate, internal_curve, secure_client
+from pipeline.transport.topology import client_address
 
 MT = wire.MessageType
 MAX_READ_ROWS = 65536

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from collector.vectors.shard import DTYPES, Shard, VectorInputError, VectorShardError
-from pipeline.errors import FabricError
+from pipeline.core.errors import FabricError
 
 
 class VectorStore:

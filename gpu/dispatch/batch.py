@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from gpu.work_protocol import ITEM_DTYPE
-from pipeline import item_seq
-from pipeline.segment_format import COUNT_WORD, SLOT_HEADER_WORDS
+from pipeline.core import item_seq
+from pipeline.store.segment_format import COUNT_WORD, SLOT_HEADER_WORDS
 
 if TYPE_CHECKING:
     from gpu.dispatch.segment_queue import SegmentQueue
@@ -104,7 +104,7 @@ def item_array(message, name: str) -> np.ndarray:
 
 
 def names_itself(words: np.ndarray) -> np.ndarray:
-    """True for each slot whose header agrees with itself (pipeline/item_seq.py: consistent)."""
+    """True for each slot whose header agrees with itself (pipeline/core/item_seq.py: consistent)."""
     seq = np.ascontiguousarray(words[:, :2]).view("<u8").reshape(-1)
     job = np.ascontiguousarray(words[:, 2:4]).view("<u8").reshape(-1)
     return item_seq.consistent(seq, job, words[:, 4])

@@ -2,7 +2,7 @@
 
 A worker's `seen_batch` from an earlier life must never cover a batch of this
 one, so ids only grow: blocks of BATCH_ID_BLOCK ids are reserved durably in
-`<data_dir>/next-batch-id` (pipeline/counter.py), each block starting at
+`<data_dir>/next-batch-id` (pipeline/store/counter.py), each block starting at
 least at the wall clock in microseconds since the epoch, so a wall clock
 stepped back cannot reuse one. While the disk is full no block can be
 reserved, and no batch goes out (tried once a second, logged once).
@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 from gpu.dispatch.state import DispatchState
-from pipeline.counter import DurableCounter
-from pipeline.disk_full import FullDisk
-from pipeline.errors import DiskFullError
+from pipeline.core.errors import DiskFullError
+from pipeline.store.counter import DurableCounter
+from pipeline.store.disk_full import FullDisk
 
 BATCH_IDS_FILE = "next-batch-id"  # DurableCounter in the data dir: batch ids never reused
 BATCH_ID_BLOCK = 1 << 20  # batch ids reserved at a time

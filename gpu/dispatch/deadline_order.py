@@ -22,7 +22,7 @@ Which jobs wait in a segment is learnt from the slots themselves: each
 segment's `JobSpans` reads the seq (so the job number) of the slots it has
 not read yet, at most `SCAN_SLOTS` per choice, in one vectorised pass, and
 keeps per job its first slot still to look at and its last slot seen. The
-pages read are released again (pipeline/segment.py `release_slots`). Memory
+pages read are released again (pipeline/store/segment.py `release_slots`). Memory
 is per job with items past a segment's cursor, never per item; nothing of
 this is read while no unfinished job has a deadline.
 """
@@ -35,8 +35,8 @@ from typing import Protocol
 import numpy as np
 
 from gpu.dispatch.segment_queue import SegmentQueue
-from pipeline import item_seq
-from pipeline.segment import Segment
+from pipeline.core import item_seq
+from pipeline.store.segment import Segment
 
 NO_SLOT = np.iinfo(np.int64).max
 SCAN_SLOTS = 1 << 16  # slots whose job is read per segment per choice

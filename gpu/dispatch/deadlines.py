@@ -1,7 +1,7 @@
 """Which jobs have a deadline, and when: dispatch's view of the `deadline` of job records.
 
 A job's deadline (wall seconds since the epoch) is a field of its record,
-`jobs/<job_id>/job.json` (pipeline/job_record.py), set by `submit --deadline`
+`jobs/<job_id>/job.json` (pipeline/store/job_record.py), set by `submit --deadline`
 or by the api stage from a batch's `expires_at`. The front writes the record
 durably before any item of the job is in the log, so the record of every job
 dispatch meets in a segment is there to read, after any restart: no message
@@ -32,8 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.job_files import JobFiles
-from pipeline.job_record import JobRecordError, record_deadline
+from pipeline.store.job_files import JobFiles
+from pipeline.store.job_record import JobRecordError, record_deadline
 
 LOOK_AGAIN_S = 0.2  # the least time between two listings of jobs/ for an unknown job number
 FINISHED_EVERY_S = 10.0  # how often the `finished` marks of jobs with a deadline are looked at

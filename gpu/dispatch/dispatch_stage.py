@@ -52,14 +52,14 @@ from gpu.dispatch.stall import StallWatch
 from gpu.dispatch.state import DispatchState
 from gpu.dispatch.work_finder import RESCAN_S, WorkFinder
 from gpu.dispatch.work_token import Refusals, WorkTokens
-from pipeline import wire
-from pipeline.datadir import DataDir
-from pipeline.errors import FabricError
-from pipeline.job_files import JobFiles
-from pipeline.security import ServerGate
-from pipeline.stage import Stage, broker_epoch
-from pipeline.topology import internal_address
-from router.intern_table import InternTable
+from pipeline.core.errors import FabricError
+from pipeline.process.stage import Stage, broker_epoch
+from pipeline.store.datadir import DataDir
+from pipeline.store.intern_table import InternTable
+from pipeline.store.job_files import JobFiles
+from pipeline.transport import wire
+from pipeline.transport.security import ServerGate
+from pipeline.transport.topology import internal_address
 
 MT = wire.MessageType
 MAX_MESSAGES_PER_STEP = 512
@@ -67,7 +67,7 @@ MAX_MESSAGES_PER_STEP = 512
 
 def cancelled_jobs(data_root, log) -> set[int]:
     """Job numbers with a cancel mark (written by completion) and no `finished` mark: their
-    queued items are taken out of dispatch (pipeline/job_files.py knows the marks)."""
+    queued items are taken out of dispatch (pipeline/store/job_files.py knows the marks)."""
     found = set()
     for mark, job_no in JobFiles(data_root).cancelled_running():
         if job_no is None:

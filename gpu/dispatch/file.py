@@ -39,7 +39,7 @@ from gpu.dispatch.file_format import (
     parse_header,
     read_leases,
 )
-from pipeline.durable import fsync_dir
+from pipeline.store.durable import fsync_dir
 
 log = logging.getLogger("fabric.dispatch")
 

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.errors import FabricError
+from pipeline.core.errors import FabricError
 
 LEASE_DTYPE = np.dtype([("segment", "<u8"), ("slot", "<u4"), ("seq", "<u8")])
 SLOT_DTYPE = np.dtype("<u4")

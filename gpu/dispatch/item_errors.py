@@ -20,8 +20,8 @@ import numpy as np
 
 from gpu.dispatch.batch import Outcome
 from gpu.work_protocol import slot_key
-from pipeline import item_seq
-from pipeline.item_error_codes import ItemErrorCode
+from pipeline.core import item_seq
+from pipeline.core.item_error_codes import ItemErrorCode
 
 ITEM_ERRORS_RESEND_S = 5.0  # item errors not seen retired this long after sending go again
 RECENT_DEAD_LETTERS = 20  # dead-letter events kept for BROKER_STATUS

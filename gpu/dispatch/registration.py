@@ -16,7 +16,7 @@ import numpy as np
 
 from gpu.dispatch.batch import item_array
 from gpu.dispatch.sessions import Session
-from pipeline import wire
+from pipeline.transport import wire
 
 MT = wire.MessageType
 

@@ -9,10 +9,10 @@ import time
 import numpy as np
 
 from gpu.dispatch.sessions import WORKER_FIGURES
-from pipeline import item_seq
-from pipeline.item_error_codes import ItemErrorCode
-from pipeline.metrics import RECLAIM_CAUSES
-from pipeline.stage_restarts import read_restarts
+from pipeline.core import item_seq
+from pipeline.core.item_error_codes import ItemErrorCode
+from pipeline.process.stage_restarts import read_restarts
+from pipeline.telemetry.metrics import RECLAIM_CAUSES
 
 STATUS_LEASES = 20  # the oldest leases named in the status answer
 STATUS_SLOTS = 16  # slots named per lease there

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.segment import Segment
-from pipeline.segment_format import DEAD, STATE_MASK, live_markers
+from pipeline.store.segment import Segment
+from pipeline.store.segment_format import DEAD, STATE_MASK, live_markers
 
 SCAN_MARKERS = 1 << 16  # markers examined per step when looking for free slots
 

@@ -42,9 +42,9 @@ from gpu.dispatch.deadline_order import DeadlineOrder, Deadlines
 from gpu.dispatch.leases import Leases
 from gpu.dispatch.segment_queue import Queued, SegmentQueue
 from gpu.work_protocol import ITEM_DTYPE
-from pipeline import item_seq
-from pipeline.segment import Segment
-from pipeline.segment_format import (
+from pipeline.core import item_seq
+from pipeline.store.segment import Segment
+from pipeline.store.segment_format import (
     CHECKSUM_WORD,
     live_markers,
     slot_checksums,

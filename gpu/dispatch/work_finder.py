@@ -18,12 +18,12 @@ from pathlib import Path
 
 from gpu.dispatch.arrivals import Arrivals
 from gpu.dispatch.state import DispatchState
-from pipeline.datadir import DataDir
-from pipeline.errors import FabricError
-from pipeline.salvage import isolated_files
-from pipeline.scan import SegmentSummary, scan_segment
-from pipeline.segment import Segment
-from router.intern_table import InternTable
+from pipeline.core.errors import FabricError
+from pipeline.store.datadir import DataDir
+from pipeline.store.intern_table import InternTable
+from pipeline.store.salvage import isolated_files
+from pipeline.store.scan import SegmentSummary, scan_segment
+from pipeline.store.segment import Segment
 
 RESCAN_S = 1.0
 
@@ -54,7 +54,9 @@ class WorkFinder:
 
     def rescan(self, now: float, not_before: float = 0.0) -> None:
         """Open input segments not known yet; refresh the written end of known ones."""
-        for path in isolated_files(self.data_dir):  # moved aside at start (pipeline/salvage.py)
+        for path in isolated_files(
+            self.data_dir
+        ):  # moved aside at start (pipeline/store/salvage.py)
             self.damaged.setdefault(path.name, "isolated in damaged/")
         for path in sorted(self.data_dir.segments.glob("in-*.seg")):
             try:

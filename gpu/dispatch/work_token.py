@@ -41,8 +41,8 @@ from pathlib import Path
 import numpy as np
 
 from gpu.work_protocol import ITEM_DTYPE
-from pipeline.durable import fsync_dir
-from pipeline.errors import FabricError
+from pipeline.core.errors import FabricError
+from pipeline.store.durable import fsync_dir
 
 SECRET_FILE = "work-token.key"
 SECRET_BYTES = 32

@@ -27,7 +27,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from pipeline.errors import FabricError
+from pipeline.core.errors import FabricError
 
 EMBED = "embed"
 GENERATE = "generate"

@@ -2,8 +2,8 @@
 (docs/dispatch.md, Workers).
 
 It runs on remote GPU hosts and depends on the worker protocol only
-(`gpu/work_protocol.py`, `pipeline/wire.py`, `pipeline/result_kinds.py`,
-`pipeline/segment_format.py`) and the engines (`gpu/engines/`), never on
+(`gpu/work_protocol.py`, `pipeline/transport/wire.py`, `pipeline/core/result_kinds.py`,
+`pipeline/store/segment_format.py`) and the engines (`gpu/engines/`), never on
 dispatch's modules.
 
 | module          | what it holds                                                    |

@@ -5,7 +5,7 @@ process), so the broker routes replies to this process only. Both sockets
 never block a send (`SNDTIMEO` 0) and queue nothing for a broker that is not
 there (`IMMEDIATE`); a send that cannot go now returns False, and the
 session retries on its own schedule. Both use the worker's CURVE keys when
-it has them (pipeline/security.py).
+it has them (pipeline/transport/security.py).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from collections.abc import Iterator
 
 import zmq
 
-from pipeline import wire
-from pipeline.errors import FabricError
-from pipeline.security import ClientCurve, secure_client
+from pipeline.core.errors import FabricError
+from pipeline.transport import wire
+from pipeline.transport.security import ClientCurve, secure_client
 
 MT = wire.MessageType
 # zmq's reconnect backoff ceiling, and the longest wait between hellos (gpu/worker/session.py):

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from gpu.engines.base import Engine, EngineBatch, TransientEngineError
 from gpu.worker.faults import Faults
 from gpu.worker.held import Done, Held
-from pipeline.errors import FabricError
+from pipeline.core.errors import FabricError
 
 log = logging.getLogger("fabric.worker")
 

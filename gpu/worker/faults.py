@@ -16,7 +16,7 @@ import os
 import signal
 import threading
 
-from pipeline.errors import FabricError
+from pipeline.core.errors import FabricError
 
 FAULT_ENV = "FABRIC_WORKER_FAULT"
 PHASES = ("before_compute", "mid_batch", "before_send", "before_ack")

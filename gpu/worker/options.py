@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass, field
 
 from config.defaults import DEFAULTS
-from pipeline.security import ClientCurve, internal_curve
+from pipeline.transport.security import ClientCurve, internal_curve
 
 _DEFAULTS = DEFAULTS["workers"]
 
@@ -37,7 +37,9 @@ class WorkerOptions:
     drain_s: float = _DEFAULTS["drain_s"]
     target_batch_s: float = _DEFAULTS["target_batch_s"]
     batch_timeout_s: float = _DEFAULTS["batch_timeout_s"]  # 0: no watchdog
-    curve: ClientCurve | None = None  # CURVE keys for dispatch and heartbeat (pipeline/security.py)
+    curve: ClientCurve | None = (
+        None  # CURVE keys for dispatch and heartbeat (pipeline/transport/security.py)
+    )
     engine: str = "echo"  # a name of gpu/engines/registry.py
     engine_options: dict = field(default_factory=dict)  # make_engine's keyword options
 
@@ -140,7 +142,10 @@ class WorkerOptions:
     def from_settings(cls, settings, index: int) -> WorkerOptions:
         """Local worker `index` of a broker's config: its group's table, the model's engine,
         the broker's own key, and its share of this host's cores for a CPU engine."""
-        from pipeline.topology import client_address, worker_group  # the broker's host only
+        from pipeline.transport.topology import (  # the broker's host only
+            client_address,
+            worker_group,
+        )
 
         group = worker_group(settings, index)
         model = group.model or settings.models[0].name

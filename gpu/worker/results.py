@@ -4,7 +4,7 @@
 |-----------------|-------|------------------------------------------------------------|
 | `items`         | `ITEM_DTYPE` | the item (gpu/work_protocol.py)                     |
 | `status`        | u1    | `ResultStatus`: RESULT, or ERROR for an item's own error   |
-| `kind`          | u1    | `ResultKind`: VECTOR (f32), TOKENS (u32), TOKEN_LOGPROBS (pipeline/token_logprobs.py), or TEXT (an error) |
+| `kind`          | u1    | `ResultKind`: VECTOR (f32), TOKENS (u32), TOKEN_LOGPROBS (pipeline/core/token_logprobs.py), or TEXT (an error) |
 | `prompt_tokens` | u4    | the prompt's length (or the engine's count: an upstream's usage) |
 | `payload`       | u1    | every item's bytes, back to back                           |
 | `offsets`       | i8    | `n + 1` byte offsets into `payload`                        |
@@ -17,8 +17,8 @@ from itertools import pairwise
 import numpy as np
 
 from gpu.engines.base import EngineResult
-from pipeline import token_logprobs
-from pipeline.result_kinds import ResultKind, ResultStatus
+from pipeline.core import token_logprobs
+from pipeline.core.result_kinds import ResultKind, ResultStatus
 
 
 def results_message(items: np.ndarray, lengths: np.ndarray, result: EngineResult) -> dict:

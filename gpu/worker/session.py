@@ -54,9 +54,10 @@ from gpu.worker.held import Held
 from gpu.worker.options import WorkerOptions
 from gpu.worker.results import keep_results, results_message
 from gpu.worker.watchdog import Watchdog
-from pipeline import exitcodes, wire
-from pipeline.segment_format import SLOT_HEADER_WORDS
-from pipeline.stage import StopFlags
+from pipeline.core import exitcodes
+from pipeline.process.stage import StopFlags
+from pipeline.store.segment_format import SLOT_HEADER_WORDS
+from pipeline.transport import wire
 
 MT = wire.MessageType
 log = logging.getLogger("fabric.worker")

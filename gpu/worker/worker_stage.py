@@ -8,8 +8,8 @@ import time
 from gpu.engines.registry import EngineOptionsError, make_engine
 from gpu.worker.options import WorkerOptions
 from gpu.worker.session import Worker
-from pipeline.errors import ConfigError
-from pipeline.stage import Stage
+from pipeline.core.errors import ConfigError
+from pipeline.process.stage import Stage
 
 
 class WorkerStage(Stage):

@@ -14,9 +14,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from collector.completion.results_log import CompletionLog, Results
-from pipeline.datadir import DataDir
-from pipeline.segment import Segment
-from pipeline.segment_format import LIVE, STATE_MASK
+from pipeline.store.datadir import DataDir
+from pipeline.store.segment import Segment
+from pipeline.store.segment_format import LIVE, STATE_MASK
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from pipeline.segment import Segment
+from pipeline.store.segment import Segment
 
 
 def main() -> None:

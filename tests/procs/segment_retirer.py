@@ -16,8 +16,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from pipeline.datadir import DataDir
-from pipeline.segment import Segment
+from pipeline.store.datadir import DataDir
+from pipeline.store.segment import Segment
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from batches import appender, make_batch
 
-from pipeline.datadir import DataDir
+from pipeline.store.datadir import DataDir
 
 
 def main() -> None:

@@ -9,7 +9,7 @@ import threading
 
 import zmq
 
-from pipeline.stage import Stage
+from pipeline.process.stage import Stage
 
 
 class IdleStage(Stage):

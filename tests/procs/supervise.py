@@ -11,11 +11,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from config import load_settings
-from pipeline import exitcodes, supervisor
-from pipeline.errors import DataDirLockedError
-from pipeline.ports import free_loopback_ports
-from pipeline.stage import StageSpec
-from pipeline.supervisor import Supervisor
+from pipeline.core import exitcodes
+from pipeline.core.errors import DataDirLockedError
+from pipeline.process import supervisor
+from pipeline.process.stage import StageSpec
+from pipeline.process.supervisor import Supervisor
+from pipeline.transport.ports import free_loopback_ports
 
 STAGES = {  # tests/procs/stages.py
     "idle": "stages:IdleStage",
