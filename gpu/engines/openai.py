@@ -20,7 +20,10 @@ of good answers, half on a 429, a 5xx, a connection fault or an answer slower th
 | 429, 5xx, connection refused / reset / cut, no byte for `timeout_s` | retried, the same request, after `Retry-After` or an exponential backoff with jitter, for at most `retry_for_s` in all; then the whole batch is a `TransientEngineError`: handed back without an attempt, the worker backs off |
 | 401, 403, 404         | `UpstreamRefused`: the engine is misconfigured (the worker exits 7 and hands back) |
 
-A retried request is the same item: its one answer is the item's one result.
+A retried request is the same item: its one answer is the item's one result. An item of no
+tokens, past its lane, or with an id outside the tokenizer's vocabulary is refused before
+sending (`item_errors`); a prompt too long is the server's 400. The server's own out of memory
+is a 5xx like any other (the batch goes back whole, never split).
 """
 
 from __future__ import annotations
@@ -44,13 +47,15 @@ from gpu.engines.base import (
     EngineResult,
     TransientEngineError,
 )
-from gpu.engines.generation import Sampling, pack
+from gpu.engines.generation import Sampling, item_errors, pack
 from gpu.engines.upstream import ItemRefused, PushBack, Upstream
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
 PROMPTS = ("tokens", "text")
+ANY_ID = 2**32  # no tokenizer: every uint32 id is sent, and the server judges it
+NO_CONTEXT_LIMIT = 2**62  # the server knows its context; a prompt too long is its 400
 FIRST_BACKOFF_S = 0.1
 MAX_BACKOFF_S = 5.0
 
@@ -114,6 +119,8 @@ class OpenAIEngine(Engine):
         self.retries = 0  # requests sent again after a push-back (a figure)
         self.not_before = 0.0  # monotonic: the upstream's Retry-After holds every request
         self._tokenizer: Tokenizer | None = None
+        self.vocab_size: int | None = None  # the tokenizer's ids; None: no tokenizer
+        self.dimensions = 1  # the upstream's vectors' size, once one came (an all-errored batch's)
         self._pool: ThreadPoolExecutor | None = None
 
     def load(self) -> None:
@@ -127,6 +134,7 @@ class OpenAIEngine(Engine):
                     f"openai engine: cannot read tokenizer {self.tokenizer_path!r} ({exc}); give "
                     "the model's tokenizer.json (the one its [[models]] entry names)"
                 ) from None
+            self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
         self._pool = ThreadPoolExecutor(self.gate.maximum, thread_name_prefix="upstream")
 
     def close(self) -> None:
@@ -152,9 +160,9 @@ class OpenAIEngine(Engine):
             )
         path = "/completions" if batch.task == GENERATE else "/embeddings"
         bodies: list[dict | None] = []
-        errors: list[str | None] = [None] * n
+        errors = item_errors(batch, self.vocab_size or ANY_ID, NO_CONTEXT_LIMIT, self.name)
         for i in range(n):
-            made = self._body(batch, i)
+            made = errors[i] or self._body(batch, i)
             if isinstance(made, str):
                 errors[i] = made
             bodies.append(None if isinstance(made, str) else made)
@@ -183,14 +191,11 @@ class OpenAIEngine(Engine):
                     prompt_tokens[i] = usage["prompt_tokens"]
         if batch.task == EMBED:
             return self._embeddings(answers, errors, prompt_tokens)
-        return self._generated(answers, errors, prompt_tokens)
+        return self._generated(answers, errors, prompt_tokens, bool(Sampling.of(batch).stop))
 
     def _body(self, batch: EngineBatch, i: int) -> dict | str:
-        """Item i's request body, or its error."""
-        length = int(batch.lengths[i])
-        if length == 0 or length > batch.tokens.shape[1]:
-            return f"input says {length} tokens but its batch lane holds {batch.tokens.shape[1]}"
-        ids = batch.tokens[i, :length].tolist()
+        """Item i's request body, or its error (an item `item_errors` passed)."""
+        ids = batch.tokens[i, : int(batch.lengths[i])].tolist()
         prompt = ids
         if self.prompt == "text":
             if self._tokenizer is None:
@@ -253,7 +258,10 @@ class OpenAIEngine(Engine):
             return answer
 
     # ---- answers -> result -------------------------------------------------------------------
-    def _generated(self, answers, errors, prompt_tokens) -> EngineResult:
+    def _generated(self, answers, errors, prompt_tokens, stopped: bool) -> EngineResult:
+        """The answers' texts as ids. With stop strings the server cut its text at the stop,
+        maybe inside a token: the ids kept are those whose text is the answer's own, so a token
+        the stop string began inside goes too (never an id for a piece of a word)."""
         outputs: list[np.ndarray | None] = [None] * len(answers)
         for i, answer in enumerate(answers):
             if errors[i] is not None or not isinstance(answer, dict):
@@ -265,9 +273,19 @@ class OpenAIEngine(Engine):
                 continue
             assert self._tokenizer is not None  # a generate batch is refused above without one
             ids = self._tokenizer.encode(text, add_special_tokens=False).ids
+            if stopped:
+                ids = ids[: self._kept(ids, text)]
             outputs[i] = np.asarray(ids, np.uint32)
         tokens, offsets = pack(outputs)
         return EngineResult(errors, tokens=tokens, offsets=offsets, prompt_tokens=prompt_tokens)
+
+    def _kept(self, ids: list[int], text: str) -> int:
+        """How many of `ids` (`text` tokenised) decode to a prefix of `text`."""
+        assert self._tokenizer is not None
+        keep = len(ids)
+        while keep and not text.startswith(self._tokenizer.decode(ids[:keep])):
+            keep -= 1  # a cut word tokenised as something else (an unknown id, another piece)
+        return keep
 
     def _embeddings(self, answers, errors, prompt_tokens) -> EngineResult:
         vectors: list[list | None] = [None] * len(answers)
@@ -286,7 +304,7 @@ class OpenAIEngine(Engine):
                 f"openai engine: the upstream's vectors differ in size ({sorted(dims)}) within "
                 "one batch; the batch is handed back"
             )
-        dim = dims.pop() if dims else 1
+        dim = self.dimensions = dims.pop() if dims else self.dimensions
         out = np.zeros((len(answers), dim), np.float32)
         for i, vector in enumerate(vectors):
             if vector is not None:
