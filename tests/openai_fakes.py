@@ -2,26 +2,37 @@
 
 | helper       | what it is                                                              |
 |--------------|-------------------------------------------------------------------------|
-| `FakeOpenAI` | answers `/v1/completions` with the prompt's words reversed (cut to max_tokens) and `/v1/embeddings` with `[tokens, first id, sum of ids]`; `usage.prompt_tokens` is the prompt's tokens + `EXTRA_PROMPT_TOKENS` (a server that adds its own), so a test sees that the upstream's usage is the line's; a prompt with the word `REFUSED_WORD` gets a 400 with `REFUSED_MESSAGE`; `latency_s` delays every answer |
-| `FaultProxy` | sits between engine and server; each request is answered per its plan: the next action of `script`, else `mode`: `pass` (forwarded), `429` (with `Retry-After: retry_after`), `500`, `stall` (read, then silence for `stall_s`, then close), `drop` (forwarded, then half the body and close), `down` (closed at once, no answer). `counts` says how often each action was taken; `in_flight` / `most_in_flight` the requests it holds at once |
+| `FakeOpenAI` | answers `/v1/completions` with the prompt's words reversed (greedy; with a `temperature` and a `seed`, shuffled by the seed; unseeded, as greedy), cut to `max_tokens`, its text cut before the first of `stop` (as vLLM, even inside a word), and `/v1/embeddings` with `[tokens, first id, sum of ids]`; `usage.prompt_tokens` is the prompt's tokens + `EXTRA_PROMPT_TOKENS` (a server that adds its own), so a test sees that the upstream's usage is the line's; a prompt with the word `REFUSED_WORD` gets a 400 with `REFUSED_MESSAGE`; `latency_s` delays every answer; a prompt of more than `context_tokens` (plus `max_tokens` when generating) gets vLLM's 400 |
+| `FaultProxy` | sits between engine and server; each request is answered per its plan: the next action of `script`, else `mode`: `pass` (forwarded), `429` (with `Retry-After: retry_after`), `500`, `stall` (read, then silence for `stall_s`, then close), `drop` (forwarded, then half the body and close), `down` (closed at once, no answer), `oom` (the 500 a server out of GPU memory answers). `counts` says how often each action was taken; `in_flight` / `most_in_flight` the requests it holds at once |
 
 Both are real HTTP servers on real loopback sockets (`ThreadingHTTPServer`, HTTP/1.1 keep-alive).
+`openai_engine(tokenizer_path, base_url=..., **options)` is the engine loaded against one;
+`shared_upstream()` one upstream for the whole test process (the contract suite's).
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import http.client
 import json
+import random
+import tempfile
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
-from broker import free_port
+from broker import build_tokenizer, free_port
+
+from gpu.engines.base import Engine
+from gpu.engines.registry import make_engine
 
 REFUSED_WORD = "w999"
 REFUSED_MESSAGE = "the word w999 is not allowed here (a test's 400)"
 EXTRA_PROMPT_TOKENS = 3
+OOM_MESSAGE = "CUDA out of memory. Tried to allocate 2.00 GiB (a test's 500)"
+SHARED_CONTEXT_TOKENS = 64  # `shared_upstream()`'s context
 
 
 class _Quiet(BaseHTTPRequestHandler):
@@ -79,14 +90,30 @@ class _UpstreamHandler(_Quiet):
             error = {"error": {"message": REFUSED_MESSAGE, "type": "invalid_request_error"}}
             self.answer(400, json.dumps(error).encode())
             return
+        embed = self.path.endswith("/embeddings")
+        budget = 0 if embed else int(request.get("max_tokens", 16))
+        if owner.context_tokens is not None and len(ids) + budget > owner.context_tokens:
+            message = (
+                f"This model's maximum context length is {owner.context_tokens} tokens. However, "
+                f"you requested {len(ids) + budget} tokens ({len(ids)} in the messages, {budget} "
+                "in the completion). Please reduce the length of the messages or completion."
+            )
+            self.answer(400, json.dumps({"error": {"message": message}}).encode())
+            return
         usage = {"prompt_tokens": len(ids) + EXTRA_PROMPT_TOKENS}
-        if self.path.endswith("/embeddings"):
+        if embed:
             vector = [float(len(ids)), float(ids[0] if ids else 0), float(sum(ids))]
             body = {"object": "list", "data": [{"index": 0, "embedding": vector}], "usage": usage}
         else:
-            text = " ".join(reversed(words[: int(request.get("max_tokens", 16))]))
+            out = words[::-1]
+            seed = request.get("seed")
+            if float(request.get("temperature") or 0.0) > 0 and seed is not None:
+                random.Random(seed).shuffle(out)  # sampled: the seed's order
+            text = " ".join(out[:budget])
+            stops = [at for at in (text.find(s) for s in request.get("stop") or ()) if at >= 0]
+            text = text[: min(stops)] if stops else text
             usage["completion_tokens"] = len(text.split())
-            choice = {"index": 0, "text": text, "finish_reason": "length"}
+            choice = {"index": 0, "text": text, "finish_reason": "stop" if stops else "length"}
             body = {"object": "text_completion", "choices": [choice], "usage": usage}
         with owner.lock:
             owner.answered += 1
@@ -96,11 +123,14 @@ class _UpstreamHandler(_Quiet):
 class FakeOpenAI(_Server):
     """See the module docstring; `tokenizer_path`: the broker model's tokenizer.json."""
 
-    def __init__(self, tokenizer_path, latency_s: float = 0.0) -> None:
+    def __init__(
+        self, tokenizer_path, latency_s: float = 0.0, context_tokens: int | None = None
+    ) -> None:
         from tokenizers import Tokenizer
 
         self.tokenizer = Tokenizer.from_file(str(tokenizer_path))
         self.latency_s = latency_s
+        self.context_tokens = context_tokens
         self.answered = 0
         self.lock = threading.Lock()
         super().__init__(_UpstreamHandler)
@@ -128,6 +158,8 @@ class _ProxyHandler(_Quiet):
             self.answer(429, json.dumps(error).encode(), {"Retry-After": proxy.retry_after})
         elif action == "500":
             self.answer(500, b'{"error": {"message": "a test\'s 500"}}')
+        elif action == "oom":
+            self.answer(500, json.dumps({"error": {"message": OOM_MESSAGE}}).encode())
         elif action in ("stall", "down"):
             if action == "stall":
                 time.sleep(proxy.stall_s)
@@ -170,3 +202,21 @@ class FaultProxy(_Server):
             action = self.script.popleft() if self.script else self.mode
             self.counts[action] += 1
             return action
+
+
+def openai_engine(tokenizer_path, **options) -> Engine:
+    """The `openai` engine for model "m" with the test tokenizer and `options` (base_url among
+    them), loaded."""
+    engine = make_engine("openai", **({"model": "m", "tokenizer": str(tokenizer_path)} | options))
+    engine.load()
+    return engine
+
+
+@functools.cache
+def shared_upstream() -> tuple[FakeOpenAI, Engine]:
+    """One `FakeOpenAI` (context `SHARED_CONTEXT_TOKENS`) and an engine on it, for the whole
+    test process: both daemon threads, gone with the process."""
+    with tempfile.TemporaryDirectory() as folder:  # both read the tokenizer once, at start
+        path = build_tokenizer(Path(folder) / "tokenizer.json")
+        upstream = FakeOpenAI(path, context_tokens=SHARED_CONTEXT_TOKENS).__enter__()
+        return upstream, openai_engine(path, base_url=upstream.base_url)

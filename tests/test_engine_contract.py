@@ -15,6 +15,13 @@ that returns the engine loaded (cheaply: one per test process, `functools.cache`
 | `logprobs`   | whether it returns log probabilities; where not, ingest refuses such a line (`LOGPROB_ENGINES`) |
 | `invariant`  | whether an item's greedy output is the same whatever shares its batch (exactly, or within float tolerance for vectors) |
 
+The `openai` entry runs against a loopback OpenAI-compatible server (tests/openai_fakes.py
+`shared_upstream`: a word-level tokenizer, a 64-token context, stop strings and seeds followed
+as vLLM follows them). What it does not decide itself it answers the server's way: a prompt
+too long is the server's 400, that item's error with the server's message. Out of memory in
+the client process is the common rule below; the server's own (a 500) is push-back, retried,
+then the batch goes back whole (tests/test_openai_engine.py).
+
 SmolLM2's entry runs in the SmolLM2 test process (tests/smollm2.py `MODEL_MARKS`); the vLLM
 entries need vLLM and a GPU (skipped with the reason otherwise: tests/test_vllm_engine.py
 `require_vllm_host`).
@@ -28,6 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
+from openai_fakes import SHARED_CONTEXT_TOKENS, shared_upstream
 from smollm2 import MODEL_MARKS, loaded_engine
 
 from collector.completion.result_check import OK, Expected, ResultCheck, expected_kind
@@ -129,6 +137,15 @@ def _vllm_prompts(engine) -> list[list[int]]:
     return [tokenizer.encode(t) for t in texts]
 
 
+def _openai() -> Engine:
+    return shared_upstream()[1]
+
+
+def _openai_prompts(engine) -> list[list[int]]:
+    texts = ["w11 w12 w13 w14 w15", "w21 w22", "w31 w32 w33 w34"]
+    return [engine._tokenizer.encode(t).ids for t in texts]
+
+
 def _no_limit(engine) -> None:
     return None
 
@@ -149,6 +166,8 @@ CONTRACTS = [
     Contract("vllm-pooling", "vllm", functools.partial(_vllm, "pooling"), _vllm_prompts,
              frozenset({EMBED}), None, lambda e: e.context_tokens, REFUSES,
              invariant=False, marks=_vllm_marks()),
+    Contract("openai", "openai", _openai, _openai_prompts, frozenset({EMBED, GENERATE}), 1001,
+             lambda e: SHARED_CONTEXT_TOKENS, FOLLOWS, decode=lambda e: e._tokenizer.decode),
 ]  # fmt: skip
 PARAMS = [c.param() for c in CONTRACTS]
 

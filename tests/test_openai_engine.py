@@ -17,7 +17,14 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from broker import build_tokenizer
-from openai_fakes import EXTRA_PROMPT_TOKENS, REFUSED_MESSAGE, FakeOpenAI, FaultProxy
+from openai_fakes import (
+    EXTRA_PROMPT_TOKENS,
+    OOM_MESSAGE,
+    REFUSED_MESSAGE,
+    FakeOpenAI,
+    FaultProxy,
+    openai_engine,
+)
 
 from gpu.engines.aimd import AimdGate
 from gpu.engines.base import EMBED, GENERATE, EngineBatch, EngineError, TransientEngineError
@@ -33,9 +40,7 @@ def served(tmp_path):
     with FakeOpenAI(path) as upstream, FaultProxy(upstream) as proxy:
 
         def engine(**options):
-            options = {"base_url": proxy.base_url, "model": "m", "tokenizer": str(path)} | options
-            built.append(make_engine("openai", **options))
-            built[-1].load()
+            built.append(openai_engine(path, **({"base_url": proxy.base_url} | options)))
             return built[-1]
 
         yield SimpleNamespace(
@@ -109,6 +114,23 @@ def test_an_upstream_down_past_retry_for_s_makes_the_batch_transient(served):
     with pytest.raises(TransientEngineError, match="handed back"):
         engine(retry_for_s=1.0).run(batch_of(tokenizer, TEXTS))
     assert time.monotonic() - began < 10  # the other requests stop retrying with it
+
+
+def test_a_server_out_of_memory_pushes_back_and_the_batch_goes_back_unsplit(served):
+    """Out of memory for this engine is the server's (its own batching holds the memory): a
+    500 saying so is push-back like any 5xx, retried and halving the concurrency, then the
+    whole batch is transient, never split: smaller batches would not make the server's
+    memory any larger. (An in-process MemoryError is the common rule, tests/test_engine_contract.py.)"""
+    tokenizer, proxy, engine = served.tokenizer, served.proxy, served.engine
+    proxy.mode = "oom"
+    e = engine(retry_for_s=0.5, start_concurrency=8)
+    batch = batch_of(tokenizer, TEXTS[:8])
+    with pytest.raises(TransientEngineError, match="handed back") as back:
+        e.run(batch)
+    assert OOM_MESSAGE in str(back.value) and "batch of 8 items" in str(back.value)
+    assert e.gate.halvings >= 1 and e.gate.allowed < 8
+    proxy.mode = "pass"  # the server has room again: the same batch, whole, runs
+    assert texts_of(tokenizer, e.run(batch)) == REVERSED[:8]
 
 
 def test_a_refused_key_or_model_breaks_the_engine_and_the_key_is_never_said(served):
