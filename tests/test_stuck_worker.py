@@ -113,6 +113,9 @@ class _NeverEngine:
     def load(self) -> None:
         pass
 
+    def figures(self) -> dict:
+        return {}
+
     def run(self, batch):
         self.release.wait()
         raise TransientEngineError("released at the end of the test")
