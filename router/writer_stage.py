@@ -63,7 +63,7 @@ Chunk = tuple[int, int]  # (job_no, chunk)
 
 
 @dataclass
-class Batch:
+class StepAppends:
     """What one step appended, answered once its sync is back."""
 
     durable: dict[Chunk, int] = field(default_factory=lambda: defaultdict(int))  # items placed
@@ -153,7 +153,7 @@ class WriterStage(Stage):
             self._wait(self.idle.wait_ms(now))
         self.wakeups.drain(0)  # the rings hold the work
         self._collect(now, wait=False)  # answers go out as soon as the disk gave them
-        batch = Batch()
+        batch = StepAppends()
         if self._take(now, batch):
             self._gather(now, batch)
         if self.syncer.in_flight is not None and (batch or self._dirty()):
@@ -174,7 +174,7 @@ class WriterStage(Stage):
         ready = dict(self.poller.poll(wait_ms))
         return self.wakeups.socket in ready, self.syncer.fd in ready
 
-    def _gather(self, now: float, batch: Batch) -> None:
+    def _gather(self, now: float, batch: StepAppends) -> None:
         """The group-commit window: take what arrives until the last step's sync is back (then
         its chunks are answered and this batch handed over at once, so a producer's window
         is not held up by a long batch), or, with none in flight, for `writers.flush_ms`."""
@@ -201,7 +201,7 @@ class WriterStage(Stage):
     def _dirty(self) -> bool:
         return any(appender.dirty for appender in self.appenders.values())
 
-    def _submit(self, batch: Batch) -> None:
+    def _submit(self, batch: StepAppends) -> None:
         """Hand every segment written or sealed since the last hand-off to the sync thread."""
         segments: list[Segment] = []
         for appender in self.appenders.values():
@@ -217,7 +217,7 @@ class WriterStage(Stage):
         ticket = self.syncer.collect(None if wait else 0)
         if ticket is None:
             return
-        batch: Batch = ticket.payload  # type: ignore[assignment]
+        batch: StepAppends = ticket.payload  # type: ignore[assignment]
         for appender, handed in batch.syncs:
             appender.end_sync(handed, ok=ticket.error is None)
         if ticket.error is not None and not isinstance(ticket.error, DiskFullError):
@@ -226,7 +226,7 @@ class WriterStage(Stage):
             self.fsync_s.observe(ticket.seconds)
         self._answer(batch, ticket.error, now)
 
-    def _answer(self, batch: Batch, error: BaseException | None, now: float) -> None:
+    def _answer(self, batch: StepAppends, error: BaseException | None, now: float) -> None:
         failed = batch.failed
         if error is not None:  # not durable: no chunk of this step is acknowledged
             self.disk.failed(error, now)
@@ -261,7 +261,7 @@ class WriterStage(Stage):
         else:
             self.disk.succeeded(now)
 
-    def _take(self, now: float, batch: Batch) -> int:
+    def _take(self, now: float, batch: StepAppends) -> int:
         """Append every waiting record (up to the step's limit); returns how many were taken.
 
         Rings are released as soon as their records are appended: the slots are
@@ -281,7 +281,7 @@ class WriterStage(Stage):
             ring.release()
         return taken
 
-    def _append(self, ring: str, kind: int, payload, now: float, batch: Batch) -> None:
+    def _append(self, ring: str, kind: int, payload, now: float, batch: StepAppends) -> None:
         if kind != KEYED:
             self.log.error("ring %s: unexpected record kind %d; dropped", ring, kind)
             return
