@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from pipeline.core.wake_pipe import WakePipe
 from pipeline.store.datadir import DataDir
 from pipeline.store.segment_format import SUFFIX
-from pipeline.telemetry.metrics import COUNTER, GAUGE, HISTOGRAM, METRICS
+from pipeline.telemetry.metric_catalogue import COUNTER, GAUGE, HISTOGRAM, METRICS
 from pipeline.telemetry.metrics_hub import MetricsHub
 from pipeline.transport.binds import host_port
 from pipeline.transport.topology import internal_address
