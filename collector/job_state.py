@@ -4,7 +4,7 @@ The completion stage knows how many of a job's items have a result; only
 dispatch knows which are with workers right now. A job with no result yet
 is `queued` at completion, but it is `in_progress` as soon as one of its
 items is handed to a worker. `status JOB` and `status --watch` ask both and
-merge them here (the states: pipeline/core/job_states.py):
+merge them here, through `pipeline.core.job_states.job_state`:
 
 | completion says | dispatch says              | shown         |
 |-----------------|----------------------------|---------------|
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.core.job_states import JobState
+from pipeline.core.job_states import JobState, job_state
 
 
 def with_in_flight(info: dict[str, Any], broker: dict[str, Any] | None) -> dict[str, Any]:
@@ -28,6 +28,6 @@ def with_in_flight(info: dict[str, Any], broker: dict[str, Any] | None) -> dict[
         return info
     in_flight = int(broker["in_flight_jobs"].get(str(info["job_no"]), 0))
     merged = {**info, "in_flight": in_flight}
-    if info.get("state") == JobState.QUEUED and in_flight:
-        merged["state"] = JobState.IN_PROGRESS.value
+    if info.get("state") == JobState.QUEUED:  # nothing done, not cancelled by a client
+        merged["state"] = str(job_state(info.get("total"), 0, in_flight=in_flight))
     return merged

@@ -80,7 +80,7 @@ class JobView:
     @property
     def total(self) -> int | None:
         """Lines in the job, once every chunk is committed (None while it is still submitted)."""
-        return self.stored + self.rejected_count if self.all_committed else None
+        return self.progress.total
 
     @property
     def cancel_path(self) -> Path:

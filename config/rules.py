@@ -18,6 +18,7 @@ from typing import Any, Final
 
 from config.defaults import ENDPOINTS, ENGINE_ENDPOINTS
 from pipeline.store.model_names import NAME_RULE, name_problem
+from pipeline.transport.binds import host_port, is_wildcard
 
 MIN_SEGMENT_BYTES: Final = 1024 * 1024
 MIN_FIRST_SEGMENT_BYTES: Final = 64 * 1024
@@ -84,9 +85,18 @@ def _options_problem(options: dict[str, Any]) -> str | None:
     return None
 
 
-TCP_ADDRESS = re.compile(
-    r"tcp://(?P<host>\*|\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(?P<port>[0-9]{1,5})"
-)
+# a tcp:// address's host, as pipeline/transport/binds.py `host_port` gives it (an IPv6
+# host's brackets taken off): a wildcard, an IPv6 address, or a name or IPv4 address
+TCP_HOST = re.compile(r"\*|[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*|[A-Za-z0-9._-]+")
+
+
+def _tcp_host_port(address: str) -> tuple[str, int] | None:
+    """(host, port) of a well-formed tcp://HOST:PORT (an IPv6 host in brackets), else None."""
+    target = host_port(address) if address.startswith("tcp://") else None
+    if target is None or not TCP_HOST.fullmatch(target[0]):
+        return None
+    ipv6 = ":" in target[0]
+    return target if ipv6 == address.startswith("tcp://[") else None
 
 
 def _address_problem(address: str) -> str | None:
@@ -97,11 +107,11 @@ def _address_problem(address: str) -> str | None:
         if len(path.encode()) > MAX_IPC_PATH_BYTES:
             return f"has an ipc path longer than the OS limit of {MAX_IPC_PATH_BYTES} bytes"
         return None
-    match = TCP_ADDRESS.fullmatch(address)
-    if match is None:
+    target = _tcp_host_port(address)
+    if target is None:
         return "is not a tcp://host:port or ipc://path address"
-    if not 1 <= int(match["port"]) <= 65535:
-        return f"has port {int(match['port'])}, outside 1-65535 (clients must know the port)"
+    if not 1 <= target[1] <= 65535:
+        return f"has port {target[1]}, outside 1-65535 (clients must know the port)"
     return None
 
 
@@ -332,9 +342,9 @@ def _has_kind(value: Any, kind: str) -> bool:
 
 def clash(a: str, b: str) -> bool:
     """True if binding both addresses on one host would fail (same port, or same ipc path)."""
-    ma, mb = TCP_ADDRESS.fullmatch(a), TCP_ADDRESS.fullmatch(b)
-    if ma is None or mb is None:
+    ta, tb = _tcp_host_port(a), _tcp_host_port(b)
+    if ta is None or tb is None:
         return a == b
-    wildcard = {"*", "0.0.0.0"}
-    same_host = ma["host"] == mb["host"] or {ma["host"], mb["host"]} & wildcard
-    return int(ma["port"]) == int(mb["port"]) and bool(same_host)
+    (host_a, port_a), (host_b, port_b) = ta, tb
+    same_host = host_a == host_b or is_wildcard(host_a) or is_wildcard(host_b)
+    return port_a == port_b and same_host

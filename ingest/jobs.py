@@ -18,7 +18,7 @@ from typing import Any
 
 from ingest.custom_ids import CustomIdSet
 from pipeline.core.errors import IngestError
-from pipeline.core.job_states import JobState
+from pipeline.core.job_states import JobState, job_state
 from pipeline.store.counter import DurableCounter
 from pipeline.store.job_files import ChunkEntry, ChunkProgress, JobFiles, Landing
 from pipeline.store.job_record import DELIVER_FILE
@@ -152,7 +152,9 @@ class Job:
                 record["name_ix"] = name_ix
         self.journal.append(record)
         self._apply(record, digests)
-        if self.state == JobState.VALIDATING and self.all_committed():
+        # the front knows no results: once every chunk is in, its journal says queued (and it
+        # answers resent chunks as duplicates), whatever completion says of the job later
+        if self.state == JobState.VALIDATING and job_state(self.progress.total) != self.state:
             self.set_state(JobState.QUEUED)
 
     def all_committed(self) -> bool:

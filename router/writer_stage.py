@@ -51,7 +51,8 @@ from pipeline.store.disk_full import FullDisk, probe
 from pipeline.store.segment import Segment
 from pipeline.store.segment_append import SegmentAppender, SegmentIds
 from pipeline.store.segment_format import KIND_INPUT, SegmentKey, slot_bytes_for
-from pipeline.telemetry.metrics import FSYNC_BUCKETS_S, Histogram
+from pipeline.telemetry.metric_catalogue import FSYNC_BUCKETS_S
+from pipeline.telemetry.metrics import Histogram
 from pipeline.transport import wire
 from pipeline.transport.ring_port import RingPort
 from pipeline.transport.ring_records import KEYED, Keyed, read_keyed

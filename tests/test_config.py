@@ -119,6 +119,8 @@ MODEL = '[[models]]\nname = "m"\nengine = "echo"\n'
         ("[api]\nkeep_alive_timeout_s = -1\n", ["api.keep_alive_timeout_s = -1", "negative"]),
         ('[ingest]\nbind = "127.0.0.1:7710"\n', ['ingest.bind = "127.0.0.1:7710"', "tcp://"]),
         ('[ingest]\nbind = "tcp://127.0.0.1:0"\n', ["ingest.bind", "port 0"]),
+        ('[ingest]\nbind = "tcp://127.0.0.1:123456"\n', ["ingest.bind", "port 123456", "1-65535"]),
+        ('[ingest]\nbind = "tcp://::1:7710"\n', ["ingest.bind", "tcp://host:port"]),
         (f'[ingest]\nbind = "ipc:///{"x" * 120}"\n', ["ingest.bind", "107 bytes"]),
         ('[dispatch]\nbind = "tcp://*:7710"\n', ["dispatch.bind", "clashes with ingest.bind"]),
         ("[models]\nname = 'm'\n", ["models = { name", "[[models]]"]),

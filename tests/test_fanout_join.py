@@ -14,7 +14,7 @@ import numpy as np
 import openai.types
 import orjson
 
-from collector.delivery import join, lines
+from collector.delivery import join, line_bodies, lines
 from collector.delivery.join import join_lines
 from collector.delivery.lines import format_page, page_keys
 from collector.delivery.result_page import ExportContext, ResultPage
@@ -120,14 +120,14 @@ def test_a_line_the_client_cannot_render_or_join_is_its_own_error_line(monkeypat
     lines are delivered."""
     page = fanned_page(failed_row=11)  # lines c0 (rows 0-3), c1 (4-7), c2 (8-11, 11 failed)
     context = ExportContext("job", "m", {1: {"endpoint": "/v1/embeddings"}})
-    embedding_body = lines._embedding_body
+    embedding_body = line_bodies.embedding_body
 
     def body_of(embedding, *args):
         if embedding[0] == 3.0:  # row 1's vector (3, 4, 5)
             raise ValueError("cannot render (3, 4, 5)")
         return embedding_body(embedding, *args)
 
-    monkeypatch.setattr(lines, "_embedding_body", body_of)
+    monkeypatch.setattr(line_bodies, "embedding_body", body_of)
     out, err = format_page(page, context)
     assert [json.loads(x)["custom_id"] for x in out] == ["c1"]
     assert len(json.loads(out[0])["response"]["body"]["data"]) == 4

@@ -27,7 +27,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpu.dispatch.arrivals import Arrivals
 from gpu.worker.options import WorkerOptions
 from pipeline.core import exitcodes
-from pipeline.telemetry.metrics import COUNTER, FSYNC_BUCKETS_S, METRICS, Histogram, encode_samples
+from pipeline.telemetry.metric_catalogue import COUNTER, FSYNC_BUCKETS_S, METRICS
+from pipeline.telemetry.metrics import Histogram, encode_samples
 from pipeline.telemetry.metrics_hub import MetricsHub
 from pipeline.telemetry.metrics_server import valid_samples
 

@@ -22,14 +22,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.core.errors import RingError
-from pipeline.transport.ring import (
-    HEADER_BYTES,
-    NAME_MAX_CHARS,
-    RECORD_HEADER_BYTES,
-    Ring,
-    record_arrays,
-    ring_name,
-)
+from pipeline.transport.ring import HEADER_BYTES, RECORD_HEADER_BYTES, Ring
+from pipeline.transport.ring_layout import record_arrays
+from pipeline.transport.ring_names import NAME_MAX_CHARS, ring_name
 
 END_KIND = 1000
 STALL_S = 60.0  # a child that makes no progress this long reports failure and exits

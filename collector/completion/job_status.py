@@ -4,20 +4,11 @@ Reads only: the job's view (collector/job_view.py), its exact counters in the
 completion log, and whether it has finished. Nothing here writes a file:
 a job finishes where it finishes (collector/completion/finishing.py).
 
-| state (pipeline/core/job_states.py) | when |
-|--------------|------|
-| `validating` | not every chunk up to the final one is committed: `total` unknown |
-| `queued`     | nothing done yet, not cancelled by a client |
-| `in_progress`| some items done, not all, not cancelled by a client |
-| `cancelling` | cancelled by a client, not every item done |
-| `cancelled`  | cancelled by a client, every item done |
-| `completed`  | every item done, not cancelled |
-| `expired`    | cancelled at its deadline (the HTTP API's `completion_window`), every item done; or finished, fewer items done than its total and nothing undelivered: its delivered results were past retention and removed |
-
-A job cancelled at its deadline (its cancel mark says so: pipeline/store/job_files.py)
-stays `queued` or `in_progress` while its last items are retired, as its batch
-stays `in_progress` over HTTP, and then reads `expired`, as its batch does
-(pipeline/core/job_states.py `OPENAI_STATUS`).
+Its state is `pipeline.core.job_states.job_state` of these facts (the table of facts
+and states is there). A job cancelled at its deadline (its cancel mark says so:
+pipeline/store/job_files.py) stays `queued` or `in_progress` while its last items are
+retired, as its batch stays `in_progress` over HTTP, and then reads `expired`, as its
+batch does (pipeline/core/job_states.py `OPENAI_STATUS`).
 
 `done` is the number of lines whose every part has a result or an error
 result (a line of one part: its item); `fanout` gives the job's lines of
@@ -31,21 +22,7 @@ from __future__ import annotations
 
 from collector.completion.results_log import CompletionLog
 from collector.job_view import JobView
-from pipeline.core.job_states import JobState
-
-
-def job_state(done: int, total: int | None, cancelled: bool, at_deadline: bool = False) -> JobState:
-    """The state of a job whose results are not past retention (see the module table);
-    `at_deadline`: its cancel came at its deadline."""
-    if total is None:
-        return JobState.VALIDATING
-    if done >= total:
-        if at_deadline:
-            return JobState.EXPIRED
-        return JobState.CANCELLED if cancelled else JobState.COMPLETED
-    if cancelled and not at_deadline:
-        return JobState.CANCELLING
-    return JobState.IN_PROGRESS if done else JobState.QUEUED
+from pipeline.core.job_states import job_state
 
 
 class JobStatus:
@@ -62,11 +39,15 @@ class JobStatus:
         done, failed = log.completed(job_id), log.failed(job_id)
         undelivered = log.undelivered(job_id)
         total = view.total
-        if finished and total is not None and done < total and not undelivered:
-            state = JobState.EXPIRED  # its delivered results are past retention, removed
-        else:
-            cancelled = view.cancelled
-            state = job_state(done, total, cancelled, cancelled and view.cancelled_at_deadline)
+        cancelled = view.cancelled
+        state = job_state(
+            total,
+            done,
+            cancelled=cancelled,
+            at_deadline=cancelled and view.cancelled_at_deadline,
+            finished=finished,
+            undelivered=undelivered,
+        )
         # results of work done: not error results (a cancel's, rejected lines') that come at once
         first = self.rates.setdefault(job_id, (now, done - failed))
         elapsed = now - first[0]

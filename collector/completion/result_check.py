@@ -46,7 +46,7 @@ from pipeline.core import token_logprobs
 from pipeline.core.errors import FabricError
 from pipeline.core.item_error_codes import ItemErrorCode
 from pipeline.core.result_kinds import ResultKind, ResultStatus
-from pipeline.telemetry.metrics import RESULT_REFUSALS
+from pipeline.telemetry.metric_catalogue import RESULT_REFUSALS
 
 OK = 0
 BAD_STATUS = 1

@@ -11,7 +11,7 @@ constant folded into its neighbours when the page has one form only; values
 repeated across lines (usage) are rendered once each. `fill` interleaves constants
 and columns into one list with slice assignments and joins it: no Python
 runs per line. The bytes are exactly what orjson gives for the line's dict
-(collector/delivery/lines.py `format_lines_one_by_one` builds those dicts;
+(collector/delivery/line_bodies.py `format_lines_one_by_one` builds those dicts;
 tests/test_results_templates.py pins the two against each other).
 
 | form (`form_of`) | lines it renders |

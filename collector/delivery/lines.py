@@ -9,7 +9,7 @@ client writes them through `ResultFile` (collector/delivery/result_file.py),
 which holds each key at most once. Completions, chat and embedding lines are
 built a whole page at once from templates (collector/delivery/line_templates.py);
 /v1/responses and logprobs lines, and the rows of fan-out lines, one by one
-(`format_lines_one_by_one`: a dict per line, to orjson). Both give the same
+(collector/delivery/line_bodies.py `format_lines_one_by_one`: a dict per line, to orjson). Both give the same
 bytes (tests/test_results_templates.py). `format_page` and `page_keys` give
 the same as lists, a bytes object per line.
 
@@ -72,7 +72,6 @@ ever being taken for one.
 
 from __future__ import annotations
 
-import base64
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -82,8 +81,7 @@ import orjson
 
 from collector.delivery import line_ids, line_templates
 from collector.delivery.join import join_lines
-from collector.delivery.logprobs import TokenTexts, chat_logprobs, completion_logprobs
-from collector.delivery.responses import response_body
+from collector.delivery.line_bodies import format_lines_one_by_one
 from collector.delivery.result_page import (
     Checked,
     ExportContext,
@@ -92,12 +90,8 @@ from collector.delivery.result_page import (
     check_page,
     result_words,
 )
-from ingest.catalog import CHAT_COMPLETIONS, EMBEDDINGS, RESPONSES
 from ingest.line_errors import LineError
 from pipeline.core.item_error_codes import ItemErrorCode
-from pipeline.core.ragged import ranges
-from pipeline.core.result_kinds import ResultKind
-from pipeline.core.token_logprobs import unpack
 
 _BARE_CODE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _DUMPS_OPTIONS = orjson.OPT_APPEND_NEWLINE | orjson.OPT_SERIALIZE_NUMPY
@@ -353,129 +347,6 @@ def _forms(
         if form is not None:
             forms[rows] = line_templates.FORMS.index(form)
     return forms
-
-
-def format_lines_one_by_one(
-    page: ResultPage, context: ExportContext, checked: Checked, as_dicts: bool = False
-) -> list[Any]:
-    """Output lines for the checked results: columns converted once, then one dict per item
-    (the forms line_templates.py has no template for; tests hold the templates to it), returned
-    as such with `as_dicts`, for the join, which would otherwise parse them back."""
-    results = checked.results
-    if not len(results):
-        return []
-    kind = page.kind[results]
-    endpoints = checked.endpoints
-    offsets = np.asarray(page.offsets, dtype=np.int64)
-    starts = offsets[results]
-    counts = (offsets[results + 1] - starts) // 4
-    words, word_starts = result_words(page.payload, starts, counts)
-    floats = words.view("<f4").astype(np.float32, copy=False)  # native order for orjson
-    embeds = kind == ResultKind.VECTOR
-    if embeds.any():  # gather the token ids alone, so tolist() converts no embedding
-        token_counts = np.where(embeds, 0, counts)
-        token_starts = np.cumsum(token_counts) - token_counts
-        tokens = words[ranges(word_starts, token_counts)].tolist()
-    else:
-        token_starts, tokens = word_starts, words.tolist()
-    ids, request_ids = line_ids.request_ids(context.job_id, page.index[results])
-    created = context.created_ns // 1_000_000_000
-    model, decode, custom_ids = context.model, context.decode, page.custom_ids
-    prompts, counts_l = page.prompt_tokens[results].tolist(), counts.tolist()
-    float_at, token_at = word_starts.tolist(), token_starts.tolist()
-    shape_ids = page.shape[results].tolist()
-    scored_kind = (kind == ResultKind.TOKEN_LOGPROBS).tolist()
-    texts = TokenTexts(decode)
-    lines = []
-    for j, i in enumerate(results.tolist()):
-        endpoint, max_tokens = endpoints[j]
-        count, prompt = counts_l[j], prompts[j]
-        if endpoint == EMBEDDINGS:
-            start = float_at[j]
-            shape = context.shapes.get(shape_ids[j]) or {}
-            body = _embedding_body(
-                floats[start : start + count], model, prompt, shape.get("encoding_format")
-            )
-        else:
-            scored = None
-            if scored_kind[j]:
-                scored = unpack(words[float_at[j] : float_at[j] + count])
-                token_ids = scored.tokens
-            else:
-                start = token_at[j]
-                token_ids = tokens[start : start + count]
-            text = decode(token_ids) if decode is not None else ""
-            finish = "length" if len(token_ids) >= max_tokens else "stop"
-            if endpoint == RESPONSES:
-                shape = context.shapes.get(shape_ids[j]) or {}
-                scores = None if scored is None else chat_logprobs(scored, texts)["content"]
-                body = response_body(
-                    request_ids[j], created, model, text, token_ids, finish, prompt, shape, scores
-                )
-            else:
-                body = _generated_body(
-                    endpoint, request_ids[j], created, model, text, token_ids, finish, prompt
-                )
-                if scored is not None:
-                    render = chat_logprobs if endpoint == CHAT_COMPLETIONS else completion_logprobs
-                    body["choices"][0]["logprobs"] = render(scored, texts)
-        line = {
-            "id": "batch_req_" + ids[j],
-            "custom_id": custom_ids[i],
-            "response": {"status_code": 200, "request_id": request_ids[j], "body": body},
-            "error": None,
-        }
-        lines.append(line if as_dicts else orjson.dumps(line, option=_DUMPS_OPTIONS))
-    return lines
-
-
-def _embedding_body(
-    embedding: np.ndarray, model: str, prompt: int, encoding: str | None = None
-) -> dict[str, Any]:
-    if encoding == "base64":  # little-endian float32, as OpenAI sends it
-        value: Any = base64.b64encode(embedding.astype("<f4", copy=False).tobytes()).decode()
-    else:
-        value = embedding
-    return {
-        "object": "list",
-        "data": [{"object": "embedding", "index": 0, "embedding": value}],
-        "model": model,
-        "usage": {"prompt_tokens": prompt, "total_tokens": prompt},
-    }
-
-
-def _generated_body(
-    endpoint: str,
-    request_id: str,
-    created: int,
-    model: str,
-    text: str,
-    token_ids: list[int],
-    finish: str,
-    prompt: int,
-) -> dict[str, Any]:
-    chat = endpoint == CHAT_COMPLETIONS
-    choice: dict[str, Any] = {"index": 0}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice["text"] = text
-    choice["logprobs"] = None
-    choice["finish_reason"] = finish
-    choice["token_ids"] = token_ids
-    completion = len(token_ids)
-    return {
-        "id": ("chatcmpl-" if chat else "cmpl-") + request_id,
-        "object": "chat.completion" if chat else "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-        "usage": {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-        },
-    }
 
 
 def _split_error(payload: bytes) -> tuple[str, str]:

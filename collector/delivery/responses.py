@@ -32,24 +32,35 @@ or null when not asked.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 
+@dataclass(frozen=True)
+class Generated:
+    """One generated item as every generated line's body tells it (this module's Response
+    object, collector/delivery/line_bodies.py's chat.completion and text_completion)."""
+
+    request_id: str
+    created: int  # the job's creation time, unix seconds
+    model: str
+    text: str  # the decoded token ids ("" without a tokenizer)
+    token_ids: list[int]
+    finish: str  # "stop" or "length"
+    prompt: int  # prompt tokens
+
+
 def response_body(
-    request_id: str,
-    created: int,
-    model: str,
-    text: str,
-    token_ids: list[int],
-    finish: str,
-    prompt: int,
+    generated: Generated,
     shape: Mapping[str, Any],
     logprobs: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The Response object for one generated item (see the module docstring); `logprobs`
     the output text's per-token log probabilities, when the result has them."""
+    request_id, created, model = generated.request_id, generated.created, generated.model
+    text, finish, prompt = generated.text, generated.finish, generated.prompt
     status = "completed" if finish == "stop" else "incomplete"
-    completion = len(token_ids)
+    completion = len(generated.token_ids)
     return {
         "id": "resp_" + request_id,
         "object": "response",
@@ -89,5 +100,5 @@ def response_body(
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": prompt + completion,
         },
-        "token_ids": token_ids,
+        "token_ids": generated.token_ids,
     }

@@ -12,7 +12,7 @@ from gpu.dispatch.sessions import WORKER_FIGURES
 from pipeline.core import item_seq
 from pipeline.core.item_error_codes import ItemErrorCode
 from pipeline.process.stage_restarts import read_restarts
-from pipeline.telemetry.metrics import RECLAIM_CAUSES
+from pipeline.telemetry.metric_catalogue import RECLAIM_CAUSES
 
 STATUS_LEASES = 20  # the oldest leases named in the status answer
 STATUS_SLOTS = 16  # slots named per lease there

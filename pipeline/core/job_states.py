@@ -21,6 +21,21 @@ item done or with a worker yet) is the broker's own, and OpenAI's
 `in_progress`. OpenAI's `failed` (the input file did not validate) and
 `finalizing` (the output files being written) are the HTTP API's own steps
 around a job (api/batch_driver.py).
+
+`job_state` is the one place a job's state is worked out from its facts; the front
+(its journal's `validating` -> `queued`), completion (JOB_INFO) and `status` (adding
+dispatch's items in flight) all call it:
+
+| facts                                                              | state         |
+|--------------------------------------------------------------------|---------------|
+| `total` unknown: not every chunk up to the final one is committed   | `validating`  |
+| finished, fewer done than `total`, nothing undelivered (its delivered results were past retention and removed) | `expired` |
+| every line done, cancelled at its deadline                         | `expired`     |
+| every line done, cancelled by a client                             | `cancelled`   |
+| every line done, not cancelled                                     | `completed`   |
+| not every line done, cancelled by a client                         | `cancelling`  |
+| some lines done, or items with workers (a cancel at the deadline changes nothing yet) | `in_progress` |
+| nothing done, nothing with a worker                                | `queued`      |
 """
 
 from __future__ import annotations
@@ -78,6 +93,35 @@ OPENAI_STATUS: dict[JobState, BatchStatus] = {
     JobState.CANCELLED: BatchStatus.CANCELLED,
     JobState.EXPIRED: BatchStatus.EXPIRED,
 }
+
+
+def job_state(
+    total: int | None,
+    done: int = 0,
+    *,
+    cancelled: bool = False,
+    at_deadline: bool = False,
+    finished: bool = False,
+    undelivered: int = 0,
+    in_flight: int = 0,
+) -> JobState:
+    """A job's state from its facts (the module table): `total` its lines once every chunk up
+    to the final one is committed (None before), `done` its lines with a result or an error
+    result, `cancelled` its cancel mark exists, `at_deadline` that mark says its deadline
+    passed, `finished` its finished mark exists, `undelivered` its results not delivered yet,
+    `in_flight` its items with workers now (dispatch's count)."""
+    if total is None:
+        return JobState.VALIDATING
+    if finished and done < total and not undelivered:
+        return JobState.EXPIRED  # its delivered results are past retention, removed
+    deadline = cancelled and at_deadline
+    if done >= total:
+        if deadline:
+            return JobState.EXPIRED
+        return JobState.CANCELLED if cancelled else JobState.COMPLETED
+    if cancelled and not deadline:
+        return JobState.CANCELLING
+    return JobState.IN_PROGRESS if done or in_flight else JobState.QUEUED
 
 
 def openai_status(state: str) -> BatchStatus:

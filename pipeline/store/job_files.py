@@ -241,6 +241,11 @@ class ChunkProgress:
         )
 
     @property
+    def total(self) -> int | None:
+        """Lines in the job, once every chunk is committed (None while it is still submitted)."""
+        return self.stored + self.rejected if self.all_committed else None
+
+    @property
     def committed_chunks(self) -> int:
         return sum(1 for c in self.chunks.values() if c.committed is not None)
 

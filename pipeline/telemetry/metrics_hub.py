@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 
-from pipeline.telemetry.metrics import COUNTER, HISTOGRAM, METRICS
+from pipeline.telemetry.metric_catalogue import COUNTER, HISTOGRAM, METRICS
 
 Key = tuple[str, tuple[str, ...]]  # (metric name, label values)
 

@@ -26,8 +26,9 @@ from collections.abc import Iterator
 from pipeline.core.wake_pipe import WakePipe
 from pipeline.store.datadir import DataDir
 from pipeline.store.segment_format import SUFFIX
-from pipeline.telemetry.metrics import COUNTER, GAUGE, HISTOGRAM, METRICS
+from pipeline.telemetry.metric_catalogue import COUNTER, GAUGE, HISTOGRAM, METRICS
 from pipeline.telemetry.metrics_hub import MetricsHub
+from pipeline.transport.binds import host_port
 from pipeline.transport.topology import internal_address
 
 log = logging.getLogger("fabric.metrics")
@@ -70,12 +71,6 @@ def _serve(httpd, wake: WakePipe) -> None:
             if wake.fd in ready:
                 return
             httpd.handle_request()  # the connection waiting now: accept returns at once
-
-
-def split_host_port(bind: str) -> tuple[str, int]:
-    """'127.0.0.1:7719' -> ('127.0.0.1', 7719); '[::1]:7719' -> ('::1', 7719)."""
-    host, _, port = bind.rpartition(":")
-    return host.strip("[]"), int(port)
 
 
 def valid_samples(samples: object) -> list[list] | None:
@@ -204,7 +199,9 @@ class MetricsServer(threading.Thread):
 
         registry = CollectorRegistry(auto_describe=False)
         registry.register(FabricCollector(self.hub, DataDir(self.settings.data_path)))
-        host, port = split_host_port(self.bind)
+        target = host_port(self.bind)  # config/rules.py checked it is HOST:PORT
+        assert target is not None, self.bind
+        host, port = target
         try:
             self.httpd, self._http_thread = _http_server(host, port, registry, self._wake)
         except OSError as exc:

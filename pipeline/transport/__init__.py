@@ -12,6 +12,8 @@ kept by the import-linter contract in pyproject.toml.
 | `ports.py`           | Free loopback ports for a generated config (the demo, `run.py batch`, the tests and the |
 | `reconnect_watch.py` | A client hears that its connection to a broker stage was lost and is back |
 | `ring.py`            | A bounded single-producer single-consumer byte ring in POSIX shared memory |
+| `ring_layout.py`     | A ring record's payload: its arrays at 8-byte aligned offsets, read back as zero-copy views |
+| `ring_names.py`      | A ring's portable POSIX shared-memory name, from the data dir, the two stages and a number |
 | `ring_port.py`       | A stage's end of a ring that follows the supervisor's replacements |
 | `ring_records.py`    | The ingest ring records (ITEMS, KEYED): what flows front/tokenizer -> router -> writer |
 | `security.py`        | CURVE authentication of the broker's ZeroMQ ports, and which binds may face the network |

@@ -63,20 +63,19 @@ A handle belongs to one thread.
 
 from __future__ import annotations
 
-import hashlib
 import mmap
 import os
 import platform
-import re
 import struct
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import posix_ipc
 
 from pipeline.core.errors import RingError
+from pipeline.transport.ring_layout import align8, record_layout
+from pipeline.transport.ring_names import check_name
 
 MAGIC = b"IFRING1\0"
 VERSION = 1
@@ -86,82 +85,12 @@ TAIL_OFFSET = 256
 RECORD_HEADER_BYTES = 8
 WRAP_KIND = 0xFFFFFFFF
 MIN_CAPACITY_BYTES = 256
-NAME_MAX_CHARS = 30  # macOS PSHMNAMLEN is 31 with the NUL; Linux allows 255
 
 _HEADER = struct.Struct("<8sIIQQI")  # magic .. creator_pid
 _RECORD = struct.Struct("<II")  # length, kind
 _HEAD_WORD = HEAD_OFFSET // 8
 _TAIL_WORD = TAIL_OFFSET // 8
-_NAME_RE = re.compile(r"/[A-Za-z0-9._-]{1,29}\Z")
-_STAGE_RE = re.compile(r"[a-z][a-z0-9_]*\Z")
 _NEEDS_FENCE = platform.machine().lower() not in {"x86_64", "amd64", "i386", "i686", "x86"}
-
-
-def align8(nbytes: int) -> int:
-    """nbytes rounded up to a multiple of 8."""
-    return (nbytes + 7) & ~7
-
-
-def record_layout(sizes: list[int]) -> tuple[list[int], int]:
-    """Offsets of arrays of these byte sizes inside a put() payload, and its length."""
-    offsets = []
-    position = 0
-    for size in sizes:
-        position = align8(position)
-        offsets.append(position)
-        position += size
-    return offsets, position
-
-
-def record_arrays(payload: memoryview, *layout: tuple[np.dtype | str, tuple[int, ...] | int]):
-    """Zero-copy numpy views of the arrays a put() wrote, given their (dtype, shape) in order.
-
-    The views are read-only and valid until the consumer's next release().
-    """
-    dtypes = [np.dtype(dtype) for dtype, _ in layout]
-    shapes = [(shape,) if isinstance(shape, int) else tuple(shape) for _, shape in layout]
-    sizes = [
-        dtype.itemsize * int(np.prod(shape)) for dtype, shape in zip(dtypes, shapes, strict=True)
-    ]
-    offsets, length = record_layout(sizes)
-    if length != payload.nbytes:
-        raise RingError(
-            f"record payload is {payload.nbytes} bytes but the layout {layout!r} needs {length}; "
-            "the consumer must name the same arrays, in order, as the producer's put()"
-        )
-    return [
-        np.frombuffer(payload, dtype, count=size // dtype.itemsize, offset=offset).reshape(shape)
-        for dtype, shape, size, offset in zip(dtypes, shapes, sizes, offsets, strict=True)
-    ]
-
-
-def ring_name(data_dir: Path | str, src_stage: str, dst_stage: str, n: int) -> str:
-    """The POSIX name of ring `n` from `src_stage` to `dst_stage` of the broker at `data_dir`.
-
-    `/if<8 hex of the data dir>.<src>.<dst>.<n>`, or `/if<dir>.<8 hex of src/dst>.<n>`
-    when that is longer than 30 characters. The data dir hash keeps two brokers on
-    one host apart; `ls /dev/shm/if<dir>*` lists one broker's rings.
-    """
-    for what, stage in (("src_stage", src_stage), ("dst_stage", dst_stage)):
-        if not isinstance(stage, str) or not _STAGE_RE.match(stage):
-            raise RingError(f"{what} {stage!r} is not a stage name: use [a-z][a-z0-9_]*")
-    if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n < 10**6:
-        raise RingError(f"ring number {n!r} must be an int in 0..999999")
-    resolved = os.path.realpath(os.fspath(data_dir))
-    prefix = "/if" + hashlib.blake2b(resolved.encode(), digest_size=4).hexdigest()
-    name = f"{prefix}.{src_stage}.{dst_stage}.{n}"
-    if len(name) <= NAME_MAX_CHARS:
-        return name
-    route = hashlib.blake2b(f"{src_stage}\0{dst_stage}".encode(), digest_size=4).hexdigest()
-    return f"{prefix}.{route}.{n}"
-
-
-def _check_name(name: str) -> None:
-    if not isinstance(name, str) or not _NAME_RE.match(name):
-        raise RingError(
-            f"ring name {name!r} is not a portable POSIX shared-memory name: "
-            f"'/' then 1-29 of [A-Za-z0-9._-]; build it with ring_name()"
-        )
 
 
 class _Fence:
@@ -209,7 +138,7 @@ class Ring:
         Every page is allocated now, so a full /dev/shm fails here with RingError
         instead of a SIGBUS inside a later put().
         """
-        _check_name(name)
+        check_name(name)
         if (
             not isinstance(capacity_bytes, int)
             or capacity_bytes < MIN_CAPACITY_BYTES
@@ -248,7 +177,7 @@ class Ring:
     @classmethod
     def attach(cls, name: str) -> Ring:
         """Map an existing ring; RingError if it is missing or not a ring of this version."""
-        _check_name(name)
+        check_name(name)
         try:
             shm = posix_ipc.SharedMemory(name)
         except posix_ipc.ExistentialError as exc:
@@ -301,7 +230,7 @@ class Ring:
     @staticmethod
     def unlink(name: str) -> bool:
         """Remove the ring's name; mappings stay valid until closed. True if it existed."""
-        _check_name(name)
+        check_name(name)
         try:
             posix_ipc.unlink_shared_memory(name)
         except posix_ipc.ExistentialError:
@@ -312,7 +241,7 @@ class Ring:
     def created_ns_of(name: str) -> int | None:
         """The creation time in the header of the ring called `name` (None if there is none),
         read without mapping it: how a stage notices its ring was replaced."""
-        _check_name(name)
+        check_name(name)
         try:
             shm = posix_ipc.SharedMemory(name)
         except posix_ipc.ExistentialError:

@@ -39,7 +39,8 @@ from typing import Any
 import numpy as np
 import orjson
 
-from pipeline.transport.ring import Ring, record_arrays
+from pipeline.transport.ring import Ring
+from pipeline.transport.ring_layout import record_arrays
 
 ITEMS = 1
 KEYED = 2

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.transport.binds import LOOPBACK_HOST, host_port, is_wildcard
-from pipeline.transport.ring import ring_name
+from pipeline.transport.ring_names import ring_name
 
 RING_BYTES = (
     64 << 20

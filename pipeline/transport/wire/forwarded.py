@@ -24,6 +24,7 @@ import zmq
 from pipeline.core.errors import WireError
 from pipeline.transport.wire.codec import decode
 from pipeline.transport.wire.messages import DEFAULT_LIMITS, Message, MessageType, WireLimits
+from pipeline.transport.wire.sockets import recv_frames
 
 FORWARDED = b"IFR1"  # frame 0 of a forwarded RESULTS: this, then the worker's route
 
@@ -44,14 +45,9 @@ def recv(
     """the wire's recv for the completion inbox: a forwarded RESULTS comes back decoded, with the
     worker's route (hex) in `meta["route"]` and in `route`; other messages as the wire's recv gives them.
     WireError if malformed."""
-    try:
-        if not socket.poll(timeout_ms, zmq.POLLIN):
-            return None
-        frames = socket.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-    except zmq.Again:
+    frames = recv_frames(socket, timeout_ms)
+    if frames is None:
         return None
-    except zmq.ZMQError as exc:
-        raise WireError(f"receive failed: {exc}") from exc
     if not frames or bytes(frames[0].buffer[: len(FORWARDED)]) != FORWARDED:
         return decode(frames, limits)
     route = bytes(frames[0].buffer[len(FORWARDED) :])

@@ -53,6 +53,19 @@ def send(
         ) from exc
 
 
+def recv_frames(socket: zmq.Socket, timeout_ms: int) -> list[zmq.Frame] | None:
+    """The next message's frames as received (not copied), or None if none arrives within
+    `timeout_ms`; WireError if the receive fails."""
+    try:
+        if not socket.poll(timeout_ms, zmq.POLLIN):
+            return None
+        return socket.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+    except zmq.Again:
+        return None
+    except zmq.ZMQError as exc:
+        raise WireError(f"receive failed: {exc}") from exc
+
+
 def recv(
     socket: zmq.Socket, timeout_ms: int, *, limits: WireLimits = DEFAULT_LIMITS
 ) -> Message | None:
@@ -61,14 +74,9 @@ def recv(
     On a ROUTER socket the first frame (and an empty delimiter after it, from
     REQ peers) is the route. WireError (with `.route`) if the message is malformed.
     """
-    try:
-        if not socket.poll(timeout_ms, zmq.POLLIN):
-            return None
-        frames = socket.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-    except zmq.Again:
+    frames = recv_frames(socket, timeout_ms)
+    if frames is None:
         return None
-    except zmq.ZMQError as exc:
-        raise WireError(f"receive failed: {exc}") from exc
     route: tuple[bytes, ...] = ()
     if socket.type == zmq.ROUTER:
         cut = 2 if len(frames) > 1 and len(frames[1]) == 0 else 1
