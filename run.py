@@ -42,6 +42,7 @@ from pipeline.core.invocation import how_to_run, note_config
 COMMANDS: tuple[str, ...]
 COMMANDS = ("check", "submit", "status", "results", "cancel", "vectors", "worker", "demo", "keys")
 COMMANDS += ("batch",)  # collector/oneshot.py
+COMMANDS += ("smollm2-dir",)  # gpu/engines/smollm2_dir.py
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -391,6 +392,10 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         from collector.oneshot import add_parser as add_batch_parser
 
         add_batch_parser(commands)
+    if "smollm2-dir" in wanted:
+        from gpu.engines.smollm2_dir import add_parser as add_smollm2_dir_parser
+
+        add_smollm2_dir_parser(commands)
     demo = commands.add_parser("demo", help="embed the Python docs with MiniLM, end to end")
     demo.add_argument("--dir", default="var/demo", help="where the demo keeps its broker and files")
     demo.add_argument("--workers", type=int, default=1, help="local minilm worker processes")

@@ -147,7 +147,9 @@ class Broker:
         self.address = self.settings.ingest.bind
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> Broker:
+    def start(self, timeout_s: float = 60) -> Broker:
+        """Starts the broker and waits `timeout_s` for every stage, local workers included
+        (a worker is up once its engine has loaded: minutes for vLLM on 2 cores)."""
         path = self.stderr_path
         err = subprocess.PIPE if path is None else open(path, "w")  # noqa: SIM115
         self.proc = zygote.Popen(
@@ -162,7 +164,7 @@ class Broker:
         wait_for(
             lambda: self.all_up() or self.proc.poll() is not None,
             "every stage to be up",
-            timeout_s=60,
+            timeout_s=timeout_s,
         )
         if self.proc.poll() is not None:  # it exited at start: say why at once
             said = self.stderr_path.read_text() if self.stderr_path else self.proc.stderr.read()

@@ -8,7 +8,7 @@ the file twice and de-quantises it), so:
 | `loaded_engine()`      | one `TransformersEngine` (default model, one thread) per test process, shared by every in-process test |
 | `broker_with_worker(...)` | a real broker and one transformers worker process of its own on the saved weights |
 | `smol_broker` (fixture)   | one such broker, model `smol` on every endpoint, shared by the broker tests of the session (bound in tests/conftest.py, so that it is one fixture) |
-| `model_dir(shared)`    | the same weights saved as a Hugging Face directory (safetensors and tokenizer.json), written once per session under `shared` (a lock keeps the pytest-xdist processes from writing it twice); a worker started with `--option model=DIR` loads it in a second instead of parsing the GGUF again |
+| `model_dir(shared)`    | the same weights as a model directory (`run.py smollm2-dir`'s, gpu/engines/smollm2_dir.py), written once per session under `shared` (a lock keeps the pytest-xdist processes from writing it twice); a worker started with `--option model=DIR` loads it in a second instead of parsing the GGUF again |
 
 The broker tests prove that results flow through a broker (log probabilities,
 n samples); the in-process tests prove the engine on the default GGUF load.
@@ -19,8 +19,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
-import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -72,33 +70,16 @@ def shared_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return base.parent if base.name.startswith("popen-gw") else base
 
 
-def save_weights(model, directory: Path) -> None:
-    """config.json and model.safetensors of a model loaded from GGUF (whose save_pretrained
-    refuses: it counts as quantised even once de-quantised to float32)."""
-    from safetensors.torch import save_model
-
-    directory.mkdir(parents=True)
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)
-    (directory / "config.json").write_text(json.dumps(config), "utf-8")
-    save_model(model, str(directory / "model.safetensors"), metadata={"format": "pt"})
-
-
 def model_dir(shared: Path) -> Path:
-    """SmolLM2 saved as a model directory under `shared`, written by the first process that asks."""
+    """SmolLM2 as a model directory under `shared` (gpu/engines/smollm2_dir.py, from this
+    process's loaded model), written by the first process that asks."""
     from filelock import FileLock  # installed with transformers (huggingface_hub needs it)
 
-    from gpu.engines.transformers import smollm2_tokenizer_path
+    from gpu.engines.smollm2_dir import write_smollm2_dir
 
     target = shared / "smollm2-model"
     with FileLock(str(shared / "smollm2-model.lock")):
-        if not (target / "config.json").is_file():
-            partial = shared / "smollm2-model.partial"
-            shutil.rmtree(partial, ignore_errors=True)
-            save_weights(loaded_engine()._model, partial)
-            shutil.copy(smollm2_tokenizer_path(), partial / "tokenizer.json")
-            partial.rename(target)
-    return target
+        return write_smollm2_dir(target, model=loaded_engine()._model)
 
 
 SMOL_TOML = """

@@ -12,8 +12,8 @@ file covers) goes through the three doors a user has, on each engine:
 | `http` | the official `openai` client on the same broker's api: a batch per file and url (a batch has one endpoint, as OpenAI's), with `fabric_accept_partial` so that bad lines become error lines, as in the other doors |
 
 Engines: echo and transformers (SmolLM2) run the generation files (model `gen`), minilm the
-embedding files (model `embed`), vllm the generation files where vLLM and a GPU are there
-(skipped with the reason otherwise). Each model also answers to aliases (`[[models]]
+embedding files (model `embed`), vllm the generation files where vLLM is there (on a GPU or
+its CPU build, SmolLM2 by default; marked `vllm`, skipped with the reason otherwise). Each model also answers to aliases (`[[models]]
 aliases`; `run.py batch --alias`), and one file per model names it only by them; `GET
 /v1/models` lists both.
 
@@ -50,9 +50,16 @@ from smollm2 import MODEL_MARKS, model_dir, shared_root
 from test_api_broker import BODY_TYPES as OPENAI_TYPES
 from test_api_broker import finish, lines_of, upload
 from test_dispatch_pipeline import cli
-from test_vllm_engine import GENERATE_MODEL, vllm_host  # noqa: F401 (the fixture)
+from test_vllm_engine import (  # noqa: F401 (vllm_host: the fixture)
+    GENERATE_MODEL,
+    START_S,
+    VLLM_MARKS,
+    engine_options_for,
+    vllm_host,
+)
 from tokenizers import Tokenizer
 
+from gpu.engines.smollm2_dir import SMOLLM2
 from pipeline.core import exitcodes
 
 COLLECTION = Path(__file__).parent / "data" / "doors"
@@ -115,8 +122,8 @@ ENGINES = [
     pytest.param("transformers", marks=MODEL_MARKS),  # the SmolLM2 process (tests/smollm2.py)
     pytest.param(
         "vllm",
-        marks=pytest.mark.timeout(1800),  # a first start may compile the model; `served` skips
-        # it, with the reason, without vLLM or a GPU (tests/test_vllm_engine.py `vllm_host`)
+        marks=(*VLLM_MARKS, pytest.mark.timeout(1800)),  # a first start may compile the model;
+        # `served` skips it, with the reason, without vLLM (tests/test_vllm_engine.py `vllm_host`)
     ),
 ]
 pytestmark = pytest.mark.timeout(600)  # a case's first test starts its broker and runs a door
@@ -171,14 +178,14 @@ def engine_options(case: Case, tmp_path_factory) -> dict:
     if case.engine == "transformers":  # the saved weights load in a second (tests/smollm2.py)
         return {"model": str(model_dir(shared_root(tmp_path_factory))), "threads": 1}
     if case.engine == "vllm":  # two brokers hold it at once: the case's and the batch door's
-        return {"model": GENERATE_MODEL, "gpu_memory_utilization": 0.3, "enforce_eager": True}
+        return {"model": GENERATE_MODEL, **engine_options_for("generate")}
     return {}
 
 
 def tokenizer_path(case: Case) -> Path:
     if case.model == "embed":
         return MINILM_TOKENIZER
-    if case.engine != "vllm":
+    if case.engine != "vllm" or GENERATE_MODEL == SMOLLM2:
         return SMOLLM2_TOKENIZER  # echo's too: it echoes SmolLM2's token ids of the prompt
     local = Path(GENERATE_MODEL) / "tokenizer.json"
     if local.is_file():
@@ -221,7 +228,8 @@ def served(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(f"doors-{case.engine}")
     port = free_port()
     config = case_config(tmp / "broker", case, tmp_path_factory, port)
-    broker = Broker(config, stderr_path=tmp / "broker.err").start()
+    start_s = START_S if case.engine == "vllm" else 60  # a worker is up once its engine loaded
+    broker = Broker(config, stderr_path=tmp / "broker.err").start(timeout_s=start_s)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="any", max_retries=0)
     try:
         yield Served(case, broker, client, tmp, tmp_path_factory)

@@ -23,8 +23,8 @@ the client process is the common rule below; the server's own (a 500) is push-ba
 then the batch goes back whole (tests/test_openai_engine.py).
 
 SmolLM2's entry runs in the SmolLM2 test process (tests/smollm2.py `MODEL_MARKS`); the vLLM
-entries need vLLM and a GPU (skipped with the reason otherwise: tests/test_vllm_engine.py
-`require_vllm_host`).
+entries need vLLM, on a GPU or its CPU build (skipped with the reason otherwise, marked `vllm`:
+tests/test_vllm_engine.py `require_vllm_host`), and share that module's engines (`started`).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import numpy as np
 import pytest
 from openai_fakes import SHARED_CONTEXT_TOKENS, shared_upstream
 from smollm2 import MODEL_MARKS, loaded_engine
+from test_vllm_engine import VLLM_MARKS, require_vllm_host, started
 
 from collector.completion.result_check import OK, Expected, ResultCheck, expected_kind
 from gpu.engines.base import EMBED, GENERATE, Engine, EngineBatch, TransientEngineError
@@ -104,31 +105,9 @@ def _smollm2_prompts(engine) -> list[list[int]]:
     return [tokenizer.encode(t).ids for t in texts]
 
 
-def _vllm_marks():
-    return (
-        pytest.mark.filterwarnings("ignore:::vllm"),
-        pytest.mark.filterwarnings("ignore:::torch"),
-        pytest.mark.filterwarnings("ignore:::transformers"),
-    )
-
-
 def _vllm(runner: str) -> Engine:
-    from test_vllm_engine import require_vllm_host
-
     require_vllm_host()  # skips (or with FABRIC_EXPECT_VLLM=1 fails) with the reason
-    return _started_vllm(runner)
-
-
-@functools.cache
-def _started_vllm(runner: str) -> Engine:
-    from test_vllm_engine import EMBED_MODEL, GENERATE_MODEL
-
-    model = GENERATE_MODEL if runner == "generate" else EMBED_MODEL
-    engine = make_engine(
-        "vllm", model=model, runner=runner, gpu_memory_utilization=0.2, enforce_eager=True
-    )
-    engine.load()
-    return engine
+    return started(runner)
 
 
 def _vllm_prompts(engine) -> list[list[int]]:
@@ -162,10 +141,10 @@ CONTRACTS = [
              decode=lambda e: e._decode, logprobs=True, marks=tuple(MODEL_MARKS)),
     Contract("vllm-generate", "vllm", functools.partial(_vllm, "generate"), _vllm_prompts,
              frozenset({GENERATE}), None, lambda e: e.context_tokens, FOLLOWS,
-             decode=lambda e: e._decode, logprobs=True, invariant=False, marks=_vllm_marks()),
+             decode=lambda e: e._decode, logprobs=True, invariant=False, marks=VLLM_MARKS),
     Contract("vllm-pooling", "vllm", functools.partial(_vllm, "pooling"), _vllm_prompts,
              frozenset({EMBED}), None, lambda e: e.context_tokens, REFUSES,
-             invariant=False, marks=_vllm_marks()),
+             invariant=False, marks=VLLM_MARKS),
     Contract("openai", "openai", _openai, _openai_prompts, frozenset({EMBED, GENERATE}), 1001,
              lambda e: SHARED_CONTEXT_TOKENS, FOLLOWS, decode=lambda e: e._tokenizer.decode),
 ]  # fmt: skip

@@ -50,30 +50,9 @@ max_tokens = 512
 
 
 def served_dir(tmp_path_factory) -> Path:
-    """SmolLM2 as vLLM reads a model: the saved weights (tests/smollm2.py) with the tied
-    embedding written under both its names (safetensors keeps one name of a shared tensor,
-    and vLLM, missing `model.embed_tokens.weight`, would run on zeros), the architecture
-    named, and the tokenizer with its chat template."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    from gpu.engines.transformers import smollm2_tokenizer_path
-
-    weights = model_dir(shared_root(tmp_path_factory))
-    target = tmp_path_factory.mktemp("vllm-model")
-    tensors = load_file(str(weights / "model.safetensors"))
-    embedding = tensors.get("model.embed_tokens.weight", tensors.get("lm_head.weight"))
-    tensors["model.embed_tokens.weight"] = embedding
-    tensors["lm_head.weight"] = torch.clone(embedding)
-    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((weights / "config.json").read_text())
-    config["architectures"] = ["LlamaForCausalLM"]
-    (target / "config.json").write_text(json.dumps(config))
-    (target / "tokenizer.json").symlink_to(weights / "tokenizer.json")
-    (target / "tokenizer_config.json").symlink_to(
-        smollm2_tokenizer_path().parent / "tokenizer_config.json"
-    )
-    return target
+    """SmolLM2 as vLLM reads a model (gpu/engines/smollm2_dir.py: the tied embedding under
+    both its names, the architecture named, the tokenizer with its chat template)."""
+    return model_dir(shared_root(tmp_path_factory))
 
 
 class VllmServer:

