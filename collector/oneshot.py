@@ -20,6 +20,9 @@ Like `vllm run-batch`, with the broker's guarantees:
    client, which writes each custom_id once and acknowledges a page only after
    both files are on disk; a progress line (collector/progress_line.py) shows
    the job's counters, its rate and the time left, as `status JOB` has them.
+   A local worker whose engine cannot start (exit ENGINE_CANNOT_START in the
+   supervisor's report) stops the run with the engine's own message, instead
+   of waiting while the supervisor restarts it.
 6. SIGTERM the broker and wait for it to drain (collector/oneshot_broker.py);
    exit 0 when every line has its outcome (a result or an error line), 9 when
    every line has one but none succeeded, 7 otherwise (pipeline/core/exitcodes.py).
@@ -49,6 +52,7 @@ from collector.status_view import job_done, job_fields
 from pipeline.core import exitcodes
 from pipeline.core.errors import ConfigError, FabricError, OutputError
 from pipeline.core.job_states import is_terminal
+from pipeline.process.stage_restarts import read_restarts
 from pipeline.transport.ports import free_loopback_ports
 from pipeline.transport.topology import client_address
 
@@ -283,6 +287,12 @@ def _drive(run: OneShot, settings, job_id: str, broker, progress: ProgressLine, 
                 f"{run.state_dir / 'broker.err'} and {settings.data_path / 'log'}; run the same "
                 f"command again to resume"
             )
+        for worker in read_restarts(settings.data_path):  # a restart would fail the same way
+            if worker["last_exit"] == f"exit code {exitcodes.ENGINE_CANNOT_START}":
+                raise OneShotError(
+                    f"{worker['stage']} cannot start its engine: {worker['last_error']}; fix "
+                    f"its model or engine options, then run the same command again to resume"
+                )
 
     address = client_address(settings.ingest.bind)
     # patient: the broker started a moment ago and may not listen yet

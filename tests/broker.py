@@ -150,6 +150,20 @@ class Broker:
     def start(self, timeout_s: float = 60) -> Broker:
         """Starts the broker and waits `timeout_s` for every stage, local workers included
         (a worker is up once its engine has loaded: minutes for vLLM on 2 cores)."""
+        self.launch()
+        wait_for(
+            lambda: self.all_up() or self.proc.poll() is not None,
+            "every stage to be up",
+            timeout_s=timeout_s,
+        )
+        if self.proc.poll() is not None:  # it exited at start: say why at once
+            said = self.stderr_path.read_text() if self.stderr_path else self.proc.stderr.read()
+            self._close_stderr()
+            raise AssertionError(f"the broker exited ({self.proc.returncode}) at start: {said}")
+        return self
+
+    def launch(self) -> Broker:
+        """Starts the broker without waiting for it (`start` waits)."""
         path = self.stderr_path
         err = subprocess.PIPE if path is None else open(path, "w")  # noqa: SIM115
         self.proc = zygote.Popen(
@@ -161,15 +175,6 @@ class Broker:
         )
         if self.stderr_path is not None:
             err.close()
-        wait_for(
-            lambda: self.all_up() or self.proc.poll() is not None,
-            "every stage to be up",
-            timeout_s=timeout_s,
-        )
-        if self.proc.poll() is not None:  # it exited at start: say why at once
-            said = self.stderr_path.read_text() if self.stderr_path else self.proc.stderr.read()
-            self._close_stderr()
-            raise AssertionError(f"the broker exited ({self.proc.returncode}) at start: {said}")
         return self
 
     def supervisor_log(self) -> str:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import zygote
-from broker import REPO, WORDS, write_config
+from broker import REPO, WORDS, Broker, write_config
 from client_commands import run_cli
 from conftest import assert_check_clean, read_only_dir, wait_for
 
@@ -326,3 +326,61 @@ def test_ctrl_c_drains_with_a_word_and_a_second_ctrl_c_stops_at_once(tmp_path):
     assert "Traceback" not in said, said
     assert not [ring.name for ring in ring_specs(settings) if Ring.unlink(ring.name)]
     assert lines_in(out) < 400  # it stopped mid-run; the next run resumes
+
+
+def broken_engine_config(tmp_path: Path, engine: str, options: str) -> Path:
+    """A config whose one local worker serves model `smol` on `engine` with `options`."""
+    from gpu.engines.transformers import smollm2_tokenizer_path
+
+    config = write_config(tmp_path, workers=0)
+    text = config.read_text().replace("[workers]\nlocal = 0\n", "")
+    config.write_text(
+        f'{text}\n[[models]]\nname = "smol"\nengine = "{engine}"\n'
+        f'tokenizer = "{smollm2_tokenizer_path()}"\nmax_tokens = 64\n'
+        f'[[workers]]\nmodel = "smol"\noptions = {{{options}}}\n'
+    )
+    return config
+
+
+def completions_input(path: Path, n: int = 16) -> Path:
+    with open(path, "w") as f:
+        for i in range(n):
+            body = {"model": "smol", "prompt": f"line {i}", "max_tokens": 4}
+            line = {"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions"}
+            f.write(json.dumps({**line, "body": body}) + "\n")
+    return path
+
+
+def assert_batch_stops_on_the_engine(config: Path, tmp_path: Path, words: str, bound_s) -> None:
+    """`run.py batch --config CONFIG` exits FAILED with the engine's own message (containing
+    `words`) as its last line, instead of waiting while the worker restarts."""
+    source, out = completions_input(tmp_path / "in.jsonl"), tmp_path / "out.jsonl"
+    log = tmp_path / "batch.err"
+    proc = batch(str(source), "-o", str(out), "--config", str(config), log=log)
+    try:
+        assert proc.wait(timeout=bound_s) == exitcodes.FAILED, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    last = log.read_text().strip().splitlines()[-1]
+    assert "worker-0 cannot start its engine" in last and words in last, last
+
+
+def test_an_engine_that_cannot_start_stops_the_batch_and_status_names_it(tmp_path):
+    missing = tmp_path / "no-such-model"  # a model directory that is not there
+    config = broken_engine_config(tmp_path, "transformers", f'model = "{missing}"')
+    assert_batch_stops_on_the_engine(config, tmp_path, str(missing), RUN_BOUND_S)
+    b = Broker(config).launch()  # a broker of its own on it: never all up
+    try:
+        said = wait_for(
+            lambda: (lambda s: s if str(missing) in s else None)(
+                run_cli("status", "--config", str(config)).stdout
+            ),
+            "status to name the engine's error",
+            timeout_s=120,
+        )
+        assert "local worker-0: restarting" in said and "exit code 10" in said, said
+        assert b.stop() == exitcodes.OK, b.stderr
+    finally:
+        b.close()
+    assert_check_clean(b.data_dir)

@@ -116,6 +116,12 @@ class _NeverEngine:
     def figures(self) -> dict:
         return {}
 
+    def broken(self) -> str | None:
+        return None
+
+    def close(self) -> None:
+        pass
+
     def run(self, batch):
         self.release.wait()
         raise TransientEngineError("released at the end of the test")

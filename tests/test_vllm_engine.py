@@ -235,6 +235,23 @@ def test_out_of_memory_in_vllm_is_transient_and_other_failures_are_not(fake):
         engine.run(batch_of([[1]], lane=8))
 
 
+def test_a_dead_engine_process_makes_the_engine_broken_and_close_shuts_vllm_down(fake):
+    engine, llm = fake()
+    process = SimpleNamespace(name="EngineCore_DP0", pid=4321, exitcode=None)
+    stopped = []
+    llm.llm_engine.engine_core = SimpleNamespace(
+        resources=SimpleNamespace(engine_manager=SimpleNamespace(processes=[process])),
+        shutdown=lambda: stopped.append(True),
+    )
+    assert engine.broken() is None
+    process.exitcode = -9  # SIGKILL: vLLM's own client would wait on it for ever
+    assert engine.broken() == "vLLM's process EngineCore_DP0 (pid 4321) exited (-9)"
+    engine.close()
+    assert stopped == [True] and engine.broken() is None
+    engine.close()  # once closed, again is nothing
+    assert stopped == [True]
+
+
 def test_a_model_is_required_and_options_are_checked(fake, monkeypatch):
     monkeypatch.delenv(ve.MODEL_ENV, raising=False)
     with pytest.raises(EngineError, match=r"no model given.*FABRIC_VLLM_MODEL"):

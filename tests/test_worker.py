@@ -79,8 +79,15 @@ class _Gate:
 
         self.go = threading.Event()
         self.fail = False
+        self.why: str | None = None  # what `broken` says (vLLM: its engine process died)
 
     def load(self) -> None:
+        pass
+
+    def broken(self) -> str | None:
+        return self.why
+
+    def close(self) -> None:
         pass
 
     def run(self, batch):
@@ -218,6 +225,29 @@ def test_a_worker_whose_engine_failed_on_a_batch_it_no_longer_holds_hands_back_a
         backs = [a["items"]["slot"].tolist() for k, _, a in sent if k.name == "HAND_BACK"]
         assert backs == [[2, 3]] and _kinds(sent)[-1] == "BYE"
         assert not worker.held
+    finally:
+        engine.go.set()
+        worker.close()
+
+
+def test_a_worker_whose_engine_says_it_is_broken_hands_back_while_the_batch_still_runs():
+    from conftest import wait_for
+
+    from pipeline.core import exitcodes
+
+    engine = _Gate()
+    worker, sent, work = _worker_with(engine)
+    try:
+        work(1, [0, 1])
+        wait_for(lambda: worker.engine_thread.running is not None, "batch 1 to run")
+        work(2, [2, 3])
+        worker.step(0)
+        assert worker.exit_code is None
+        engine.why = "vLLM's process EngineCore_DP0 (pid 1234) exited (-9)"  # run never returns
+        worker.step(0)
+        assert worker.exit_code == exitcodes.FAILED and "EngineCore_DP0" in worker.broken
+        backs = [a["items"]["slot"].tolist() for k, _, a in sent if k.name == "HAND_BACK"]
+        assert sorted(backs) == [[0, 1], [2, 3]] and _kinds(sent)[-1] == "BYE"
     finally:
         engine.go.set()
         worker.close()

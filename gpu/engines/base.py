@@ -166,6 +166,16 @@ class Engine:
     def load(self) -> None:
         """Load weights and warm up (once per process)."""
 
+    def broken(self) -> str | None:
+        """Why the engine can no longer finish what it runs (a process of its own died), or
+        None; the worker's watchdog asks at each step. None by default."""
+        return None
+
+    def close(self) -> None:
+        """Release what `load` started that outlives a process's exit on its own (vLLM's
+        engine processes, request threads); the worker calls it as it ends. Nothing by
+        default."""
+
     def figures(self) -> dict:
         """Numbers the engine reports through its worker (docs/metrics.md); none by default."""
         return {}

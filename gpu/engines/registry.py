@@ -10,7 +10,7 @@ run); no engine module imports it.
 | `simulated`    | `gpu/engines/simulated.py`    | nothing (benchmarks)           |
 | `minilm`       | `gpu/engines/minilm.py`       | onnxruntime, the pinned model  |
 | `transformers` | `gpu/engines/transformers.py` | torch, transformers            |
-| `vllm`         | `gpu/engines/vllm.py`         | vLLM and a GPU                 |
+| `vllm`         | `gpu/engines/vllm.py`         | vLLM (GPU, or its CPU build)   |
 | `openai`       | `gpu/engines/openai.py`       | an OpenAI-compatible server    |
 """
 

@@ -166,6 +166,18 @@ class VllmEngine(Engine):
             ) from exc
         self.attach(llm, vllm.SamplingParams)
 
+    def broken(self) -> str | None:
+        """Which of vLLM's engine processes has exited, if one has: vLLM's client then waits
+        for its outputs for ever (seen on the CPU build, 0.32, after a SIGKILL)."""
+        core = getattr(getattr(self._llm, "llm_engine", None), "engine_core", None)
+        manager = getattr(getattr(core, "resources", None), "engine_manager", None)
+        for process in getattr(manager, "processes", ()):
+            if process.exitcode is not None:
+                return (
+                    f"vLLM's process {process.name} (pid {process.pid}) exited ({process.exitcode})"
+                )
+        return None
+
     def close(self) -> None:
         """Stops vLLM's engine processes: a worker's process ends without running vLLM's exit
         hooks, and they would outlive it (seen: an EngineCore left running for minutes)."""

@@ -64,11 +64,16 @@ class EngineThread:
 
     def close(self) -> None:
         """Release `wake_fd` once nothing polls it (after `stop`); while the thread still
-        runs (a hung engine, past `stop`'s wait) it may yet write, so the pipe stays."""
+        runs (a hung engine, past `stop`'s wait) it may yet write, so the pipe stays. Then
+        close the engine (`Engine.close`: vLLM's engine processes would outlive the worker)."""
         if not self.thread.is_alive() and self.wake_fd >= 0:
             os.close(self.wake_fd)
             os.close(self._wake_w)
             self.wake_fd = self._wake_w = -1
+        try:
+            self.engine.close()
+        except Exception:  # a broken engine may fail to close; the worker exits all the same
+            log.exception("engine %s failed to close", self.engine.name)
 
     def is_alive(self) -> bool:
         return self.thread.is_alive()

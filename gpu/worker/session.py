@@ -126,7 +126,7 @@ class Worker:
     def close(self) -> None:
         self.engine_thread.stop(timeout_s=1.0)
         self.connection.close()
-        self.engine_thread.close()  # its wake fd, which the connection polled
+        self.engine_thread.close()  # its wake fd (the connection polled it), then the engine
 
     def token_budget(self) -> int:
         """Tokens to ask for: what the engine does in about `target_batch_s` (within bounds)."""

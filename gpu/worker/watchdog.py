@@ -3,6 +3,7 @@
 | what it sees                                            | verdict                    |
 |---------------------------------------------------------|----------------------------|
 | the engine thread ended                                 | ended (no batch named)     |
+| the engine says it is broken (`Engine.broken`: vLLM's engine process died, and vLLM's client waits on it for ever) | broken (the running batch counts an attempt) |
 | a batch running past `batch_timeout_s`                  | hung (that batch counts an attempt) |
 | batches held, none running, for `batch_timeout_s`       | takes no work              |
 
@@ -40,6 +41,9 @@ class Watchdog:
         if not engine.is_alive():
             return Verdict(f"the engine thread of {engine.name} ended")
         running, limit = engine.running, self.limit_s
+        why = engine.engine.broken()
+        if why is not None:
+            return Verdict(f"engine {engine.name} is broken: {why}", running and running[0])
         if not limit:
             return None
         if running is None:

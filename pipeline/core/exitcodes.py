@@ -13,5 +13,7 @@ FAILED = (
     7  # a command failed for another reason, named in its last line (a refused chunk, bad input)
 )
 CANNOT_WRITE = 8  # `batch`: OUT or its state dir cannot be written (a read-only directory)
+ENGINE_CANNOT_START = 10  # a local worker: its engine failed to load (an EngineError: the model,
+# its options, the host); its log's last ERROR line says why, and `status` and `batch` show it
 ALL_FAILED = 9  # `batch`: every line has its outcome, but not one succeeded: only error lines
 INTERRUPTED = 130  # Ctrl-C (SIGINT): `batch`, `submit`, `demo` stopped; the same command resumes
