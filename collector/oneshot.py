@@ -289,9 +289,10 @@ def _drive(run: OneShot, settings, job_id: str, broker, progress: ProgressLine, 
             )
         for worker in read_restarts(settings.data_path):  # a restart would fail the same way
             if worker["last_exit"] == f"exit code {exitcodes.ENGINE_CANNOT_START}":
+                why = str(worker["last_error"]).split("the engine cannot start: ", 1)[-1]
                 raise OneShotError(
-                    f"{worker['stage']} cannot start its engine: {worker['last_error']}; fix "
-                    f"its model or engine options, then run the same command again to resume"
+                    f"{worker['stage']} cannot start its engine: {why}; fix its model or "
+                    f"engine options, then run the same command again to resume"
                 )
 
     address = client_address(settings.ingest.bind)

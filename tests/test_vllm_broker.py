@@ -259,6 +259,7 @@ def test_an_engine_that_cannot_start_stops_the_batch_with_its_own_message(case, 
         if not on_cpu():
             pytest.skip("vLLM runs on a GPU here: 0.99 of it may well be free")
         model = write_smollm2_dir(smollm2_cache_dir())
-        options, words = f'model = "{model}", gpu_memory_utilization = 0.99', "0.99"
+        options = f'model = "{model}", gpu_memory_utilization = 0.99'
+        words = "gpu_memory_utilization = 0.99 reserves"
     config = broken_engine_config(tmp_path, "vllm", options)
     assert_batch_stops_on_the_engine(config, tmp_path, words, START_S)

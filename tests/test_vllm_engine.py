@@ -252,6 +252,18 @@ def test_a_dead_engine_process_makes_the_engine_broken_and_close_shuts_vllm_down
     assert stopped == [True]
 
 
+def test_a_memory_share_the_cpu_backend_would_refuse_is_refused_first_in_its_terms(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemAvailable:   12000000 kB\n")
+    assert ve.cpu_memory_refusal(0.1, str(meminfo)) is None
+    refused = ve.cpu_memory_refusal(0.9, str(meminfo))
+    assert refused == (
+        "vllm engine: gpu_memory_utilization = 0.9 reserves 20.6 GiB of the host's 22.9 GiB "
+        "RAM, 11.4 GiB available: vLLM's CPU backend refuses; lower it (unset: 0.1)"
+    )
+    assert ve.cpu_memory_refusal(0.9, str(tmp_path / "none")) is None  # vLLM's check decides
+
+
 def test_a_model_is_required_and_options_are_checked(fake, monkeypatch):
     monkeypatch.delenv(ve.MODEL_ENV, raising=False)
     with pytest.raises(EngineError, match=r"no model given.*FABRIC_VLLM_MODEL"):

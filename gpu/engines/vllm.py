@@ -43,6 +43,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -77,6 +78,29 @@ def on_cpu() -> bool:
     from vllm.platforms import current_platform
 
     return bool(current_platform.is_cpu())
+
+
+def cpu_memory_refusal(share: float, meminfo: str = "/proc/meminfo") -> str | None:
+    """Why vLLM's CPU backend will refuse `share` (its gpu_memory_utilization) at start, or
+    None: it reserves share x the host's RAM and refuses when that passes the RAM available.
+    vLLM makes this check in its engine process, whose message the caller never sees (only
+    "Engine core initialization failed"), so the engine makes it first, in vLLM's terms."""
+    try:
+        text = Path(meminfo).read_text()
+        fields = dict(line.split(":", 1) for line in text.splitlines())
+        total = int(fields["MemTotal"].split()[0]) * 1024
+        available = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):  # not Linux: vLLM's own check decides
+        return None
+    wanted = share * total
+    if wanted <= available:
+        return None
+    gib = 1 << 30
+    return (
+        f"vllm engine: gpu_memory_utilization = {share:g} reserves {wanted / gib:.1f} GiB of "
+        f"the host's {total / gib:.1f} GiB RAM, {available / gib:.1f} GiB available: vLLM's "
+        f"CPU backend refuses; lower it (unset: {CPU_MEMORY_SHARE})"
+    )
 
 
 def with_backend_defaults(options: dict[str, object], cpu: bool) -> dict[str, object]:
@@ -147,7 +171,12 @@ class VllmEngine(Engine):
             import vllm
         except ImportError as exc:
             raise EngineError(f"vllm engine: cannot import vllm ({exc}); {INSTALL_HINT}") from None
-        options = with_backend_defaults(self.llm_options, on_cpu())
+        cpu = on_cpu()
+        options = with_backend_defaults(self.llm_options, cpu)
+        if cpu:
+            refused = cpu_memory_refusal(float(options["gpu_memory_utilization"]))
+            if refused:
+                raise EngineError(refused)
         if self.runner == "pooling":
             options["runner"] = "pooling"
         try:
@@ -160,9 +189,9 @@ class VllmEngine(Engine):
                 llm = vllm.LLM(model=self.model, task="embed", **options)
         except Exception as exc:  # vLLM raises many unrelated types while it starts
             raise EngineError(
-                f"vllm engine: cannot start model {self.model!r} with {options} "
-                f"({type(exc).__name__}: {exc}); check the model path and the "
-                f"{'host RAM free for gpu_memory_utilization' if on_cpu() else 'GPU'}"
+                f"vllm engine: cannot start model {self.model!r} ({type(exc).__name__}: "
+                f"{exc}); check the model path and the {'host' if cpu else 'GPU'}; its "
+                f"options: {options}"
             ) from exc
         self.attach(llm, vllm.SamplingParams)
 
