@@ -178,8 +178,11 @@ def engine_options(case: Case, tmp_path_factory) -> dict:
     if case.engine == "transformers":  # the saved weights load in a second (tests/smollm2.py)
         return {"model": str(model_dir(shared_root(tmp_path_factory))), "threads": 1}
     if case.engine == "vllm":  # two brokers hold it at once: the case's and the batch door's
-        # eager: a start without vLLM's graph compilation is about 30 s instead of 100 on 2 cores
-        return {"model": GENERATE_MODEL, "enforce_eager": True, **engine_options_for("generate")}
+        # eager: a start without vLLM's graph compilation is about 30 s instead of 100 on 2
+        # cores; float32: the doors' greedy texts must agree, and in bfloat16 a batch of
+        # other items turned SmolLM2's "The prime number that" into "The prime number I"
+        options = {"enforce_eager": True, "dtype": "float32"}
+        return {"model": GENERATE_MODEL, **options, **engine_options_for("generate")}
     return {}
 
 

@@ -28,7 +28,7 @@ from broker import Broker, submit, write_config
 from conftest import assert_check_clean, wait_for
 from test_dispatch_pipeline import assert_each_once, fetch, finished
 from test_fanout import errors, line, outputs, write
-from test_vllm_engine import START_S, VLLM_MARKS, require_vllm_host, started
+from test_vllm_engine import START_S, VLLM_MARKS, close_started, require_vllm_host, started
 from tokenizers import Tokenizer
 
 from gpu.engines.smollm2_dir import smollm2_cache_dir, write_smollm2_dir
@@ -81,9 +81,11 @@ def served(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def offline():
-    """vLLM's own offline `LLM` on the same directory (the in-process engine's)."""
+    """vLLM's own offline `LLM` on the same directory (the in-process engine's); this module
+    is the in-process engines' last user: they close at its end."""
     require_vllm_host()
-    return started("generate")
+    yield started("generate")
+    close_started()
 
 
 def prompt_ids() -> list[list[int]]:
@@ -250,6 +252,7 @@ def test_the_engine_process_killed_mid_job_every_line_ends_once(served, tmp_path
 def test_an_engine_that_cannot_start_stops_the_batch_with_its_own_message(case, tmp_path):
     from test_oneshot import assert_batch_stops_on_the_engine, broken_engine_config
 
+    require_vllm_host()
     if case == "missing-model":
         missing = tmp_path / "no-such-model"
         options, words = f'model = "{missing}"', str(missing)

@@ -14,7 +14,6 @@ costs half a minute to minutes of CPU on the CPU build.
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 import sys
@@ -286,22 +285,35 @@ EMBED_MODEL = os.environ.get("FABRIC_VLLM_EMBED_MODEL", "smollm2")
 
 
 def engine_options_for(runner: str) -> dict:
-    """The engine options of the in-process engines: nothing but the model on vLLM's CPU
-    build (its own defaults), a share of the GPU each where there is one (both fit at once)."""
+    """The engine options of the in-process engines. On vLLM's CPU build: nothing but the
+    model for `generate` (vLLM's defaults, as tests/test_vllm_broker.py's worker has them, so
+    that the two give the same ids), eager for `pooling` (a start without graph compilation:
+    about a minute less on 2 cores). On a GPU, a share of it each (both fit at once)."""
     import torch
 
     if not torch.cuda.is_available():
-        return {}
+        return {} if runner == "generate" else {"enforce_eager": True}
     return {"gpu_memory_utilization": 0.3 if runner == "generate" else 0.2, "enforce_eager": True}
 
 
-@functools.cache
+_STARTED: dict[str, VllmEngine] = {}
+
+
 def started(runner: str) -> VllmEngine:
-    """The engine of `runner`, loaded once per test process."""
-    model = GENERATE_MODEL if runner == "generate" else EMBED_MODEL
-    engine = make_engine("vllm", model=model, runner=runner, **engine_options_for(runner))
-    engine.load()
-    return engine
+    """The engine of `runner`, loaded once per test process (until `close_started`)."""
+    if runner not in _STARTED:
+        model = GENERATE_MODEL if runner == "generate" else EMBED_MODEL
+        engine = make_engine("vllm", model=model, runner=runner, **engine_options_for(runner))
+        engine.load()
+        _STARTED[runner] = engine
+    return _STARTED[runner]
+
+
+def close_started() -> None:
+    """Closes the engines `started` loaded (idle, vLLM's CPU workers still take a share of a
+    core each): tests/test_vllm_broker.py, their last user, calls it at its end."""
+    while _STARTED:
+        _STARTED.popitem()[1].close()
 
 
 @pytest.fixture(scope="module")
