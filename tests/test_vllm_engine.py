@@ -68,6 +68,10 @@ VLLM_MARKS = (
     pytest.mark.filterwarnings("ignore:::vllm"),
     pytest.mark.filterwarnings("ignore:::torch"),
     pytest.mark.filterwarnings("ignore:::transformers"),
+    # vLLM's shut-down client leaves its zmq context to the garbage collector
+    pytest.mark.filterwarnings(
+        "ignore:Exception ignored in. <function Context.__del__:pytest.PytestUnraisableExceptionWarning"
+    ),
 )
 
 
