@@ -16,7 +16,7 @@ import shlex
 import sys
 from pathlib import Path
 
-RUN_PY = Path(__file__).resolve().parents[1] / "run.py"
+RUN_PY = Path(__file__).resolve().parents[2] / "run.py"  # pipeline/core/invocation.py
 _config: list[str] = []  # the config file this command was given, once noted
 
 
