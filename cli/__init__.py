@@ -18,7 +18,7 @@ sets); its heavy imports wait for the handler, so a short command starts fast.
 | `cli/batch.py`         | `batch IN -o OUT`: one file through a private broker, resumably |
 | `cli/demo.py`          | `demo`: the Python docs embedded with MiniLM, end to end      |
 | `cli/common.py`        | what client commands share: options, address, CURVE keys      |
-| `cli/progress_line.py` | the one progress line (`submit`, `results`, `batch`, `demo`)  |
+| `cli/progress_line.py` | the one progress line (`submit`, `results`, `batch`, `demo`, `vectors export`) |
 
 A private broker (the demo's, `batch`'s) is assembly/private_broker.py.
 """

@@ -173,16 +173,13 @@ def _search(client: VectorsClient, args, settings_of) -> int:
 
 
 def _export(client: VectorsClient, args) -> int:
+    from cli.progress_line import ProgressLine
+
     out = Path(args.output)
-    tty = sys.stderr.isatty()
-
-    def progress(done: int, total: int) -> None:
-        if tty:
-            print(f"\rexport: {done:,}/{total:,} rows", end="", file=sys.stderr, flush=True)
-
-    rows = client.export(args.store, out, progress)
-    if tty:
-        print(file=sys.stderr)
+    with ProgressLine(every_s=5.0) as line:  # ended, whatever happens
+        rows = client.export(
+            args.store, out, lambda done, total: line.show(f"export: {done:,}/{total:,} rows")
+        )
     extra = f" (ids and custom_ids: {out}.ids.jsonl)" if out.suffix.lower() == ".npy" else ""
     print(f"export: {rows:,} rows of store {args.store} to {out}{extra}", file=sys.stderr)
     return exitcodes.OK
