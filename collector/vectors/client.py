@@ -1,6 +1,6 @@
 """Users' side of the vector store: stats, search (by text or vector) and export.
 
-`python run.py vectors stats|search|export` (run.py) calls these. A text
+`python run.py vectors stats|search|export` (cli/vectors.py) calls these. A text
 query is embedded here, with the store's model's own tokenizer and engine
 (the same code the workers run), then searched by the vector stage
 (collector/vectors/vector_stage.py), which answers with the hits' custom_ids.

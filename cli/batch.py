@@ -18,9 +18,9 @@ Like `vllm run-batch`, with the broker's guarantees:
    skipped (nothing is stored twice).
 5. Follow the job's results into OUT and OUT.errors.jsonl with the results
    client, which writes each custom_id once and acknowledges a page only after
-   both files are on disk; a progress line (collector/progress_line.py) shows
+   both files are on disk; a progress line (cli/progress_line.py) shows
    the job's counters, its rate and the time left, as `status JOB` has them.
-6. SIGTERM the broker and wait for it to drain (collector/oneshot_broker.py);
+6. SIGTERM the broker and wait for it to drain (assembly/private_broker.py);
    exit 0 when every line has its outcome (a result or an error line), 9 when
    every line has one but none succeeded, 7 otherwise (pipeline/core/exitcodes.py).
 
@@ -35,21 +35,24 @@ cannot be written says which path and exits 8.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from collector.oneshot_broker import start_broker, stop_broker, wait_for_lock
-from collector.progress_line import ProgressLine, bar
+from assembly.private_broker import (
+    start_broker,
+    stop_broker,
+    wait_for_lock,
+    wait_ready,
+    write_config,
+)
+from cli.progress_line import ProgressLine, bar
 from collector.status_view import job_done, job_fields
 from pipeline.core import exitcodes
 from pipeline.core.errors import ConfigError, FabricError, OutputError
 from pipeline.core.job_states import is_terminal
-from pipeline.transport.ports import free_loopback_ports
 from pipeline.transport.topology import client_address
 
 REPO = Path(__file__).resolve().parents[1]
@@ -94,7 +97,7 @@ class OneShot:
         return "batch-" + digest.hexdigest()
 
 
-def write_config(run: OneShot) -> Path:
+def batch_config(run: OneShot) -> Path:
     """The config of a private broker for one model, in the state dir (rewritten each run)."""
     from config.defaults import ENGINE_ENDPOINTS
     from pipeline.store.model_names import NAME_RULE, name_problem
@@ -119,34 +122,21 @@ def write_config(run: OneShot) -> Path:
         tokenizer = run.tokenizer
     if tokenizer and not os.path.isabs(tokenizer):
         tokenizer = str((REPO / tokenizer) if (REPO / tokenizer).exists() else Path(tokenizer))
-    ports = free_loopback_ports(4)
-    text = f"""# Written by `run.py batch` for {run.output}; rewritten on every run.
-[broker]
-data_dir = "{run.state_dir / "data"}"
-[ingest]
-bind = "tcp://127.0.0.1:{ports[0]}"
-[dispatch]
-bind = "tcp://127.0.0.1:{ports[1]}"
-heartbeat_bind = "tcp://127.0.0.1:{ports[2]}"
-reregister_grace_s = 1.0
-[completion]
-bind = "tcp://127.0.0.1:{ports[3]}"
-[vectors]
-bind = "ipc://{_short_ipc(run)}"
-[metrics]
-bind = ""
-[workers]
-local = {run.workers}
-[[models]]
-name = "{run.model}"
-engine = "{engine}"
-tokenizer = "{tokenizer}"
-max_tokens = {max_tokens}
-aliases = {json.dumps(aliases)}
-"""
-    path = run.state_dir / "batch.toml"
-    path.write_text(text)
-    return path
+    model = {
+        "name": run.model,
+        "engine": engine,
+        "tokenizer": tokenizer,
+        "max_tokens": max_tokens,
+        "aliases": aliases,
+    }
+    return write_config(
+        run.state_dir / "batch.toml",
+        f"Written by `run.py batch` for {run.output}; rewritten on every run.",
+        run.state_dir / "data",
+        [model],
+        run.workers,
+        vectors_bind=f"ipc://{_short_ipc(run)}",
+    )
 
 
 def _short_ipc(run: OneShot) -> str:
@@ -228,7 +218,7 @@ def run_oneshot(run: OneShot) -> int:
         raise OneShotError(f"input {run.input} is not a file; pass an OpenAI Batch JSONL file")
     made = _make_state_dir(run)
     try:  # a run that fails before its broker starts leaves no state dir it made
-        config = run.config or write_config(run)
+        config = run.config or batch_config(run)
         try:
             settings = load_settings(config)
         except ConfigError as exc:
@@ -271,7 +261,6 @@ def _drive(run: OneShot, settings, job_id: str, broker, progress: ProgressLine, 
     from collector.delivery.decoders import model_decoders
     from collector.results_client import ResultsClient
     from ingest.submit_client import Producer
-    from pipeline.core.errors import BrokerUnavailableError
     from pipeline.transport.security import client_curve
 
     curve = client_curve(settings.security, None, None)  # the config's keys, if it sets any
@@ -287,18 +276,11 @@ def _drive(run: OneShot, settings, job_id: str, broker, progress: ProgressLine, 
     address = client_address(settings.ingest.bind)
     # patient: the broker started a moment ago and may not listen yet
     with Producer(address, timeout_s=30.0, attempts=20, curve=curve, patient=True) as producer:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:  # the front answers once recovery is done and the stages are up
-            alive()
-            try:
-                producer.job_status(job_id)
-                break
-            except BrokerUnavailableError:
-                if time.monotonic() > deadline:
-                    raise OneShotError(
-                        f"the broker did not answer within {START_TIMEOUT_S:.0f} s; see "
-                        f"{run.state_dir / 'broker.err'}"
-                    ) from None
+        if not wait_ready(producer, job_id, alive, START_TIMEOUT_S):
+            raise OneShotError(
+                f"the broker did not answer within {START_TIMEOUT_S:.0f} s; see "
+                f"{run.state_dir / 'broker.err'}"
+            )
         report = producer.submit_file(  # a rerun skips the chunks already durable
             run.input,
             job_id,
