@@ -68,7 +68,7 @@ from pipeline.process.heartbeat import Heartbeat
 from pipeline.process.logs import setup_stage_logging
 from pipeline.process.preflight import preflight
 from pipeline.process.signal_wake import SignalWake
-from pipeline.process.stage import DISK_FULL_EXIT, EPOCH_ENV, StageSpec, stage_main
+from pipeline.process.stage import DISK_FULL_EXIT, StageSpec, stage_main
 from pipeline.process.stage_child import StageChild, describe_exit
 from pipeline.process.stage_restarts import last_error_line, log_size
 from pipeline.process.supervisor_report import (
@@ -197,8 +197,7 @@ class Supervisor:
         insecure = check_exposure(self.settings)
         ServerKeys.load(security)  # a bad key file stops the start here, not in every stage
         os.umask(0o077)  # inherited by every stage: data dir files are the owner's alone
-        self.epoch = time.time_ns()
-        os.environ[EPOCH_ENV] = str(self.epoch)  # inherited by every stage: dispatch files
+        self.epoch = time.time_ns()  # passed to every stage it starts (front, dispatch files)
         # The fork server the stages come from: a fork of this process, made while it is one
         # thread and holds nothing open (pipeline/process/fork_server.py); it imports the stage
         # modules while this process recovers.
@@ -453,7 +452,7 @@ class Supervisor:
         child.log_offset = log_size(self.data_dir.log / f"{child.spec.label}.log")
         process = self._context.Process(
             target=stage_main,
-            args=(child.spec, self.settings, os.getpid(), child.ready),
+            args=(child.spec, self.epoch, os.getpid(), child.ready),
             name=child.spec.label,
         )
         process.start()
