@@ -30,6 +30,7 @@ from api.http_limits import HttpLimits, guarded
 from api.retention import OutputRetention
 from collector.delivery.decoders import model_decoders
 from collector.results_client import ResultsClient
+from config.stage_settings import ApiStageSettings
 from ingest.submit_client import Producer
 from pipeline.core.errors import ConfigError
 from pipeline.process.stage import Stage
@@ -63,7 +64,7 @@ def listening_socket(bind: str, shared: bool) -> socket.socket:
     return sock
 
 
-class ApiStage(Stage):
+class ApiStage(Stage[ApiStageSettings]):
     name = "api"
     poll_ms = 100
 
@@ -83,7 +84,8 @@ class ApiStage(Stage):
         config = uvicorn.Config(
             app,
             http=guarded(HttpLimits.of(settings.api)),  # api/http_limits.py
-            timeout_keep_alive=settings.api.keep_alive_timeout_s,
+            # uvicorn's annotation says int; its timer takes fractions of a second as they are
+            timeout_keep_alive=settings.api.keep_alive_timeout_s,  # type: ignore[arg-type]
             log_level="warning",
             access_log=False,
             lifespan="off",
@@ -101,13 +103,13 @@ class ApiStage(Stage):
         self.driver = None
         if self.index == 0:
             curve = client_curve(settings.security)
-            ingest = client_address(settings.ingest.bind)
+            ingest = client_address(settings.ingest_bind)
             self.producers = (
                 Producer(ingest, curve=curve, patient=True),
                 Producer(ingest, curve=curve, patient=True),
             )
             self.results = ResultsClient(
-                client_address(settings.completion.bind), curve=curve, patient=True
+                client_address(settings.completion_bind), curve=curve, patient=True
             )
             self.driver = BatchDriver(
                 self.files,
@@ -120,7 +122,7 @@ class ApiStage(Stage):
                 self.files,
                 self.batches,
                 settings.data_path,
-                settings.completion.results_retention_s,
+                settings.results_retention_s,
             )
         self.next_drive = 0.0
         self.next_retention = 0.0
@@ -140,7 +142,7 @@ class ApiStage(Stage):
                 self.log.info("input file %s expired (api.input_file_expiry_s)", file_id)
         if self.driver is not None and now >= self.next_retention:
             # output and error files follow their job's retention, checked as the collector does
-            self.next_retention = now + self.settings.collector.interval_s
+            self.next_retention = now + self.settings.sweep_interval_s
             for file_id in self.retention.step(time.time()):
                 self.log.info("output file %s expired (completion.results_retention_s)", file_id)
         if not self.thread.is_alive():

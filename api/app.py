@@ -30,6 +30,7 @@ from api.keys import KeyRing
 from api.models_route import add_models_routes
 from api.route_stats import CountRequests, RouteStats
 from api.upload import UploadParser, receive_upload
+from config.stage_settings import ApiStageSettings
 
 READ_BLOCK = 1 << 20
 PARTIAL_HEADER = "X-Fabric-Partial"  # "true" on the content of a batch's file still growing
@@ -52,7 +53,7 @@ def parse_window(text: Any) -> int:
     return int(match[1]) * UNIT_S[match[2]]
 
 
-def make_app(settings, root: Path, endpoints: tuple[str, ...]) -> FastAPI:
+def make_app(settings: ApiStageSettings, root: Path, endpoints: tuple[str, ...]) -> FastAPI:
     """The app over `<data_dir>/api` (`root`); `endpoints`: the urls the broker's models serve.
     `app.state.route_stats` counts the requests (RouteStats)."""
     files = FileStore(root)

@@ -52,12 +52,12 @@ import numpy as np
 
 from bench import machine
 from bench.chaos_fleet import (
+    ECHO_FAULTS,
     LEASE_S,
     REPO,
     BrokerProcess,
     Client,
     JobInput,
-    chaos_env,
     run_py,
     write_config,
     write_job,
@@ -131,7 +131,7 @@ class Chaos:
         self.random = random.Random(seed)
         self.rng = np.random.default_rng(seed)
         self.items, self.jobs_in_flight = items, jobs
-        self.env = chaos_env()
+        self.env = dict(os.environ)
         self.config = write_config(root, local_workers)
         # front, tokenizer, router, writer, dispatch, completion, vectors, and the local workers
         self.broker = BrokerProcess(self.config, root / "data", self.env, 7 + local_workers)
@@ -148,6 +148,7 @@ class Chaos:
                         batch_items=64,
                         drain_s=5,
                         target_batch_s=0,
+                        engine_options=ECHO_FAULTS,
                     ).argv(),
                 ),
                 self.env,
@@ -171,6 +172,7 @@ class Chaos:
                         engine="echo",
                         batch_items=16,
                         target_batch_s=0,
+                        engine_options=ECHO_FAULTS,
                     ).argv(),
                 )[2:],
             ],

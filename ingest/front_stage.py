@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from config.stage_settings import FrontStageSettings
 from ingest import front_answers
 from ingest.catalog import ModelCatalog
 from ingest.chunk_check import Checked, chunk_digests, recheck
@@ -63,7 +64,7 @@ from ingest.peer_guard import PeerGuard
 from ingest.reconcile import stored_indexes
 from pipeline.core.errors import DiskFullError, FabricError, IngestError, WireError
 from pipeline.core.job_states import JobState
-from pipeline.process.stage import Stage, broker_epoch
+from pipeline.process.stage import Stage
 from pipeline.store.datadir import DataDir
 from pipeline.store.disk_full import FullDisk
 from pipeline.store.job_files import ChunkEntry, Landing, check_job_id
@@ -79,7 +80,7 @@ MAX_REPORTS_PER_STEP = 4096  # writer and tokenizer reports read in one step
 IDLE_WAIT_S = 0.2  # the longest wait for a message when nothing waits for a ring
 
 
-class FrontStage(Stage):
+class FrontStage(Stage[FrontStageSettings]):
     name = "front"
     poller: zmq.Poller  # made by open()
     poll_ms = 20
@@ -120,7 +121,6 @@ class FrontStage(Stage):
         self.unsent: deque[Inflight] = deque()
         self.replies: list[tuple[tuple[bytes, ...], MT, dict[str, Any], int, Any]] = []
         self.jobs_by_no: dict[int, Job] = {}
-        self.epoch = broker_epoch()
         self.life = time.monotonic_ns()  # this front's life, in the accept records it writes
         # a retried chunk an earlier front of this broker life sent on waits here until that
         # try can no longer land (ingest/parked_chunks.py)

@@ -182,6 +182,7 @@ def test_a_local_openai_worker_gets_its_models_tokenizer_and_its_groups_options(
     from broker import write_config
 
     from config import load_settings
+    from config.stage_settings import worker_settings
     from gpu.worker.options import WorkerOptions
 
     config = write_config(tmp_path, workers=0)
@@ -194,7 +195,7 @@ def test_a_local_openai_worker_gets_its_models_tokenizer_and_its_groups_options(
     config.write_text(
         text + f'[[models]]\nname = "up"\nengine = "openai"\ntokenizer = "{tokenizer}"\n'
     )
-    options = WorkerOptions.from_settings(load_settings(config), 0)
+    options = WorkerOptions.from_settings(worker_settings(load_settings(config), 0))
     assert (options.engine, options.model) == ("openai", "up")
     assert options.engine_options == {
         "tokenizer": str(tokenizer),

@@ -329,10 +329,9 @@ def _vllm_out_of_memory():
 
 
 def _echo_out_of_memory():
-    engine = EchoEngine()
-    # FABRIC_ECHO_OOM=100:2: the batch of two runs out of memory, then its first item alone
-    # (Engine.run halves a batch before it hands it back)
-    engine.oom_token, engine.oom_left = 100, 2
+    # the batch of two runs out of memory, then its first item alone (Engine.run halves a
+    # batch before it hands it back)
+    engine = EchoEngine(oom_token=100, oom_times=2)
     return engine, "embed"
 
 
@@ -388,7 +387,7 @@ def test_a_real_worker_whose_engine_runs_out_of_memory_hands_back_and_finishes_t
     ]
     data.write_text("".join(json.dumps(line) + "\n" for line in lines))
     assert submit(b.config, data, "--job-id", "oom").returncode == 0
-    worker = workers(b, env={"FABRIC_ECHO_OOM": "7:5"})  # 5 > max_attempts = 3
+    worker = workers(b, "echo", "oom_token=7", "oom_times=5")  # 5 > max_attempts = 3
     wait_for(lambda: finished(b, "oom"), "the job to finish despite 5 out-of-memory errors", 60)
     assert worker.poll() is None, "the worker lives on: out of memory is transient"
     info = job_info(b, "oom")
@@ -428,10 +427,11 @@ def test_local_worker_options_come_from_the_config(tmp_path):
     from broker import write_config
 
     from config import load_settings
+    from config.stage_settings import worker_settings
     from gpu.worker.options import WorkerOptions
 
     settings = load_settings(write_config(tmp_path, workers=2))
-    options = WorkerOptions.from_settings(settings, 1)
+    options = WorkerOptions.from_settings(worker_settings(settings, 1))
     group = settings.worker_groups[0]
     assert options.broker.startswith("tcp://127.0.0.1:") or options.broker.startswith("ipc://")
     assert (options.batch_items, options.prefetch, options.drain_s) == (

@@ -50,6 +50,7 @@ from collector.completion.job_status import JobStatus
 from collector.completion.result_check import CAUSES
 from collector.completion.results_log import CompletionLog
 from collector.job_view import JobIndex, JobView
+from config.stage_settings import CompletionStageSettings
 from gpu.work_protocol import ITEM_DTYPE
 from pipeline.core.errors import DiskFullError, FabricError, SegmentError
 from pipeline.process.stage import Stage
@@ -68,7 +69,7 @@ MAX_MESSAGES_PER_STEP = 256
 TIDY_S = 1.0
 
 
-class CompletionStage(Stage):
+class CompletionStage(Stage[CompletionStageSettings]):
     name = "completion"
     poller: zmq.Poller  # made by open()
     poll_ms = 10
@@ -89,7 +90,7 @@ class CompletionStage(Stage):
             self.jobs,
             self.shapes,
             self._input,
-            settings.dispatch.max_attempts,
+            settings.max_attempts,
             self.log,
         )
         self.status = JobStatus(self.completion_log)

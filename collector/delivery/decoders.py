@@ -19,13 +19,13 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from config.settings import Settings
+from config.stage_settings import Modelled
 from pipeline.core.errors import TokenizerError
 
 Decoder = Callable[[list[int]], str]
 
 
-def model_decoders(settings: Settings) -> dict[str, Decoder]:
+def model_decoders(settings: Modelled) -> dict[str, Decoder]:
     """A decoder for each model of `settings` whose tokenizer file is here, by model name."""
     from tokenizers import Tokenizer  # loaded only by doors that render text
 

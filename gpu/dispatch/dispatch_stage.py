@@ -38,6 +38,7 @@ import time
 import numpy as np
 import zmq
 
+from config.stage_settings import DispatchStageSettings
 from gpu.dispatch.arrivals import Arrivals
 from gpu.dispatch.batch import Batch, item_array
 from gpu.dispatch.batch_ids import BatchIds
@@ -53,7 +54,7 @@ from gpu.dispatch.state import DispatchState
 from gpu.dispatch.work_finder import RESCAN_S, WorkFinder
 from gpu.dispatch.work_token import Refusals, WorkTokens
 from pipeline.core.errors import FabricError
-from pipeline.process.stage import Stage, broker_epoch
+from pipeline.process.stage import Stage
 from pipeline.store.datadir import DataDir
 from pipeline.store.intern_table import InternTable
 from pipeline.store.job_files import JobFiles
@@ -77,7 +78,7 @@ def cancelled_jobs(data_root, log) -> set[int]:
     return found
 
 
-class DispatchStage(Stage):
+class DispatchStage(Stage[DispatchStageSettings]):
     name = "dispatch"
     poller: zmq.Poller  # made by open()
     reclaimed: collections.Counter[str]
@@ -89,7 +90,6 @@ class DispatchStage(Stage):
         config = settings.dispatch
         self.config = config
         self.data_dir = DataDir(settings.data_path).ensure()
-        self.epoch = broker_epoch()
         now = time.monotonic()  # the stage's start; after it, time comes from step(now)
         self.deadlines = JobDeadlines(self.data_dir.root, self.log)  # from job records
         self.deadlines.refresh(now)

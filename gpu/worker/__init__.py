@@ -15,7 +15,7 @@ dispatch's modules.
 | `held`          | a batch the worker holds, and its states                         |
 | `results`       | the RESULTS arrays built from an engine's result                 |
 | `options`       | `WorkerOptions`: the flags, the config, the argv of a worker     |
-| `faults`        | fault injection for tests (`FABRIC_WORKER_FAULT`)                |
+| `faults`        | fault injection for tests (`WorkerOptions.fault`)                      |
 | `worker_stage`  | `WorkerStage`: a local worker run by the supervisor              |
 
 This package imports nothing itself: import the module you need.

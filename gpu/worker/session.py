@@ -84,7 +84,7 @@ class Worker:
         self.connection = Connection(options.broker, options.heartbeat, options.curve, self.session)
         self.now = now
         self.held: dict[int, Held] = {}
-        self.faults = Faults()
+        self.faults = Faults(options.fault)
         self.engine_thread = EngineThread(engine, self.faults)
         self.watchdog = Watchdog(options.batch_timeout_s)
         self.registered = False

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+from config.stage_settings import WorkerStageSettings
 from gpu.engines.registry import EngineOptionsError, make_engine
 from gpu.worker.options import WorkerOptions
 from gpu.worker.session import Worker
@@ -12,12 +13,12 @@ from pipeline.core.errors import ConfigError
 from pipeline.process.stage import Stage
 
 
-class WorkerStage(Stage):
+class WorkerStage(Stage[WorkerStageSettings]):
     name = "worker"
 
-    def __init__(self, settings, index: int) -> None:
-        super().__init__(settings, index)
-        self.options = options = WorkerOptions.from_settings(settings, index)
+    def __init__(self, settings: WorkerStageSettings, index: int, epoch: int = 0) -> None:
+        super().__init__(settings, index, epoch)
+        self.options = options = WorkerOptions.from_settings(settings)
         try:
             engine = make_engine(options.engine, **options.engine_options)
         except EngineOptionsError as exc:
