@@ -11,8 +11,8 @@ import orjson
 
 from collector.vectors.client import VectorsClient, embed_texts
 from collector.vectors.search import METRICS
-from collector.vectors.shard import VectorInputError
 from collector.vectors.texts import input_texts
+from collector.vectors.vector_errors import VectorInputError
 from pipeline.core import exitcodes
 from pipeline.core.item_seq import index_of
 
