@@ -13,8 +13,8 @@ import orjson
 from cli.common import address, client_options, curve
 from collector.vectors.client import VectorsClient, embed_texts
 from collector.vectors.search import METRICS
-from collector.vectors.shard import VectorInputError
 from collector.vectors.texts import input_texts
+from collector.vectors.vector_errors import VectorInputError
 from config import load_settings
 from pipeline.core import exitcodes
 from pipeline.core.item_seq import index_of

@@ -44,6 +44,7 @@ from ingest.chunk_wire import chunk_to_wire
 from ingest.error_wire import errors_from_wire
 from ingest.input_chunk import InputChunk
 from ingest.request_shape import Shape
+from ingest.token_chunks import token_chunks
 from pipeline.core.errors import BrokerUnavailableError, IngestError
 from pipeline.store.job_record import DELIVER_FILE
 from pipeline.transport import wire
@@ -245,7 +246,7 @@ class Producer(BrokerClient):
             stop=(),
             priority=priority,
         )
-        chunks = _token_chunks(rows, lengths, custom_ids, model, shape, lines)
+        chunks = token_chunks(rows, lengths, custom_ids, model, shape, lines)
         with _resume_hint(job_id):
             return self._send_chunks(
                 job_id, lines, chunks, status, progress, deliver, deadline=deadline
@@ -425,55 +426,3 @@ def _with_last(chunks: Iterator[InputChunk]) -> Iterator[tuple[InputChunk, bool]
         previous = chunk
     if previous is not None:
         yield previous, True
-
-
-def _token_chunks(
-    rows, lengths, custom_ids, model: str, shape: Shape, chunk_lines: int
-) -> Iterator[InputChunk]:
-    """InputChunks of pre-tokenised rows, `chunk_lines` items each, without Python per item."""
-    if isinstance(rows, np.ndarray) and rows.ndim == 2:
-        n = rows.shape[0]
-        lengths = (
-            np.full(n, rows.shape[1], np.int64)
-            if lengths is None
-            else np.asarray(lengths, np.int64)
-        )
-    else:
-        n = len(rows)
-    for number, start in enumerate(range(0, n, chunk_lines)):
-        stop = min(n, start + chunk_lines)
-        if isinstance(rows, np.ndarray) and rows.ndim == 2:
-            part = rows[start:stop]
-            part_lengths = lengths[start:stop]
-            if bool(np.all(part_lengths == part.shape[1])):
-                tokens = np.ascontiguousarray(part, dtype=np.uint32).reshape(-1)  # no gather
-            else:
-                keep = np.arange(part.shape[1])[None, :] < part_lengths[:, None]
-                tokens = part[keep].astype(np.uint32)
-        else:
-            part_rows = [np.asarray(r, np.uint32) for r in rows[start:stop]]
-            part_lengths = np.array([len(r) for r in part_rows], np.int64)
-            tokens = np.concatenate(part_rows) if part_rows else np.zeros(0, np.uint32)
-        offsets = np.zeros(stop - start + 1, np.int64)
-        np.cumsum(part_lengths, out=offsets[1:])
-        ids = (
-            tuple(custom_ids[start:stop])
-            if custom_ids is not None
-            else tuple(f"item-{i}" for i in range(start, stop))
-        )
-        yield InputChunk(
-            index=number,
-            first_line=start + 1,
-            last_line=stop,
-            line=np.arange(start + 1, stop + 1, dtype=np.uint64),
-            custom_ids=ids,
-            models=(model,),
-            model_index=np.zeros(stop - start, np.int64),
-            shapes=(shape,),
-            shape_index=np.zeros(stop - start, np.int64),
-            tokens=tokens,
-            offsets=offsets,
-            text_items=np.zeros(0, np.int64),
-            texts=(),
-            errors=(),
-        )

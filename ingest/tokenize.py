@@ -46,7 +46,8 @@ from ingest.line_errors import (
     LineError,
     show,
 )
-from ingest.line_parser import TEXT_FIELD, TextPrompt, too_many_tokens
+from ingest.line_parser import TEXT_FIELD, too_many_tokens
+from ingest.line_prompts import TextPrompt
 from pipeline.core.errors import TokenizerError
 from pipeline.core.ragged import offsets_of
 

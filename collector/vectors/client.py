@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from collector.vectors.shard import VectorInputError
+from collector.vectors.vector_errors import VectorInputError
 from pipeline.core.ragged import pad
 from pipeline.transport import wire
 from pipeline.transport.broker_client import BrokerClient

@@ -23,9 +23,9 @@ import zmq
 
 from collector.job_view import JobIndex
 from collector.vectors.search import search
-from collector.vectors.shard import VectorError, VectorInputError
 from collector.vectors.sink import VectorSink
 from collector.vectors.store_catalog import StoreSet, stores_root
+from collector.vectors.vector_errors import VectorError, VectorInputError
 from config.stage_settings import VectorStageSettings
 from pipeline.core.errors import FabricError
 from pipeline.core.item_seq import index_of, job_of
