@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from smollm2 import with_torch
@@ -97,8 +99,8 @@ def _worker_with(engine, **options):
     sent = []
     worker._send = lambda kind, meta, arrays=None: sent.append((kind, meta, arrays)) or True
     worker.open()
-    worker.registered = True
-    worker.report_s = 1e9
+    worker.registration.registered = True
+    worker.registration.report_s = 1e9
 
     def work(batch_id: int, slots: list[int], task: str = "embed") -> None:
         items = np.zeros(len(slots), ITEM_DTYPE)
@@ -141,12 +143,18 @@ def test_re_registration_never_changes_a_batch_under_the_engine():
         assert worker.held[1].items["slot"].tolist() == [0, 1, 2]  # the running batch: whole
         assert 2 not in worker.held  # the waiting one: nothing live, skipped
         engine.go.set()
-        wait_for(lambda: (worker.step(0), "RESULTS" in _kinds(sent))[1], "batch 1's results")
+        wait_for(
+            lambda: (worker.step(time.monotonic(), 0), "RESULTS" in _kinds(sent))[1],
+            "batch 1's results",
+        )
         results = next(a for k, _, a in sent if k.name == "RESULTS")
         assert results["items"]["slot"].tolist() == [0, 2]
         assert results["payload"].view("<f4").reshape(2, 4)[:, 0].tolist() == [100.0, 102.0]
         work(3, [5])
-        wait_for(lambda: (worker.step(0), _kinds(sent).count("RESULTS") == 2)[1], "batch 3")
+        wait_for(
+            lambda: (worker.step(time.monotonic(), 0), _kinds(sent).count("RESULTS") == 2)[1],
+            "batch 3",
+        )
         assert worker.exit_code is None and worker.engine_thread.is_alive()
     finally:
         engine.go.set()
@@ -167,12 +175,12 @@ def test_a_finished_batch_ends_the_workers_wait_and_its_results_go_at_once():
         release = threading.Timer(0.2, engine.go.set)  # the engine finishes during the wait
         release.start()
         began = time.monotonic()
-        worker.step(timeout_ms=10_000)
+        worker.step(time.monotonic(), timeout_ms=10_000)
         waited = time.monotonic() - began
         release.join()
         assert "RESULTS" in _kinds(sent), _kinds(sent)
         assert waited < 5.0, f"the step waited {waited:.1f} s for a batch done after 0.2 s"
-        worker.step(timeout_ms=0)
+        worker.step(time.monotonic(), timeout_ms=0)
         assert "WORK_REQUEST" in _kinds(sent)  # its slot is free: the next batch asked for
     finally:
         engine.go.set()
@@ -186,15 +194,16 @@ def test_an_idle_worker_waits_for_the_broker_until_its_next_timer():
     waits = []
     worker.connection.poll = lambda timeout_ms: waits.append(timeout_ms) or False
     try:
-        worker.step()
+        now = 1000.0  # the session's clock is its step's now
+        worker.step(now)
         assert waits[-1] > 20, waits  # nothing due: the longest wait (IDLE_WAIT_MS)
-        worker.pause_until = worker.now() + 0.03  # a pause ends in 30 ms: waited for exactly
-        worker.step()
-        assert 0 < waits[-1] <= 30, waits
-        worker.registered = False  # registering: the next hello, due in 50 ms
-        worker.next_try = worker.now() + 0.05
-        worker.step()
-        assert 0 < waits[-1] <= 50, waits
+        worker.pause_until = now + 0.03  # a pause ends in 30 ms: waited for exactly
+        worker.step(now)
+        assert waits[-1] == 30, waits
+        worker.registration.registered = False  # registering: the next hello, due in 50 ms
+        worker.registration.next_try = now + 0.05
+        worker.step(now)
+        assert waits[-1] == 50, waits
     finally:
         worker.close()
 
@@ -213,7 +222,10 @@ def test_a_worker_whose_engine_failed_on_a_batch_it_no_longer_holds_hands_back_a
         del worker.held[1]  # acknowledged or dropped meanwhile: the engine still fails on it
         engine.fail = True
         engine.go.set()
-        wait_for(lambda: (worker.step(0), worker.exit_code is not None)[1], "the worker to end")
+        wait_for(
+            lambda: (worker.step(time.monotonic(), 0), worker.exit_code is not None)[1],
+            "the worker to end",
+        )
         assert worker.exit_code == exitcodes.FAILED
         backs = [a["items"]["slot"].tolist() for k, _, a in sent if k.name == "HAND_BACK"]
         assert backs == [[2, 3]] and _kinds(sent)[-1] == "BYE"
@@ -234,7 +246,7 @@ def test_a_worker_whose_engine_thread_ended_or_took_no_work_hands_back_and_exits
     worker, sent, work = _worker_with(_Gate())
     worker.engine_thread.stop(5)  # the engine thread ends, whatever the cause
     work(1, [0, 1])
-    worker.step(0)
+    worker.step(time.monotonic(), 0)
     assert worker.exit_code == exitcodes.FAILED and "engine thread" in worker.broken
     assert [a["items"]["slot"].tolist() for k, _, a in sent if k.name == "HAND_BACK"] == [[0, 1]]
     worker.close()
@@ -246,15 +258,17 @@ def test_a_worker_whose_engine_thread_ended_or_took_no_work_hands_back_and_exits
     stuck.engine_thread.thread.start()  # and takes nothing
     try:
         work(1, [0, 1])
-        stuck.step(0)
+        stuck.step(time.monotonic(), 0)
         assert stuck.exit_code is None  # held, not running: not for batch_timeout_s yet
         stuck.watchdog.stalled_since = stuck.watchdog.last_look = (
             time.monotonic() - 5.0
         )  # a SIGSTOP
-        stuck.step(0)
+        stuck.step(time.monotonic(), 0)
         assert stuck.exit_code is None  # the process itself did not run: the clock restarts
         wait_for(  # looked at often: a long gap between looks reads as a SIGSTOP
-            lambda: (stuck.step(0), stuck.exit_code is not None)[1], "the watchdog", interval_s=0.02
+            lambda: (stuck.step(time.monotonic(), 0), stuck.exit_code is not None)[1],
+            "the watchdog",
+            interval_s=0.02,
         )
         assert "takes no work" in stuck.broken
         assert [a["items"]["slot"].tolist() for k, _, a in sent if k.name == "HAND_BACK"] == [
@@ -349,7 +363,10 @@ def test_out_of_memory_in_any_engine_hands_the_batch_back_without_an_attempt(eng
     worker, sent, work = _worker_with(engine)
     try:
         work(1, [0, 1], task)
-        wait_for(lambda: (worker.step(0), "HAND_BACK" in _kinds(sent))[1], "the hand-back")
+        wait_for(
+            lambda: (worker.step(time.monotonic(), 0), "HAND_BACK" in _kinds(sent))[1],
+            "the hand-back",
+        )
         (back,) = [(m, a) for k, m, a in sent if k.name == "HAND_BACK"]
         assert back[0]["count_attempt"] is False, back[0]
         assert "out of memory" in back[0]["reason"] and engine.name in back[0]["reason"]

@@ -33,7 +33,7 @@ class WorkerStage(Stage[WorkerStageSettings]):
         self.poller = self.worker.connection.poller  # its wait (run_stage adds its signal wake)
 
     def step(self, now: float) -> None:
-        self.worker.step()
+        self.worker.step(now)
         if self.worker.exit_code is not None:
             raise SystemExit(self.worker.exit_code)
 
