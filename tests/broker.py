@@ -70,6 +70,7 @@ def write_config(
     vectors: str = "",
     data_dir: Path | None = None,
     broker_keys: str = "",
+    segment_bytes: int = 4194304,
 ) -> Path:
     """A config with a data dir under tmp_path (or at `data_dir`), free loopback ports, and
     three models: `echo` (token ids only), `texty` (text, with a small word-level tokenizer)
@@ -80,7 +81,7 @@ def write_config(
     text = f"""
 [broker]
 data_dir = "{data_dir or tmp_path / "data"}"
-segment_bytes = 4194304
+segment_bytes = {segment_bytes}
 {broker_keys}
 [ingest]
 bind = "tcp://127.0.0.1:{ports[0]}"
