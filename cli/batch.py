@@ -148,6 +148,8 @@ def _short_ipc(run: OneShot) -> str:
 def _make_state_dir(run: OneShot) -> bool:
     """Make OUT.fabric/ beside OUT (True when this run made it); OutputError naming the path
     when OUT, its errors file or the state dir cannot be written there."""
+    from pipeline.store.durable import fsync_dir
+
     made = not run.state_dir.exists()
     path = run.state_dir
     try:
@@ -156,6 +158,8 @@ def _make_state_dir(run: OneShot) -> bool:
             if path.exists() or path.parent == run.state_dir:
                 with open(path, "ab"):  # opened for appending, as they will be: nothing changes
                     pass
+        for path in (run.state_dir, run.output.parent):  # their names survive a power cut
+            fsync_dir(path)
     except OSError as exc:
         raise OutputError(
             f"cannot write {exc.filename or path}: {exc.strerror or exc}; -o {run.output} "
@@ -178,11 +182,12 @@ def _claim_output(run: OneShot, job_id: str) -> bool:
                 f"{path} exists but was not written for this input (job {job_id}): the input "
                 f"changed, or the file is another's; move it away or choose another -o"
             )
-    from pipeline.store.durable import fsync_dir
+    from pipeline.store.durable import write_whole
 
     marks.mkdir(parents=True, exist_ok=True)
-    mark.write_text(f"{run.input.resolve()}\n")
-    fsync_dir(marks)
+    # durable, name and all, before OUT gets a line: after a power cut, OUT with lines and
+    # no mark reads as another job's file
+    write_whole(mark, f"{run.input.resolve()}\n".encode(), also_sync=(run.state_dir,))
     return False
 
 

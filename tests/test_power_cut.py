@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import subprocess
+import sys
 import threading
 from collections import Counter
 from pathlib import Path
 
 import pytest
-from broker import Broker, submit, write_config, write_jsonl
+import zygote
+from broker import REPO, Broker, submit, write_config, write_jsonl
 from client_commands import run_cli
 from conftest import assert_check_clean, skip_or_fail, wait_for
 
@@ -177,3 +180,94 @@ def test_a_cut_while_lines_are_submitted_and_served_loses_no_acknowledged_line(
     assert_acked_survived(pb, "j", acked_before_cut)
     finish_and_check(pb, "j", lines, good)
     client.join(timeout=30)
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_cut_between_a_results_page_fsync_and_its_acknowledgement_writes_each_line_once(
+    tmp_path, powered, when
+):
+    """The results client's machine loses power at its first page's fsync: not yet done
+    ("before": the page is lost and was never acknowledged, so it comes again) or done but
+    not yet acknowledged ("after": it comes again and must not be written twice)."""
+    pb = powered(workers=1)
+    lines = tmp_path / "in.jsonl"
+    good = write_jsonl(lines, 300, seed=2)
+    assert submit(pb.config, lines, "--job-id", "j", "--chunk-lines", "50").returncode == 0
+    wait_for(lambda: pb.broker.job_status("j")["state"] == "completed", "job j to complete", 60)
+    out_disk = PowerDisk(tmp_path / "client-disk", tmp_path / "client").mount()
+    try:
+        out = out_disk.mount_path / "j.jsonl"
+        out_disk.arm("fsync", "j.jsonl", nth=1, when=when)
+        client = zygote.Popen(
+            [
+                sys.executable,
+                str(REPO / "run.py"),
+                "results",
+                "j",
+                "-o",
+                str(out),
+                "--config",
+                str(pb.config),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            cwd=REPO,
+        )
+        wait_for(out_disk.fired, "the first page's fsync")
+        out_disk.cut(client.pid)
+        client.wait(timeout=30)
+        out_disk.mount()
+        again = run_cli("results", "j", "-o", str(out), "--config", str(pb.config))
+        assert again.returncode == 0, again.stderr
+        counts = outcomes(out)
+        assert set(counts) == {f"r{i}" for i in good}
+        assert max(counts.values()) == 1, [c for c, n in counts.items() if n > 1][:5]
+    finally:
+        out_disk.close()
+    assert pb.broker.stop() == 0
+    assert_check_clean(pb.broker.data_dir)
+
+
+BATCH_MOMENTS = {
+    "the third completion sync": ("fsync", "data/completion/out-*", 3),
+    "the output's first page": ("fsync", "out.jsonl", 1),
+}
+
+
+@pytest.mark.parametrize("moment", BATCH_MOMENTS)
+def test_a_cut_of_run_py_batch_and_its_private_broker_resumes_each_line_once(tmp_path, moment):
+    """`run.py batch` with its output, its state dir beside it and its private broker's data
+    dir on one disk: the power goes while it stores results or writes them, and a run
+    again finishes the file with each line once."""
+    reason = available()
+    if reason:
+        skip_or_fail(reason)
+    disk = PowerDisk(tmp_path / "disk", tmp_path / "work").mount()
+    lines = tmp_path / "in.jsonl"
+    good = write_jsonl(lines, 300, seed=3)
+    out = disk.mount_path / "out.jsonl"
+    args = [sys.executable, str(REPO / "run.py"), "batch", str(lines), "-o", str(out)]
+    config = write_config(tmp_path, workers=1, data_dir=disk.mount_path / "data")
+    args += ["--config", str(config)]
+    log = tmp_path / "batch.err"
+    try:
+        op, glob, nth = BATCH_MOMENTS[moment]
+        disk.arm(op, glob, nth, when="after")
+        with open(log, "ab") as err:
+            first = zygote.Popen(
+                args, stdout=subprocess.DEVNULL, stderr=err, cwd=REPO, start_new_session=True
+            )
+        wait_for(disk.fired, moment, timeout_s=60)
+        disk.cut(first.pid)
+        first.wait(timeout=30)
+        disk.mount()
+        with open(log, "ab") as err:
+            last = zygote.Popen(
+                args, stdout=subprocess.DEVNULL, stderr=err, cwd=REPO, start_new_session=True
+            )
+        assert last.wait(timeout=120) == 0, log.read_text()[-3000:]
+        counts = outcomes(out)
+        assert set(counts) == {f"r{i}" for i in good}, log.read_text()[-3000:]
+        assert max(counts.values()) == 1, [c for c, n in counts.items() if n > 1][:5]
+    finally:
+        disk.close()
