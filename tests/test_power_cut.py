@@ -161,6 +161,7 @@ INGEST_MOMENTS = {
     "a completion segment's sync": ("fsync", "completion/out-*", 2, "after"),
     "completion tombstones": ("fsync", "segments/in-*", 12, "after"),
     "the job's finished mark": ("rename", "jobs/j/finished*", 1, "before"),
+    "a dispatch file sync": ("fsync", "dispatch/inflight.log", 1, "after"),
 }
 
 
@@ -271,3 +272,28 @@ def test_a_cut_of_run_py_batch_and_its_private_broker_resumes_each_line_once(tmp
         assert max(counts.values()) == 1, [c for c, n in counts.items() if n > 1][:5]
     finally:
         disk.close()
+
+
+def test_a_cut_during_a_vector_journal_append_stores_each_vector_once(tmp_path, powered):
+    """Embeddings delivered to a vector store: the power goes once the second journal record
+    of a shard is durable; after the restart each line is in the store or an error once."""
+    from test_vector_delivery import SIM_WORKER, delivered, write_texts
+    from test_vector_delivery import outcomes as vector_outcomes
+
+    pb = powered(workers=1, worker_keys=SIM_WORKER)
+    lines = tmp_path / "texts.jsonl"
+    valid = write_texts(lines, 300, seed=5)
+    pb.disk.arm("fsync", "vectors/*.journal", nth=2, when="after")
+    args = ("--job-id", "emb", "--deliver", "vectors:docs")
+    client = threading.Thread(target=lambda: submit(pb.config, lines, *args), daemon=True)
+    client.start()
+    wait_for(pb.disk.fired, "the second journal record")
+    pb.cut()
+    assert submit(pb.config, lines, *args).returncode == 0
+    wait_for(lambda: delivered(pb.broker, "emb"), "the job to be delivered", timeout_s=90)
+    stored, errors = vector_outcomes(pb.broker, "docs", "emb")
+    assert len(stored) == len(set(stored)) == valid, (len(stored), len(set(stored)), valid)
+    assert not set(stored) & set(errors)
+    assert pb.broker.stop() == 0
+    assert_check_clean(pb.broker.data_dir)
+    client.join(timeout=30)
