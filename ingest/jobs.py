@@ -165,6 +165,22 @@ class Job:
         """True while chunk's commit record is written but not yet durable."""
         return any(r["e"] == "commit" and r["c"] == chunk for r in self.journal.pending)
 
+    def check_takes(self, deliver: str, chunk_lines: int) -> None:
+        """A chunk is taken only on the terms the job was started with (its `--deliver`, its
+        chunk size), and only while the job takes input; IngestError naming the fix otherwise."""
+        if deliver != self.deliver:
+            raise IngestError(
+                f"job {self.job_id} was submitted with --deliver {self.deliver}, this chunk says "
+                f"{deliver}; resume it with the same --deliver"
+            )
+        if chunk_lines != self.chunk_lines:
+            raise IngestError(
+                f"job {self.job_id} was started with chunks of {self.chunk_lines} lines, this "
+                f"chunk says {chunk_lines}; resume it with the same chunk size"
+            )
+        if self.state not in (JobState.VALIDATING, JobState.QUEUED):
+            raise IngestError(f"job {self.job_id} is {self.state}; it takes no more input")
+
     def set_state(self, state: JobState) -> None:
         record = {"e": "state", "state": str(state)}
         self.journal.append(record)

@@ -61,7 +61,7 @@ def test_a_chunk_past_its_deadline_is_answered_retryably_on_the_front_s_own_cloc
 
     def taken() -> bool:
         stage.step(T0)
-        return len(stage.inflight) == 1 and not stage.unsent
+        return len(stage.inflight) == 1 and not stage.forwarding.waiting
 
     wait_for(taken, "the front to accept the chunk and send it to a tokenizer", 10)
     sent = wire.recv(tokenizer, 5000)
@@ -112,7 +112,7 @@ def test_a_front_restarted_alone_holds_a_retried_chunk_until_the_first_try_canno
 
     def sent_on(stage, now: float) -> bool:
         stage.step(now)
-        return bool(stage.inflight) and not stage.unsent
+        return bool(stage.inflight) and not stage.forwarding.waiting
 
     try:
         first, producer, tokenizer = front_life(1)
