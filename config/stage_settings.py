@@ -56,99 +56,84 @@ class Catalogued(Modelled, Protocol):
 
 
 @dataclass(frozen=True, slots=True)
-class FrontStageSettings:
-    """The front (ingest/front_stage.py): producers, the job registry, the model catalog,
-    and the rings to the routers (whose count the ring layout needs)."""
+class EveryStage:
+    """What every stage has: `data_path` (logs, files, the ipc sockets) and `metrics`."""
 
     data_path: Path
     metrics: MetricsSettings
+
+
+@dataclass(frozen=True, slots=True)
+class RingStage(EveryStage):
+    """A stage on the ingest rings (front, tokenizer, router, writer): the ring layout reads
+    the broker, ingest, router and writer sections (pipeline/transport/topology.py)."""
+
     broker: BrokerSettings
     ingest: IngestSettings
     router: RouterSettings
     writers: WriterSettings
+
+
+@dataclass(frozen=True, slots=True)
+class FrontStageSettings(RingStage):
+    """The front (ingest/front_stage.py): producers, the job registry, the model catalog,
+    and the rings to the routers (whose count the ring layout needs)."""
+
     security: SecuritySettings
     models: tuple[ModelSettings, ...]
 
 
 @dataclass(frozen=True, slots=True)
-class TokenizerStageSettings:
+class TokenizerStageSettings(RingStage):
     """A tokenizer (ingest/tokenizer_stage.py): the models' tokenisers and its rings."""
 
-    data_path: Path
-    metrics: MetricsSettings
-    broker: BrokerSettings
-    ingest: IngestSettings
-    router: RouterSettings
-    writers: WriterSettings
     models: tuple[ModelSettings, ...]
 
 
 @dataclass(frozen=True, slots=True)
-class RouterStageSettings:
+class RouterStageSettings(RingStage):
     """A router (router/router_stage.py): the lanes, and the rings in and out."""
 
-    data_path: Path
-    metrics: MetricsSettings
-    broker: BrokerSettings
-    ingest: IngestSettings
-    router: RouterSettings
-    writers: WriterSettings
-
 
 @dataclass(frozen=True, slots=True)
-class WriterStageSettings:
+class WriterStageSettings(RingStage):
     """A segment writer (router/writer_stage.py): segment sizes, group commit, its rings."""
 
-    data_path: Path
-    metrics: MetricsSettings
-    broker: BrokerSettings
-    ingest: IngestSettings
-    router: RouterSettings
-    writers: WriterSettings
-
 
 @dataclass(frozen=True, slots=True)
-class DispatchStageSettings:
+class DispatchStageSettings(EveryStage):
     """Dispatch (gpu/dispatch/dispatch_stage.py): leases, sessions, its port's keys, and the
     models it reports queues for."""
 
-    data_path: Path
-    metrics: MetricsSettings
     dispatch: DispatchSettings
     security: SecuritySettings
     models: tuple[ModelSettings, ...]
 
 
 @dataclass(frozen=True, slots=True)
-class CompletionStageSettings:
+class CompletionStageSettings(EveryStage):
     """Completion (collector/completion/completion_stage.py); `max_attempts` is dispatch's,
     for the losses it words."""
 
-    data_path: Path
-    metrics: MetricsSettings
     completion: CompletionSettings
     security: SecuritySettings
     max_attempts: int
 
 
 @dataclass(frozen=True, slots=True)
-class VectorStageSettings:
+class VectorStageSettings(EveryStage):
     """The vector shard manager (collector/vectors/vector_stage.py), a client of completion."""
 
-    data_path: Path
-    metrics: MetricsSettings
     vectors: VectorSettings
     security: SecuritySettings
     completion_bind: str
 
 
 @dataclass(frozen=True, slots=True)
-class ApiStageSettings:
+class ApiStageSettings(EveryStage):
     """The HTTP API (api/api_stage.py): a client of the front and of completion, which
     sweeps its own files every `sweep_interval_s` after `results_retention_s`."""
 
-    data_path: Path
-    metrics: MetricsSettings
     api: ApiSettings
     security: SecuritySettings
     models: tuple[ModelSettings, ...]
@@ -159,13 +144,11 @@ class ApiStageSettings:
 
 
 @dataclass(frozen=True, slots=True)
-class WorkerStageSettings:
+class WorkerStageSettings(EveryStage):
     """Local worker `index` (gpu/worker/worker_stage.py): its own [workers] group, the
     model it serves, where dispatch listens, the broker's key, and how many local workers
     share this host's cores. `source` names the config file, for its errors."""
 
-    data_path: Path
-    metrics: MetricsSettings
     group: WorkerSettings
     model: str
     model_engine: str  # "" when no [[models]] table names the model
