@@ -160,11 +160,15 @@ class Broker:
         )
         if self.stderr_path is not None:
             err.close()
-        wait_for(
-            lambda: self.all_up() or self.proc.poll() is not None,
-            "every stage to be up",
-            timeout_s=60,
-        )
+        try:
+            wait_for(
+                lambda: self.all_up() or self.proc.poll() is not None,
+                "every stage to be up",
+                timeout_s=60,
+            )
+        except BaseException:  # not up in time: killed here, not left running to the collector
+            self.close()  # (an unreaped child and its pipe are ResourceWarnings in a later test)
+            raise
         if self.proc.poll() is not None:  # it exited at start: say why at once
             said = self.stderr_path.read_text() if self.stderr_path else self.proc.stderr.read()
             self._close_stderr()
