@@ -3,11 +3,13 @@
 python run.py --config prod.toml                   serve: recovery, then all stages; SIGTERM drains
 python run.py demo                                 the real pipeline on a real model, on the CPU
 python run.py submit FILE.jsonl [--config F | --broker ADDR] [--job-id ID] [--deliver vectors[:S]]
-                   [--deadline 2h]                 earlier deadlines are dispatched first
+                   [--deadline 2h] [--priority N]  higher priority, then earlier deadlines first
 python run.py status [JOB] [--json]                queue depth, in-flight, workers; or one job's counts
 python run.py status --watch [--plain]             a live dashboard, redrawn every second
 python run.py results JOB -o OUT.jsonl [--errors ERR.jsonl] [--follow] [--all]
 python run.py cancel JOB                           retire the job's queued items as cancelled
+python run.py pause JOB | resume JOB               hold a job's queued items back, or let them go
+python run.py priority JOB N                       change a running job's priority (higher first)
 python run.py vectors stats|search|export          the vector store (docs/vectors.md)
 python run.py worker --broker ADDR --model M --engine E   a GPU (or CPU) worker process
 python run.py check --config prod.toml [--fix]     offline consistency check of the data dir
@@ -43,7 +45,7 @@ from pipeline.core.invocation import note_config
 
 # The commands, in the order `--help` lists them: each is the module cli/<command>.py.
 COMMANDS: tuple[str, ...] = ("batch", "demo", "check", "keys", "submit", "status", "results")
-COMMANDS += ("cancel", "vectors", "worker")
+COMMANDS += ("cancel", "pause", "resume", "priority", "vectors", "worker")
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:

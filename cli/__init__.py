@@ -11,6 +11,9 @@ sets); its heavy imports wait for the handler, so a short command starts fast.
 | `cli/results.py`       | `results JOB -o OUT`: a job's results, each once              |
 | `cli/status.py`        | `status [JOB]`, `status --watch`: the broker, a job, a dashboard |
 | `cli/cancel.py`        | `cancel JOB`                                                  |
+| `cli/pause.py`         | `pause JOB` (and the control request `resume`, `priority` send) |
+| `cli/resume.py`        | `resume JOB`                                                  |
+| `cli/priority.py`      | `priority JOB N`                                              |
 | `cli/vectors.py`       | `vectors stats|search|export`: the vector store               |
 | `cli/worker.py`        | `worker`: a worker process of its own (a GPU host's)          |
 | `cli/keys.py`          | `keys new NAME`: a CURVE key pair                             |

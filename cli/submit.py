@@ -43,6 +43,13 @@ def add_parser(commands) -> None:
         "seconds since the epoch; dispatch serves earlier deadlines first (a hint, never a gate)",
     )
     submit.add_argument(
+        "--priority",
+        type=int,
+        default=0,
+        help="the job's priority, an integer: dispatch serves higher first (default 0; lower "
+        "priorities keep a minimum share, docs/dispatch.md); change it with `priority JOB N`",
+    )
+    submit.add_argument(
         "--errors", help="where to write rejected lines (default FILE.errors.jsonl)"
     )
     submit.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for an answer")
@@ -88,6 +95,7 @@ def submit_command(args: argparse.Namespace) -> int:
                 progress=progress,
                 deliver=args.deliver,
                 deadline=deadline,
+                job_priority=args.priority,
             )
     except BrokerUnavailableError as exc:
         line.say(f"error: {exc}")

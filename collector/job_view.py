@@ -33,7 +33,7 @@ from pipeline.store.job_files import (
     journal_record_at,
     journal_records,
 )
-from pipeline.store.job_record import DELIVER_FILE, JobRecordError
+from pipeline.store.job_record import DELIVER_FILE, JobRecordError, record_priority
 
 CHUNKS_CACHED = 16
 
@@ -49,6 +49,7 @@ class JobView:
         self.job_no: int = int(meta["job_no"])
         self.created_ns: int = int(meta["created_ns"])
         self.deliver: str = meta.get("deliver", DELIVER_FILE)  # ingest.jobs.parse_deliver
+        self.priority: int = record_priority(meta)  # at submit; a client may change it
         self.journal = files.journal_path(job_id)
         self.offset = 0
         self.progress = ChunkProgress(keep_errors=False)
@@ -94,6 +95,17 @@ class JobView:
     def cancelled_at_deadline(self) -> bool:
         """Cancelled because its deadline passed (it ends `expired`, not `cancelled`)."""
         return self.files.cancelled_at_deadline(self.job_id)
+
+    @property
+    def paused(self) -> bool:
+        return self.files.is_paused(self.job_id)
+
+    @property
+    def current_priority(self) -> int:
+        """The last priority a client set (collector/completion/control.py), else the
+        record's (default 0)."""
+        changed = self.files.priority(self.job_id)
+        return changed if changed is not None else self.priority
 
     def refresh(self) -> None:
         records, self.offset = journal_records(self.journal, self.offset)

@@ -100,7 +100,12 @@ def render_job(info: dict[str, Any]) -> str:
     """One job: state, counts, throughput, time left."""
     total = info["total"]
     lines = [
-        f"job {info['job']}: {info['state']}",
+        f"job {info['job']}: {info['state']}"
+        + (
+            " (paused: queued items wait; `run.py resume` lets them go)"
+            if info.get("paused")
+            else ""
+        ),
         f"  total      {total if total is not None else '(still being submitted)'}",
         f"  completed  {info['completed']}",
         f"  failed     {info['failed']}",
@@ -115,6 +120,8 @@ def render_job(info: dict[str, Any]) -> str:
             f"  tokens     {usage['prompt_tokens']} prompt + {usage['completion_tokens']} "
             f"generated = {usage['total_tokens']}"
         )
+    if info.get("priority"):
+        lines.append(f"  priority   {info['priority']} (higher first)")
     if info.get("fanout"):
         fan = info["fanout"]
         lines.append(f"  parts      {fan['parts']} in {fan['lines']} lines of several parts")

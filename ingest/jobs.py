@@ -21,9 +21,19 @@ from pipeline.core.errors import IngestError
 from pipeline.core.job_states import JobState, job_state
 from pipeline.store.counter import DurableCounter
 from pipeline.store.job_files import ChunkEntry, ChunkProgress, JobFiles, Landing
-from pipeline.store.job_record import DELIVER_FILE
+from pipeline.store.job_record import DELIVER_FILE, PRIORITY_LIMIT
 from pipeline.store.records import RecordLog
 from pipeline.store.segment import disk_error
+
+
+def parse_priority_field(value: Any) -> int:
+    """A chunk's `job_priority` (an integer, higher first; default 0); IngestError if not."""
+    if isinstance(value, bool) or not isinstance(value, int) or abs(value) > PRIORITY_LIMIT:
+        raise IngestError(
+            f"job priority {value!r} is not allowed: send an integer from -{PRIORITY_LIMIT} "
+            f"to {PRIORITY_LIMIT} (higher first; 0 is the default)"
+        )
+    return value
 
 
 def parse_deadline_field(value: Any) -> float | None:
@@ -242,13 +252,15 @@ class JobRegistry:
         deliver: str = DELIVER_FILE,
         source: str = "",
         deadline: float | None = None,
+        priority: int = 0,
     ) -> Job:
         """Create a job durably (directory, job.json, empty journal); its chunks have
         `chunk_lines` lines and its results go where `deliver` says (`parse_deliver`).
         `source`: the absolute path of the input file on the producer's host, if it sent one
         (`vectors search` reads the text of a hit's line back from it when it can).
         `deadline`: when the job should be done (wall seconds), if it has one; dispatch
-        reads it from the record and serves earlier deadlines first (docs/dispatch.md)."""
+        reads it from the record and serves earlier deadlines first (docs/dispatch.md);
+        `priority` (higher first, within a minimum share for the rest) likewise."""
         directory = self.files.directory(job_id)  # IngestError: not an allowed id
         job_no = self._counter.next()  # DiskFullError when the disk is full
         created_ns = time.time_ns()
@@ -263,6 +275,8 @@ class JobRegistry:
             meta["source"] = source
         if deadline is not None:
             meta["deadline"] = parse_deadline_field(deadline)
+        if priority:
+            meta["priority"] = parse_priority_field(priority)
         try:
             self.files.write_record(job_id, meta)
         except OSError as exc:  # a full disk: nothing of the job exists; the producer retries

@@ -5,8 +5,8 @@ Sockets:
 | socket            | kind   | peer                                                                 |
 |-------------------|--------|----------------------------------------------------------------------|
 | `completion` ipc  | PULL   | dispatch: RESULTS (as workers sent them), ITEM_ERRORS (dead letters, quarantined, cancelled) |
-| `dispatch` ipc    | PUSH   | dispatch: RETIRED (input slots now DEAD on disk, the worker acks, refused results to hand back) and CANCEL_JOB |
-| `completion.bind` | ROUTER | results clients: FETCH / RESULT_PAGE, JOB_STATUS / JOB_INFO, CANCEL / CANCELLED |
+| `dispatch` ipc    | PUSH   | dispatch: RETIRED (input slots now DEAD on disk, the worker acks, refused results to hand back), CANCEL_JOB and JOB_CONTROL |
+| `completion.bind` | ROUTER | results clients: FETCH / RESULT_PAGE, JOB_STATUS / JOB_INFO, CANCEL / CANCELLED, CONTROL / JOB_INFO |
 
 Each step takes what arrived and stores it (collector/completion/intake.py:
 every worker result checked against its item, a bad one handed back to
@@ -42,7 +42,7 @@ import time
 import numpy as np
 import zmq
 
-from collector.completion import cancel
+from collector.completion import cancel, control
 from collector.completion.delivery import PageDelivery
 from collector.completion.finishing import JobFinisher
 from collector.completion.intake import ResultIntake
@@ -285,7 +285,7 @@ class CompletionStage(Stage[CompletionStageSettings]):
         if message.type == MT.PING:
             self._reply(route, MT.PONG, {})
             return
-        if message.type not in (MT.FETCH, MT.JOB_STATUS, MT.CANCEL):
+        if message.type not in (MT.FETCH, MT.JOB_STATUS, MT.CANCEL, MT.CONTROL):
             self._reply(
                 route, MT.ERROR, {"reason": f"completion does not take {message.type.name}"}
             )
@@ -313,6 +313,13 @@ class CompletionStage(Stage[CompletionStageSettings]):
                 return
             cancel.cancel_job(view, self.dispatch, self.log, why)
             self._reply(route, MT.CANCELLED, self._job_info(view, now))
+        elif message.type == MT.CONTROL:
+            reason = control.refusal(view, self._job_info(view, now)["state"], meta)
+            if reason:
+                self._reply(route, MT.ERROR, {"reason": reason})
+                return
+            control.control_job(view, meta, self.dispatch, self.log)
+            self._reply(route, MT.JOB_INFO, self._job_info(view, now))
         else:
             self._fetch(route, view, meta, now)
 

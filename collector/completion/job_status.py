@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collector.completion.results_log import CompletionLog
 from collector.job_view import JobView
-from pipeline.core.job_states import job_state
+from pipeline.core.job_states import TERMINAL, job_state
 
 
 class JobStatus:
@@ -59,6 +59,8 @@ class JobStatus:
             "job_no": view.job_no,
             "exists": True,
             "state": str(state),
+            "paused": view.paused and state not in TERMINAL,  # queued items wait (control.py)
+            "priority": view.current_priority,
             "total": total,
             "completed": done - failed,
             "failed": failed,

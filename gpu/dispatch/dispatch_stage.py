@@ -48,6 +48,7 @@ from gpu.dispatch.forward import ToCompletion
 from gpu.dispatch.inbox import cancelled_jobs, read_inbox
 from gpu.dispatch.item_errors import ItemErrors
 from gpu.dispatch.lease_recorder import LeaseRecorder
+from gpu.dispatch.paused import paused_marks
 from gpu.dispatch.registration import hello, reload_leases
 from gpu.dispatch.report import broker_status, dispatch_metrics
 from gpu.dispatch.sessions import PARK_S, Parked, Session, worker_figures
@@ -121,6 +122,7 @@ class DispatchStage(Stage[DispatchStageSettings]):
         self.file = self.leases.file
         reload_leases(self, now)  # gpu/dispatch/registration.py
         self.state.cancelled_jobs.update(cancelled_jobs(self.data_dir.root, self.log))
+        self.state.paused.jobs.update(paused_marks(self.data_dir.root, self.log))
         self.state.loaded()  # lease and session timeouts count from here (invariant 9)
         self.context = zmq.Context()
         self.gate = ServerGate(self.context, settings.security)  # CURVE, when keys are set

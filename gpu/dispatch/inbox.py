@@ -5,10 +5,12 @@
 | APPENDED   | a writer   | slots up to `end` of a segment are durable: queued (gpu/dispatch/work_finder.py) |
 | RETIRED    | completion | `items` retired for good: out of the queue and of their leases; `refused` results reclaimed with an attempt; then RESULTS_ACK to each worker in `acks` |
 | CANCEL_JOB | completion | the job's queued items are taken out (they come back as `cancelled` errors) |
+| JOB_CONTROL | completion | `paused`: the job's queued items are held back, or given back (gpu/dispatch/paused.py); `priority`: its new priority (gpu/dispatch/deadlines.py) |
 
 A cancel outlives a restart as a mark in the job's directory (written by
 completion, pipeline/store/job_files.py): `cancelled_jobs` reads the marks at
-`open()`. These functions work on the stage, as gpu/dispatch/report.py reads it.
+`open()`; so do a pause (gpu/dispatch/paused.py `paused_marks`) and a priority
+(read with the job's record). These functions work on the stage, as gpu/dispatch/report.py reads it.
 """
 
 from __future__ import annotations
@@ -44,6 +46,15 @@ def read_inbox(stage, now: float, max_messages: int) -> None:
         elif message.type == MT.CANCEL_JOB:
             taken = stage.state.cancel_job(int(meta["job_no"]))
             stage.log.info("job %d cancelled: %d queued item(s) taken", meta["job_no"], taken)
+        elif message.type == MT.JOB_CONTROL:
+            job_no = int(meta["job_no"])
+            stage.deadlines.set_priority(job_no, int(meta["priority"]))
+            if meta["paused"]:
+                held = stage.state.pause_job(job_no)
+                stage.log.info("job %d paused: %d queued item(s) held", job_no, held)
+            elif job_no in stage.state.paused.jobs:
+                back = stage.state.resume_job(job_no)
+                stage.log.info("job %d resumed: %d item(s) queued again", job_no, back)
         else:
             stage.log.error("unexpected internal message %s dropped", message.type.name)
 

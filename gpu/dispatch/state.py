@@ -29,6 +29,7 @@ monotonic clock passed in as `now`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 
 import numpy as np
@@ -36,6 +37,7 @@ import numpy as np
 from gpu.dispatch.batch import Batch, Outcome, adopted, items_of, quarantined, read_rows
 from gpu.dispatch.deadline_order import DeadlineOrder, Deadlines
 from gpu.dispatch.leases import Leases
+from gpu.dispatch.paused import PausedJobs
 from gpu.dispatch.reclaim import Reclaiming
 from gpu.dispatch.segment_queue import Queued, SegmentQueue
 from gpu.work_protocol import ITEM_DTYPE
@@ -65,6 +67,7 @@ class DispatchState(Reclaiming):
         self.quarantined: list[np.ndarray] = []
         self.cancelled_jobs: set[int] = set()
         self.cancelled: list[np.ndarray] = []
+        self.paused = PausedJobs()  # their queued items held back (gpu/dispatch/paused.py)
         self._swept: dict[int, int] = {}  # segment -> end already swept for cancelled jobs
 
     # ---- what there is to do -----------------------------------------------------------------
@@ -131,7 +134,9 @@ class DispatchState(Reclaiming):
                 slots = self.table.by_id[batch_id].items["slot"]
                 if len(slots):
                     floor = min(floor, int(slots.min()))
-            rows.append(work.queued(floor))
+            row = work.queued(floor)
+            held = self.paused.held_in(row.segment_id)  # a paused job's items wait
+            rows.append(dataclasses.replace(row, waiting=row.waiting + held) if held else row)
         return rows
 
     def extend(self, segment_id: int, end: int) -> None:
@@ -163,8 +168,52 @@ class DispatchState(Reclaiming):
         Items out on lease finish (or not) with their worker. Returns the items taken.
         """
         self.cancelled_jobs.add(job_no)
+        self.paused.jobs.discard(job_no)
+        held = 0
+        for segment_id, slots in self.paused.release(job_no):  # out already; now cancelled
+            work = self._work.get(segment_id)
+            if work is not None:
+                seqs = work.segment.slots["seq"][slots]
+                self.cancelled.append(items_of(segment_id, slots, seqs))
+                held += len(slots)
         self._swept.clear()  # a new job to look for: every queue once more
-        return self.sweep_cancelled()
+        return held + self.sweep_cancelled()
+
+    def pause_job(self, job_no: int) -> int:
+        """Hold back every queued item of `job_no` (gpu/dispatch/paused.py) until
+        `resume_job`; items on lease finish. Returns the items held now."""
+        if job_no in self.paused.jobs or job_no in self.cancelled_jobs:
+            return 0
+        self.paused.jobs.add(job_no)
+        held = 0
+        for segment_id, work in self._work.items():
+            slots = work.unsent_from(work.cursor)
+            if not len(slots):
+                continue
+            seqs = work.segment.slots["seq"][slots]
+            mine = item_seq.job_of(seqs) == job_no
+            if mine.any():
+                work.mark_out(slots[mine])
+                self.paused.hold(segment_id, slots[mine], seqs[mine])
+                held += int(mine.sum())
+        return held
+
+    def resume_job(self, job_no: int) -> int:
+        """Give `job_no`'s held items back to the queue (each segment's cursor rewinds to
+        the first of them, as a reclaim does). Returns the items given back."""
+        self.paused.jobs.discard(job_no)
+        back = 0
+        for segment_id, slots in self.paused.release(job_no):
+            work = self._work.get(segment_id)
+            if work is None or work.out is None:
+                continue
+            work.out[slots] = False
+            first = int(slots.min())
+            work.cursor = min(work.cursor, first)
+            if self.deadline_order is not None:
+                self.deadline_order.rewind(segment_id, first)
+            back += len(slots)
+        return back
 
     def sweep_cancelled(self) -> int:
         """Take queued items of cancelled jobs written since the last sweep; returns how many."""
@@ -255,6 +304,12 @@ class DispatchState(Reclaiming):
             self.cancelled.append(items_of(segment.segment_id, slots[gone], seqs[gone]))
             work.mark_out(slots[gone])
             slots, seqs, ok, words = slots[~gone], seqs[~gone], ok[~gone], words[~gone]
+        if self.paused:  # a paused job's items wait (gpu/dispatch/paused.py)
+            held = self.paused.of(seqs) & ok
+            if held.any():
+                work.mark_out(slots[held])
+                self.paused.hold(segment.segment_id, slots[held], seqs[held])
+                slots, seqs, ok, words = slots[~held], seqs[~held], ok[~held], words[~held]
         if not ok.all():
             bad = slots[~ok]
             self.quarantined.append(quarantined(segment.segment_id, bad, words[~ok], seqs[~ok]))

@@ -22,6 +22,13 @@ item done or with a worker yet) is the broker's own, and OpenAI's
 `finalizing` (the output files being written) are the HTTP API's own steps
 around a job (api/batch_driver.py).
 
+Paused is not a state: a job a client paused (`run.py pause`, the HTTP API's
+`/pause`) keeps its state (`queued` or `in_progress`, and so OpenAI's
+`in_progress`), and JOB_INFO carries `"paused": true` beside it
+(collector/completion/control.py); `status` shows it, the HTTP API's batch
+says it in its metadata (`fabric_paused`). A paused job still ends as any job
+does: cancelled, or expired at its deadline.
+
 `job_state` is the one place a job's state is worked out from its facts; the front
 (its journal's `validating` -> `queued`), completion (JOB_INFO) and `status` (adding
 dispatch's items in flight) all call it:

@@ -7,6 +7,8 @@
 | `jobs/<job_id>/chunks.log`   | the front                    | RecordLog (pipeline/store/records.py) of chunk events (below) |
 | `jobs/<job_id>/cancel`       | completion, atomically       | `<job_no> <wall ns>\\n`: a client cancelled the job; `<job_no> <wall ns> expired\\n`: it was cancelled at its deadline (the HTTP API's `completion_window`), and ends `expired`; dispatch reads the job number at start |
 | `jobs/<job_id>/finished`     | completion, atomically       | `<wall ns>\\n`: every item has a result; retention counts from here |
+| `jobs/<job_id>/pause`        | completion, atomically       | `<job_no> <wall ns>\\n`: a client paused the job (removed on resume); dispatch reads the job number at start |
+| `jobs/<job_id>/priority`     | completion, atomically       | `<job_no> <priority>\\n`: a client changed the job's priority (over the record's `priority`); dispatch reads it with the record |
 
 A `<job_id>` matches JOB_ID, so it never names a path outside `jobs/`. A
 directory without `job.json` is a job being created (the record is written
@@ -48,6 +50,8 @@ COUNTER_FILE = "next-job-no"
 JOURNAL_FILE = "chunks.log"
 CANCEL_MARK = "cancel"
 FINISHED_MARK = "finished"
+PAUSE_MARK = "pause"
+PRIORITY_MARK = "priority"
 JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")  # \Z: "$" would allow a final newline
 
 
@@ -85,6 +89,12 @@ class JobFiles:
 
     def finished_path(self, job_id: str) -> Path:
         return self.directory(job_id) / FINISHED_MARK
+
+    def pause_path(self, job_id: str) -> Path:
+        return self.directory(job_id) / PAUSE_MARK
+
+    def priority_path(self, job_id: str) -> Path:
+        return self.directory(job_id) / PRIORITY_MARK
 
     def names(self) -> list[str]:
         """The ids of the job directories (sorted), with or without a record yet."""
@@ -141,6 +151,43 @@ class JobFiles:
         except (OSError, UnicodeDecodeError):
             return False
         return words[2:] == [JobState.EXPIRED]
+
+    def is_paused(self, job_id: str) -> bool:
+        return self.pause_path(job_id).exists()
+
+    def mark_paused(self, job_id: str, job_no: int, now_ns: int) -> None:
+        """Note durably that a client paused the job (OSError: not noted)."""
+        write_whole(self.pause_path(job_id), f"{job_no} {now_ns}\n".encode())
+
+    def clear_paused(self, job_id: str) -> None:
+        """Note durably that a client resumed the job (OSError: not noted)."""
+        path = self.pause_path(job_id)
+        path.unlink(missing_ok=True)
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def paused_running(self) -> list[tuple[Path, int | None]]:
+        """Every pause mark of a job not finished yet, with its job number (None: unreadable)."""
+        marks = []
+        for job_id in self.names():
+            path = self.pause_path(job_id)
+            if path.exists() and not self.is_finished(job_id):
+                marks.append((path, _first_int(path)))
+        return marks
+
+    def priority(self, job_id: str) -> int | None:
+        """The priority a client set on the running job, or None (the record's holds)."""
+        try:
+            return int(self.priority_path(job_id).read_text().split()[1])
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def mark_priority(self, job_id: str, job_no: int, priority: int) -> None:
+        """Note durably the job's new priority (OSError: not noted)."""
+        write_whole(self.priority_path(job_id), f"{job_no} {priority}\n".encode())
 
     def cancelled_running(self) -> list[tuple[Path, int | None]]:
         """Every cancel mark of a job not finished yet, with the job number it holds (None

@@ -65,6 +65,16 @@ def record_deadline(meta: dict[str, Any]) -> float | None:
     return float(deadline) if math.isfinite(deadline) and deadline > 0 else None
 
 
+PRIORITY_LIMIT = 1_000_000  # a job's priority is an integer from -this to this (higher first)
+
+
+def record_priority(meta: dict[str, Any]) -> int:
+    """The job's priority at submit from its verified record (higher first); 0 when it has
+    none (every older record)."""
+    priority = meta.get("priority")
+    return priority if isinstance(priority, int) and not isinstance(priority, bool) else 0
+
+
 def read_job_record(directory: Path) -> dict[str, Any]:
     """The verified record of the job in `directory`; JobRecordError naming what is wrong.
 
