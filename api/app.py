@@ -24,6 +24,7 @@ from starlette.requests import ClientDisconnect
 
 from api.batch_record import BatchRecord
 from api.batch_store import BatchStore, idempotent_batch_id, new_batch_id, to_openai
+from api.control_routes import add_control_routes, priority_of
 from api.errors import ApiError, invalid, not_found
 from api.file_store import PURPOSE_INPUT, FileStore
 from api.keys import KeyRing
@@ -85,6 +86,13 @@ def make_app(settings: ApiStageSettings, root: Path, endpoints: tuple[str, ...])
         return keys.owner(request.headers.get("authorization"))
 
     add_models_routes(app, settings, owner_of)  # GET /v1/models, /v1/models/{id}
+    add_control_routes(app, batches, owner_of)  # POST /v1/batches/{id}/pause, /resume
+
+    def shown(record: BatchRecord) -> dict[str, Any]:
+        """The Batch object, with a cancel or pause asked for and not taken up yet."""
+        return to_openai(
+            record, batches.cancel_requested(record.id), batches.pause_requested(record.id)
+        )
 
     # ---- files -----------------------------------------------------------------------------
     @app.post("/v1/files")
@@ -200,6 +208,7 @@ def make_app(settings: ApiStageSettings, root: Path, endpoints: tuple[str, ...])
                 f"metadata must be an object of at most {MAX_METADATA_KEYS} string values",
                 param="metadata",
             )
+        priority_of(metadata)  # a 400 now for a fabric_priority that is not an integer
         source = files.get(input_file_id, owner)
         if source is None or source.purpose != PURPOSE_INPUT:
             raise not_found("file", input_file_id, param="input_file_id")
@@ -225,7 +234,7 @@ def make_app(settings: ApiStageSettings, root: Path, endpoints: tuple[str, ...])
                 param="Idempotency-Key",
                 code="idempotency_key_reused",
             )
-        return to_openai(record, batches.cancel_requested(batch_id))
+        return shown(record)
 
     @app.get("/v1/batches")
     def list_batches(request: Request, limit: int = 20, after: str | None = None) -> dict:
@@ -234,7 +243,7 @@ def make_app(settings: ApiStageSettings, root: Path, endpoints: tuple[str, ...])
             raise invalid(f"limit {limit} must be between 1 and 100", param="limit")
         mine = [r for r in batches.all() if r.owner == owner]
         mine.sort(key=lambda r: (r.created_at, r.id), reverse=True)
-        objects = [to_openai(r, batches.cancel_requested(r.id)) for r in mine]
+        objects = [shown(r) for r in mine]
         return _page(objects, after, limit)
 
     @app.get("/v1/batches/{batch_id}")
@@ -242,7 +251,7 @@ def make_app(settings: ApiStageSettings, root: Path, endpoints: tuple[str, ...])
         record = batches.get(batch_id, owner_of(request))
         if record is None:
             raise not_found("batch", batch_id)
-        return to_openai(record, batches.cancel_requested(batch_id))
+        return shown(record)
 
     @app.post("/v1/batches/{batch_id}/cancel")
     def cancel_batch(request: Request, batch_id: str) -> dict:
@@ -256,7 +265,7 @@ def make_app(settings: ApiStageSettings, root: Path, endpoints: tuple[str, ...])
                 code="batch_not_cancellable",
             )
         batches.request_cancel(batch_id)
-        return to_openai(record, batches.cancel_requested(batch_id))
+        return shown(record)
 
     return app
 

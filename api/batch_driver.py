@@ -45,6 +45,7 @@ from api.batch_files import BatchFiles
 from api.batch_record import BatchRecord, Ending
 from api.batch_store import ACCEPT_PARTIAL_KEY, ERRORS, OUTPUT, BatchStore
 from api.batch_validation import Checked, check_and_send, error
+from api.control_routes import priority_of
 from api.file_store import FileStore, output_file_id
 from collector.delivery.decoders import Decoder
 from collector.results_client import ResultsClient
@@ -165,6 +166,7 @@ class BatchDriver:
                 accept_partial=record.accepts_partial(ACCEPT_PARTIAL_KEY),
                 deadline=record.expires_at,
                 stop=stop,
+                job_priority=priority_of(record.metadata),
             )
             self._validating[batch_id] = (future, stop, path)
             log.info("batch %s: validating, its lines sent as job %s", batch_id, batch_id)
@@ -268,7 +270,11 @@ class BatchDriver:
             path = record.submit_path
             assert path is not None  # set when the input validated, before in_progress
             self._submitting[batch_id] = self._submitter.submit(
-                self.producer.submit_file, path, batch_id, deadline=record.expires_at
+                self.producer.submit_file,
+                path,
+                batch_id,
+                deadline=record.expires_at,
+                job_priority=priority_of(record.metadata),
             )
             log.info("batch %s: submitting %s as job %s", batch_id, path, batch_id)
 
@@ -307,6 +313,15 @@ class BatchDriver:
             if "already" not in str(exc):  # a job that ended meanwhile: nothing to cancel
                 raise
 
+    def _control(self, batch_id: str, paused: bool) -> None:
+        """Pause or resume the batch's job (api/control_routes.py took the request)."""
+        try:
+            self.results.control(batch_id, paused=paused)
+            log.info("batch %s: job %s", batch_id, "paused" if paused else "resumed")
+        except FabricError as exc:
+            if "already" not in str(exc):  # a job that ended meanwhile: nothing to pause
+                raise
+
     def _follow(self, record: BatchRecord, now: float) -> None:
         """Fetch new results; once the job ended and everything is here, finish the batch."""
         batch_id = record.id
@@ -318,6 +333,9 @@ class BatchDriver:
                 raise
             return  # no chunk of the job committed yet
         finished = is_terminal(info["state"]) and not info["undelivered"]
+        paused = self.batches.pause_requested(batch_id)
+        if bool(info.get("paused")) != paused and not is_terminal(info["state"]):
+            self._control(batch_id, paused)  # a pause or resume asked for over HTTP
         due = _due(now, self._fetched.get(batch_id), FETCH_EVERY_S)
         if info["undelivered"] and (due or is_terminal(info["state"])):
             self._fetch(batch_id, now)

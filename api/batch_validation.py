@@ -90,9 +90,11 @@ def check_and_send(
     accept_partial: bool,
     deadline: float | None,
     stop: threading.Event,
+    job_priority: int = 0,
 ) -> Checked:
     """Check every line of `path` and send the lines as job `batch_id` while none is bad (with
-    `accept_partial`, while no line is for another url); see the module docstring. `stop`
+    `accept_partial`, while no line is for another url; `job_priority`: the job's, from the
+    metadata); see the module docstring. `stop`
     set (the batch was cancelled or expired meanwhile) ends the sending too."""
     status = producer.job_status(batch_id)
     chunk_items = int(producer.catalog()["chunk_items"])
@@ -115,7 +117,12 @@ def check_and_send(
 
     try:
         producer.submit_file(
-            str(path), batch_id, chunk_lines=lines, parsed=(lines, good_chunks()), deadline=deadline
+            str(path),
+            batch_id,
+            chunk_lines=lines,
+            parsed=(lines, good_chunks()),
+            deadline=deadline,
+            job_priority=job_priority,
         )
         checked.sent_all = True
     except Held:
