@@ -24,6 +24,10 @@ def queued(b: Broker) -> int:
     return sum(q["queued"] for q in b.broker_status()["queues"])
 
 
+def paused_metrics(b: Broker) -> tuple[float, float]:
+    return b.metric("fabric_paused_jobs"), b.metric("fabric_paused_items")
+
+
 def held_while_another_runs(b: Broker, tmp_path, job: str, other: str) -> None:
     """`job` is paused: `other` runs to the end while every item of `job` stays queued."""
     info = job_info(b, job)
@@ -34,6 +38,7 @@ def held_while_another_runs(b: Broker, tmp_path, job: str, other: str) -> None:
     assert (info["completed"], info["failed"], info["pending"]) == (0, 0, 300), info
     assert info["paused"] is True
     wait_for(lambda: queued(b) == 300, "the paused job's items to be counted queued")
+    wait_for(lambda: paused_metrics(b) == (1, 300), "the metrics to count the paused items")
 
 
 def test_a_paused_job_waits_while_another_runs_and_completes_once_resumed(

@@ -107,3 +107,17 @@ def test_cancelling_a_paused_job_retires_its_held_items(data_dir):
     assert state.cancel_job(a) == 20
     assert len(state.take_outcomes().cancelled) == 20
     assert sum(q.waiting for q in state.queue_depth()) == 0
+
+
+def test_a_paused_high_priority_job_takes_no_turn_from_the_rest(data_dir):
+    """A paused job of priority 5 sits between two jobs of priority 0 in one segment: the
+    pick does not aim at its held slots (it would take the job behind it out of turn)."""
+    low = make_job(data_dir.root, "low", None)
+    high = make_job(data_dir.root, "high", None, priority=5)
+    other = make_job(data_dir.root, "other", None)
+    segment = write_segment(data_dir, 1, [(low, 30), (high, 30), (other, 30)])
+    state = dispatch_state(data_dir, segment)
+    assert state.pause_job(high) == 30
+    assert handed_jobs(state, 4) == [low, low, low, other]
+    assert state.resume_job(high) == 30
+    assert handed_jobs(state, 3) == [high, high, high]

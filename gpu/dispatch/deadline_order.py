@@ -116,16 +116,20 @@ class JobSpans:
         np.fmin.at(deadline, inverse, np.concatenate([self.deadline, np.full(len(jobs), np.nan)]))
         self.first, self.last, self.deadline = merged_first, merged_last, deadline
 
-    def earliest(self, cursor: int, priorities: np.ndarray) -> tuple[tuple, int] | None:
+    def earliest(
+        self, cursor: int, priorities: np.ndarray, paused: np.ndarray
+    ) -> tuple[tuple, int] | None:
         """((-priority, deadline), slot to start from) of the first waiting job: the highest
         priority (`priorities`, per job of `jobs`), then the earliest deadline; None when no
-        job with a deadline or a priority waits here."""
+        job with a deadline or a priority waits here. Jobs in `paused` do not wait."""
         ranked = priorities.any()
         if not self._timed and not ranked:
             return None
         begin = np.maximum(self.first, cursor)
         known = np.isfinite(self.deadline) | (ranked & ~np.isnan(self.deadline))
         waiting = (self.last >= begin) & known
+        if len(paused):
+            waiting &= ~np.isin(self.jobs, paused)
         if not waiting.any():
             return None
         rows = np.flatnonzero(waiting)
@@ -155,6 +159,7 @@ class DeadlineOrder:
         self._spans: dict[int, JobSpans] = {}  # segment id -> its jobs past the cursor
         self._run: dict[str, int] = {}  # model -> batches in a row taken ahead of today's order
         self.batches = 0  # batches handed out ahead of today's order (metrics)
+        self.paused: set[int] = set()  # jobs whose items are held back (DispatchState's)
 
     def pick(
         self, model: str, order: Sequence[SegmentQueue], now: float
@@ -198,12 +203,14 @@ class DeadlineOrder:
         """(queue, start slot) for the earliest-deadline waiting job among `candidates`
         (in today's order, which breaks ties); None when none has a deadline."""
         best = None
+        paused = np.fromiter(self.paused, np.int64, len(self.paused))
         for work in candidates:
             spans = self._spans.get(work.segment.segment_id)
             if spans is None:
                 spans = self._spans[work.segment.segment_id] = JobSpans()
             spans.learn(work.segment, work.cursor, work.end, self.deadlines, now)
-            found = spans.earliest(work.cursor, self.deadlines.priorities(spans.jobs))
+            priorities = self.deadlines.priorities(spans.jobs)
+            found = spans.earliest(work.cursor, priorities, paused)
             if found is not None and (best is None or found[0] < best[0]):
                 best = (found[0], work, found[1])
         return None if best is None else (best[1], best[2])

@@ -58,6 +58,11 @@ class PausedJobs:
         """Slots held back in the segment (they wait: the queue depth counts them)."""
         return self._per_segment.get(segment_id, 0)
 
+    @property
+    def held(self) -> int:
+        """Slots held back, across segments (the metric fabric_paused_items)."""
+        return sum(self._per_segment.values())
+
     def release(self, job_no: int) -> list[tuple[int, np.ndarray]]:
         """The job's held slots, per segment, no longer held."""
         released = self._held.pop(job_no, [])

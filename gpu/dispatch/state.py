@@ -68,6 +68,8 @@ class DispatchState(Reclaiming):
         self.cancelled_jobs: set[int] = set()
         self.cancelled: list[np.ndarray] = []
         self.paused = PausedJobs()  # their queued items held back (gpu/dispatch/paused.py)
+        if self.deadline_order is not None:  # a paused job is never the pick
+            self.deadline_order.paused = self.paused.jobs
         self._swept: dict[int, int] = {}  # segment -> end already swept for cancelled jobs
 
     # ---- what there is to do -----------------------------------------------------------------

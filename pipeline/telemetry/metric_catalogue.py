@@ -95,7 +95,22 @@ METRICS: dict[str, Metric] = _catalogue(
         "fabric_deadline_batches_total",
         COUNTER,
         (),
-        "Batches handed out ahead of dispatch's usual order for an earlier job deadline",
+        "Batches handed out ahead of dispatch's usual order for a higher job priority or an "
+        "earlier job deadline",
+        "dispatch",
+    ),
+    Metric(
+        "fabric_paused_jobs",
+        GAUGE,
+        (),
+        "Jobs a client paused (run.py pause, POST /v1/batches/{id}/pause) that have not ended",
+        "dispatch",
+    ),
+    Metric(
+        "fabric_paused_items",
+        GAUGE,
+        (),
+        "Queued items of paused jobs held back from workers (counted in fabric_queued_items)",
         "dispatch",
     ),
     Metric(
