@@ -12,6 +12,7 @@ import logging
 import time
 
 import numpy as np
+from dispatch_stepped import MT, SteppedDispatch
 from test_deadline_dispatch import dispatch_state, handed_jobs, make_job, write_segment
 
 from gpu.dispatch.deadline_order import DEADLINE_RUN
@@ -19,6 +20,7 @@ from gpu.dispatch.deadlines import JobDeadlines
 from pipeline.core import item_seq
 from pipeline.store.job_files import JobFiles
 from pipeline.store.job_record import read_job_record
+from pipeline.transport import wire
 
 log = logging.getLogger("test")
 
@@ -121,3 +123,40 @@ def test_a_paused_high_priority_job_takes_no_turn_from_the_rest(data_dir):
     assert handed_jobs(state, 4) == [low, low, low, other]
     assert state.resume_job(high) == 30
     assert handed_jobs(state, 3) == [high, high, high]
+
+
+def test_the_stage_reads_pause_marks_at_start_and_job_control_while_running(tmp_path):
+    """The real stage, stepped with a fake clock. Job A, alone in the older segment, is
+    paused (its mark is there when the stage opens, as after a restart): the first request
+    holds all of A's 100 items and is given B's. Then JOB_CONTROL (what completion sends for
+    `resume` and `priority`) resumes A and sets C, behind B, to priority 4: C goes first,
+    A (today's order: the oldest) keeps one batch in DEADLINE_RUN + 1."""
+    d = SteppedDispatch(tmp_path)
+    try:
+        a = make_job(d.data_dir.root, "job-a", None)
+        b = make_job(d.data_dir.root, "job-b", None)
+        c = make_job(d.data_dir.root, "job-c", None)
+        write_segment(d.data_dir, 1, [(a, 100)]).close()
+        write_segment(d.data_dir, 2, [(b, 30), (c, 100)]).close()
+        JobFiles(d.data_dir.root).mark_paused("job-a", a, time.time_ns())
+        d.open()
+        worker = d.worker(max_items=10)
+
+        def next_jobs(n: int) -> list[int]:
+            jobs = []
+            for _ in range(n):
+                work = d.work(worker)
+                jobs.append(int(item_seq.job_of(work.arrays["items"]["seq"][:1])[0]))
+                worker.answer(work)
+            return jobs
+
+        assert next_jobs(3) == [b] * 3  # A's all held by the first request
+        assert d.stage.stats(d.now)["fabric_paused_items"] == 100
+        for job_no, priority in ((a, 0), (c, 4)):
+            control = {"job_no": job_no, "paused": False, "priority": priority}
+            wire.send(d.completion.to_dispatch, MT.JOB_CONTROL, control)
+        d.step()
+        assert next_jobs(8) == ([c] * DEADLINE_RUN + [a]) * 2
+        assert d.stage.stats(d.now)["fabric_paused_jobs"] == 0
+    finally:
+        d.close()

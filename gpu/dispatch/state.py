@@ -37,7 +37,7 @@ import numpy as np
 from gpu.dispatch.batch import Batch, Outcome, adopted, items_of, quarantined, read_rows
 from gpu.dispatch.deadline_order import DeadlineOrder, Deadlines
 from gpu.dispatch.leases import Leases
-from gpu.dispatch.paused import PausedJobs
+from gpu.dispatch.paused import PausedJobs, free_slots
 from gpu.dispatch.reclaim import Reclaiming
 from gpu.dispatch.segment_queue import Queued, SegmentQueue
 from gpu.work_protocol import ITEM_DTYPE
@@ -280,7 +280,8 @@ class DispatchState(Reclaiming):
         segment = work.segment
         ahead = start is not None and start > work.cursor
         # Phase 1: read, check, decide; nothing changes yet.
-        slots, scanned_to = work.candidates(budget, start if ahead else None)
+        # (a paused job's slots met here are held: gpu/dispatch/paused.py)
+        slots, scanned_to = free_slots(self.paused, work, budget, start if ahead else None)
         if len(slots) == 0:
             self._passed(work, start if ahead else None, scanned_to)
             return None
@@ -306,12 +307,6 @@ class DispatchState(Reclaiming):
             self.cancelled.append(items_of(segment.segment_id, slots[gone], seqs[gone]))
             work.mark_out(slots[gone])
             slots, seqs, ok, words = slots[~gone], seqs[~gone], ok[~gone], words[~gone]
-        if self.paused:  # a paused job's items wait (gpu/dispatch/paused.py)
-            held = self.paused.of(seqs) & ok
-            if held.any():
-                work.mark_out(slots[held])
-                self.paused.hold(segment.segment_id, slots[held], seqs[held])
-                slots, seqs, ok, words = slots[~held], seqs[~held], ok[~held], words[~held]
         if not ok.all():
             bad = slots[~ok]
             self.quarantined.append(quarantined(segment.segment_id, bad, words[~ok], seqs[~ok]))
