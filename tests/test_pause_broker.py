@@ -5,7 +5,7 @@ workers and a kill -9 (issue 35 item 3). The fixtures and helpers are the back h
 from __future__ import annotations
 
 import test_dispatch_pipeline as back_half
-from broker import Broker
+from broker import Broker, submit, write_jsonl
 from conftest import wait_for
 from test_dispatch_pipeline import (
     cli,
@@ -49,6 +49,8 @@ def test_a_paused_job_waits_while_another_runs_and_completes_once_resumed(
     result = cli(b, "pause", "p")
     assert result.returncode == 0, result.stderr
     assert "paused" in result.stderr
+    status = cli(b, "status", "p")
+    assert status.stdout.startswith("job p: queued (paused"), status.stdout
     workers(b)  # a `run.py worker` process: it would take p's items if they were offered
     held_while_another_runs(b, tmp_path, "p", "q")
     assert cli(b, "pause", "q").returncode == exitcodes.FAILED  # q has completed
@@ -59,11 +61,15 @@ def test_a_paused_job_waits_while_another_runs_and_completes_once_resumed(
 
 
 def test_a_pause_outlives_kill_9_of_the_broker(tmp_path, broker):
-    """Paused (and its priority changed), then the broker killed with SIGKILL and started
+    """Submitted with --priority 4, paused and its priority changed to 3, then the broker killed with SIGKILL and started
     again with a local worker: dispatch reads the pause mark before it hands anything out,
     so the job still waits; its priority is still the one set."""
     b = broker(workers=0)
-    submit_job(b, tmp_path, 300, "p")
+    write_jsonl(tmp_path / "p.jsonl", 300)
+    assert (
+        submit(b.config, tmp_path / "p.jsonl", "--job-id", "p", "--priority", "4").returncode == 0
+    )
+    assert job_info(b, "p")["priority"] == 4  # from the job's record
     assert cli(b, "pause", "p").returncode == 0
     assert cli(b, "priority", "p", "3").returncode == 0
     b.kill()
