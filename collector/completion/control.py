@@ -44,8 +44,10 @@ def refusal(view: JobView, state: str, meta: dict) -> str | None:
             f"priority {priority!r} for job {view.job_id} is not an integer from "
             f"-{PRIORITY_LIMIT} to {PRIORITY_LIMIT}"
         )
-    if state in ENDED or view.cancelled:
+    if state in ENDED:
         return f"job {view.job_id} is already {state}: there is nothing left to control"
+    if view.cancelled:
+        return f"job {view.job_id} is already cancelled: its queued items are being retired"
     return None
 
 
@@ -66,7 +68,7 @@ def control_job(view: JobView, meta: dict, dispatch: zmq.Socket, log: logging.Lo
             log.info("job %s: priority %d", job_id, priority)
     except OSError as exc:
         raise disk_error(exc, files.directory(job_id), "recording a pause or priority") from exc
-    news = {"job_no": view.job_no, "paused": files.is_paused(job_id)}
+    news = {"job_no": view.job_no, "job": job_id, "paused": files.is_paused(job_id)}
     try:  # again on every request: dispatch may have restarted (it also reads the marks)
         wire.send(
             dispatch, wire.MessageType.JOB_CONTROL, {**news, "priority": view.current_priority}

@@ -71,8 +71,11 @@ class JobDeadlines:
                 answer[i] = self._priorities[int(job_nos[i])]
         return answer
 
-    def set_priority(self, job_no: int, priority: int) -> None:
-        """A client changed the job's priority (JOB_CONTROL; its mark is written already)."""
+    def set_priority(self, job_no: int, priority: int, job_id: str | None = None) -> None:
+        """A client changed the job's priority (JOB_CONTROL; its mark is written already);
+        `job_id`: to look for its `finished` mark, which drops it."""
+        if job_id is not None:
+            self._ids.setdefault(job_no, job_id)
         if priority:
             self._priorities[job_no] = priority
         else:

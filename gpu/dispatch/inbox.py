@@ -48,7 +48,7 @@ def read_inbox(stage, now: float, max_messages: int) -> None:
             stage.log.info("job %d cancelled: %d queued item(s) taken", meta["job_no"], taken)
         elif message.type == MT.JOB_CONTROL:
             job_no = int(meta["job_no"])
-            stage.deadlines.set_priority(job_no, int(meta["priority"]))
+            stage.deadlines.set_priority(job_no, int(meta["priority"]), meta.get("job"))
             if meta["paused"]:
                 held = stage.state.pause_job(job_no)
                 stage.log.info("job %d paused: %d queued item(s) held", job_no, held)

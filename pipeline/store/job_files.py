@@ -41,7 +41,7 @@ import numpy as np
 
 from pipeline.core.errors import IngestError
 from pipeline.core.job_states import JobState
-from pipeline.store.durable import write_whole
+from pipeline.store.durable import fsync_dir, write_whole
 from pipeline.store.job_record import RECORD_NAME, encode_job_record, read_job_record
 from pipeline.store.records import iter_records
 
@@ -163,11 +163,7 @@ class JobFiles:
         """Note durably that a client resumed the job (OSError: not noted)."""
         path = self.pause_path(job_id)
         path.unlink(missing_ok=True)
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_dir(path.parent)
 
     def paused_running(self) -> list[tuple[Path, int | None]]:
         """Every pause mark of a job not finished yet, with its job number (None: unreadable)."""
