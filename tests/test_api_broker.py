@@ -597,7 +597,7 @@ def test_pause_and_resume_extensions_hold_a_batch_while_another_runs(slow, tmp_p
     metadata's fabric_priority is the job's priority; a bad one is refused at create."""
     broker, client = slow
     path = tmp_path / "in.jsonl"
-    write_jsonl(path, 300, seed=5)
+    write_jsonl(path, 200, seed=5)
     file = upload(client, path)
     with pytest.raises(openai.BadRequestError, match="fabric_priority"):
         client.batches.create(
@@ -643,9 +643,34 @@ def test_pause_and_resume_extensions_hold_a_batch_while_another_runs(slow, tmp_p
     ended = finish(client, batch.id)
     assert ended.status == "completed"
     out, err = lines_of(client, ended.output_file_id), lines_of(client, ended.error_file_id)
-    assert_each_once(out, err, {f"r{i}" for i in range(300)})
+    assert_each_once(out, err, {f"r{i}" for i in range(200)})
     with pytest.raises(openai.ConflictError, match="Cannot pause"):
         client.post(f"/batches/{batch.id}/pause", cast_to=Batch)
+
+
+def test_a_paused_batch_still_expires_at_its_expires_at(slow, tmp_path):
+    """The deadline keeps running while a batch is paused: paused once it runs, it ends
+    `expired` at the expires_at it was created with, its waiting lines `batch_expired`."""
+    _, client = slow
+    path = tmp_path / "in.jsonl"
+    write_jsonl(path, 300, seed=7)
+    batch = client.batches.create(
+        input_file_id=upload(client, path).id, endpoint="/v1/embeddings", completion_window="6s"
+    )
+
+    def running():
+        b = client.batches.retrieve(batch.id)
+        return b if b.status == "in_progress" else None
+
+    wait_for(running, "the batch to run", timeout_s=30, interval_s=0.2)
+    paused = client.post(f"/batches/{batch.id}/pause", cast_to=Batch)
+    assert paused.expires_at == batch.expires_at and paused.metadata["fabric_paused"] == "true"
+    ended = finish(client, batch.id)
+    assert ended.status == "expired" and ended.expired_at >= batch.expires_at
+    assert "fabric_paused" not in (ended.metadata or {})
+    out, err = lines_of(client, ended.output_file_id), lines_of(client, ended.error_file_id)
+    assert_each_once(out, err, {f"r{i}" for i in range(300)})
+    assert err and {e["error"]["code"] for e in err} == {"batch_expired"}
 
 
 def job_state_at_each_door(broker: Broker, job_id: str, tmp_path: Path) -> dict[str, str]:
