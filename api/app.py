@@ -30,6 +30,8 @@ from api.keys import KeyRing
 from api.models_route import add_models_routes
 from api.route_stats import CountRequests, RouteStats
 from api.upload import UploadParser, receive_upload
+from api.webhook_outbox import Outbox
+from api.webhooks import Webhooks, event_id
 from config.stage_settings import ApiStageSettings
 
 READ_BLOCK = 1 << 20
@@ -59,6 +61,7 @@ def make_app(settings: ApiStageSettings, root: Path, endpoints: tuple[str, ...])
     files = FileStore(root)
     batches = BatchStore(root)
     keys = KeyRing(settings.api.keys_file)
+    webhooks, outbox = Webhooks(settings.api), Outbox(root)
     app = FastAPI(title="Inference Fabric: OpenAI Batch API", docs_url=None, redoc_url=None)
     app.state.route_stats = RouteStats()
     app.add_middleware(CountRequests, stats=app.state.route_stats)
@@ -175,6 +178,14 @@ def make_app(settings: ApiStageSettings, root: Path, endpoints: tuple[str, ...])
         )
 
     # ---- batches ---------------------------------------------------------------------------
+    def batch_object(record: BatchRecord) -> dict[str, Any]:
+        """OpenAI's Batch, with (an extension) `fabric_webhook`: its end event's delivery."""
+        out = to_openai(record, batches.cancel_requested(record.id))
+        delivery = outbox.find(event_id(record.id)) if record.ended else None
+        if delivery is not None:
+            out["fabric_webhook"] = delivery.summary()
+        return out
+
     @app.post("/v1/batches")
     def create_batch(request: Request, body: dict[str, Any]) -> dict:
         owner = owner_of(request)
@@ -200,6 +211,9 @@ def make_app(settings: ApiStageSettings, root: Path, endpoints: tuple[str, ...])
                 f"metadata must be an object of at most {MAX_METADATA_KEYS} string values",
                 param="metadata",
             )
+        problem = webhooks.batch_url_problem(owner, metadata)
+        if problem:
+            raise invalid(problem, param="metadata")
         source = files.get(input_file_id, owner)
         if source is None or source.purpose != PURPOSE_INPUT:
             raise not_found("file", input_file_id, param="input_file_id")
@@ -225,7 +239,7 @@ def make_app(settings: ApiStageSettings, root: Path, endpoints: tuple[str, ...])
                 param="Idempotency-Key",
                 code="idempotency_key_reused",
             )
-        return to_openai(record, batches.cancel_requested(batch_id))
+        return batch_object(record)
 
     @app.get("/v1/batches")
     def list_batches(request: Request, limit: int = 20, after: str | None = None) -> dict:
@@ -234,7 +248,7 @@ def make_app(settings: ApiStageSettings, root: Path, endpoints: tuple[str, ...])
             raise invalid(f"limit {limit} must be between 1 and 100", param="limit")
         mine = [r for r in batches.all() if r.owner == owner]
         mine.sort(key=lambda r: (r.created_at, r.id), reverse=True)
-        objects = [to_openai(r, batches.cancel_requested(r.id)) for r in mine]
+        objects = [batch_object(r) for r in mine]
         return _page(objects, after, limit)
 
     @app.get("/v1/batches/{batch_id}")
@@ -242,7 +256,7 @@ def make_app(settings: ApiStageSettings, root: Path, endpoints: tuple[str, ...])
         record = batches.get(batch_id, owner_of(request))
         if record is None:
             raise not_found("batch", batch_id)
-        return to_openai(record, batches.cancel_requested(batch_id))
+        return batch_object(record)
 
     @app.post("/v1/batches/{batch_id}/cancel")
     def cancel_batch(request: Request, batch_id: str) -> dict:
@@ -256,7 +270,7 @@ def make_app(settings: ApiStageSettings, root: Path, endpoints: tuple[str, ...])
                 code="batch_not_cancellable",
             )
         batches.request_cancel(batch_id)
-        return to_openai(record, batches.cancel_requested(batch_id))
+        return batch_object(record)
 
     return app
 

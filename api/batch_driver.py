@@ -41,6 +41,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from api.batch_events import BatchEvents
 from api.batch_files import BatchFiles
 from api.batch_record import BatchRecord, Ending
 from api.batch_store import ACCEPT_PARTIAL_KEY, ERRORS, OUTPUT, BatchStore
@@ -73,16 +74,19 @@ class BatchDriver:
         producers: tuple[Producer, Producer],
         results: ResultsClient,
         decoders: dict[str, Decoder] | None = None,
+        events: BatchEvents | None = None,
     ) -> None:
         """`producers`: one for the broker's catalog on this thread, one for submissions on
         the submit thread (a ZeroMQ socket is used by one thread only); `decoders`: the
-        models' (collector/delivery/decoders.py), for the text of generated results."""
+        models' (collector/delivery/decoders.py), for the text of generated results; `events`:
+        the webhooks' outbox, told of each batch's end (api/batch_events.py)."""
         self.files = files
         self.batches = batches
         self.out = BatchFiles(files, batches)
         self.catalog, self.producer = producers
         self.results = results
         self.decoders = decoders or {}
+        self.events = events
         self._fetched: dict[str, float] = {}  # batch id -> last fetch (`now`)
         self._done: set[str] = set()  # batches seen ended: not read again
         self._ended: dict[BatchStatus, int] = {}  # of those, how many in each end status
@@ -106,6 +110,8 @@ class BatchDriver:
         for record in self.batches.all(skip=self._done):
             if record.ended:
                 self._done.add(record.id)
+                if self.events is not None:  # a kill may have come before its event's record
+                    self.events.ended(record, now)
                 self._ended[record.status] = self._ended.get(record.status, 0) + 1
                 continue
             try:
@@ -361,6 +367,8 @@ class BatchDriver:
     def _end(self, record: BatchRecord, status: BatchStatus, now: float) -> None:
         record.move_to(status, int(now))
         self.batches.put(record)
+        if self.events is not None:
+            self.events.ended(record, now)
         log.info("batch %s: %s", record.id, status)
 
 

@@ -357,4 +357,18 @@ METRICS: dict[str, Metric] = _catalogue(
         "Batches of the HTTP API by status (OpenAI's states)",
         "api",
     ),
+    Metric(
+        "fabric_webhooks_events",
+        GAUGE,
+        ("state",),
+        "Webhook events of batch ends: pending, delivered, failed (given up)",
+        "api",
+    ),
+    Metric(
+        "fabric_webhooks_attempts_total",
+        COUNTER,
+        ("outcome",),
+        "POSTs of webhook events: ok (a 2xx) or error (anything else, or no answer)",
+        "api",
+    ),
 )
