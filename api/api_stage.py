@@ -29,10 +29,10 @@ from api.batch_store import BatchStore
 from api.file_store import FileStore
 from api.http_limits import HttpLimits, guarded
 from api.retention import OutputRetention
-from api.webhook_outbox import Outbox, WebhookSender
-from api.webhooks import Webhooks
 from collector.delivery.decoders import model_decoders
 from collector.results_client import ResultsClient
+from collector.webhook_outbox import Outbox, WebhookSender
+from collector.webhooks import Webhooks
 from config.stage_settings import ApiStageSettings
 from ingest.submit_client import Producer
 from pipeline.core.errors import ConfigError
@@ -107,7 +107,7 @@ class ApiStage(Stage[ApiStageSettings]):
         self.driver = None
         self.sender: WebhookSender | None = None
         if self.index == 0:
-            webhooks = Webhooks(settings.api)  # api/webhooks.py: secrets read once, here
+            webhooks = Webhooks(settings.api)  # collector/webhooks.py: secrets read once, here
             outbox = Outbox(root)
             self.sender = WebhookSender(outbox, webhooks)
             self.stop_sending = threading.Event()

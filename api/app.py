@@ -30,8 +30,8 @@ from api.keys import KeyRing
 from api.models_route import add_models_routes
 from api.route_stats import CountRequests, RouteStats
 from api.upload import UploadParser, receive_upload
-from api.webhook_outbox import Outbox
-from api.webhooks import Webhooks, event_id
+from collector.webhook_outbox import Outbox
+from collector.webhooks import Webhooks, event_id
 from config.stage_settings import ApiStageSettings
 
 READ_BLOCK = 1 << 20

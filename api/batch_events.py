@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from api.batch_record import BatchRecord
-from api.webhook_outbox import Outbox
-from api.webhooks import Webhooks, event_id
+from collector.webhook_outbox import Outbox
+from collector.webhooks import Webhooks, event_id
 
 
 def batch_event(record: BatchRecord) -> dict[str, Any]:

@@ -49,6 +49,7 @@ class JobView:
         self.job_no: int = int(meta["job_no"])
         self.created_ns: int = int(meta["created_ns"])
         self.deliver: str = meta.get("deliver", DELIVER_FILE)  # ingest.jobs.parse_deliver
+        self.notify: str = str(meta.get("notify", ""))  # `submit --notify URL`, or ""
         self.journal = files.journal_path(job_id)
         self.offset = 0
         self.progress = ChunkProgress(keep_errors=False)

@@ -184,7 +184,7 @@ class ApiSettings:
 
 @dataclass(frozen=True, slots=True)
 class WebhookSettings:
-    """One [[api.webhooks]] table: where one owner's batch events go (api/webhooks.py)."""
+    """One [[api.webhooks]] table: where one owner's batch events go (collector/webhooks.py)."""
 
     owner: str
     url: str

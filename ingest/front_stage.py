@@ -211,7 +211,8 @@ class FrontStage(Stage[FrontStageSettings]):
                 raise IngestError(f"chunk_lines {chunk_lines} must be a positive number of lines")
             source = str(meta.get("source", ""))[:4096]  # the input file's path, for vectors search
             deadline = parse_deadline_field(meta.get("deadline"))  # the first chunk's counts
-            job = self.registry.create(job_id, chunk_lines, deliver, source, deadline)
+            notify = str(meta.get("notify", ""))[:4096]  # where its end is POSTed, if anywhere
+            job = self.registry.create(job_id, chunk_lines, deliver, source, deadline, notify)
         self.jobs_by_no[job.job_no] = job
         job.check_takes(deliver, chunk_lines)
         state = job.chunks.get(number)

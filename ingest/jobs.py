@@ -242,13 +242,15 @@ class JobRegistry:
         deliver: str = DELIVER_FILE,
         source: str = "",
         deadline: float | None = None,
+        notify: str = "",
     ) -> Job:
         """Create a job durably (directory, job.json, empty journal); its chunks have
         `chunk_lines` lines and its results go where `deliver` says (`parse_deliver`).
         `source`: the absolute path of the input file on the producer's host, if it sent one
         (`vectors search` reads the text of a hit's line back from it when it can).
         `deadline`: when the job should be done (wall seconds), if it has one; dispatch
-        reads it from the record and serves earlier deadlines first (docs/dispatch.md)."""
+        reads it from the record and serves earlier deadlines first (docs/dispatch.md).
+        `notify`: the URL completion POSTs the job's end to (`submit --notify`), if any."""
         directory = self.files.directory(job_id)  # IngestError: not an allowed id
         job_no = self._counter.next()  # DiskFullError when the disk is full
         created_ns = time.time_ns()
@@ -263,6 +265,8 @@ class JobRegistry:
             meta["source"] = source
         if deadline is not None:
             meta["deadline"] = parse_deadline_field(deadline)
+        if notify:
+            meta["notify"] = notify
         try:
             self.files.write_record(job_id, meta)
         except OSError as exc:  # a full disk: nothing of the job exists; the producer retries

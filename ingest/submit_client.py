@@ -179,6 +179,7 @@ class Producer(BrokerClient):
         progress: Progress | None = None,
         deliver: str = DELIVER_FILE,
         deadline: float | None = None,
+        notify: str = "",
     ) -> SubmitReport:
         """Send every line of an OpenAI Batch JSONL file; return when all of it is durable.
         `parsed`: (chunk_lines, the chunks of `iter_batch_input(source, ..., chunk_lines)`) from
@@ -188,7 +189,8 @@ class Producer(BrokerClient):
         With `strict`, the whole file is checked first and nothing is sent if a
         line is bad (InputLineError names it). `deadline` (wall seconds since the epoch;
         `parse_deadline`) is recorded with a new job: dispatch serves earlier deadlines
-        first. A resumed job keeps the deadline it was created with.
+        first. A resumed job keeps the deadline it was created with. `notify`: a URL the
+        broker POSTs the job's end to (collector/completion/job_webhooks.py), likewise kept.
         """
         job_id = job_id or new_job_id()
         status = self.job_status(job_id)
@@ -208,7 +210,7 @@ class Producer(BrokerClient):
         source = str(Path(source).resolve())  # recorded with the job (`vectors search` text)
         with _resume_hint(job_id):
             return self._send_chunks(
-                job_id, lines, chunks, status, progress, deliver, source, deadline
+                job_id, lines, chunks, status, progress, deliver, source, deadline, notify
             )
 
     def submit_tokens(
@@ -262,6 +264,7 @@ class Producer(BrokerClient):
         deliver: str = DELIVER_FILE,
         source: str = "",
         deadline: float | None = None,
+        notify: str = "",
     ) -> SubmitReport:
         report = SubmitReport(job_id)
         self._backing_off.clear()
@@ -296,6 +299,8 @@ class Producer(BrokerClient):
                     meta["source"] = source
                 if deadline is not None:
                     meta["deadline"] = float(deadline)
+                if notify:
+                    meta["notify"] = notify
                 self.send(MT.SUBMIT_CHUNK, meta, arrays)
                 pending[chunk.index] = (meta, arrays, time.monotonic(), 1)
             if pending:

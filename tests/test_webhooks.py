@@ -1,4 +1,4 @@
-"""Webhooks of batch ends (api/webhooks.py, api/webhook_outbox.py): a loopback receiver checks
+"""Webhooks of batch ends (collector/webhooks.py, collector/webhook_outbox.py): a loopback receiver checks
 every event with the official `openai` client's `webhooks.unwrap()` and counts them by
 `webhook-id`; every end status delivers; a receiver answering 500 three times gets the event
 on the fourth try with the same id; a kill -9 of the broker while an event is recorded but not
@@ -16,14 +16,14 @@ from pathlib import Path
 import openai
 import orjson
 import pytest
-from broker import free_port, write_jsonl
+from broker import Broker, free_port, submit, write_config, write_jsonl
 from conftest import assert_check_clean, wait_for
 from test_api_broker import api_broker, bad_file, finish, upload
 
 from api.batch_events import batch_event
 from api.batch_record import BatchRecord
-from api.webhook_outbox import DELIVERED, FAILED, PENDING, Outbox, WebhookSender
-from api.webhooks import Webhooks, url_problem
+from collector.webhook_outbox import DELIVERED, FAILED, PENDING, Outbox, WebhookSender
+from collector.webhooks import Webhooks, url_problem
 from config import load_settings
 from pipeline.core.errors import ConfigError
 from pipeline.core.job_states import BatchStatus
@@ -90,12 +90,14 @@ class Receiver:
         return [i for i, body in self.bodies.items() if body["data"]["id"] == batch_id]
 
 
-def webhooks_config(tmp_path: Path, url: str, secret: str = SECRET, give_up_s: float = 600) -> str:
+def webhooks_config(
+    tmp_path: Path, url: str, secret: str = SECRET, give_up_s: float = 600, owner: str = "local"
+) -> str:
     secret_file = tmp_path / "whsec"
     secret_file.write_text(secret + "\n")
     return (
         f"webhook_give_up_s = {give_up_s}\n"
-        f'[[api.webhooks]]\nowner = "local"\nurl = "{url}/hook"\n'
+        f'[[api.webhooks]]\nowner = "{owner}"\nurl = "{url}/hook"\n'
         f'secret_file = "{secret_file}"\nallow_batch_url = true\n'
     )
 
@@ -208,6 +210,32 @@ def test_an_event_recorded_before_a_kill_9_is_delivered_after_it_with_its_id(tmp
         broker.close()
         if receiver is not None:
             receiver.close()
+
+
+def test_a_cli_job_submitted_with_notify_posts_its_end(tmp_path):
+    """`submit --notify URL`: completion POSTs the job's end (the batch event, data.id the job
+    id), signed with the secret of the [[api.webhooks]] table of owner `cli`."""
+    receiver = Receiver(free_port())
+    extra = "[api]\n" + webhooks_config(tmp_path, receiver.url, owner="cli")
+    broker = Broker(write_config(tmp_path, extra=extra, workers=1)).start()
+    try:
+        write_jsonl(tmp_path / "in.jsonl", 20)
+        done = submit(broker.config, tmp_path / "in.jsonl", "--notify", receiver.url + "/job")
+        assert done.returncode == 0, done.stderr
+        job_id = done.stdout.split()[-1]
+        wait_for(lambda: receiver.of_batch(job_id), "the job's event", timeout_s=60)
+        [event_id] = receiver.of_batch(job_id)
+        assert receiver.bodies[event_id]["type"] == "batch.completed"
+        assert receiver.paths["/job"] == {event_id} and receiver.refused == 0
+        assert broker.job_status(job_id)["state"] == "completed"
+        wait_for(lambda: broker.metric("fabric_webhooks_job_events", state="delivered") == 1, "m")
+        alone = submit(broker.config, tmp_path / "in.jsonl", "--notify")  # the table's url
+        wait_for(lambda: receiver.of_batch(alone.stdout.split()[-1]), "the second job's event")
+        far = submit(broker.config, tmp_path / "in.jsonl", "--notify", "http://example.com/x")
+        assert far.returncode == 2 and "api.webhook_hosts" in far.stderr
+    finally:
+        broker.close()
+        receiver.close()
 
 
 # ---- the sender on a fake clock -------------------------------------------------------------

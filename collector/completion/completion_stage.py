@@ -47,6 +47,7 @@ from collector.completion.delivery import PageDelivery
 from collector.completion.finishing import JobFinisher
 from collector.completion.intake import ResultIntake
 from collector.completion.job_status import JobStatus
+from collector.completion.job_webhooks import JobWebhooks
 from collector.completion.result_check import CAUSES
 from collector.completion.results_log import CompletionLog
 from collector.job_view import JobIndex, JobView
@@ -95,8 +96,9 @@ class CompletionStage(Stage[CompletionStageSettings]):
         )
         self.status = JobStatus(self.completion_log)
         self.delivery = PageDelivery(self.completion_log, self.shapes, self.config.page_items)
+        self.webhooks = JobWebhooks(settings.data_path, settings.api, self.log)  # --notify
         self.finishing = JobFinisher(
-            self.completion_log, self.jobs, lambda: self.wall_ns(), self.log
+            self.completion_log, self.jobs, lambda: self.wall_ns(), self.log, self.webhooks.ended
         )
         self.flush_s = self.config.tombstone_flush_ms / 1000
         self.next_flush: float | None = None  # set from the first step's clock
@@ -155,6 +157,8 @@ class CompletionStage(Stage[CompletionStageSettings]):
     def step(self, now: float) -> None:
         if self.next_flush is None:
             self.next_flush = now + self.flush_s
+        if not self.webhooks.alive():
+            raise RuntimeError("the webhook sender thread stopped")
         events = dict(self.poller.poll(self._wait_ms(now)))
         if self.inbox.socket in events or self.deferred or self.probe is not None:
             self._read_inbox(now)
@@ -362,6 +366,7 @@ class CompletionStage(Stage[CompletionStageSettings]):
             "fabric_results_delivered_total": self.delivery.delivered,
             "fabric_results_refused_total": {(c,): intake.refused[c] for c in CAUSES[1:]},
             **self.disk.figures(self.label),
+            **self.webhooks.stats(),
         }
 
     def _reply(
@@ -423,6 +428,8 @@ class CompletionStage(Stage[CompletionStageSettings]):
             )
 
     def close(self) -> None:
+        if getattr(self, "webhooks", None) is not None:
+            self.webhooks.close()
         try:
             self.completion_log.close()
         except DiskFullError as exc:  # seals not durable: recovery finds them open, harmless

@@ -371,4 +371,18 @@ METRICS: dict[str, Metric] = _catalogue(
         "POSTs of webhook events: ok (a 2xx) or error (anything else, or no answer)",
         "api",
     ),
+    Metric(
+        "fabric_webhooks_job_events",
+        GAUGE,
+        ("state",),
+        "Webhook events of CLI jobs' ends (submit --notify): pending, delivered, failed",
+        "completion",
+    ),
+    Metric(
+        "fabric_webhooks_job_attempts_total",
+        COUNTER,
+        ("outcome",),
+        "POSTs of CLI jobs' webhook events: ok (a 2xx) or error",
+        "completion",
+    ),
 )

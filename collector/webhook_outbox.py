@@ -1,14 +1,15 @@
 """Durable, at-least-once delivery of webhook events: recorded before sent, retried until 2xx.
 
-| path (under `<data_dir>/api/webhooks/`) | what |
+| path (under `<data_dir>/api/webhooks/` for batches, `<data_dir>/webhooks/` for CLI jobs) | what |
 |-----------------------------------------|------|
 | `pending/<event_id>.json`   | an event not yet answered 2xx: its receiver, body, attempts, next try |
 | `delivered/<event_id>.json` | answered 2xx (moved here by the sender) |
 | `failed/<event_id>.json`    | given up: no 2xx within `api.webhook_give_up_s` of its recording |
 
-The driver records an event (`Outbox.record`, fsynced) when a batch ends; the sender
-(`WebhookSender.step`, on its own thread in api-0) POSTs each due event, signed
-(api/webhooks.py), and on anything but a 2xx tries again after 1, 2, 4, ... s (at most
+The batch driver (api/batch_events.py) or completion (collector/completion/job_webhooks.py)
+records an event (`Outbox.record`, fsynced) when a batch or job ends; the sender
+(`WebhookSender.step`, on its own thread in api-0 or completion) POSTs each due event, signed
+(collector/webhooks.py), and on anything but a 2xx tries again after 1, 2, 4, ... s (at most
 `MAX_RETRY_S` apart). A kill -9 at any moment loses nothing: a recorded event is sent again
 by the next life with the same id (`webhook-id`), so a receiver drops duplicates by it. The
 event id is made from the batch id, so recording again after a crash is a no-op.
@@ -30,7 +31,7 @@ from typing import Any
 
 import orjson
 
-from api.webhooks import Webhooks, sign
+from collector.webhooks import Webhooks, sign
 from pipeline.store.durable import fsync_dir, write_whole
 
 log = logging.getLogger(__name__)

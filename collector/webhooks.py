@@ -3,7 +3,10 @@
 Each `[[api.webhooks]]` table names an owner (a keys_file owner, `local` without keys), the
 receiver's `url` and a `secret_file` holding `whsec_<base64 key>`. A batch whose metadata has
 `fabric_webhook_url` goes there instead, when its owner's table says `allow_batch_url = true`.
-A receiver must be on loopback unless its host is in `api.webhook_hosts`.
+A receiver must be on loopback unless its host is in `api.webhook_hosts`. CLI jobs
+(`submit --notify URL`, collector/completion/job_webhooks.py) are signed with the secret of
+the table of owner `cli`. This module and the outbox live in collector/ so that both the api
+stage and the completion stage send with them.
 
 The event is OpenAI's (`{id, object: "event", type: "batch.<status>", created_at, data: {id}}`);
 each POST carries `webhook-id` (the event id, the same on every retry), `webhook-timestamp`
