@@ -122,4 +122,9 @@ def render_job(info: dict[str, Any]) -> str:
         lines.append(f"  delivered to  {info['deliver']} (python run.py vectors stats)")
     if info.get("eta_s"):
         lines.append(f"  time left  about {info['eta_s']:.0f} s")
+    hook = info.get("webhook")
+    if hook:  # docs/operations.md, Webhooks
+        tries = f"{hook['attempts']} attempt{'s' if hook['attempts'] != 1 else ''}"
+        error = f"; last error: {hook['last_error']}" if hook.get("last_error") else ""
+        lines.append(f"  webhook    {hook['status']} to {hook['url']} ({tries}{error})")
     return "\n".join(lines)

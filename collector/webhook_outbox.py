@@ -81,10 +81,7 @@ class Outbox:
         return self.dir / state / f"{event_id}.json"
 
     def find(self, event_id: str) -> Delivery | None:
-        for state in (PENDING, DELIVERED, FAILED):
-            with contextlib.suppress(FileNotFoundError):
-                return Delivery(**orjson.loads(self._path(state, event_id).read_bytes()))
-        return None
+        return find_delivery(self.dir, event_id)
 
     def record(self, event: dict[str, Any], owner: str, url: str, now: float) -> bool:
         """Record `event` for `url`, durably, unless it is recorded already; True if new."""
@@ -114,6 +111,14 @@ class Outbox:
         return {
             s: sum(1 for _ in (self.dir / s).glob("*.json")) for s in (PENDING, DELIVERED, FAILED)
         }
+
+
+def find_delivery(directory: Path, event_id: str) -> Delivery | None:
+    """The event `event_id` in the outbox at `directory` (read only; None: not there)."""
+    for state in (PENDING, DELIVERED, FAILED):
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+            return Delivery(**orjson.loads((directory / state / f"{event_id}.json").read_bytes()))
+    return None
 
 
 Post = Callable[[str, bytes, dict[str, str], float], int]

@@ -17,6 +17,7 @@ import openai
 import orjson
 import pytest
 from broker import Broker, free_port, submit, write_config, write_jsonl
+from client_commands import run_cli
 from conftest import assert_check_clean, wait_for
 from test_api_broker import api_broker, bad_file, finish, upload
 
@@ -155,6 +156,9 @@ def test_every_end_status_delivers_one_verified_event(hooked, tmp_path):
         assert event["id"] == event_id and event["created_at"] == getattr(ended, f"{status}_at")
         seen = wait_for(lambda b=batch: delivered(client, b.id), "the delivery to be noted")
         assert seen["id"] == event_id and seen["attempts"] == 1, seen
+        if status == "completed":  # (the others may end before their job exists)
+            info = broker.job_status(batch.id)
+            assert info.get("webhook") == seen, info  # `status JOB --json` too
     assert receiver.refused == 0 and set(receiver.paths) == {"/hook"}
     assert max(receiver.events.values()) == 1  # nothing was sent twice
     wait_for(lambda: broker.metric("fabric_webhooks_events", state="delivered") >= 4, "metrics")
@@ -229,6 +233,8 @@ def test_a_cli_job_submitted_with_notify_posts_its_end(tmp_path):
         assert receiver.paths["/job"] == {event_id} and receiver.refused == 0
         assert broker.job_status(job_id)["state"] == "completed"
         wait_for(lambda: broker.metric("fabric_webhooks_job_events", state="delivered") == 1, "m")
+        said = run_cli("status", job_id, "--config", str(broker.config)).stdout
+        assert f"webhook    delivered to {receiver.url}/job (1 attempt)" in said
         alone = submit(broker.config, tmp_path / "in.jsonl", "--notify")  # the table's url
         wait_for(lambda: receiver.of_batch(alone.stdout.split()[-1]), "the second job's event")
         far = submit(broker.config, tmp_path / "in.jsonl", "--notify", "http://example.com/x")

@@ -333,7 +333,9 @@ class CompletionStage(Stage[CompletionStageSettings]):
         self._reply(route, MT.RESULT_PAGE, reply, arrays)
 
     def _job_info(self, view: JobView, now: float) -> dict:
-        return self.status.info(view, self.finishing.finished(view.job_id), now)
+        info = self.status.info(view, self.finishing.finished(view.job_id), now)
+        info["webhook"] = self.webhooks.delivery(view.job_id)  # its end's event, if any
+        return info
 
     def _catch_up(self, view: JobView, now: float) -> None:
         """Read what the front appended; rejected lines become error results.

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from collector.job_view import JobView
-from collector.webhook_outbox import Outbox, WebhookSender
+from collector.webhook_outbox import Outbox, WebhookSender, find_delivery
 from collector.webhooks import Webhooks, event_id, url_problem
 from config.settings import ApiSettings
 from pipeline.core.job_states import JobState, openai_status
@@ -56,6 +56,7 @@ class JobWebhooks:
     def __init__(self, data_path: Path, api: ApiSettings, log: logging.Logger) -> None:
         self.webhooks = Webhooks(api)
         self.outbox = Outbox(data_path)
+        self.api_outbox = data_path / "api" / "webhooks"  # batches' events (api/batch_events.py)
         self.sender = WebhookSender(self.outbox, self.webhooks)
         self.log = log
         self.stop = threading.Event()
@@ -76,6 +77,14 @@ class JobWebhooks:
             self.outbox.record(event, CLI_OWNER, view.notify, now)
         except OSError as exc:  # a full disk: the job finishes at a later tidy, recording then
             raise disk_error(exc, self.outbox.dir, "recording the job's webhook event") from exc
+
+    def delivery(self, job_id: str) -> dict[str, Any] | None:
+        """Where the end event of a job (a CLI job's, or an HTTP batch's: api-0 sends those)
+        stands, for `status JOB`; None when it has none."""
+        found = find_delivery(self.outbox.dir, event_id(job_id)) or find_delivery(
+            self.api_outbox, event_id(job_id)
+        )
+        return None if found is None else found.summary()
 
     def _send(self) -> None:
         while not self.stop.is_set():
