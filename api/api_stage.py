@@ -31,7 +31,7 @@ from api.http_limits import HttpLimits, guarded
 from api.retention import OutputRetention
 from collector.delivery.decoders import model_decoders
 from collector.results_client import ResultsClient
-from collector.webhook_outbox import Outbox, WebhookSender
+from collector.webhook_outbox import Outbox, WebhookSender, sender_thread
 from collector.webhooks import Webhooks
 from config.stage_settings import ApiStageSettings
 from ingest.submit_client import Producer
@@ -42,7 +42,6 @@ from pipeline.transport.security import client_curve
 from pipeline.transport.topology import client_address
 
 DRIVE_EVERY_S = 0.2
-SEND_EVERY_S = 0.2  # the webhook sender looks for due events this often
 EXPIRE_EVERY_S = 60.0
 START_TIMEOUT_S = 30.0
 
@@ -111,8 +110,7 @@ class ApiStage(Stage[ApiStageSettings]):
             outbox = Outbox(root)
             self.sender = WebhookSender(outbox, webhooks)
             self.stop_sending = threading.Event()
-            self.sending = threading.Thread(target=self._send, name="webhooks", daemon=True)
-            self.sending.start()
+            self.sending = sender_thread(self.sender, self.stop_sending)
             curve = client_curve(settings.security)
             ingest = client_address(settings.ingest_bind)
             self.producers = (
@@ -162,13 +160,6 @@ class ApiStage(Stage[ApiStageSettings]):
         if self.sender is not None and not self.sending.is_alive():
             raise RuntimeError("the webhook sender thread stopped")
         self.wake.wait(self.poll_ms / 1000)
-
-    def _send(self) -> None:
-        """The webhook sender's thread: a receiver that is slow to answer holds up no batch."""
-        assert self.sender is not None
-        while not self.stop_sending.is_set():
-            self.sender.step(time.time())
-            self.stop_sending.wait(SEND_EVERY_S)
 
     def drain(self, deadline: float) -> None:
         self.server.should_exit = True

@@ -23,6 +23,8 @@ import contextlib
 import http.client
 import logging
 import os
+import threading
+import time
 import urllib.parse
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -37,6 +39,7 @@ from pipeline.store.durable import fsync_dir, write_whole
 log = logging.getLogger(__name__)
 
 PENDING, DELIVERED, FAILED = "pending", "delivered", "failed"
+SEND_EVERY_S = 0.2  # a sender thread looks for due events this often
 FIRST_RETRY_S = 1.0
 MAX_RETRY_S = 300.0
 ERROR_CHARS = 200  # of a receiver's answer kept as `last_error`
@@ -202,3 +205,21 @@ class WebhookSender:
                 wait_s = min(MAX_RETRY_S, FIRST_RETRY_S * 2 ** (delivery.attempts - 1))
                 delivery.next_at = now + wait_s
         self.outbox.put(delivery)
+
+
+def sender_thread(sender: WebhookSender, stop: threading.Event) -> threading.Thread:
+    """A started thread stepping `sender` on the wall clock until `stop` is set (a slow
+    receiver holds up nothing else). A disk error (a full disk) is logged and tried again at
+    the next step: the event stays pending."""
+
+    def run() -> None:
+        while not stop.is_set():
+            try:
+                sender.step(time.time())
+            except OSError as exc:
+                log.warning("webhooks: %s; trying again", exc)
+            stop.wait(SEND_EVERY_S)
+
+    thread = threading.Thread(target=run, name="webhooks", daemon=True)
+    thread.start()
+    return thread

@@ -23,14 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from collector.job_view import JobView
-from collector.webhook_outbox import Outbox, WebhookSender, find_delivery
+from collector.webhook_outbox import Outbox, WebhookSender, find_delivery, sender_thread
 from collector.webhooks import Webhooks, event_id, url_problem
 from config.settings import ApiSettings
 from pipeline.core.job_states import JobState, openai_status
 from pipeline.store.segment import disk_error
 
 CLI_OWNER = "cli"  # the [[api.webhooks]] table whose secret signs CLI jobs' events
-SEND_EVERY_S = 0.2
 
 
 def end_state(view: JobView) -> JobState:
@@ -60,8 +59,7 @@ class JobWebhooks:
         self.sender = WebhookSender(self.outbox, self.webhooks)
         self.log = log
         self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._send, name="webhooks", daemon=True)
-        self.thread.start()
+        self.thread = sender_thread(self.sender, self.stop)
 
     def ended(self, view: JobView) -> None:
         """Record the end event of a finishing job that asked for one."""
@@ -85,11 +83,6 @@ class JobWebhooks:
             self.api_outbox, event_id(job_id)
         )
         return None if found is None else found.summary()
-
-    def _send(self) -> None:
-        while not self.stop.is_set():
-            self.sender.step(time.time())
-            self.stop.wait(SEND_EVERY_S)
 
     def alive(self) -> bool:
         return self.thread.is_alive()
