@@ -323,3 +323,20 @@ def test_receivers_beyond_loopback_and_bad_secrets_are_refused_at_start(tmp_path
     assert url_problem("https://hooks.example.com/x", ("hooks.example.com",)) is None
     with pytest.raises(ConfigError, match="does not hold a whsec_"):
         webhooks_of(tmp_path, secret="not a secret")
+
+
+def test_an_event_recorded_and_never_sent_is_sent_by_the_next_life_with_its_id(tmp_path):
+    """Recorded, then the process dies before any POST: a new outbox over the same folder
+    (the next life) sends it, with the id it was recorded with."""
+    record = ended_batch(BatchStatus.CANCELLED)
+    assert Outbox(tmp_path).record(batch_event(record), "local", "http://h", 1000.0)
+    sent: list[dict] = []
+
+    def send(url, body, headers, timeout_s):
+        sent.append(headers)
+        return 200
+
+    after = Outbox(tmp_path)  # the next life: nothing in memory
+    WebhookSender(after, webhooks_of(tmp_path), send).step(1000.5)
+    assert [h["webhook-id"] for h in sent] == [batch_event(record)["id"]]
+    assert after.pending() == [] and after.counts()[DELIVERED] == 1
