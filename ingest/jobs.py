@@ -18,12 +18,28 @@ from typing import Any
 
 from ingest.custom_ids import CustomIdSet
 from pipeline.core.errors import IngestError
+from pipeline.core.job_limits import LimitError, limits_from
 from pipeline.core.job_states import JobState, job_state
 from pipeline.store.counter import DurableCounter
 from pipeline.store.job_files import ChunkEntry, ChunkProgress, JobFiles, Landing
 from pipeline.store.job_record import DELIVER_FILE
 from pipeline.store.records import RecordLog
 from pipeline.store.segment import disk_error
+
+
+def parse_limits_field(value: Any) -> dict[str, Any]:
+    """A chunk's `limits` (pipeline/core/job_limits.py, record keys -> numbers) as the record
+    keeps them ({} for none); IngestError naming a bad one."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise IngestError(
+            f"limits {value!r} is not an object of limits: send e.g. {{'max_errors': 10}}"
+        )
+    try:
+        return limits_from(value).to_record()
+    except LimitError as exc:
+        raise IngestError(str(exc)) from None
 
 
 def parse_deadline_field(value: Any) -> float | None:
@@ -242,13 +258,16 @@ class JobRegistry:
         deliver: str = DELIVER_FILE,
         source: str = "",
         deadline: float | None = None,
+        limits: dict[str, Any] | None = None,
     ) -> Job:
         """Create a job durably (directory, job.json, empty journal); its chunks have
         `chunk_lines` lines and its results go where `deliver` says (`parse_deliver`).
         `source`: the absolute path of the input file on the producer's host, if it sent one
         (`vectors search` reads the text of a hit's line back from it when it can).
         `deadline`: when the job should be done (wall seconds), if it has one; dispatch
-        reads it from the record and serves earlier deadlines first (docs/dispatch.md)."""
+        reads it from the record and serves earlier deadlines first (docs/dispatch.md).
+        `limits`: the job's caps (`parse_limits_field`), if it has any; completion reads them
+        from the record (collector/completion/caps.py)."""
         directory = self.files.directory(job_id)  # IngestError: not an allowed id
         job_no = self._counter.next()  # DiskFullError when the disk is full
         created_ns = time.time_ns()
@@ -263,6 +282,8 @@ class JobRegistry:
             meta["source"] = source
         if deadline is not None:
             meta["deadline"] = parse_deadline_field(deadline)
+        if limits:
+            meta["limits"] = limits
         try:
             self.files.write_record(job_id, meta)
         except OSError as exc:  # a full disk: nothing of the job exists; the producer retries

@@ -179,6 +179,7 @@ class Producer(BrokerClient):
         progress: Progress | None = None,
         deliver: str = DELIVER_FILE,
         deadline: float | None = None,
+        limits: dict[str, Any] | None = None,
     ) -> SubmitReport:
         """Send every line of an OpenAI Batch JSONL file; return when all of it is durable.
         `parsed`: (chunk_lines, the chunks of `iter_batch_input(source, ..., chunk_lines)`) from
@@ -188,7 +189,9 @@ class Producer(BrokerClient):
         With `strict`, the whole file is checked first and nothing is sent if a
         line is bad (InputLineError names it). `deadline` (wall seconds since the epoch;
         `parse_deadline`) is recorded with a new job: dispatch serves earlier deadlines
-        first. A resumed job keeps the deadline it was created with.
+        first. A resumed job keeps the deadline it was created with. `limits`: the job's
+        caps (pipeline/core/job_limits.py `JobLimits.to_record`), recorded with a new job
+        likewise.
         """
         job_id = job_id or new_job_id()
         status = self.job_status(job_id)
@@ -208,7 +211,7 @@ class Producer(BrokerClient):
         source = str(Path(source).resolve())  # recorded with the job (`vectors search` text)
         with _resume_hint(job_id):
             return self._send_chunks(
-                job_id, lines, chunks, status, progress, deliver, source, deadline
+                job_id, lines, chunks, status, progress, deliver, source, deadline, limits
             )
 
     def submit_tokens(
@@ -262,6 +265,7 @@ class Producer(BrokerClient):
         deliver: str = DELIVER_FILE,
         source: str = "",
         deadline: float | None = None,
+        limits: dict[str, Any] | None = None,
     ) -> SubmitReport:
         report = SubmitReport(job_id)
         self._backing_off.clear()
@@ -296,6 +300,8 @@ class Producer(BrokerClient):
                     meta["source"] = source
                 if deadline is not None:
                     meta["deadline"] = float(deadline)
+                if limits:
+                    meta["limits"] = limits
                 self.send(MT.SUBMIT_CHUNK, meta, arrays)
                 pending[chunk.index] = (meta, arrays, time.monotonic(), 1)
             if pending:

@@ -52,7 +52,12 @@ def cancel_job(
             raise disk_error(exc, view.cancel_path, "recording a cancel") from exc
         why = "at its deadline" if at_deadline else "by a client"
         log.info("job %s cancelled %s", view.job_id, why)
-    try:  # again on every request: dispatch may have restarted (it also reads the mark)
+    send_cancel(view, dispatch, log)  # again on every request: dispatch may have restarted
+
+
+def send_cancel(view: JobView, dispatch: zmq.Socket, log: logging.Logger) -> None:
+    """Tell dispatch the job is cancelled (it also reads the marks when it starts)."""
+    try:
         wire.send(dispatch, wire.MessageType.CANCEL_JOB, {"job_no": view.job_no})
     except FabricError as exc:
         log.warning("could not tell dispatch of the cancel yet: %s", exc)

@@ -43,6 +43,7 @@ import numpy as np
 import zmq
 
 from collector.completion import cancel
+from collector.completion.caps import CapWatch
 from collector.completion.delivery import PageDelivery
 from collector.completion.finishing import JobFinisher
 from collector.completion.intake import ResultIntake
@@ -122,6 +123,7 @@ class CompletionStage(Stage[CompletionStageSettings]):
             send_timeout_ms=1000,
             connect=internal_address(settings, "dispatch"),
         )
+        self.caps = CapWatch(self.completion_log, self.dispatch, self.log)  # limits passed
         self.clients = wire.open_socket(self.context, zmq.ROUTER)
         self.clients.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)  # bigger: dropped
         self.limits = wire.WireLimits(max_bytes=self.config.max_message_bytes)
@@ -195,6 +197,10 @@ class CompletionStage(Stage[CompletionStageSettings]):
             for job_id in touched:
                 view = self.jobs.view(job_id)
                 if view is not None:
+                    try:
+                        self.caps.check(view)  # a job past one of its limits is stopped
+                    except DiskFullError as exc:  # checked again with its next results
+                        self.disk.failed(exc, now)
                     self._finish_if_done(view, now)
 
     def _flush(self, now: float) -> None:
@@ -361,6 +367,7 @@ class CompletionStage(Stage[CompletionStageSettings]):
             },
             "fabric_results_delivered_total": self.delivery.delivered,
             "fabric_results_refused_total": {(c,): intake.refused[c] for c in CAUSES[1:]},
+            "fabric_jobs_stopped_by_limit_total": self.caps.stopped,
             **self.disk.figures(self.label),
         }
 

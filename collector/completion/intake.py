@@ -168,7 +168,8 @@ class ResultIntake:
 
     def item_errors(self, message: wire.Message) -> None:
         """Dispatch's ITEM_ERRORS: one error result, its `reason`, for each of its items. The
-        items of a job cancelled at its deadline get `batch_expired` instead of `cancelled`
+        items of a job cancelled at its deadline get `batch_expired` instead of `cancelled`,
+        those of a job stopped by a limit its stop's code (`error_cap`, `budget_exceeded`)
         (dispatch does not know why a job was cancelled; its cancel mark does), so every door
         writes the same code for them."""
         items = message.arrays["items"]
@@ -184,8 +185,13 @@ class ResultIntake:
     def _cancelled_reason(self, job_no: int, reason: str) -> str:
         job_id = self.jobs.job_id(job_no)
         view = self.jobs.view(job_id) if job_id is not None else None
-        if view is not None and view.cancelled_at_deadline:
+        if view is None:
+            return reason
+        if view.cancelled_at_deadline:
             return f"{ItemErrorCode.BATCH_EXPIRED}: the job's deadline passed before the item ran"
+        stop = view.stopped
+        if stop is not None:  # a limit stopped the job (collector/completion/caps.py)
+            return f"{stop.code}: the job was stopped before the item ran: {stop.message}"
         return reason
 
     def errors(self, items: np.ndarray, text: str) -> None:

@@ -16,6 +16,9 @@ several parts and their parts, a detail (docs/completion.md, "Lines and parts").
 `usage` is the job's token totals over its results (error results count
 nothing), each result counted once (collector/completion/job_results.py):
 `prompt_tokens`, `completion_tokens` (generated) and `total_tokens`.
+`limits` are the job's caps (pipeline/core/job_limits.py; None: none), and
+`stopped` the one it passed (`code`, `limit`, `message` with the numbers), once
+completion stopped it (collector/completion/caps.py): it ends `failed`.
 """
 
 from __future__ import annotations
@@ -40,11 +43,13 @@ class JobStatus:
         undelivered = log.undelivered(job_id)
         total = view.total
         cancelled = view.cancelled
+        stop = view.stopped if cancelled else None
         state = job_state(
             total,
             done,
             cancelled=cancelled,
             at_deadline=cancelled and view.cancelled_at_deadline,
+            stopped=stop is not None,
             finished=finished,
             undelivered=undelivered,
         )
@@ -73,6 +78,10 @@ class JobStatus:
                 "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens,
             },
+            "limits": view.limits.to_record() or None,
+            "stopped": None
+            if stop is None
+            else {"code": stop.code, "limit": stop.limit, "message": stop.message},
             # counters above are lines; a line of several parts (fan-out) is a detail here
             "fanout": {"lines": len(view.lines), "parts": view.lines.items()}
             if len(view.lines)
