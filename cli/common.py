@@ -95,6 +95,11 @@ def limit_options(command: argparse.ArgumentParser) -> None:
         metavar="N",
         help="stop the job (budget_exceeded) when its prompt + generated tokens reach N",
     )
+    command.add_argument(
+        "--max-worker-seconds",
+        metavar="S",
+        help="stop the job (budget_exceeded) when its results took S seconds of engine time",
+    )
 
 
 def limits_of(args: argparse.Namespace) -> dict:
@@ -107,5 +112,6 @@ def limits_of(args: argparse.Namespace) -> dict:
         "min_sample": args.min_sample,
         "max_errors": args.max_errors,
         "max_tokens": args.max_tokens_budget,
+        "max_worker_s": args.max_worker_seconds,
     }
     return limits_of_flags(values).to_record()

@@ -115,6 +115,8 @@ def render_job(info: dict[str, Any]) -> str:
             f"  tokens     {usage['prompt_tokens']} prompt + {usage['completion_tokens']} "
             f"generated = {usage['total_tokens']}"
         )
+    if info.get("worker_s") is not None:
+        lines.append(f"  worker time  {info['worker_s']:.1f} s of engine time (workers' word)")
     limits = info.get("limits") or {}
     if limits:  # the job's caps (pipeline/core/job_limits.py); the budget's share used
         budget = limits.get("max_tokens")

@@ -35,17 +35,20 @@ def write_lines(path, n: int, refused_every: int, length: int = 10) -> None:
             out.write(orjson.dumps(line) + b"\n")
 
 
-def start_worker(b: Broker) -> subprocess.Popen:
+def start_worker(b: Broker, simulated: bool) -> subprocess.Popen:
+    """One worker for `echo` lines: the echo engine refusing REFUSE, or (`simulated`) the
+    simulated engine at 20,000 tokens/s."""
     options = WorkerOptions(
         broker=b.settings.dispatch.bind,
         model="echo",
         heartbeat=b.settings.dispatch.heartbeat_bind,
-        engine="echo",
+        engine="simulated" if simulated else "echo",
         batch_items=8,
         prefetch=1,
         target_batch_s=0,
     )
-    argv = [*options.argv(), "--option", f"refuse_token={REFUSE}"]
+    option = "tokens_per_s=20000" if simulated else f"refuse_token={REFUSE}"
+    argv = [*options.argv(), "--option", option]
     return zygote.Popen(
         [sys.executable, str(REPO / "run.py"), "worker", *argv],
         cwd=REPO,
@@ -55,9 +58,11 @@ def start_worker(b: Broker) -> subprocess.Popen:
     )
 
 
-def run_job(tmp_path, refused_every: int, *limits: str, end: str) -> tuple[dict, Counter, dict]:
-    """Submit LINES lines with `limits`, run them on one worker until the job is `end`; its
-    final JOB_INFO, its error lines' codes, and `status JOB --json`."""
+def run_job(
+    tmp_path, refused_every: int, *limits: str, end: str, simulated: bool = False
+) -> tuple[dict, Counter, dict]:
+    """Submit LINES lines with `limits`, run them on one worker (`start_worker`) until the
+    job is `end`; its final JOB_INFO, its error lines' codes, and `status JOB --json`."""
     b = Broker(write_config(tmp_path, workers=0))
     worker = None
     try:
@@ -65,7 +70,7 @@ def run_job(tmp_path, refused_every: int, *limits: str, end: str) -> tuple[dict,
         write_lines(tmp_path / "in.jsonl", LINES, refused_every)
         done = submit(b.config, tmp_path / "in.jsonl", "--job-id", "j", *limits)
         assert done.returncode == 0, done.stderr
-        worker = start_worker(b)
+        worker = start_worker(b, simulated)
         with ResultsClient(b.settings.completion.bind, timeout_s=10) as client:
             wait_for(lambda: client.job_status("j")["state"] == end, f"job to be {end}", 120)
             info = client.job_status("j")
@@ -135,6 +140,27 @@ def test_a_token_budget_stops_a_job_near_the_budget(tmp_path):
     assert "reached max_tokens 2000" in info["stopped"]["message"]
     assert codes["budget_exceeded"] == LINES - info["completed"], codes
     assert shown["usage"]["total_tokens"] == used
+
+
+def test_worker_seconds_are_the_engine_time_of_the_job(tmp_path):
+    """2,000 lines of 10 tokens on the simulated engine at 20,000 tokens/s: 1 s of engine
+    time, which `status JOB --json` shows as `worker_s` (the workers' own measure)."""
+    info, codes, shown = run_job(tmp_path, 0, end="completed", simulated=True)
+    assert not codes
+    assert 0.95 <= shown["worker_s"] <= 5.0, shown["worker_s"]
+    assert shown["worker_s"] == info["worker_s"]
+
+
+def test_a_worker_seconds_budget_stops_a_job(tmp_path):
+    info, codes, _ = run_job(
+        tmp_path, 0, "--max-worker-seconds", "0.3", end="failed", simulated=True
+    )
+    assert (info["stopped"]["code"], info["stopped"]["limit"]) == (
+        "budget_exceeded",
+        "max_worker_s",
+    )
+    assert 0.3 <= info["worker_s"] < 0.9, info["worker_s"]
+    assert codes["budget_exceeded"] == LINES - info["completed"] > LINES // 4, codes
 
 
 @pytest.mark.parametrize(

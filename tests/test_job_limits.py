@@ -86,3 +86,11 @@ def test_limits_from_their_doors():
 def test_a_bad_limit_names_its_key_and_value(metadata, named):
     with pytest.raises(LimitError, match=named.replace(".", r"\.")):
         limits_of_metadata(metadata)
+
+
+def test_a_worker_seconds_budget_stops_when_reached():
+    limits = JobLimits(max_worker_s=2.5)
+    assert limits.passed(10, 0, 0, worker_s=2.4) is None
+    stop = limits.passed(11, 0, 0, worker_s=2.5)
+    assert (stop.code, stop.limit) == ("budget_exceeded", "max_worker_s")
+    assert limits_of_metadata({"fabric_max_worker_seconds": "0.5"}) == JobLimits(max_worker_s=0.5)

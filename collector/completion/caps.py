@@ -2,8 +2,9 @@
 
 Completion sees every result and error of a job, so it checks the job's limits
 each time the job is given results that are durable (the stage's group commit):
-its lines done and failed and its tokens (the counters JOB_INFO shows,
-collector/completion/results_log.py). A job past a limit is stopped the way a
+its lines done and failed, its tokens (the counters JOB_INFO shows,
+collector/completion/results_log.py) and its worker-seconds
+(collector/completion/worker_time.py). A job past a limit is stopped the way a
 cancel stops it (collector/completion/cancel.py): its cancel mark is written
 with the limit and the numbers (`Stop.mark_text`), and CANCEL_JOB goes to
 dispatch, which sends its queued items back as `cancelled` ITEM_ERRORS; intake
@@ -20,6 +21,7 @@ import zmq
 
 from collector.completion.cancel import send_cancel
 from collector.completion.results_log import CompletionLog
+from collector.completion.worker_time import WorkerTime
 from collector.job_view import JobView, write_cancel
 from pipeline.core.job_limits import Stop
 from pipeline.store.segment import disk_error
@@ -28,8 +30,15 @@ from pipeline.store.segment import disk_error
 class CapWatch:
     """Checks the limits of the jobs given results; stops those past one."""
 
-    def __init__(self, completion_log: CompletionLog, dispatch: zmq.Socket, log: logging.Logger):
+    def __init__(
+        self,
+        completion_log: CompletionLog,
+        worker_time: WorkerTime,
+        dispatch: zmq.Socket,
+        log: logging.Logger,
+    ):
         self.completion_log = completion_log
+        self.worker_time = worker_time
         self.dispatch = dispatch
         self.log = log
         self.stopped = 0  # jobs stopped by a limit since the stage started (metrics)
@@ -42,7 +51,10 @@ class CapWatch:
         log = self.completion_log
         prompt, generated = log.tokens(view.job_id)
         stop = view.limits.passed(
-            log.completed(view.job_id), log.failed(view.job_id), prompt + generated
+            log.completed(view.job_id),
+            log.failed(view.job_id),
+            prompt + generated,
+            self.worker_time.of(view.job_id),
         )
         if stop is None:
             return None

@@ -37,6 +37,7 @@ refused) is tried again every second until one goes through
 from __future__ import annotations
 
 import collections
+import math
 import time
 
 import numpy as np
@@ -94,7 +95,7 @@ class CompletionStage(Stage[CompletionStageSettings]):
             settings.max_attempts,
             self.log,
         )
-        self.status = JobStatus(self.completion_log)
+        self.status = JobStatus(self.completion_log, self.intake.worker_time)
         self.delivery = PageDelivery(self.completion_log, self.shapes, self.config.page_items)
         self.finishing = JobFinisher(
             self.completion_log, self.jobs, lambda: self.wall_ns(), self.log
@@ -123,7 +124,7 @@ class CompletionStage(Stage[CompletionStageSettings]):
             send_timeout_ms=1000,
             connect=internal_address(settings, "dispatch"),
         )
-        self.caps = CapWatch(self.completion_log, self.dispatch, self.log)  # limits passed
+        self.caps = CapWatch(self.completion_log, self.intake.worker_time, self.dispatch, self.log)
         self.clients = wire.open_socket(self.context, zmq.ROUTER)
         self.clients.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)  # bigger: dropped
         self.limits = wire.WireLimits(max_bytes=self.config.max_message_bytes)
@@ -192,6 +193,7 @@ class CompletionStage(Stage[CompletionStageSettings]):
                 log.sync_outputs()
             except DiskFullError as exc:  # everything stays queued for the next try
                 self.disk.failed(exc, now)
+        self.intake.worker_time.write(now)  # each job's worker-seconds, every second
         if self.intake.touched and not log.unsynced:  # their results are durable
             touched, self.intake.touched = self.intake.touched, set()
             for job_id in touched:
@@ -397,6 +399,7 @@ class CompletionStage(Stage[CompletionStageSettings]):
             if self.finishing.finished(job_id):
                 if not self.delivery.outstanding(job_id) and not log.undelivered(job_id):
                     log.unload(job_id)  # all delivered: free its bitmaps and handles
+                    self.intake.worker_time.forget(job_id)
                     self.jobs.forget(job_id)
                 continue
             self._catch_up(view, now)
@@ -430,6 +433,7 @@ class CompletionStage(Stage[CompletionStageSettings]):
             )
 
     def close(self) -> None:
+        self.intake.worker_time.write(math.inf)  # each job's worker-seconds as they stand
         try:
             self.completion_log.close()
         except DiskFullError as exc:  # seals not durable: recovery finds them open, harmless

@@ -27,6 +27,7 @@ import numpy as np
 from collector.completion.record_format import flags_of
 from collector.completion.result_check import CAUSES, HAND_BACK, ResultCheck, expected_for
 from collector.completion.results_log import CompletionLog, Results
+from collector.completion.worker_time import WorkerTime, engine_seconds
 from collector.job_view import JobIndex, JobView
 from gpu.work_protocol import ITEM_DTYPE
 from pipeline.core.errors import DiskFullError
@@ -100,6 +101,7 @@ class ResultIntake:
         # again") or a second computation after a reclaim ("computed again") (metrics)
         self.duplicates = {SENT_AGAIN: 0, COMPUTED_AGAIN: 0}
         self.refused: collections.Counter[str] = collections.Counter()  # cause -> results
+        self.worker_time = WorkerTime(jobs.files, log)  # engine seconds per job (worker_time.py)
 
     def results(self, message: wire.Message) -> None:
         """Store a worker's results; acknowledged at the next flush. DiskFullError: not
@@ -126,7 +128,8 @@ class ResultIntake:
         try:
             kept = rows.take(good) if len(good) < len(items) else rows
             why = SENT_AGAIN if meta.get("resent") else COMPUTED_AGAIN
-            known = self.record(items[good], status[good], kept, prompt[good], why)
+            per_item = engine_seconds(meta) / len(items) if len(items) else 0.0
+            known = self.record(items[good], status[good], kept, prompt[good], why, per_item)
             back = (
                 self._refuse(meta["session"], items, verdict, attempts)
                 if len(good) < len(items)
@@ -219,8 +222,11 @@ class ResultIntake:
             view.rejected[:0] = rejected
             raise
 
-    def record(self, items, status, rows: Ragged, prompt, why: str = COMPUTED_AGAIN) -> bool:
-        """Store results; False if some name a job number this broker does not know (yet)."""
+    def record(
+        self, items, status, rows: Ragged, prompt, why: str = COMPUTED_AGAIN, engine_s=0.0
+    ) -> bool:
+        """Store results; False if some name a job number this broker does not know (yet).
+        `engine_s`: the worker-seconds of each item, added to its job for each one stored."""
         known = True
         job_nos = job_of(items["seq"])
         for job_no in np.unique(job_nos).tolist():
@@ -251,6 +257,7 @@ class ResultIntake:
                 sync=False,
             )
             self.stored += recorded.stored
+            self.worker_time.add(job_id, engine_s * recorded.stored)
             self.duplicates[why] = self.duplicates.get(why, 0) + recorded.duplicates
             if recorded.duplicates:
                 self.log.info(

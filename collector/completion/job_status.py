@@ -16,7 +16,8 @@ several parts and their parts, a detail (docs/completion.md, "Lines and parts").
 `usage` is the job's token totals over its results (error results count
 nothing), each result counted once (collector/completion/job_results.py):
 `prompt_tokens`, `completion_tokens` (generated) and `total_tokens`.
-`limits` are the job's caps (pipeline/core/job_limits.py; None: none), and
+`worker_s` is the engine time its results took, from the workers' RESULTS
+(collector/completion/worker_time.py). `limits` are the job's caps (pipeline/core/job_limits.py; None: none), and
 `stopped` the one it passed (`code`, `limit`, `message` with the numbers), once
 completion stopped it (collector/completion/caps.py): it ends `failed`.
 """
@@ -24,6 +25,7 @@ completion stopped it (collector/completion/caps.py): it ends `failed`.
 from __future__ import annotations
 
 from collector.completion.results_log import CompletionLog
+from collector.completion.worker_time import WorkerTime
 from collector.job_view import JobView
 from pipeline.core.job_states import job_state
 
@@ -31,8 +33,9 @@ from pipeline.core.job_states import job_state
 class JobStatus:
     """JOB_INFO of jobs, with each job's rate since this process first answered about it."""
 
-    def __init__(self, completion_log: CompletionLog) -> None:
+    def __init__(self, completion_log: CompletionLog, worker_time: WorkerTime) -> None:
         self.completion_log = completion_log
+        self.worker_time = worker_time
         self.rates: dict[str, tuple[float, int]] = {}  # job -> (first asked, completed then)
 
     def info(self, view: JobView, finished: bool, now: float) -> dict:
@@ -78,6 +81,7 @@ class JobStatus:
                 "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens,
             },
+            "worker_s": round(self.worker_time.of(job_id), 3),
             "limits": view.limits.to_record() or None,
             "stopped": None
             if stop is None

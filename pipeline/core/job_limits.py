@@ -6,6 +6,7 @@
 | `min_sample`       | `--min-sample N`      | `fabric_min_sample`          | (the sample the rate waits for; default `DEFAULT_MIN_SAMPLE`, 20) | |
 | `max_errors`       | `--max-errors N`      | `fabric_max_errors`          | more than N lines have an error result             | `error_cap`       |
 | `max_tokens`       | `--max-tokens-budget N` | `fabric_max_tokens_budget` | the job's prompt + generated tokens reach N         | `budget_exceeded` |
+| `max_worker_s`     | `--max-worker-seconds S` | `fabric_max_worker_seconds` | the engine time its results took reaches S seconds (collector/completion/worker_time.py) | `budget_exceeded` |
 
 A job's limits travel with its first chunk (ingest/submit_client.py) into its
 record (pipeline/store/job_record.py, field `limits`), and completion checks
@@ -33,7 +34,9 @@ NAMES = {
     "min_sample": ("fabric_min_sample", "--min-sample"),
     "max_errors": ("fabric_max_errors", "--max-errors"),
     "max_tokens": ("fabric_max_tokens_budget", "--max-tokens-budget"),
+    "max_worker_s": ("fabric_max_worker_seconds", "--max-worker-seconds"),
 }
+FRACTIONAL = ("max_error_rate", "max_worker_s")  # the limits that need not be whole numbers
 
 
 class LimitError(FabricError, ValueError):
@@ -69,10 +72,12 @@ class JobLimits:
     min_sample: int = DEFAULT_MIN_SAMPLE
     max_errors: int | None = None
     max_tokens: int | None = None
+    max_worker_s: float | None = None
 
     @property
     def any(self) -> bool:
-        return (self.max_error_rate, self.max_errors, self.max_tokens) != (None, None, None)
+        caps = (self.max_error_rate, self.max_errors, self.max_tokens, self.max_worker_s)
+        return caps != (None, None, None, None)
 
     def to_record(self) -> dict[str, Any]:
         """The record's `limits` (only the limits set; {} when there are none)."""
@@ -80,9 +85,10 @@ class JobLimits:
             return {}
         return {k: v for k, v in asdict(self).items() if v is not None}
 
-    def passed(self, done: int, failed: int, tokens: int) -> Stop | None:
+    def passed(self, done: int, failed: int, tokens: int, worker_s: float = 0.0) -> Stop | None:
         """The limit the job has passed with `done` lines with a result or an error, `failed`
-        of them errors and `tokens` prompt + generated tokens, or None."""
+        of them errors, `tokens` prompt + generated tokens and `worker_s` engine seconds, or
+        None."""
         if self.max_errors is not None and failed > self.max_errors:
             return Stop(
                 ItemErrorCode.ERROR_CAP,
@@ -103,6 +109,13 @@ class JobLimits:
                 "max_tokens",
                 f"{tokens} tokens reached max_tokens {self.max_tokens} ({done} lines done)",
             )
+        if self.max_worker_s is not None and worker_s >= self.max_worker_s:
+            return Stop(
+                ItemErrorCode.BUDGET_EXCEEDED,
+                "max_worker_s",
+                f"{worker_s:.1f} worker-seconds reached max_worker_s {self.max_worker_s:g} "
+                f"({done} lines done)",
+            )
         return None
 
 
@@ -118,7 +131,8 @@ def _number(value: Any, name: str, where: str, integer: bool) -> float | int:
     if name == "min_sample" and not bad:
         bad = number < 1
     if bad:
-        kind = "a share from 0 to 1" if name == "max_error_rate" else "a whole number"
+        kinds = {"max_error_rate": "a share from 0 to 1", "max_worker_s": "a number of seconds"}
+        kind = kinds.get(name, "a whole number")
         low = " of at least 1" if name == "min_sample" else (" (0 or more)" if integer else "")
         raise LimitError(f"{where} {value!r} is not {kind}{low}: give e.g. {_EXAMPLE[name]}")
     return number
@@ -140,7 +154,7 @@ def limits_from(values: dict[str, Any], label: dict[str, str] | None = None) -> 
         if key not in NAMES or value is None:
             continue
         where = (label or {}).get(key, f"limits.{key}")
-        known[key] = _number(value, key, where, integer=key != "max_error_rate")
+        known[key] = _number(value, key, where, integer=key not in FRACTIONAL)
     return JobLimits(**known)
 
 
