@@ -68,9 +68,10 @@ def test_limits_from_their_doors():
     assert limits_of_metadata({"fabric_max_error_rate": "0.25", "other": "x"}) == JobLimits(
         max_error_rate=0.25
     )
-    record = limits_of_flags({"max_tokens": "1000", "min_sample": "5"}).to_record()
-    assert record == {"max_tokens": 1000, "min_sample": 5}
-    assert record_limits({"limits": record}) == JobLimits(max_tokens=1000, min_sample=5)
+    record = limits_of_flags({"max_error_rate": "0.1", "min_sample": "5"}).to_record()
+    assert record == {"max_error_rate": 0.1, "min_sample": 5}
+    assert record_limits({"limits": record}) == JobLimits(max_error_rate=0.1, min_sample=5)
+    assert JobLimits(max_tokens=9).to_record() == {"max_tokens": 9}  # no sample without a rate
     assert record_limits({"limits": "nonsense"}) == JobLimits()
 
 

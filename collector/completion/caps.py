@@ -50,8 +50,11 @@ class CapWatch:
             return None
         log = self.completion_log
         prompt, generated = log.tokens(view.job_id)
+        done, total = log.completed(view.job_id), view.total
+        if total is not None and done >= total:  # nothing left to stop: it completes
+            return None
         stop = view.limits.passed(
-            log.completed(view.job_id),
+            done,
             log.failed(view.job_id),
             prompt + generated,
             self.worker_time.of(view.job_id),

@@ -80,10 +80,14 @@ class JobLimits:
         return caps != (None, None, None, None)
 
     def to_record(self) -> dict[str, Any]:
-        """The record's `limits` (only the limits set; {} when there are none)."""
+        """The record's `limits` (only the limits set, `min_sample` with a rate; {} when there
+        are none)."""
         if not self.any:
             return {}
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        record = {k: v for k, v in asdict(self).items() if v is not None}
+        if self.max_error_rate is None:
+            del record["min_sample"]  # the rate's sample: nothing without a rate
+        return record
 
     def passed(self, done: int, failed: int, tokens: int, worker_s: float = 0.0) -> Stop | None:
         """The limit the job has passed with `done` lines with a result or an error, `failed`
