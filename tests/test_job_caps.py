@@ -15,6 +15,7 @@ import zygote
 from broker import REPO, Broker, submit, write_config
 from client_commands import run_cli
 from conftest import assert_check_clean, wait_for
+from test_metrics import scrape_when, value
 
 from collector.results_client import ResultsClient
 from gpu.worker.options import WorkerOptions
@@ -76,6 +77,15 @@ def run_job(
             info = client.job_status("j")
             out, err = tmp_path / "out.jsonl", tmp_path / "err.jsonl"
             client.fetch("j", str(out), str(err))
+        stopped = 1 if end == "failed" else 0  # the metrics count it (and the engine time)
+        scrape_when(
+            f"http://{b.settings.metrics.bind}/metrics",
+            "the metrics to count the job",
+            lambda s: (
+                value(s, "fabric_jobs_stopped_by_limit_total") == stopped
+                and value(s, "fabric_worker_seconds_total") > 0
+            ),
+        )
         shown = run_cli("status", "j", "--json", "--config", str(b.config))
         assert shown.returncode == 0, shown.stderr
         codes = Counter(

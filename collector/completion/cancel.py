@@ -1,6 +1,6 @@
 """Cancel: a client's CANCEL recorded as `jobs/<id>/cancel` and passed on to dispatch.
 
-A job already `completed` or `expired` is refused. Otherwise, unless it is
+A job already `completed`, `expired` or `failed` (a limit stopped it) is refused. Otherwise, unless it is
 cancelled already, the cancel mark is written (collector/job_view.py
 `write_cancel`: the job number and the wall-clock ns, atomically; and
 `expired` for a CANCEL with `"reason": "expired"`, the HTTP API's batch
@@ -23,7 +23,7 @@ from pipeline.core.job_states import JobState
 from pipeline.store.segment import disk_error
 from pipeline.transport import wire
 
-NOT_CANCELLABLE = (JobState.COMPLETED, JobState.EXPIRED)
+NOT_CANCELLABLE = (JobState.COMPLETED, JobState.EXPIRED, JobState.FAILED)
 AT_DEADLINE = JobState.EXPIRED  # a CANCEL's `reason` when the job's deadline passed
 
 

@@ -370,6 +370,7 @@ class CompletionStage(Stage[CompletionStageSettings]):
             "fabric_results_delivered_total": self.delivery.delivered,
             "fabric_results_refused_total": {(c,): intake.refused[c] for c in CAUSES[1:]},
             "fabric_jobs_stopped_by_limit_total": self.caps.stopped,
+            "fabric_worker_seconds_total": round(intake.worker_time.added_s, 3),
             **self.disk.figures(self.label),
         }
 

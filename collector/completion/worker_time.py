@@ -43,6 +43,7 @@ class WorkerTime:
         self.totals: dict[str, float] = {}
         self.changed: set[str] = set()
         self.written_at = 0.0
+        self.added_s = 0.0  # worker-seconds added since the stage started (metrics)
 
     def of(self, job_id: str) -> float:
         if job_id not in self.totals:
@@ -52,6 +53,7 @@ class WorkerTime:
     def add(self, job_id: str, seconds: float) -> None:
         if seconds > 0:
             self.totals[job_id] = self.of(job_id) + seconds
+            self.added_s += seconds
             self.changed.add(job_id)
 
     def write(self, now: float, job_id: str | None = None) -> None:

@@ -241,6 +241,13 @@ METRICS: dict[str, Metric] = _catalogue(
         "completion",
     ),
     Metric(
+        "fabric_worker_seconds_total",
+        COUNTER,
+        (),
+        "Engine seconds of the results stored, from the workers' RESULTS (per job: status JOB)",
+        "completion",
+    ),
+    Metric(
         "fabric_results_delivered_total",
         COUNTER,
         (),
