@@ -20,6 +20,7 @@ from test_metrics import scrape_when, value
 from collector.results_client import ResultsClient
 from gpu.worker.options import WorkerOptions
 from pipeline.core import exitcodes
+from pipeline.store.job_files import JobFiles
 
 REFUSE = 777  # the echo engine's refuse_token: an item starting with it gets its own error
 LINES = 2000
@@ -60,10 +61,17 @@ def start_worker(b: Broker, simulated: bool) -> subprocess.Popen:
 
 
 def run_job(
-    tmp_path, refused_every: int, *limits: str, end: str, simulated: bool = False
+    tmp_path,
+    refused_every: int,
+    *limits: str,
+    end: str,
+    simulated: bool = False,
+    restart: bool = False,
 ) -> tuple[dict, Counter, dict]:
     """Submit LINES lines with `limits`, run them on one worker (`start_worker`) until the
-    job is `end`; its final JOB_INFO, its error lines' codes, and `status JOB --json`."""
+    job is `end`; its final JOB_INFO, its error lines' codes, and `status JOB --json`.
+    `restart`: once its worker-seconds are on disk, completion is SIGKILLed and the JOB_INFO
+    is the restarted completion's, which must say the same."""
     b = Broker(write_config(tmp_path, workers=0))
     worker = None
     try:
@@ -75,6 +83,13 @@ def run_job(
         with ResultsClient(b.settings.completion.bind, timeout_s=10) as client:
             wait_for(lambda: client.job_status("j")["state"] == end, f"job to be {end}", 120)
             info = client.job_status("j")
+            if restart:
+                files = JobFiles(b.settings.data_path)
+                on_disk = lambda: round(files.read_worker_seconds("j"), 3) == info["worker_s"]  # noqa: E731
+                wait_for(on_disk, "the worker-seconds to be written")
+                b.kill_stage("completion-0")
+                again = wait_for(lambda: client.job_status("j"), "the restarted completion")
+                assert again == {**info, "rate": again["rate"], "eta_s": again["eta_s"]}
             out, err = tmp_path / "out.jsonl", tmp_path / "err.jsonl"
             client.fetch("j", str(out), str(err))
         stopped = 1 if end == "failed" else 0  # the metrics count it (and the engine time)
@@ -111,7 +126,7 @@ def test_a_job_whose_every_line_fails_stops_after_the_minimum_sample(tmp_path):
     the job stops once 40 lines are done; the lines not run get `error_cap`, and it ends
     `failed`, its `stopped` naming the limit and the numbers."""
     info, codes, shown = run_job(
-        tmp_path, 1, "--max-error-rate", "0.5", "--min-sample", "40", end="failed"
+        tmp_path, 1, "--max-error-rate", "0.5", "--min-sample", "40", end="failed", restart=True
     )
     assert info["stopped"]["code"] == "error_cap"
     assert info["stopped"]["limit"] == "max_error_rate"
@@ -154,8 +169,9 @@ def test_a_token_budget_stops_a_job_near_the_budget(tmp_path):
 
 def test_worker_seconds_are_the_engine_time_of_the_job(tmp_path):
     """2,000 lines of 10 tokens on the simulated engine at 20,000 tokens/s: 1 s of engine
-    time, which `status JOB --json` shows as `worker_s` (the workers' own measure)."""
-    info, codes, shown = run_job(tmp_path, 0, end="completed", simulated=True)
+    time, which `status JOB --json` shows as `worker_s` (the workers' own measure), the same
+    after completion is SIGKILLed and restarted."""
+    info, codes, shown = run_job(tmp_path, 0, end="completed", simulated=True, restart=True)
     assert not codes
     assert 0.95 <= shown["worker_s"] <= 5.0, shown["worker_s"]
     assert shown["worker_s"] == info["worker_s"]
