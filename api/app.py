@@ -22,6 +22,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+from api.batch_limits import check_limits
 from api.batch_record import BatchRecord
 from api.batch_store import BatchStore, idempotent_batch_id, new_batch_id, to_openai
 from api.errors import ApiError, invalid, not_found
@@ -214,6 +215,7 @@ def make_app(settings: ApiStageSettings, root: Path, endpoints: tuple[str, ...])
         problem = webhooks.batch_url_problem(owner, metadata)
         if problem:
             raise invalid(problem, param="metadata")
+        check_limits(metadata)  # fabric_max_error_rate and the others (api/batch_limits.py)
         source = files.get(input_file_id, owner)
         if source is None or source.purpose != PURPOSE_INPUT:
             raise not_found("file", input_file_id, param="input_file_id")

@@ -5,6 +5,7 @@
     validating --(bad lines, OpenAI's default)--> failed
     in_progress --(cancel)--> cancelling --> cancelled     (results made so far are kept)
     in_progress --(expires_at)--> expired                  (unfinished items: batch_expired lines)
+    in_progress --(a limit passed)--> failed               (api/batch_limits.py: error_cap lines)
 
 A batch ends in its job's end state (pipeline/core/job_states.py `OPENAI_STATUS`), so
 `run.py status`, `status --watch` and HTTP say one word: at `expires_at` the job is
@@ -43,6 +44,7 @@ from typing import Any
 
 from api.batch_events import BatchEvents
 from api.batch_files import BatchFiles
+from api.batch_limits import job_limits, stopped_errors
 from api.batch_record import BatchRecord, Ending
 from api.batch_store import ACCEPT_PARTIAL_KEY, ERRORS, OUTPUT, BatchStore
 from api.batch_validation import Checked, check_and_send, error
@@ -171,6 +173,7 @@ class BatchDriver:
                 accept_partial=record.accepts_partial(ACCEPT_PARTIAL_KEY),
                 deadline=record.expires_at,
                 stop=stop,
+                limits=job_limits(record.metadata),
             )
             self._validating[batch_id] = (future, stop, path)
             log.info("batch %s: validating, its lines sent as job %s", batch_id, batch_id)
@@ -274,7 +277,11 @@ class BatchDriver:
             path = record.submit_path
             assert path is not None  # set when the input validated, before in_progress
             self._submitting[batch_id] = self._submitter.submit(
-                self.producer.submit_file, path, batch_id, deadline=record.expires_at
+                self.producer.submit_file,
+                path,
+                batch_id,
+                deadline=record.expires_at,
+                limits=job_limits(record.metadata),
             )
             log.info("batch %s: submitting %s as job %s", batch_id, path, batch_id)
 
@@ -343,6 +350,7 @@ class BatchDriver:
         if record.status != S.FINALIZING:
             record.move_to(S.FINALIZING, int(now))
             record.ended_as = JobState(info["state"])
+            record.errors = stopped_errors(info) or record.errors  # a job a limit stopped
             self.batches.put(record)
         self._finalize(record, now)
 

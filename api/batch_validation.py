@@ -90,10 +90,12 @@ def check_and_send(
     accept_partial: bool,
     deadline: float | None,
     stop: threading.Event,
+    limits: dict[str, Any] | None = None,
 ) -> Checked:
     """Check every line of `path` and send the lines as job `batch_id` while none is bad (with
     `accept_partial`, while no line is for another url); see the module docstring. `stop`
-    set (the batch was cancelled or expired meanwhile) ends the sending too."""
+    set (the batch was cancelled or expired meanwhile) ends the sending too. `limits`: the
+    job's caps (api/batch_limits.py)."""
     status = producer.job_status(batch_id)
     chunk_items = int(producer.catalog()["chunk_items"])
     lines = int(status["chunk_lines"]) if status["exists"] else lines_per_chunk(path, chunk_items)
@@ -115,7 +117,12 @@ def check_and_send(
 
     try:
         producer.submit_file(
-            str(path), batch_id, chunk_lines=lines, parsed=(lines, good_chunks()), deadline=deadline
+            str(path),
+            batch_id,
+            chunk_lines=lines,
+            parsed=(lines, good_chunks()),
+            deadline=deadline,
+            limits=limits,
         )
         checked.sent_all = True
     except Held:

@@ -8,7 +8,7 @@ import shlex
 import sys
 import time
 
-from cli.common import curve, key_options, say
+from cli.common import curve, key_options, limit_options, limits_of, say
 from config import load_settings
 from config.settings import ApiSettings
 from pipeline.core import exitcodes
@@ -57,6 +57,7 @@ def add_parser(commands) -> None:
     )
     submit.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for an answer")
     submit.add_argument("--attempts", type=int, default=10, help="tries per chunk before giving up")
+    limit_options(submit)
     key_options(submit)
     submit.set_defaults(handler=submit_command)
 
@@ -66,7 +67,13 @@ def submit_command(args: argparse.Namespace) -> int:
 
     from cli.progress_line import ProgressLine
     from ingest.submit_client import Producer, new_job_id, parse_deadline
+    from pipeline.core.job_limits import LimitError
 
+    try:
+        limits = limits_of(args)
+    except LimitError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exitcodes.USAGE
     deadline = parse_deadline(args.deadline, time.time()) if args.deadline else None
     settings = load_settings(args.config)
     address = args.broker or settings.ingest.bind
@@ -103,6 +110,7 @@ def submit_command(args: argparse.Namespace) -> int:
                 deliver=args.deliver,
                 deadline=deadline,
                 notify=notify,
+                limits=limits,
             )
     except BrokerUnavailableError as exc:
         line.say(f"error: {exc}")

@@ -115,6 +115,20 @@ def render_job(info: dict[str, Any]) -> str:
             f"  tokens     {usage['prompt_tokens']} prompt + {usage['completion_tokens']} "
             f"generated = {usage['total_tokens']}"
         )
+    if info.get("worker_s") is not None:
+        lines.append(f"  worker time  {info['worker_s']:.1f} s of engine time (workers' word)")
+    limits = info.get("limits") or {}
+    if limits:  # the job's caps (pipeline/core/job_limits.py); the budget's share used
+        budget = limits.get("max_tokens")
+        used = (
+            f" ({100 * usage['total_tokens'] / budget:.0f}% of the token budget)"
+            if (budget and usage)
+            else ""
+        )
+        lines.append(f"  limits     {', '.join(f'{k} {v}' for k, v in limits.items())}{used}")
+    if info.get("stopped"):
+        stop = info["stopped"]
+        lines.append(f"  stopped    {stop['code']} ({stop['limit']}): {stop['message']}")
     if info.get("fanout"):
         fan = info["fanout"]
         lines.append(f"  parts      {fan['parts']} in {fan['lines']} lines of several parts")

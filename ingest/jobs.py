@@ -18,12 +18,28 @@ from typing import Any
 
 from ingest.custom_ids import CustomIdSet
 from pipeline.core.errors import IngestError
+from pipeline.core.job_limits import LimitError, limits_from
 from pipeline.core.job_states import JobState, job_state
 from pipeline.store.counter import DurableCounter
 from pipeline.store.job_files import ChunkEntry, ChunkProgress, JobFiles, Landing
 from pipeline.store.job_record import DELIVER_FILE
 from pipeline.store.records import RecordLog
 from pipeline.store.segment import disk_error
+
+
+def parse_limits_field(value: Any) -> dict[str, Any]:
+    """A chunk's `limits` (pipeline/core/job_limits.py, record keys -> numbers) as the record
+    keeps them ({} for none); IngestError naming a bad one."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise IngestError(
+            f"limits {value!r} is not an object of limits: send e.g. {{'max_errors': 10}}"
+        )
+    try:
+        return limits_from(value).to_record()
+    except LimitError as exc:
+        raise IngestError(str(exc)) from None
 
 
 def parse_deadline_field(value: Any) -> float | None:
@@ -243,6 +259,7 @@ class JobRegistry:
         source: str = "",
         deadline: float | None = None,
         notify: str = "",
+        limits: dict[str, Any] | None = None,
     ) -> Job:
         """Create a job durably (directory, job.json, empty journal); its chunks have
         `chunk_lines` lines and its results go where `deliver` says (`parse_deliver`).
@@ -250,7 +267,9 @@ class JobRegistry:
         (`vectors search` reads the text of a hit's line back from it when it can).
         `deadline`: when the job should be done (wall seconds), if it has one; dispatch
         reads it from the record and serves earlier deadlines first (docs/dispatch.md).
-        `notify`: the URL completion POSTs the job's end to (`submit --notify`), if any."""
+        `notify`: the URL completion POSTs the job's end to (`submit --notify`), if any.
+        `limits`: the job's caps (`parse_limits_field`), if it has any; completion reads them
+        from the record (collector/completion/caps.py)."""
         directory = self.files.directory(job_id)  # IngestError: not an allowed id
         job_no = self._counter.next()  # DiskFullError when the disk is full
         created_ns = time.time_ns()
@@ -267,6 +286,8 @@ class JobRegistry:
             meta["deadline"] = parse_deadline_field(deadline)
         if notify:
             meta["notify"] = notify
+        if limits:
+            meta["limits"] = limits
         try:
             self.files.write_record(job_id, meta)
         except OSError as exc:  # a full disk: nothing of the job exists; the producer retries

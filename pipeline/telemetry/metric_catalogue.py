@@ -234,6 +234,20 @@ METRICS: dict[str, Metric] = _catalogue(
         "completion",
     ),
     Metric(
+        "fabric_jobs_stopped_by_limit_total",
+        COUNTER,
+        (),
+        "Jobs completion stopped because they passed one of their limits (error or token caps)",
+        "completion",
+    ),
+    Metric(
+        "fabric_worker_seconds_total",
+        COUNTER,
+        (),
+        "Engine seconds of the results stored, from the workers' RESULTS (per job: status JOB)",
+        "completion",
+    ),
+    Metric(
         "fabric_results_delivered_total",
         COUNTER,
         (),
