@@ -4,6 +4,7 @@ python run.py --config prod.toml                   serve: recovery, then all sta
 python run.py demo                                 the real pipeline on a real model, on the CPU
 python run.py submit FILE.jsonl [--config F | --broker ADDR] [--job-id ID] [--deliver vectors[:S]]
                    [--deadline 2h] [--priority N]  higher priority, then earlier deadlines first
+                   [--notify [URL]]                POST the job's end there, signed (webhooks)
 python run.py status [JOB] [--json]                queue depth, in-flight, workers; or one job's counts
 python run.py status --watch [--plain]             a live dashboard, redrawn every second
 python run.py results JOB -o OUT.jsonl [--errors ERR.jsonl] [--follow] [--all]

@@ -24,12 +24,15 @@ import uvicorn
 
 from api.app import make_app
 from api.batch_driver import BatchDriver
+from api.batch_events import BatchEvents
 from api.batch_store import BatchStore
 from api.file_store import FileStore
 from api.http_limits import HttpLimits, guarded
 from api.retention import OutputRetention
 from collector.delivery.decoders import model_decoders
 from collector.results_client import ResultsClient
+from collector.webhook_outbox import Outbox, WebhookSender, sender_thread
+from collector.webhooks import Webhooks
 from config.stage_settings import ApiStageSettings
 from ingest.submit_client import Producer
 from pipeline.core.errors import ConfigError
@@ -101,7 +104,13 @@ class ApiStage(Stage[ApiStageSettings]):
                 raise RuntimeError(f"the HTTP server on {settings.api.bind} did not start")
             time.sleep(0.01)
         self.driver = None
+        self.sender: WebhookSender | None = None
         if self.index == 0:
+            webhooks = Webhooks(settings.api)  # collector/webhooks.py: secrets read once, here
+            outbox = Outbox(root)
+            self.sender = WebhookSender(outbox, webhooks)
+            self.stop_sending = threading.Event()
+            self.sending = sender_thread(self.sender, self.stop_sending)
             curve = client_curve(settings.security)
             ingest = client_address(settings.ingest_bind)
             self.producers = (
@@ -117,6 +126,7 @@ class ApiStage(Stage[ApiStageSettings]):
                 self.producers,
                 self.results,
                 decoders=model_decoders(settings),  # the text of generated results
+                events=BatchEvents(outbox, webhooks),  # each batch's end, for its webhook
             )
             self.retention = OutputRetention(
                 self.files,
@@ -147,6 +157,8 @@ class ApiStage(Stage[ApiStageSettings]):
                 self.log.info("output file %s expired (completion.results_retention_s)", file_id)
         if not self.thread.is_alive():
             raise RuntimeError("the HTTP server thread stopped")
+        if self.sender is not None and not self.sending.is_alive():
+            raise RuntimeError("the webhook sender thread stopped")
         self.wake.wait(self.poll_ms / 1000)
 
     def drain(self, deadline: float) -> None:
@@ -154,6 +166,9 @@ class ApiStage(Stage[ApiStageSettings]):
         self.thread.join(max(0.0, deadline - time.monotonic()))
 
     def close(self) -> None:
+        if getattr(self, "sender", None) is not None:
+            self.stop_sending.set()
+            self.sending.join()
         if getattr(self, "driver", None) is not None:
             self.driver.close()
             for producer in self.producers:
@@ -166,4 +181,9 @@ class ApiStage(Stage[ApiStageSettings]):
         figures = self.route_stats.stats()
         if self.driver is not None:
             figures["fabric_api_batches"] = {(k,): v for k, v in self.by_status.items()}
+        if self.sender is not None:
+            figures["fabric_webhooks_events"] = {(k,): v for k, v in self.sender.events.items()}
+            figures["fabric_webhooks_attempts_total"] = {
+                (k,): v for k, v in self.sender.attempts.items()
+            }
         return figures

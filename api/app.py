@@ -22,6 +22,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+from api.batch_limits import check_limits
 from api.batch_record import BatchRecord
 from api.batch_store import BatchStore, idempotent_batch_id, new_batch_id, to_openai
 from api.control_routes import add_control_routes, priority_of
@@ -31,6 +32,8 @@ from api.keys import KeyRing
 from api.models_route import add_models_routes
 from api.route_stats import CountRequests, RouteStats
 from api.upload import UploadParser, receive_upload
+from collector.webhook_outbox import Outbox
+from collector.webhooks import Webhooks, event_id
 from config.stage_settings import ApiStageSettings
 
 READ_BLOCK = 1 << 20
@@ -60,6 +63,7 @@ def make_app(settings: ApiStageSettings, root: Path, endpoints: tuple[str, ...])
     files = FileStore(root)
     batches = BatchStore(root)
     keys = KeyRing(settings.api.keys_file)
+    webhooks, outbox = Webhooks(settings.api), Outbox(root)
     app = FastAPI(title="Inference Fabric: OpenAI Batch API", docs_url=None, redoc_url=None)
     app.state.route_stats = RouteStats()
     app.add_middleware(CountRequests, stats=app.state.route_stats)
@@ -87,12 +91,6 @@ def make_app(settings: ApiStageSettings, root: Path, endpoints: tuple[str, ...])
 
     add_models_routes(app, settings, owner_of)  # GET /v1/models, /v1/models/{id}
     add_control_routes(app, batches, owner_of)  # POST /v1/batches/{id}/pause, /resume
-
-    def shown(record: BatchRecord) -> dict[str, Any]:
-        """The Batch object, with a cancel or pause asked for and not taken up yet."""
-        return to_openai(
-            record, batches.cancel_requested(record.id), batches.pause_requested(record.id)
-        )
 
     # ---- files -----------------------------------------------------------------------------
     @app.post("/v1/files")
@@ -183,6 +181,17 @@ def make_app(settings: ApiStageSettings, root: Path, endpoints: tuple[str, ...])
         )
 
     # ---- batches ---------------------------------------------------------------------------
+    def batch_object(record: BatchRecord) -> dict[str, Any]:
+        """OpenAI's Batch, with a cancel or pause asked for and not taken up yet, and (an
+        extension) `fabric_webhook`: its end event's delivery."""
+        out = to_openai(
+            record, batches.cancel_requested(record.id), batches.pause_requested(record.id)
+        )
+        delivery = outbox.find(event_id(record.id)) if record.ended else None
+        if delivery is not None:
+            out["fabric_webhook"] = delivery.summary()
+        return out
+
     @app.post("/v1/batches")
     def create_batch(request: Request, body: dict[str, Any]) -> dict:
         owner = owner_of(request)
@@ -209,6 +218,10 @@ def make_app(settings: ApiStageSettings, root: Path, endpoints: tuple[str, ...])
                 param="metadata",
             )
         priority_of(metadata)  # a 400 now for a fabric_priority that is not an integer
+        problem = webhooks.batch_url_problem(owner, metadata)
+        if problem:
+            raise invalid(problem, param="metadata")
+        check_limits(metadata)  # fabric_max_error_rate and the others (api/batch_limits.py)
         source = files.get(input_file_id, owner)
         if source is None or source.purpose != PURPOSE_INPUT:
             raise not_found("file", input_file_id, param="input_file_id")
@@ -234,7 +247,7 @@ def make_app(settings: ApiStageSettings, root: Path, endpoints: tuple[str, ...])
                 param="Idempotency-Key",
                 code="idempotency_key_reused",
             )
-        return shown(record)
+        return batch_object(record)
 
     @app.get("/v1/batches")
     def list_batches(request: Request, limit: int = 20, after: str | None = None) -> dict:
@@ -243,7 +256,7 @@ def make_app(settings: ApiStageSettings, root: Path, endpoints: tuple[str, ...])
             raise invalid(f"limit {limit} must be between 1 and 100", param="limit")
         mine = [r for r in batches.all() if r.owner == owner]
         mine.sort(key=lambda r: (r.created_at, r.id), reverse=True)
-        objects = [shown(r) for r in mine]
+        objects = [batch_object(r) for r in mine]
         return _page(objects, after, limit)
 
     @app.get("/v1/batches/{batch_id}")
@@ -251,7 +264,7 @@ def make_app(settings: ApiStageSettings, root: Path, endpoints: tuple[str, ...])
         record = batches.get(batch_id, owner_of(request))
         if record is None:
             raise not_found("batch", batch_id)
-        return shown(record)
+        return batch_object(record)
 
     @app.post("/v1/batches/{batch_id}/cancel")
     def cancel_batch(request: Request, batch_id: str) -> dict:
@@ -265,7 +278,7 @@ def make_app(settings: ApiStageSettings, root: Path, endpoints: tuple[str, ...])
                 code="batch_not_cancellable",
             )
         batches.request_cancel(batch_id)
-        return shown(record)
+        return batch_object(record)
 
     return app
 

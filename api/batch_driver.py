@@ -5,6 +5,7 @@
     validating --(bad lines, OpenAI's default)--> failed
     in_progress --(cancel)--> cancelling --> cancelled     (results made so far are kept)
     in_progress --(expires_at)--> expired                  (unfinished items: batch_expired lines)
+    in_progress --(a limit passed)--> failed               (api/batch_limits.py: error_cap lines)
 
 A batch ends in its job's end state (pipeline/core/job_states.py `OPENAI_STATUS`), so
 `run.py status`, `status --watch` and HTTP say one word: at `expires_at` the job is
@@ -41,7 +42,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from api.batch_events import BatchEvents
 from api.batch_files import BatchFiles
+from api.batch_limits import job_limits, stopped_errors
 from api.batch_record import BatchRecord, Ending
 from api.batch_store import ACCEPT_PARTIAL_KEY, ERRORS, OUTPUT, BatchStore
 from api.batch_validation import Checked, check_and_send, error
@@ -74,16 +77,19 @@ class BatchDriver:
         producers: tuple[Producer, Producer],
         results: ResultsClient,
         decoders: dict[str, Decoder] | None = None,
+        events: BatchEvents | None = None,
     ) -> None:
         """`producers`: one for the broker's catalog on this thread, one for submissions on
         the submit thread (a ZeroMQ socket is used by one thread only); `decoders`: the
-        models' (collector/delivery/decoders.py), for the text of generated results."""
+        models' (collector/delivery/decoders.py), for the text of generated results; `events`:
+        the webhooks' outbox, told of each batch's end (api/batch_events.py)."""
         self.files = files
         self.batches = batches
         self.out = BatchFiles(files, batches)
         self.catalog, self.producer = producers
         self.results = results
         self.decoders = decoders or {}
+        self.events = events
         self._fetched: dict[str, float] = {}  # batch id -> last fetch (`now`)
         self._done: set[str] = set()  # batches seen ended: not read again
         self._ended: dict[BatchStatus, int] = {}  # of those, how many in each end status
@@ -107,6 +113,8 @@ class BatchDriver:
         for record in self.batches.all(skip=self._done):
             if record.ended:
                 self._done.add(record.id)
+                if self.events is not None:  # a kill may have come before its event's record
+                    self.events.ended(record, now)
                 self._ended[record.status] = self._ended.get(record.status, 0) + 1
                 continue
             try:
@@ -167,6 +175,7 @@ class BatchDriver:
                 deadline=record.expires_at,
                 stop=stop,
                 job_priority=priority_of(record.metadata),
+                limits=job_limits(record.metadata),
             )
             self._validating[batch_id] = (future, stop, path)
             log.info("batch %s: validating, its lines sent as job %s", batch_id, batch_id)
@@ -275,6 +284,7 @@ class BatchDriver:
                 batch_id,
                 deadline=record.expires_at,
                 job_priority=priority_of(record.metadata),
+                limits=job_limits(record.metadata),
             )
             log.info("batch %s: submitting %s as job %s", batch_id, path, batch_id)
 
@@ -355,6 +365,7 @@ class BatchDriver:
         if record.status != S.FINALIZING:
             record.move_to(S.FINALIZING, int(now))
             record.ended_as = JobState(info["state"])
+            record.errors = stopped_errors(info) or record.errors  # a job a limit stopped
             self.batches.put(record)
         self._finalize(record, now)
 
@@ -379,6 +390,8 @@ class BatchDriver:
     def _end(self, record: BatchRecord, status: BatchStatus, now: float) -> None:
         record.move_to(status, int(now))
         self.batches.put(record)
+        if self.events is not None:
+            self.events.ended(record, now)
         log.info("batch %s: %s", record.id, status)
 
 

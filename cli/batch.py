@@ -48,6 +48,7 @@ from assembly.private_broker import (
     wait_ready,
     write_config,
 )
+from cli.common import limit_options, limits_of
 from cli.progress_line import ProgressLine, bar
 from collector.status_view import job_done, job_fields
 from pipeline.core import exitcodes
@@ -78,6 +79,7 @@ class OneShot:
     tokenizer: str | None = None
     workers: int = 1
     aliases: tuple[str, ...] = ()  # --alias: other names the lines may give the model
+    limits: dict | None = None  # --max-errors and the other caps (pipeline/core/job_limits.py)
 
     @property
     def state_dir(self) -> Path:
@@ -289,6 +291,7 @@ def _drive(run: OneShot, settings, job_id: str, broker, progress: ProgressLine, 
         report = producer.submit_file(  # a rerun skips the chunks already durable
             run.input,
             job_id,
+            limits=run.limits,
             progress=lambda r, lines: progress.show(f"{job_id}: submitting, line {lines}"),
         )
     say(_queued(job_id, report))
@@ -417,6 +420,7 @@ def add_parser(commands) -> None:
         help="without --config: another name the lines may give the model, e.g. gpt-4o-mini "
         "(repeatable); the output's model repeats it",
     )
+    limit_options(batch)
     batch.set_defaults(handler=_batch)
 
 
@@ -438,5 +442,6 @@ def _batch(args) -> int:
             args.tokenizer,
             args.workers,
             tuple(args.alias),
+            limits_of(args),
         )
     )

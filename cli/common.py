@@ -72,3 +72,46 @@ def decoders(args: argparse.Namespace) -> dict:
     if getattr(args, "broker", None) or not os.path.exists(args.config):
         return {}
     return model_decoders(load_settings(args.config))
+
+
+def limit_options(command: argparse.ArgumentParser) -> None:
+    """A job's caps (pipeline/core/job_limits.py; docs/operations.md, "Error and budget caps")."""
+    command.add_argument(
+        "--max-error-rate",
+        metavar="R",
+        help="stop the job (error_cap) when more than this share (0..1) of its lines failed, "
+        "once --min-sample lines are done",
+    )
+    command.add_argument(
+        "--min-sample",
+        metavar="N",
+        help="lines done before --max-error-rate may stop the job (default 20)",
+    )
+    command.add_argument(
+        "--max-errors", metavar="N", help="stop the job (error_cap) when more than N lines failed"
+    )
+    command.add_argument(
+        "--max-tokens-budget",
+        metavar="N",
+        help="stop the job (budget_exceeded) when its prompt + generated tokens reach N",
+    )
+    command.add_argument(
+        "--max-worker-seconds",
+        metavar="S",
+        help="stop the job (budget_exceeded) when its results took S seconds of engine time",
+    )
+
+
+def limits_of(args: argparse.Namespace) -> dict:
+    """The caps `limit_options` gave, as a job record keeps them ({} for none); LimitError
+    names a bad flag."""
+    from pipeline.core.job_limits import limits_of_flags
+
+    values = {
+        "max_error_rate": args.max_error_rate,
+        "min_sample": args.min_sample,
+        "max_errors": args.max_errors,
+        "max_tokens": args.max_tokens_budget,
+        "max_worker_s": args.max_worker_seconds,
+    }
+    return limits_of_flags(values).to_record()

@@ -8,8 +8,9 @@ import shlex
 import sys
 import time
 
-from cli.common import curve, key_options, say
+from cli.common import curve, key_options, limit_options, limits_of, say
 from config import load_settings
+from config.settings import ApiSettings
 from pipeline.core import exitcodes
 from pipeline.core.errors import BrokerUnavailableError
 from pipeline.core.invocation import how_to_run
@@ -52,8 +53,18 @@ def add_parser(commands) -> None:
     submit.add_argument(
         "--errors", help="where to write rejected lines (default FILE.errors.jsonl)"
     )
+    submit.add_argument(
+        "--notify",
+        nargs="?",
+        const="",
+        metavar="URL",
+        help="POST the job's end there, signed (OpenAI's batch event; docs/operations.md, "
+        'Webhooks); alone: the url of the [[api.webhooks]] table of owner "cli", whose '
+        "secret signs it in any case",
+    )
     submit.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for an answer")
     submit.add_argument("--attempts", type=int, default=10, help="tries per chunk before giving up")
+    limit_options(submit)
     key_options(submit)
     submit.set_defaults(handler=submit_command)
 
@@ -63,9 +74,19 @@ def submit_command(args: argparse.Namespace) -> int:
 
     from cli.progress_line import ProgressLine
     from ingest.submit_client import Producer, new_job_id, parse_deadline
+    from pipeline.core.job_limits import LimitError
 
+    try:
+        limits = limits_of(args)
+    except LimitError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exitcodes.USAGE
     deadline = parse_deadline(args.deadline, time.time()) if args.deadline else None
-    address = args.broker or load_settings(args.config).ingest.bind
+    settings = load_settings(args.config)
+    address = args.broker or settings.ingest.bind
+    notify = "" if args.notify is None else notify_url(args.notify, settings.api)
+    if notify is None:
+        return exitcodes.USAGE
     job_id = args.job_id or new_job_id()
     line, started = ProgressLine(every_s=2.0), time.monotonic()
 
@@ -96,6 +117,8 @@ def submit_command(args: argparse.Namespace) -> int:
                 deliver=args.deliver,
                 deadline=deadline,
                 job_priority=args.priority,
+                notify=notify,
+                limits=limits,
             )
     except BrokerUnavailableError as exc:
         line.say(f"error: {exc}")
@@ -123,3 +146,23 @@ def submit_command(args: argparse.Namespace) -> int:
     )
     print(report.job_id)
     return exitcodes.OK
+
+
+def notify_url(given: str, api: ApiSettings) -> str | None:
+    """The URL of `--notify` (its table's when none is given); None after saying why not."""
+    from collector.completion.job_webhooks import CLI_OWNER
+    from collector.webhooks import url_problem
+
+    table = next((t for t in api.webhooks if t.owner == CLI_OWNER), None)
+    if table is None:
+        say(
+            f'error: --notify needs an [[api.webhooks]] table with owner = "{CLI_OWNER}" in the '
+            "configuration (its secret_file signs the event; docs/operations.md, Webhooks)"
+        )
+        return None
+    url = given or table.url
+    problem = url_problem(url, api.webhook_hosts)
+    if problem:
+        say(f"error: --notify {url!r} {problem}")
+        return None
+    return url

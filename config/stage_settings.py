@@ -118,6 +118,7 @@ class CompletionStageSettings(EveryStage):
     completion: CompletionSettings
     security: SecuritySettings
     max_attempts: int
+    api: ApiSettings  # its [[api.webhooks]] table for owner "cli" signs `submit --notify` events
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,7 +217,7 @@ def stage_settings(settings: Settings, stage: str, index: int = 0) -> StageSetti
         return DispatchStageSettings(s.data_path, s.metrics, s.dispatch, s.security, s.models)
     if stage == "completion":
         return CompletionStageSettings(
-            s.data_path, s.metrics, s.completion, s.security, s.dispatch.max_attempts
+            s.data_path, s.metrics, s.completion, s.security, s.dispatch.max_attempts, s.api
         )
     if stage == "vectors":
         return VectorStageSettings(s.data_path, s.metrics, s.vectors, s.security, s.completion.bind)

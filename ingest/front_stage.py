@@ -56,7 +56,13 @@ from ingest.custom_ids import Digests
 from ingest.error_wire import errors_from_wire
 from ingest.inflight import DEADLINE_MARGIN_S, Inflight, InflightChunks
 from ingest.input_chunk import InputChunk
-from ingest.jobs import Job, JobRegistry, parse_deadline_field, parse_priority_field
+from ingest.jobs import (
+    Job,
+    JobRegistry,
+    parse_deadline_field,
+    parse_limits_field,
+    parse_priority_field,
+)
 from ingest.line_errors import LineError
 from ingest.parked_chunks import ParkedChunks
 from ingest.peer_guard import PeerGuard
@@ -212,7 +218,18 @@ class FrontStage(Stage[FrontStageSettings]):
             source = str(meta.get("source", ""))[:4096]  # the input file's path, for vectors search
             deadline = parse_deadline_field(meta.get("deadline"))  # the first chunk's counts
             priority = parse_priority_field(meta.get("job_priority", 0))
-            job = self.registry.create(job_id, chunk_lines, deliver, source, deadline, priority)
+            notify = str(meta.get("notify", ""))[:4096]  # where its end is POSTed, if anywhere
+            limits = parse_limits_field(meta.get("limits"))  # likewise
+            job = self.registry.create(
+                job_id,
+                chunk_lines,
+                deliver,
+                source,
+                deadline,
+                priority=priority,
+                notify=notify,
+                limits=limits,
+            )
         self.jobs_by_no[job.job_no] = job
         job.check_takes(deliver, chunk_lines)
         state = job.chunks.get(number)

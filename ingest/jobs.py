@@ -18,6 +18,7 @@ from typing import Any
 
 from ingest.custom_ids import CustomIdSet
 from pipeline.core.errors import IngestError
+from pipeline.core.job_limits import LimitError, limits_from
 from pipeline.core.job_states import JobState, job_state
 from pipeline.store.counter import DurableCounter
 from pipeline.store.job_files import ChunkEntry, ChunkProgress, JobFiles, Landing
@@ -34,6 +35,21 @@ def parse_priority_field(value: Any) -> int:
             f"to {PRIORITY_LIMIT} (higher first; 0 is the default)"
         )
     return value
+
+
+def parse_limits_field(value: Any) -> dict[str, Any]:
+    """A chunk's `limits` (pipeline/core/job_limits.py, record keys -> numbers) as the record
+    keeps them ({} for none); IngestError naming a bad one."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise IngestError(
+            f"limits {value!r} is not an object of limits: send e.g. {{'max_errors': 10}}"
+        )
+    try:
+        return limits_from(value).to_record()
+    except LimitError as exc:
+        raise IngestError(str(exc)) from None
 
 
 def parse_deadline_field(value: Any) -> float | None:
@@ -253,6 +269,8 @@ class JobRegistry:
         source: str = "",
         deadline: float | None = None,
         priority: int = 0,
+        notify: str = "",
+        limits: dict[str, Any] | None = None,
     ) -> Job:
         """Create a job durably (directory, job.json, empty journal); its chunks have
         `chunk_lines` lines and its results go where `deliver` says (`parse_deliver`).
@@ -260,7 +278,10 @@ class JobRegistry:
         (`vectors search` reads the text of a hit's line back from it when it can).
         `deadline`: when the job should be done (wall seconds), if it has one; dispatch
         reads it from the record and serves earlier deadlines first (docs/dispatch.md);
-        `priority` (higher first, within a minimum share for the rest) likewise."""
+        `priority` (higher first, within a minimum share for the rest) likewise.
+        `notify`: the URL completion POSTs the job's end to (`submit --notify`), if any.
+        `limits`: the job's caps (`parse_limits_field`), if it has any; completion reads them
+        from the record (collector/completion/caps.py)."""
         directory = self.files.directory(job_id)  # IngestError: not an allowed id
         job_no = self._counter.next()  # DiskFullError when the disk is full
         created_ns = time.time_ns()
@@ -277,6 +298,10 @@ class JobRegistry:
             meta["deadline"] = parse_deadline_field(deadline)
         if priority:
             meta["priority"] = parse_priority_field(priority)
+        if notify:
+            meta["notify"] = notify
+        if limits:
+            meta["limits"] = limits
         try:
             self.files.write_record(job_id, meta)
         except OSError as exc:  # a full disk: nothing of the job exists; the producer retries

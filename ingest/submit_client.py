@@ -180,6 +180,8 @@ class Producer(BrokerClient):
         deliver: str = DELIVER_FILE,
         deadline: float | None = None,
         job_priority: int = 0,
+        notify: str = "",
+        limits: dict[str, Any] | None = None,
     ) -> SubmitReport:
         """Send every line of an OpenAI Batch JSONL file; return when all of it is durable.
         `parsed`: (chunk_lines, the chunks of `iter_batch_input(source, ..., chunk_lines)`) from
@@ -190,7 +192,10 @@ class Producer(BrokerClient):
         line is bad (InputLineError names it). `deadline` (wall seconds since the epoch;
         `parse_deadline`) is recorded with a new job: dispatch serves earlier deadlines
         first. `job_priority` (an integer, higher first) likewise. A resumed job keeps the
-        deadline and priority it was created with.
+        deadline and priority it was created with. `notify`: a URL the broker POSTs the job's
+        end to (collector/completion/job_webhooks.py), likewise kept. `limits`: the job's
+        caps (pipeline/core/job_limits.py `JobLimits.to_record`), recorded with a new job
+        likewise.
         """
         job_id = job_id or new_job_id()
         status = self.job_status(job_id)
@@ -210,7 +215,17 @@ class Producer(BrokerClient):
         source = str(Path(source).resolve())  # recorded with the job (`vectors search` text)
         with _resume_hint(job_id):
             return self._send_chunks(
-                job_id, lines, chunks, status, progress, deliver, source, deadline, job_priority
+                job_id,
+                lines,
+                chunks,
+                status,
+                progress,
+                deliver,
+                source,
+                deadline,
+                job_priority,
+                notify,
+                limits,
             )
 
     def submit_tokens(
@@ -265,6 +280,8 @@ class Producer(BrokerClient):
         source: str = "",
         deadline: float | None = None,
         job_priority: int = 0,
+        notify: str = "",
+        limits: dict[str, Any] | None = None,
     ) -> SubmitReport:
         report = SubmitReport(job_id)
         self._backing_off.clear()
@@ -301,6 +318,10 @@ class Producer(BrokerClient):
                     meta["deadline"] = float(deadline)
                 if job_priority:
                     meta["job_priority"] = int(job_priority)
+                if notify:
+                    meta["notify"] = notify
+                if limits:
+                    meta["limits"] = limits
                 self.send(MT.SUBMIT_CHUNK, meta, arrays)
                 pending[chunk.index] = (meta, arrays, time.monotonic(), 1)
             if pending:

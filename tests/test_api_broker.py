@@ -50,11 +50,14 @@ def api_broker(
     processes: int = 1,
     retention_s: float | None = None,
     text_worker: bool = False,
+    api_extra: str = "",
 ) -> tuple[Broker, str]:
     """`retention_s`: the job results' retention (the collector then sweeps every 0.3 s);
-    `text_worker`: a local worker for `texty` too (text in, its tokenizer's words out)."""
+    `text_worker`: a local worker for `texty` too (text in, its tokenizer's words out);
+    `api_extra`: more lines for [api] (its [[api.webhooks]] tables after them)."""
     port = free_port()
     extra = f'[api]\nenabled = true\nbind = "127.0.0.1:{port}"\nprocesses = {processes}\n'
+    extra += api_extra
     if retention_s is not None:
         extra += "[collector]\ninterval_s = 0.3\n"
     workers = 0 if text_worker else 1

@@ -12,6 +12,7 @@
 | `delivery.py` | FETCH -> RESULT_PAGE, one outstanding page per job, acks |
 | `job_status.py` | JOB_STATUS: a job's state and counters (reads only) |
 | `cancel.py` | CANCEL: the cancel mark and CANCEL_JOB to dispatch |
+| `figures.py` | what the stage reports to the metrics |
 | `finishing.py` | where a job finishes: its segments sealed, `jobs/<id>/finished` written |
 
 docs/completion.md describes the whole.

@@ -37,17 +37,20 @@ refused) is tried again every second until one goes through
 from __future__ import annotations
 
 import collections
+import math
 import time
 
 import numpy as np
 import zmq
 
 from collector.completion import cancel, control
+from collector.completion.caps import CapWatch
 from collector.completion.delivery import PageDelivery
+from collector.completion.figures import completion_figures
 from collector.completion.finishing import JobFinisher
 from collector.completion.intake import ResultIntake
 from collector.completion.job_status import JobStatus
-from collector.completion.result_check import CAUSES
+from collector.completion.job_webhooks import JobWebhooks
 from collector.completion.results_log import CompletionLog
 from collector.job_view import JobIndex, JobView
 from config.stage_settings import CompletionStageSettings
@@ -93,10 +96,11 @@ class CompletionStage(Stage[CompletionStageSettings]):
             settings.max_attempts,
             self.log,
         )
-        self.status = JobStatus(self.completion_log)
+        self.status = JobStatus(self.completion_log, self.intake.worker_time)
         self.delivery = PageDelivery(self.completion_log, self.shapes, self.config.page_items)
+        self.webhooks = JobWebhooks(settings.data_path, settings.api, self.log)  # --notify
         self.finishing = JobFinisher(
-            self.completion_log, self.jobs, lambda: self.wall_ns(), self.log
+            self.completion_log, self.jobs, lambda: self.wall_ns(), self.log, self.webhooks.ended
         )
         self.flush_s = self.config.tombstone_flush_ms / 1000
         self.next_flush: float | None = None  # set from the first step's clock
@@ -122,6 +126,7 @@ class CompletionStage(Stage[CompletionStageSettings]):
             send_timeout_ms=1000,
             connect=internal_address(settings, "dispatch"),
         )
+        self.caps = CapWatch(self.completion_log, self.intake.worker_time, self.dispatch, self.log)
         self.clients = wire.open_socket(self.context, zmq.ROUTER)
         self.clients.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)  # bigger: dropped
         self.limits = wire.WireLimits(max_bytes=self.config.max_message_bytes)
@@ -155,6 +160,8 @@ class CompletionStage(Stage[CompletionStageSettings]):
     def step(self, now: float) -> None:
         if self.next_flush is None:
             self.next_flush = now + self.flush_s
+        if not self.webhooks.alive():
+            raise RuntimeError("the webhook sender thread stopped")
         events = dict(self.poller.poll(self._wait_ms(now)))
         if self.inbox.socket in events or self.deferred or self.probe is not None:
             self._read_inbox(now)
@@ -190,11 +197,16 @@ class CompletionStage(Stage[CompletionStageSettings]):
                 log.sync_outputs()
             except DiskFullError as exc:  # everything stays queued for the next try
                 self.disk.failed(exc, now)
+        self.intake.worker_time.write(now)  # each job's worker-seconds, every second
         if self.intake.touched and not log.unsynced:  # their results are durable
             touched, self.intake.touched = self.intake.touched, set()
             for job_id in touched:
                 view = self.jobs.view(job_id)
                 if view is not None:
+                    try:
+                        self.caps.check(view)  # a job past one of its limits is stopped
+                    except DiskFullError as exc:  # checked again with its next results
+                        self.disk.failed(exc, now)
                     self._finish_if_done(view, now)
 
     def _flush(self, now: float) -> None:
@@ -336,7 +348,9 @@ class CompletionStage(Stage[CompletionStageSettings]):
         self._reply(route, MT.RESULT_PAGE, reply, arrays)
 
     def _job_info(self, view: JobView, now: float) -> dict:
-        return self.status.info(view, self.finishing.finished(view.job_id), now)
+        info = self.status.info(view, self.finishing.finished(view.job_id), now)
+        info["webhook"] = self.webhooks.delivery(view.job_id)  # its end's event, if any
+        return info
 
     def _catch_up(self, view: JobView, now: float) -> None:
         """Read what the front appended; rejected lines become error results.
@@ -359,17 +373,8 @@ class CompletionStage(Stage[CompletionStageSettings]):
             self.disk.failed(exc, now)
 
     def stats(self, now: float) -> dict:
-        """Results stored, duplicates dropped, results delivered (docs/metrics.md)."""
-        intake = self.intake
-        return {
-            "fabric_items_completed_total": intake.stored,
-            "fabric_duplicate_results_total": {
-                (why.replace(" ", "_"),): n for why, n in intake.duplicates.items()
-            },
-            "fabric_results_delivered_total": self.delivery.delivered,
-            "fabric_results_refused_total": {(c,): intake.refused[c] for c in CAUSES[1:]},
-            **self.disk.figures(self.label),
-        }
+        more = {**self.disk.figures(self.label), **self.webhooks.stats()}
+        return completion_figures(self.intake, self.delivery.delivered, self.caps.stopped, more)
 
     def _reply(
         self, route, kind: MT, meta: dict, arrays: dict | None = None, flags: int = 0
@@ -397,6 +402,7 @@ class CompletionStage(Stage[CompletionStageSettings]):
             if self.finishing.finished(job_id):
                 if not self.delivery.outstanding(job_id) and not log.undelivered(job_id):
                     log.unload(job_id)  # all delivered: free its bitmaps and handles
+                    self.intake.worker_time.forget(job_id)
                     self.jobs.forget(job_id)
                 continue
             self._catch_up(view, now)
@@ -430,6 +436,9 @@ class CompletionStage(Stage[CompletionStageSettings]):
             )
 
     def close(self) -> None:
+        if getattr(self, "webhooks", None) is not None:
+            self.webhooks.close()
+        self.intake.worker_time.write(math.inf)  # each job's worker-seconds as they stand
         try:
             self.completion_log.close()
         except DiskFullError as exc:  # seals not durable: recovery finds them open, harmless

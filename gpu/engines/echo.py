@@ -1,6 +1,6 @@
 """The `echo` engine, for tests: generation returns the prompt's tokens, embedding returns them as floats.
 
-Three engine options make it fail as a GPU engine can, for fault tests. A test's config
+Four engine options make it fail as a GPU engine can, for fault tests. A test's config
 passes them (`[workers] options = {poison_token = 666}`, or `run.py worker --option
 poison_token=666`); the engine reads nothing else:
 
@@ -8,6 +8,7 @@ poison_token=666`); the engine reads nothing else:
 |----------------------------|------------------------------------------------------|
 | `poison_token`             | kills the worker process with SIGKILL (a crashing kernel) |
 | `hang_token`               | never ends (a hung kernel: only `batch_timeout_s` ends it) |
+| `refuse_token`             | that item (only it) gets its own error, as a model refuses an input it cannot serve |
 | `oom_token` (`oom_times`)  | raises torch's out-of-memory error, the first `oom_times` (default 1) times in this process (each halved piece that holds such an item counts: `Engine.run`) |
 """
 
@@ -37,7 +38,8 @@ class EchoEngine(Engine):
     with an item that starts with it kills the worker process with SIGKILL, as a crashing
     GPU kernel would. `hang_token` names one whose batch never ends (a hung kernel), and
     `oom_token` one whose batch raises torch's out-of-memory error the first `oom_times`
-    times this process runs one.
+    times this process runs one. `refuse_token` names one whose item alone gets its own
+    error (the batch runs).
     """
 
     name = "echo"
@@ -48,11 +50,13 @@ class EchoEngine(Engine):
         hang_token: int | None = None,
         oom_token: int | None = None,
         oom_times: int = 1,
+        refuse_token: int | None = None,
     ) -> None:
         self.poison_token = poison_token
         self.hang_token = hang_token
         self.oom_token = oom_token
         self.oom_left = oom_times if oom_token is not None else 0
+        self.refuse_token = refuse_token
 
     def infer(self, batch: EngineBatch) -> EngineResult:
         n = len(batch.lengths)
@@ -65,6 +69,9 @@ class EchoEngine(Engine):
             self.oom_left -= 1
             raise RuntimeError("CUDA out of memory. Tried to allocate 20.00 GiB (echo, a test)")
         errors = item_errors(batch, ANY_ID, NO_CONTEXT_LIMIT, self.name)
+        if self.refuse_token is not None and n:
+            for i in np.flatnonzero(batch.tokens[:, 0] == self.refuse_token).tolist():
+                errors[i] = errors[i] or f"echo refuses items starting with {self.refuse_token}"
         served = np.array([e is None for e in errors], bool)
         if batch.task == EMBED:
             vectors = batch.tokens.astype(np.float32)

@@ -149,14 +149,15 @@ class EngineThread:
                 result = self.engine.run(batch)
                 self.running = None
                 self.turns += 1
-                self.measured(held.tokens.size, self.clock() - began)
+                engine_s = self.clock() - began
+                self.measured(held.tokens.size, engine_s)
                 if len(result.errors) != len(held.items):
                     raise FabricError(
                         f"engine {self.engine.name} returned {len(result.errors)} outcomes "
                         f"for {len(held.items)} items"
                     )
                 self.prompt_tokens += int(held.lengths.sum())
-                self._tell(Done(held.batch_id, "ok", result))
+                self._tell(Done(held.batch_id, "ok", result, engine_s=engine_s))
             except TransientEngineError as exc:
                 self.running = None
                 self.turns += 1

@@ -36,6 +36,7 @@ class Held:
     token: str = ""  # the work token WORK carried; returned with results and claims
     issued: np.ndarray | None = None  # the items as WORK carried them (the token covers them)
     gone: np.ndarray | None = None  # bool per item: no longer live (said at re-registration)
+    engine_s: float = 0.0  # the seconds the engine ran it (RESULTS `engine_s`)
 
     def live_items(self) -> np.ndarray:
         """The items it holds that the broker has not said are gone."""
@@ -50,6 +51,7 @@ class Done:
     outcome: str  # ok, transient, broken
     result: EngineResult | None = None
     reason: str = ""
+    engine_s: float = 0.0  # the seconds the engine ran it
 
 
 def live_items(batches: Iterable[Held]) -> np.ndarray:

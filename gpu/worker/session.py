@@ -330,6 +330,7 @@ class Worker:
                     arrays = keep_results(arrays, ~held.gone)
                     held.items, held.gone = held.items[~held.gone], None
                 held.results = ({}, arrays)
+                held.engine_s = done.engine_s
                 held.tokens = np.zeros((0, 0), np.uint32)
                 held.result_id = self.next_result_id
                 self.next_result_id += 1
@@ -377,6 +378,7 @@ class Worker:
             "resent": resent,
             "batch_id": held.batch_id,
             "token": held.token,
+            "engine_s": round(held.engine_s, 6),  # the job's worker-seconds (docs/wire.md)
         }
         issued = held.items if held.issued is None else held.issued
         if self._send(MT.RESULTS, meta, {**held.results[1], "issued": issued}):

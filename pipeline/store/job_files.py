@@ -5,10 +5,11 @@
 | `jobs/next-job-no`           | the front (ingest/jobs.py)   | DurableCounter of job numbers (1, 2, ...) |
 | `jobs/<job_id>/job.json`     | the front, once, atomically  | the job record (pipeline/store/job_record.py) |
 | `jobs/<job_id>/chunks.log`   | the front                    | RecordLog (pipeline/store/records.py) of chunk events (below) |
-| `jobs/<job_id>/cancel`       | completion, atomically       | `<job_no> <wall ns>\\n`: a client cancelled the job; `<job_no> <wall ns> expired\\n`: it was cancelled at its deadline (the HTTP API's `completion_window`), and ends `expired`; dispatch reads the job number at start |
+| `jobs/<job_id>/cancel`       | completion, atomically       | `<job_no> <wall ns>\\n`: a client cancelled the job; `<job_no> <wall ns> expired\\n`: it was cancelled at its deadline (the HTTP API's `completion_window`), and ends `expired`; `<job_no> <wall ns> <code> <limit> <message>\\n`: it passed a limit (pipeline/core/job_limits.py) and ends `failed`; dispatch reads the job number at start |
 | `jobs/<job_id>/finished`     | completion, atomically       | `<wall ns>\\n`: every item has a result; retention counts from here |
 | `jobs/<job_id>/pause`        | completion, atomically       | `<job_no> <wall ns>\\n`: a client paused the job (removed on resume); dispatch reads the job number at start |
 | `jobs/<job_id>/priority`     | completion, atomically       | `<job_no> <priority>\\n`: a client changed the job's priority (over the record's `priority`); dispatch reads it with the record |
+| `jobs/<job_id>/worker-seconds` | completion, atomically     | `<seconds>\\n`: the engine time its results took, from the workers' RESULTS (collector/completion/worker_time.py); rewritten at most each second and when it finishes |
 
 A `<job_id>` matches JOB_ID, so it never names a path outside `jobs/`. A
 directory without `job.json` is a job being created (the record is written
@@ -31,6 +32,7 @@ agree on what a journal says.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -52,6 +54,7 @@ CANCEL_MARK = "cancel"
 FINISHED_MARK = "finished"
 PAUSE_MARK = "pause"
 PRIORITY_MARK = "priority"
+WORKER_SECONDS = "worker-seconds"
 JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")  # \Z: "$" would allow a final newline
 
 
@@ -96,6 +99,21 @@ class JobFiles:
     def priority_path(self, job_id: str) -> Path:
         return self.directory(job_id) / PRIORITY_MARK
 
+    def worker_seconds_path(self, job_id: str) -> Path:
+        return self.directory(job_id) / WORKER_SECONDS
+
+    def read_worker_seconds(self, job_id: str) -> float:
+        """The job's worker-seconds as last written (0.0 when none or unreadable)."""
+        try:
+            seconds = float(self.worker_seconds_path(job_id).read_text())
+        except (OSError, ValueError, UnicodeDecodeError):
+            return 0.0
+        return seconds if math.isfinite(seconds) and seconds > 0 else 0.0
+
+    def write_worker_seconds(self, job_id: str, seconds: float) -> None:
+        """Replace the job's worker-seconds atomically (OSError: not written)."""
+        write_whole(self.worker_seconds_path(job_id), f"{seconds:.6f}\n".encode())
+
     def names(self) -> list[str]:
         """The ids of the job directories (sorted), with or without a record yet."""
         try:
@@ -137,20 +155,24 @@ class JobFiles:
         return self.cancel_path(job_id).exists()
 
     def mark_cancelled(
-        self, job_id: str, job_no: int, now_ns: int, at_deadline: bool = False
+        self, job_id: str, job_no: int, now_ns: int, at_deadline: bool = False, why: str = ""
     ) -> None:
         """Note durably that a client cancelled the job, `at_deadline`: because its deadline
-        passed (OSError: not noted)."""
-        why = f" {JobState.EXPIRED}" if at_deadline else ""
+        passed; `why`: words saying what else stopped it (a limit: pipeline/core/job_limits.py
+        `Stop.mark_text`). OSError: not noted."""
+        why = f" {JobState.EXPIRED}" if at_deadline else (f" {why}" if why else "")
         write_whole(self.cancel_path(job_id), f"{job_no} {now_ns}{why}\n".encode())
+
+    def cancel_words(self, job_id: str) -> list[str]:
+        """The words of the job's cancel mark after its job number and time ([] if none)."""
+        try:
+            return self.cancel_path(job_id).read_text().split()[2:]
+        except (OSError, UnicodeDecodeError):
+            return []
 
     def cancelled_at_deadline(self, job_id: str) -> bool:
         """Whether the job's cancel mark says it was cancelled at its deadline."""
-        try:
-            words = self.cancel_path(job_id).read_text().split()
-        except (OSError, UnicodeDecodeError):
-            return False
-        return words[2:] == [JobState.EXPIRED]
+        return self.cancel_words(job_id) == [JobState.EXPIRED]
 
     def is_paused(self, job_id: str) -> bool:
         return self.pause_path(job_id).exists()

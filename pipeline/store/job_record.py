@@ -9,10 +9,11 @@
 | `deliver`    | where results go (ingest.jobs.parse_deliver); "file" if absent  | 1     |
 | `source`     | the input file's absolute path on the producer's host, if sent  | 2     |
 | `deadline`   | when the job should be done (wall seconds since the epoch), if it has one: dispatch serves earlier deadlines first (docs/dispatch.md); absent: no deadline | 2 |
+| `limits`     | the job's caps (pipeline/core/job_limits.py: `max_error_rate`, `min_sample`, `max_errors`, `max_tokens`), if it has any: completion stops the job when it passes one | 2 |
 | `v`          | record version: absent (1) or 2                                 | 2     |
 | `crc`        | version 2: CRC-32 of the record without `crc`, keys sorted, as compact JSON | 2 |
 
-Optional fields (`source`, `deadline`) are additive: a record without them
+Optional fields (`source`, `deadline`, `limits`) are additive: a record without them
 is read as before (no source, no deadline), so they need no new version.
 A record is written once, atomically, by the front (ingest/jobs.py, through
 pipeline/store/job_files.py, which knows where it lies). Version 1 records
