@@ -73,7 +73,8 @@ def submit_command(args: argparse.Namespace) -> int:
     import orjson
 
     from cli.progress_line import ProgressLine
-    from ingest.submit_client import Producer, new_job_id, parse_deadline
+    from ingest.deadline_text import parse_deadline
+    from ingest.submit_client import Producer, new_job_id
     from pipeline.core.job_limits import LimitError
 
     try:

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
+from ingest.deadline_text import parse_deadline
 from ingest.jobs import parse_deadline_field
-from ingest.submit_client import parse_deadline
 from pipeline.core.errors import IngestError
 from pipeline.store.job_record import record_deadline
 

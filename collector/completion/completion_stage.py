@@ -48,6 +48,7 @@ from collector.completion.caps import CapWatch
 from collector.completion.delivery import PageDelivery
 from collector.completion.figures import completion_figures
 from collector.completion.finishing import JobFinisher
+from collector.completion.input_segments import InputSegments
 from collector.completion.intake import ResultIntake
 from collector.completion.job_status import JobStatus
 from collector.completion.job_webhooks import JobWebhooks
@@ -55,13 +56,12 @@ from collector.completion.results_log import CompletionLog
 from collector.job_view import JobIndex, JobView
 from config.stage_settings import CompletionStageSettings
 from gpu.work_protocol import ITEM_DTYPE
-from pipeline.core.errors import DiskFullError, FabricError, SegmentError
+from pipeline.core.errors import DiskFullError, FabricError
 from pipeline.process.stage import Stage
 from pipeline.store.datadir import DataDir
 from pipeline.store.disk_full import FullDisk
 from pipeline.store.intern_table import InternTable
 from pipeline.store.job_files import JOB_ID
-from pipeline.store.segment import Segment
 from pipeline.transport import wire
 from pipeline.transport.security import ServerGate
 from pipeline.transport.topology import internal_address
@@ -83,16 +83,16 @@ class CompletionStage(Stage[CompletionStageSettings]):
         self.data_dir = DataDir(settings.data_path).ensure()
         self.jobs = JobIndex(settings.data_path)
         self.shapes = InternTable(settings.data_path)
-        self.inputs: dict[int, Segment] = {}
+        self.inputs = InputSegments(self.data_dir)
         self.completion_log = CompletionLog(
-            self.data_dir, self._input, expected_items=self._lines_known, line_table=self._lines
+            self.data_dir, self.inputs.get, expected_items=self._lines_known, line_table=self._lines
         )
         self.wall_ns = time.time_ns  # the finished mark's timestamp (tests give a fake clock)
         self.intake = ResultIntake(
             self.completion_log,
             self.jobs,
             self.shapes,
-            self._input,
+            self.inputs.get,
             settings.max_attempts,
             self.log,
         )
@@ -135,16 +135,6 @@ class CompletionStage(Stage[CompletionStageSettings]):
         self.poller = zmq.Poller()
         self.poller.register(inbox, zmq.POLLIN)
         self.poller.register(self.clients, zmq.POLLIN)
-
-    def _input(self, segment_id: int) -> Segment:
-        segment = self.inputs.get(segment_id)
-        if segment is None:
-            paths = list(self.data_dir.segments.glob(f"in-{segment_id:012d}.*.seg"))
-            if not paths:
-                raise SegmentError(f"input segment {segment_id} does not exist (collected?)")
-            segment = Segment.open(paths[0], writable=True)
-            self.inputs[segment_id] = segment
-        return segment
 
     def _lines_known(self, job_id: str) -> int:
         """Lines of the job committed so far, as last read (sizes its completion segments)."""
@@ -389,10 +379,7 @@ class CompletionStage(Stage[CompletionStageSettings]):
         """Release finished input segments; take up jobs not finished and not loaded yet (at
         the first step: those that finished before a restart); finish jobs whose every item
         has a result; unload finished jobs once nothing of theirs is undelivered."""
-        for segment_id, segment in list(self.inputs.items()):
-            if segment.sealed and segment.deleted >= segment.entries:
-                segment.close()
-                del self.inputs[segment_id]
+        self.inputs.release_finished()
         self.finishing.discover()
         log = self.completion_log
         for job_id in log.known_jobs():
@@ -443,8 +430,7 @@ class CompletionStage(Stage[CompletionStageSettings]):
             self.completion_log.close()
         except DiskFullError as exc:  # seals not durable: recovery finds them open, harmless
             self.log.error("closing the completion log: %s", exc)
-        for segment in self.inputs.values():
-            segment.close()
+        self.inputs.close()
         self.inbox.socket.close(0)
         self.dispatch.close()
         self.clients.close(0)
