@@ -236,6 +236,9 @@ def _read_keys(path: Path, file: Any) -> tuple[set[Held], int, int]:
     for number, line in enumerate(file, 1):
         if not line.endswith(b"\n"):  # torn: the writer died before the newline
             return keys, good_bytes, good_bytes + len(line)
+        if b"\0" in line:  # no JSON line holds a NUL: sectors of an unsynced write-back that
+            # never came (the power went); nothing from here on was synced or acknowledged
+            return keys, good_bytes, os.fstat(file.fileno()).st_size
         try:
             record = orjson.loads(line)
         except orjson.JSONDecodeError as exc:
