@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -28,6 +29,7 @@ from client_commands import run_cli
 from conftest import assert_check_clean, skip_or_fail, wait_for
 
 from bench.power_cut import PowerDisk, available
+from collector.delivery.result_file import ResultFile
 from ingest.submit_client import Producer
 from pipeline.core.errors import FabricError
 
@@ -242,6 +244,20 @@ def test_torn_writes_then_a_cut_while_the_dispatch_file_is_replaced_lose_no_ackn
     finally:
         pb.close()
         disk.close()
+
+
+def test_a_result_file_made_by_a_run_killed_before_its_directory_sync_survives_a_cut(disk):
+    """A results client killed between making OUT and syncing its directory: the next run
+    opens the file that is there, writes and syncs a page and acknowledges it. A cut then
+    must find the page: the name too must have been made durable by that run."""
+    out = disk.mount_path / "out.jsonl"
+    os.close(os.open(out, os.O_WRONLY | os.O_CREAT, 0o644))  # the killed run's file
+    with ResultFile.open(out) as again:
+        again.write([b'{"id":"x-line-1","custom_id":"a"}\n'], ["custom_id:a"])
+        again.sync()  # acknowledged from here on
+    disk.cut()
+    disk.mount()
+    assert out.exists() and out.read_bytes() == b'{"id":"x-line-1","custom_id":"a"}\n'
 
 
 SEED = 20261207  # the torn writes' seed: the same remains on every run

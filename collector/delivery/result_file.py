@@ -76,7 +76,6 @@ class ResultFile:
     def open(cls, path: str | os.PathLike[str]) -> ResultFile:
         """Open or create `path`; raise ResultFileError if it is not a result file or is in use."""
         path = Path(path)
-        created = not path.exists()
         try:
             # O_NONBLOCK: a FIFO without a reader fails here instead of hanging; no effect on files
             flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK
@@ -100,8 +99,9 @@ class ResultFile:
             if good_bytes < size:
                 os.ftruncate(fd, good_bytes)
                 os.fsync(fd)
-            if created:
-                fsync_dir(path.parent)
+            # at every open, not only when made here: a run killed between making the file
+            # and this sync left a name no later sync of the file itself makes durable
+            fsync_dir(path.parent)
         except OSError as exc:
             os.close(fd)
             raise ResultFileError(f"cannot read output file {path}: {exc.strerror}") from exc
