@@ -32,6 +32,7 @@ from bench.power_cut import PowerDisk, available
 from collector.delivery.result_file import ResultFile
 from ingest.submit_client import Producer
 from pipeline.core.errors import FabricError
+from pipeline.store.records import RecordLog, read_records
 
 pytestmark = pytest.mark.slow
 
@@ -258,6 +259,20 @@ def test_a_result_file_made_by_a_run_killed_before_its_directory_sync_survives_a
     disk.cut()
     disk.mount()
     assert out.exists() and out.read_bytes() == b'{"id":"x-line-1","custom_id":"a"}\n'
+
+
+def test_a_job_log_made_by_a_stage_killed_before_its_directory_sync_survives_a_cut(disk):
+    """The same for a job's record log (pipeline/store/records.py): a stage killed between
+    making `chunks.log` and syncing its directory; the next open syncs a record in it."""
+    log = disk.mount_path / "chunks.log"
+    os.close(os.open(log, os.O_WRONLY | os.O_CREAT, 0o644))  # the killed stage's file
+    records = RecordLog(log)
+    records.append({"chunk": 0})
+    records.sync()  # the commit is acknowledged from here on
+    records.close()
+    disk.cut()
+    disk.mount()
+    assert read_records(log)[0] == [{"chunk": 0}]
 
 
 SEED = 20261207  # the torn writes' seed: the same remains on every run
