@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -23,13 +24,15 @@ from pathlib import Path
 
 import pytest
 import zygote
-from broker import REPO, Broker, submit, write_config, write_jsonl
+from broker import REPO, Broker, free_port, submit, write_config, write_jsonl
 from client_commands import run_cli
 from conftest import assert_check_clean, skip_or_fail, wait_for
 
 from bench.power_cut import PowerDisk, available
+from collector.delivery.result_file import ResultFile
 from ingest.submit_client import Producer
 from pipeline.core.errors import FabricError
+from pipeline.store.records import RecordLog, read_records
 
 pytestmark = pytest.mark.slow
 
@@ -61,10 +64,14 @@ def powered(tmp_path, disk):
 class PoweredBroker:
     """A broker whose data dir is a PowerDisk: started, cut, started again."""
 
-    def __init__(self, tmp_path: Path, disk: PowerDisk, **config) -> None:
+    def __init__(self, tmp_path: Path, disk: PowerDisk, endpoints: str = "", **config) -> None:
+        """`endpoints`: a TOML list of the urls the models serve (else embeddings only)."""
         self.tmp_path = tmp_path
         self.disk = disk
         self.config = write_config(tmp_path, data_dir=disk.mount_path, **config)
+        if endpoints:
+            text = self.config.read_text()
+            self.config.write_text(text.replace('["/v1/embeddings"]', endpoints))
         self.lives = 0
         self.broker = self._start()
 
@@ -80,6 +87,31 @@ class PoweredBroker:
         self.broker.close()
         self.disk.mount()
         self.broker = self._start()
+
+    def cut_while_starting(self, op: str, glob: str, nth: int = 1, when: str = "after") -> dict:
+        """The power goes out; the broker starts again on what survived, and the power goes
+        out again at the armed moment of that start (bench/power_cut.py `arm`); then the
+        broker starts once more. Returns the first cut's counts (`PowerDisk.cut`)."""
+        first = self.disk.cut(self.broker.proc.pid)
+        self.broker.close()
+        self.disk.mount()
+        self.disk.arm(op, glob, nth, when)
+        self.lives += 1
+        err = self.tmp_path / f"broker-{self.lives}.err"
+        self.broker = Broker(self.config, stderr_path=err)
+        starting = threading.Thread(target=self._start_until_cut, daemon=True)
+        starting.start()
+        wait_for(self.disk.fired, f"the {op} of {glob} while the broker starts")
+        self.disk.cut(self.broker.proc.pid)
+        starting.join(timeout=90)
+        self.broker.close()
+        self.disk.mount()
+        self.broker = self._start()
+        return first
+
+    def _start_until_cut(self) -> None:
+        with contextlib.suppress(AssertionError, TimeoutError):  # the power went out
+            self.broker.start()
 
     def close(self) -> None:
         self.broker.close()
@@ -181,6 +213,69 @@ def test_a_cut_while_lines_are_submitted_and_served_loses_no_acknowledged_line(
     assert_acked_survived(pb, "j", acked_before_cut)
     finish_and_check(pb, "j", lines, good)
     client.join(timeout=30)
+
+
+def test_torn_writes_then_a_cut_while_the_dispatch_file_is_replaced_lose_no_acknowledged_line(
+    tmp_path,
+):
+    """A seeded disk: what was not synced at a cut survives in part, torn at 512-byte sectors
+    (a disk's own write-back order). The power goes once a group commit is synced and not
+    yet acknowledged; the broker starts on the torn remains, and the power goes again while
+    dispatch replaces its file (gpu/dispatch/file.py `_replace`, what a compaction does too:
+    the new file renamed over the old, `dispatch/` not yet synced). Every chunk acknowledged
+    before the first cut is committed, each line has one outcome, `check` is clean."""
+    reason = available()
+    if reason:
+        skip_or_fail(reason)
+    disk = PowerDisk(tmp_path / "disk", tmp_path / "data", seed=SEED).mount()
+    pb = PoweredBroker(tmp_path, disk, workers=1, segment_bytes=1 << 20)
+    try:
+        lines = tmp_path / "in.jsonl"
+        good = write_jsonl(lines, 300, seed=6, bad_every=40)
+        disk.arm("fsync", "segments/in-*", 3, "after")
+        acked, client = submit_in_background(pb, lines, "j")
+        wait_for(disk.fired, "the third group commit")
+        acked_before_cut = set(acked)
+        first = pb.cut_while_starting("rename", "dispatch/inflight.log")
+        assert first["torn_records_kept"] > 0, first  # the seed kept torn unsynced writes
+        assert pb.disk.last_fired["path"] == "/dispatch/inflight.log"
+        assert_acked_survived(pb, "j", acked_before_cut)
+        finish_and_check(pb, "j", lines, good)
+        client.join(timeout=30)
+    finally:
+        pb.close()
+        disk.close()
+
+
+def test_a_result_file_made_by_a_run_killed_before_its_directory_sync_survives_a_cut(disk):
+    """A results client killed between making OUT and syncing its directory: the next run
+    opens the file that is there, writes and syncs a page and acknowledges it. A cut then
+    must find the page: the name too must have been made durable by that run."""
+    out = disk.mount_path / "out.jsonl"
+    os.close(os.open(out, os.O_WRONLY | os.O_CREAT, 0o644))  # the killed run's file
+    with ResultFile.open(out) as again:
+        again.write([b'{"id":"x-line-1","custom_id":"a"}\n'], ["custom_id:a"])
+        again.sync()  # acknowledged from here on
+    disk.cut()
+    disk.mount()
+    assert out.exists() and out.read_bytes() == b'{"id":"x-line-1","custom_id":"a"}\n'
+
+
+def test_a_job_log_made_by_a_stage_killed_before_its_directory_sync_survives_a_cut(disk):
+    """The same for a job's record log (pipeline/store/records.py): a stage killed between
+    making `chunks.log` and syncing its directory; the next open syncs a record in it."""
+    log = disk.mount_path / "chunks.log"
+    os.close(os.open(log, os.O_WRONLY | os.O_CREAT, 0o644))  # the killed stage's file
+    records = RecordLog(log)
+    records.append({"chunk": 0})
+    records.sync()  # the commit is acknowledged from here on
+    records.close()
+    disk.cut()
+    disk.mount()
+    assert read_records(log)[0] == [{"chunk": 0}]
+
+
+SEED = 20261207  # the torn writes' seed: the same remains on every run
 
 
 @pytest.mark.parametrize("when", ["before", "after"])
@@ -297,3 +392,120 @@ def test_a_cut_during_a_vector_journal_append_stores_each_vector_once(tmp_path, 
     assert pb.broker.stop() == 0
     assert_check_clean(pb.broker.data_dir)
     client.join(timeout=30)
+
+
+def requests_lines(path: Path, n: int, wrong_url_at: int | None = None) -> set[str]:
+    """`n` embedding requests for `echo`; the line `wrong_url_at` (0-based) names another url
+    (kept out of the job as an error when the batch accepts partial input)."""
+    with open(path, "w") as out:
+        for i in range(n):
+            url = "/v1/completions" if i == wrong_url_at else "/v1/embeddings"
+            body = {"model": "echo", "prompt_token_ids": [1 + i % 50, 2, 3]}
+            out.write(
+                json.dumps({"custom_id": f"q{i}", "method": "POST", "url": url, "body": body})
+            )
+            out.write("\n")
+    return {f"q{i}" for i in range(n)}
+
+
+API_DONE = ("completed", "failed", "expired", "cancelled")
+
+
+def _api_up(client) -> bool:
+    import openai
+
+    try:
+        client.models.list()
+    except openai.APIConnectionError:
+        return False
+    return True
+
+
+def _content(client, file_id: str | None) -> bytes:
+    return b"" if file_id is None else client.files.content(file_id).content
+
+
+def api_finish(client, batch_id: str):
+    def ended():
+        batch = client.batches.retrieve(batch_id)
+        return batch if batch.status in API_DONE else None
+
+    return wait_for(ended, f"batch {batch_id} to end", timeout_s=90, interval_s=0.3)
+
+
+# Where the power goes while files are uploaded and batches made over HTTP: the first file
+# is acknowledged before; its batch, then (where `second`) a second file and its batch are
+# on their way. (op, path glob, nth, when, second)
+ENDPOINTS = '["/v1/embeddings", "/v1/completions"]'
+BATCH_DIR = "api/batches/batch_" + "?" * 24  # a batch's directory, none of its files
+API_MOMENTS = {
+    "an upload's bytes synced": ("fsync", "api/files/.upload-*", 1, "after", True),
+    "an upload's record": ("rename", "api/files/file-*.json", 1, "after", True),
+    "a batch renamed into place": ("rename", BATCH_DIR, 1, "after", True),
+    # the first batch is in_progress, its job made, none of its lines committed yet: they go
+    # to the job from the driver's copy of the file without the line of another url
+    "a batch's job fed from its copy": ("fsync", "jobs/batch_*/chunks.log", 1, "before", False),
+}
+
+
+@pytest.mark.parametrize("moment", API_MOMENTS)
+def test_a_cut_during_an_http_upload_and_batch_create_keeps_what_was_answered(
+    tmp_path, powered, moment
+):
+    """Every file and batch answered 200 before the cut is there whole after it, and each
+    batch (made again where its create was not answered) ends with each line once. The
+    first file's batch accepts partial input and has a line of another url first, so its
+    lines go to its job from the driver's copy of the file without it."""
+    import openai
+
+    port = free_port()
+    extra = f'[api]\nenabled = true\nbind = "127.0.0.1:{port}"\n'
+    pb = powered(workers=1, extra=extra, endpoints=ENDPOINTS)
+    url = f"http://127.0.0.1:{port}/v1"
+    client = openai.OpenAI(base_url=url, api_key="k", max_retries=0, timeout=10)
+    first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    ids = {first: requests_lines(first, 300, wrong_url_at=0), second: requests_lines(second, 100)}
+    files = {first: client.files.create(file=("first.jsonl", first.read_bytes()), purpose="batch")}
+    batches: dict[Path, str] = {}
+
+    def make_batch(path: Path) -> str:
+        partial = {"fabric_accept_partial": "true"}
+        return client.batches.create(
+            input_file_id=files[path].id,
+            endpoint="/v1/embeddings",
+            completion_window="24h",
+            metadata=partial if path == first else None,
+        ).id
+
+    def user() -> None:  # stops at the first request the cut leaves unanswered
+        with contextlib.suppress(openai.APIError):
+            batches[first] = make_batch(first)
+            if not second_too:
+                return
+            files[second] = client.files.create(
+                file=("second.jsonl", second.read_bytes()), purpose="batch"
+            )
+            batches[second] = make_batch(second)
+
+    *armed, second_too = API_MOMENTS[moment]
+    pb.disk.arm(*armed)
+    thread = threading.Thread(target=user, daemon=True)
+    thread.start()
+    wait_for(pb.disk.fired, f"the moment: {moment}")
+    answered = (dict(files), dict(batches))
+    pb.cut()
+    thread.join(timeout=30)
+    wait_for(lambda: _api_up(client), "the api to answer again", timeout_s=60)
+    files, batches = answered
+    for path, record in files.items():
+        assert client.files.content(record.id).content == path.read_bytes(), path.name
+        batch_id = batches.get(path) or make_batch(path)
+        ended = api_finish(client, batch_id)
+        assert ended.status == "completed", ended
+        out = [json.loads(x) for x in _content(client, ended.output_file_id).splitlines()]
+        err = [json.loads(x) for x in _content(client, ended.error_file_id).splitlines()]
+        counts = Counter(x["custom_id"] for x in out + err)
+        assert set(counts) == ids[path], sorted(ids[path] - set(counts))[:5]
+        assert max(counts.values()) == 1, [c for c, n in counts.items() if n > 1][:5]
+    assert pb.broker.stop() == 0, pb.broker.stderr
+    assert_check_clean(pb.broker.data_dir)
