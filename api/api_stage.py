@@ -24,12 +24,16 @@ import uvicorn
 
 from api.app import make_app
 from api.batch_driver import BatchDriver
+from api.batch_events import BatchEvents
 from api.batch_store import BatchStore
 from api.file_store import FileStore
 from api.http_limits import HttpLimits, guarded
 from api.retention import OutputRetention
 from collector.delivery.decoders import model_decoders
 from collector.results_client import ResultsClient
+from collector.webhook_outbox import Outbox, WebhookSender, sender_thread
+from collector.webhooks import Webhooks
+from config.stage_settings import ApiStageSettings
 from ingest.submit_client import Producer
 from pipeline.core.errors import ConfigError
 from pipeline.process.stage import Stage
@@ -63,7 +67,7 @@ def listening_socket(bind: str, shared: bool) -> socket.socket:
     return sock
 
 
-class ApiStage(Stage):
+class ApiStage(Stage[ApiStageSettings]):
     name = "api"
     poll_ms = 100
 
@@ -83,7 +87,8 @@ class ApiStage(Stage):
         config = uvicorn.Config(
             app,
             http=guarded(HttpLimits.of(settings.api)),  # api/http_limits.py
-            timeout_keep_alive=settings.api.keep_alive_timeout_s,
+            # uvicorn's annotation says int; its timer takes fractions of a second as they are
+            timeout_keep_alive=settings.api.keep_alive_timeout_s,  # type: ignore[arg-type]
             log_level="warning",
             access_log=False,
             lifespan="off",
@@ -99,15 +104,21 @@ class ApiStage(Stage):
                 raise RuntimeError(f"the HTTP server on {settings.api.bind} did not start")
             time.sleep(0.01)
         self.driver = None
+        self.sender: WebhookSender | None = None
         if self.index == 0:
+            webhooks = Webhooks(settings.api)  # collector/webhooks.py: secrets read once, here
+            outbox = Outbox(root)
+            self.sender = WebhookSender(outbox, webhooks)
+            self.stop_sending = threading.Event()
+            self.sending = sender_thread(self.sender, self.stop_sending)
             curve = client_curve(settings.security)
-            ingest = client_address(settings.ingest.bind)
+            ingest = client_address(settings.ingest_bind)
             self.producers = (
                 Producer(ingest, curve=curve, patient=True),
                 Producer(ingest, curve=curve, patient=True),
             )
             self.results = ResultsClient(
-                client_address(settings.completion.bind), curve=curve, patient=True
+                client_address(settings.completion_bind), curve=curve, patient=True
             )
             self.driver = BatchDriver(
                 self.files,
@@ -115,12 +126,13 @@ class ApiStage(Stage):
                 self.producers,
                 self.results,
                 decoders=model_decoders(settings),  # the text of generated results
+                events=BatchEvents(outbox, webhooks),  # each batch's end, for its webhook
             )
             self.retention = OutputRetention(
                 self.files,
                 self.batches,
                 settings.data_path,
-                settings.completion.results_retention_s,
+                settings.results_retention_s,
             )
         self.next_drive = 0.0
         self.next_retention = 0.0
@@ -140,11 +152,13 @@ class ApiStage(Stage):
                 self.log.info("input file %s expired (api.input_file_expiry_s)", file_id)
         if self.driver is not None and now >= self.next_retention:
             # output and error files follow their job's retention, checked as the collector does
-            self.next_retention = now + self.settings.collector.interval_s
+            self.next_retention = now + self.settings.sweep_interval_s
             for file_id in self.retention.step(time.time()):
                 self.log.info("output file %s expired (completion.results_retention_s)", file_id)
         if not self.thread.is_alive():
             raise RuntimeError("the HTTP server thread stopped")
+        if self.sender is not None and not self.sending.is_alive():
+            raise RuntimeError("the webhook sender thread stopped")
         self.wake.wait(self.poll_ms / 1000)
 
     def drain(self, deadline: float) -> None:
@@ -152,6 +166,9 @@ class ApiStage(Stage):
         self.thread.join(max(0.0, deadline - time.monotonic()))
 
     def close(self) -> None:
+        if getattr(self, "sender", None) is not None:
+            self.stop_sending.set()
+            self.sending.join()
         if getattr(self, "driver", None) is not None:
             self.driver.close()
             for producer in self.producers:
@@ -164,4 +181,9 @@ class ApiStage(Stage):
         figures = self.route_stats.stats()
         if self.driver is not None:
             figures["fabric_api_batches"] = {(k,): v for k, v in self.by_status.items()}
+        if self.sender is not None:
+            figures["fabric_webhooks_events"] = {(k,): v for k, v in self.sender.events.items()}
+            figures["fabric_webhooks_attempts_total"] = {
+                (k,): v for k, v in self.sender.attempts.items()
+            }
         return figures

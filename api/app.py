@@ -22,14 +22,19 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+from api.batch_limits import check_limits
 from api.batch_record import BatchRecord
 from api.batch_store import BatchStore, idempotent_batch_id, new_batch_id, to_openai
+from api.control_routes import add_control_routes, priority_of
 from api.errors import ApiError, invalid, not_found
 from api.file_store import PURPOSE_INPUT, FileStore
 from api.keys import KeyRing
 from api.models_route import add_models_routes
 from api.route_stats import CountRequests, RouteStats
 from api.upload import UploadParser, receive_upload
+from collector.webhook_outbox import Outbox
+from collector.webhooks import Webhooks, event_id
+from config.stage_settings import ApiStageSettings
 
 READ_BLOCK = 1 << 20
 PARTIAL_HEADER = "X-Fabric-Partial"  # "true" on the content of a batch's file still growing
@@ -52,12 +57,13 @@ def parse_window(text: Any) -> int:
     return int(match[1]) * UNIT_S[match[2]]
 
 
-def make_app(settings, root: Path, endpoints: tuple[str, ...]) -> FastAPI:
+def make_app(settings: ApiStageSettings, root: Path, endpoints: tuple[str, ...]) -> FastAPI:
     """The app over `<data_dir>/api` (`root`); `endpoints`: the urls the broker's models serve.
     `app.state.route_stats` counts the requests (RouteStats)."""
     files = FileStore(root)
     batches = BatchStore(root)
     keys = KeyRing(settings.api.keys_file)
+    webhooks, outbox = Webhooks(settings.api), Outbox(root)
     app = FastAPI(title="Inference Fabric: OpenAI Batch API", docs_url=None, redoc_url=None)
     app.state.route_stats = RouteStats()
     app.add_middleware(CountRequests, stats=app.state.route_stats)
@@ -84,6 +90,7 @@ def make_app(settings, root: Path, endpoints: tuple[str, ...]) -> FastAPI:
         return keys.owner(request.headers.get("authorization"))
 
     add_models_routes(app, settings, owner_of)  # GET /v1/models, /v1/models/{id}
+    add_control_routes(app, batches, owner_of)  # POST /v1/batches/{id}/pause, /resume
 
     # ---- files -----------------------------------------------------------------------------
     @app.post("/v1/files")
@@ -174,6 +181,17 @@ def make_app(settings, root: Path, endpoints: tuple[str, ...]) -> FastAPI:
         )
 
     # ---- batches ---------------------------------------------------------------------------
+    def batch_object(record: BatchRecord) -> dict[str, Any]:
+        """OpenAI's Batch, with a cancel or pause asked for and not taken up yet, and (an
+        extension) `fabric_webhook`: its end event's delivery."""
+        out = to_openai(
+            record, batches.cancel_requested(record.id), batches.pause_requested(record.id)
+        )
+        delivery = outbox.find(event_id(record.id)) if record.ended else None
+        if delivery is not None:
+            out["fabric_webhook"] = delivery.summary()
+        return out
+
     @app.post("/v1/batches")
     def create_batch(request: Request, body: dict[str, Any]) -> dict:
         owner = owner_of(request)
@@ -199,6 +217,11 @@ def make_app(settings, root: Path, endpoints: tuple[str, ...]) -> FastAPI:
                 f"metadata must be an object of at most {MAX_METADATA_KEYS} string values",
                 param="metadata",
             )
+        priority_of(metadata)  # a 400 now for a fabric_priority that is not an integer
+        problem = webhooks.batch_url_problem(owner, metadata)
+        if problem:
+            raise invalid(problem, param="metadata")
+        check_limits(metadata)  # fabric_max_error_rate and the others (api/batch_limits.py)
         source = files.get(input_file_id, owner)
         if source is None or source.purpose != PURPOSE_INPUT:
             raise not_found("file", input_file_id, param="input_file_id")
@@ -224,7 +247,7 @@ def make_app(settings, root: Path, endpoints: tuple[str, ...]) -> FastAPI:
                 param="Idempotency-Key",
                 code="idempotency_key_reused",
             )
-        return to_openai(record, batches.cancel_requested(batch_id))
+        return batch_object(record)
 
     @app.get("/v1/batches")
     def list_batches(request: Request, limit: int = 20, after: str | None = None) -> dict:
@@ -233,7 +256,7 @@ def make_app(settings, root: Path, endpoints: tuple[str, ...]) -> FastAPI:
             raise invalid(f"limit {limit} must be between 1 and 100", param="limit")
         mine = [r for r in batches.all() if r.owner == owner]
         mine.sort(key=lambda r: (r.created_at, r.id), reverse=True)
-        objects = [to_openai(r, batches.cancel_requested(r.id)) for r in mine]
+        objects = [batch_object(r) for r in mine]
         return _page(objects, after, limit)
 
     @app.get("/v1/batches/{batch_id}")
@@ -241,7 +264,7 @@ def make_app(settings, root: Path, endpoints: tuple[str, ...]) -> FastAPI:
         record = batches.get(batch_id, owner_of(request))
         if record is None:
             raise not_found("batch", batch_id)
-        return to_openai(record, batches.cancel_requested(batch_id))
+        return batch_object(record)
 
     @app.post("/v1/batches/{batch_id}/cancel")
     def cancel_batch(request: Request, batch_id: str) -> dict:
@@ -255,7 +278,7 @@ def make_app(settings, root: Path, endpoints: tuple[str, ...]) -> FastAPI:
                 code="batch_not_cancellable",
             )
         batches.request_cancel(batch_id)
-        return to_openai(record, batches.cancel_requested(batch_id))
+        return batch_object(record)
 
     return app
 

@@ -5,6 +5,7 @@
     validating --(bad lines, OpenAI's default)--> failed
     in_progress --(cancel)--> cancelling --> cancelled     (results made so far are kept)
     in_progress --(expires_at)--> expired                  (unfinished items: batch_expired lines)
+    in_progress --(a limit passed)--> failed               (api/batch_limits.py: error_cap lines)
 
 A batch ends in its job's end state (pipeline/core/job_states.py `OPENAI_STATUS`), so
 `run.py status`, `status --watch` and HTTP say one word: at `expires_at` the job is
@@ -41,10 +42,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from api.batch_events import BatchEvents
 from api.batch_files import BatchFiles
+from api.batch_limits import job_limits, stopped_errors
 from api.batch_record import BatchRecord, Ending
 from api.batch_store import ACCEPT_PARTIAL_KEY, ERRORS, OUTPUT, BatchStore
 from api.batch_validation import Checked, check_and_send, error
+from api.control_routes import priority_of
 from api.file_store import FileStore, output_file_id
 from collector.delivery.decoders import Decoder
 from collector.results_client import ResultsClient
@@ -73,16 +77,19 @@ class BatchDriver:
         producers: tuple[Producer, Producer],
         results: ResultsClient,
         decoders: dict[str, Decoder] | None = None,
+        events: BatchEvents | None = None,
     ) -> None:
         """`producers`: one for the broker's catalog on this thread, one for submissions on
         the submit thread (a ZeroMQ socket is used by one thread only); `decoders`: the
-        models' (collector/delivery/decoders.py), for the text of generated results."""
+        models' (collector/delivery/decoders.py), for the text of generated results; `events`:
+        the webhooks' outbox, told of each batch's end (api/batch_events.py)."""
         self.files = files
         self.batches = batches
         self.out = BatchFiles(files, batches)
         self.catalog, self.producer = producers
         self.results = results
         self.decoders = decoders or {}
+        self.events = events
         self._fetched: dict[str, float] = {}  # batch id -> last fetch (`now`)
         self._done: set[str] = set()  # batches seen ended: not read again
         self._ended: dict[BatchStatus, int] = {}  # of those, how many in each end status
@@ -106,6 +113,8 @@ class BatchDriver:
         for record in self.batches.all(skip=self._done):
             if record.ended:
                 self._done.add(record.id)
+                if self.events is not None:  # a kill may have come before its event's record
+                    self.events.ended(record, now)
                 self._ended[record.status] = self._ended.get(record.status, 0) + 1
                 continue
             try:
@@ -165,6 +174,8 @@ class BatchDriver:
                 accept_partial=record.accepts_partial(ACCEPT_PARTIAL_KEY),
                 deadline=record.expires_at,
                 stop=stop,
+                job_priority=priority_of(record.metadata),
+                limits=job_limits(record.metadata),
             )
             self._validating[batch_id] = (future, stop, path)
             log.info("batch %s: validating, its lines sent as job %s", batch_id, batch_id)
@@ -268,7 +279,12 @@ class BatchDriver:
             path = record.submit_path
             assert path is not None  # set when the input validated, before in_progress
             self._submitting[batch_id] = self._submitter.submit(
-                self.producer.submit_file, path, batch_id, deadline=record.expires_at
+                self.producer.submit_file,
+                path,
+                batch_id,
+                deadline=record.expires_at,
+                job_priority=priority_of(record.metadata),
+                limits=job_limits(record.metadata),
             )
             log.info("batch %s: submitting %s as job %s", batch_id, path, batch_id)
 
@@ -307,6 +323,15 @@ class BatchDriver:
             if "already" not in str(exc):  # a job that ended meanwhile: nothing to cancel
                 raise
 
+    def _control(self, batch_id: str, paused: bool) -> None:
+        """Pause or resume the batch's job (api/control_routes.py took the request)."""
+        try:
+            self.results.control(batch_id, paused=paused)
+            log.info("batch %s: job %s", batch_id, "paused" if paused else "resumed")
+        except FabricError as exc:
+            if "already" not in str(exc):  # a job that ended meanwhile: nothing to pause
+                raise
+
     def _follow(self, record: BatchRecord, now: float) -> None:
         """Fetch new results; once the job ended and everything is here, finish the batch."""
         batch_id = record.id
@@ -318,6 +343,9 @@ class BatchDriver:
                 raise
             return  # no chunk of the job committed yet
         finished = is_terminal(info["state"]) and not info["undelivered"]
+        paused = self.batches.pause_requested(batch_id)
+        if bool(info.get("paused")) != paused and not is_terminal(info["state"]):
+            self._control(batch_id, paused)  # a pause or resume asked for over HTTP
         due = _due(now, self._fetched.get(batch_id), FETCH_EVERY_S)
         if info["undelivered"] and (due or is_terminal(info["state"])):
             self._fetch(batch_id, now)
@@ -337,6 +365,7 @@ class BatchDriver:
         if record.status != S.FINALIZING:
             record.move_to(S.FINALIZING, int(now))
             record.ended_as = JobState(info["state"])
+            record.errors = stopped_errors(info) or record.errors  # a job a limit stopped
             self.batches.put(record)
         self._finalize(record, now)
 
@@ -361,6 +390,8 @@ class BatchDriver:
     def _end(self, record: BatchRecord, status: BatchStatus, now: float) -> None:
         record.move_to(status, int(now))
         self.batches.put(record)
+        if self.events is not None:
+            self.events.ended(record, now)
         log.info("batch %s: %s", record.id, status)
 
 

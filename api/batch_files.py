@@ -8,10 +8,13 @@
 
 Every write is safe to repeat after a kill: error lines are keyed by
 custom_id (collector/delivery/result_file.py), a rewrite is whole and atomic.
+Each is durable before the record that names it: the input copy is fsynced,
+and its directory, before the driver's record points the job at it.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +27,7 @@ from api.file_store import PURPOSE_OUTPUT, FileRecord, FileStore, output_file_id
 from collector.delivery.lines import line_key
 from collector.delivery.result_file import ResultFile
 from pipeline.core.item_error_codes import ItemErrorCode
+from pipeline.store.durable import fsync_dir
 
 EXPIRED_CODE = ItemErrorCode.BATCH_EXPIRED  # completion gives an expired job's items the same
 EXPIRED_MESSAGE = "the batch expired before this request was run"
@@ -76,6 +80,8 @@ class BatchFiles:
             for number, line in enumerate(src, 1):
                 dst.write(b"\n" if number in drop else line)
             dst.flush()
+            os.fsync(dst.fileno())  # the record names it next, and the job's lines come from it
+        fsync_dir(copy.parent)
         return copy
 
     def expire_unsent(self, record: BatchRecord) -> None:

@@ -4,6 +4,7 @@
 |-------------------------------------|-----------------------------------------------------|
 | `batches/<batch_id>/batch.json`     | the record (api/batch_record.py): the create request, its owner, status, timestamps, counts, the job's token totals (`usage`), errors; replaced whole, atomically, by the driver (api-0) only |
 | `batches/<batch_id>/cancel`         | a cancel request (its time), written by whichever process took it |
+| `batches/<batch_id>/pause`          | a pause request (its time; removed by a resume), written by whichever process took it; the driver pauses or resumes the job to match |
 | `batches/<batch_id>/output.jsonl`   | result lines, appended by the driver as completion delivers them |
 | `batches/<batch_id>/error.jsonl`    | error lines, likewise                                |
 | `batches/<batch_id>/input.jsonl`    | the input with lines kept out of the job blanked (a batch that accepts partial input with lines for another endpoint) |
@@ -16,7 +17,7 @@ batch the first one made and returns it. The batch id is also the id of
 the broker job that carries its items (`run.py status <batch_id>` works).
 
 After creation one writer owns the record (the driver in api-0); request
-handlers only read it and drop `cancel` marks, so several api processes
+handlers only read it and drop `cancel` and `pause` marks, so several api processes
 never race on a record.
 """
 
@@ -37,10 +38,13 @@ from pipeline.store.durable import fsync_dir, write_whole
 
 RECORD = "batch.json"
 CANCEL = "cancel"
+PAUSE = "pause"
 OUTPUT = "output.jsonl"
 ERRORS = "error.jsonl"
 INPUT_COPY = "input.jsonl"  # the input with the lines kept out of the job blanked
 ACCEPT_PARTIAL_KEY = "fabric_accept_partial"  # metadata extension: keep the good lines
+PRIORITY_KEY = "fabric_priority"  # metadata extension: the job's priority, an integer
+PAUSED_KEY = "fabric_paused"  # metadata the Batch object shows while the batch is paused
 
 
 BATCH_ID = re.compile(r"batch_[A-Za-z0-9_-]{1,58}\Z")  # what the two functions below make
@@ -123,6 +127,18 @@ class BatchStore:
         if not path.exists():
             write_whole(path, str(int(time.time())).encode())
 
+    def request_pause(self, batch_id: str, paused: bool) -> None:
+        """Ask for the batch paused (or resumed): the driver makes its job match."""
+        path = self.path(batch_id, PAUSE)
+        if paused and not path.exists():
+            write_whole(path, str(int(time.time())).encode())
+        elif not paused and path.exists():
+            path.unlink(missing_ok=True)
+            fsync_dir(path.parent)
+
+    def pause_requested(self, batch_id: str) -> bool:
+        return self.path(batch_id, PAUSE).exists()
+
     def cancel_requested(self, batch_id: str) -> int | None:
         """When a cancel was asked for (unix seconds), or None."""
         try:
@@ -131,9 +147,12 @@ class BatchStore:
             return None
 
 
-def to_openai(record: BatchRecord, cancel_at: int | None = None) -> dict[str, Any]:
+def to_openai(
+    record: BatchRecord, cancel_at: int | None = None, paused: bool = False
+) -> dict[str, Any]:
     """OpenAI's Batch object of a record. `cancel_at`: a cancel asked for that the driver has
-    not taken up yet (the batch shows `cancelling` at once, as OpenAI's does)."""
+    not taken up yet (the batch shows `cancelling` at once, as OpenAI's does). `paused`: a
+    pause is asked for (the metadata says `fabric_paused: "true"` until the batch ends)."""
     status = record.status
     stamps = record.stamps()
     if cancel_at is not None and not status.terminal and status != BatchStatus.CANCELLING:
@@ -156,7 +175,9 @@ def to_openai(record: BatchRecord, cancel_at: int | None = None) -> dict[str, An
         "expires_at": record.expires_at,
         "request_counts": dict(record.request_counts),
         "usage": batch_usage(record.usage),
-        "metadata": record.metadata,
+        "metadata": {**(record.metadata or {}), PAUSED_KEY: "true"}
+        if paused and not status.terminal
+        else record.metadata,
     }
 
 

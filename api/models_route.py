@@ -24,11 +24,12 @@ from typing import Any
 from fastapi import FastAPI, Request
 
 from api.errors import ApiError
+from config.stage_settings import Modelled
 
 OWNED_BY = "inference-fabric"
 
 
-def model_objects(settings, created: int) -> list[dict[str, Any]]:
+def model_objects(settings: Modelled, created: int) -> list[dict[str, Any]]:
     """One OpenAI Model object per served name: each model's own, then its aliases."""
     return [
         {"id": name, "object": "model", "created": created, "owned_by": OWNED_BY, "root": m.name}
@@ -37,7 +38,7 @@ def model_objects(settings, created: int) -> list[dict[str, Any]]:
     ]
 
 
-def add_models_routes(app: FastAPI, settings, owner_of: Callable[[Request], str]) -> None:
+def add_models_routes(app: FastAPI, settings: Modelled, owner_of: Callable[[Request], str]) -> None:
     """Serve the two routes on `app`; `owner_of` checks the caller's key (401 if refused)."""
     objects = model_objects(settings, int(time.time()))
     by_id = {o["id"]: o for o in objects}

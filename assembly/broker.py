@@ -17,7 +17,8 @@ from collector.losses import after_recovery
 from collector.segments import SegmentCollector
 from ingest.tokenize import load_tokenizers
 from pipeline.core.errors import ConfigError, FabricError
-from pipeline.process.supervisor import Housekeeping, Supervisor
+from pipeline.process.housekeeping import Housekeeping
+from pipeline.process.supervisor import Supervisor
 from pipeline.transport.topology import ring_specs
 
 

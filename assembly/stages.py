@@ -9,6 +9,8 @@ what they hold while dispatch and completion still run.
 
 from __future__ import annotations
 
+from config.settings import Settings
+from config.stage_settings import stage_settings
 from pipeline.process.stage import StageSpec
 
 # By reference: the supervisor imports none of them (pipeline/process/stage.py StageSpec)
@@ -23,17 +25,22 @@ VECTORS = "collector.vectors.vector_stage:VectorStage"
 API = "api.api_stage:ApiStage"  # fastapi: about 0.7 s of CPU, paid only when served
 
 
-def stage_specs(settings) -> list[StageSpec]:
-    """Every stage process of a broker with `settings`, front first."""
-    specs = [StageSpec("front", 0, FRONT)]
-    specs += [StageSpec("tokenizer", i, TOKENIZER) for i in range(settings.ingest.processes)]
-    specs += [StageSpec("router", i, ROUTER) for i in range(settings.router.processes)]
-    specs += [StageSpec("writer", i, WRITER) for i in range(settings.writers.processes)]
+def stage_specs(settings: Settings) -> list[StageSpec]:
+    """Every stage process of a broker with `settings`, front first, each with its own part
+    of the settings (config/stage_settings.py)."""
+
+    def spec(name: str, index: int, stage: str, critical: bool = True) -> StageSpec:
+        return StageSpec(name, index, stage, stage_settings(settings, name, index), critical)
+
+    specs = [spec("front", 0, FRONT)]
+    specs += [spec("tokenizer", i, TOKENIZER) for i in range(settings.ingest.processes)]
+    specs += [spec("router", i, ROUTER) for i in range(settings.router.processes)]
+    specs += [spec("writer", i, WRITER) for i in range(settings.writers.processes)]
     local_workers = sum(group.local for group in settings.worker_groups)
-    specs += [StageSpec("worker", i, WORKER, critical=False) for i in range(local_workers)]
-    specs.append(StageSpec("dispatch", 0, DISPATCH))
-    specs.append(StageSpec("completion", 0, COMPLETION))
-    specs.append(StageSpec("vectors", 0, VECTORS))
+    specs += [spec("worker", i, WORKER, critical=False) for i in range(local_workers)]
+    specs.append(spec("dispatch", 0, DISPATCH))
+    specs.append(spec("completion", 0, COMPLETION))
+    specs.append(spec("vectors", 0, VECTORS))
     if settings.api.enabled:  # listed first: stopped first
-        specs[:0] = [StageSpec("api", i, API) for i in range(settings.api.processes)]
+        specs[:0] = [spec("api", i, API) for i in range(settings.api.processes)]
     return specs

@@ -58,12 +58,13 @@ def read_batches(log_path: Path) -> np.ndarray:
 
 def main() -> int:
     from config import load_settings
+    from config.stage_settings import worker_settings
     from gpu.engines.registry import make_engine
     from gpu.worker.options import WorkerOptions
     from gpu.worker.session import run_worker
 
     config, log_path = sys.argv[1], Path(sys.argv[2])
-    options = WorkerOptions.from_settings(load_settings(config), 0)
+    options = WorkerOptions.from_settings(worker_settings(load_settings(config), 0))
     engine = make_engine(options.engine, **options.engine_options)
     return run_worker(options, logged(engine, log_path))
 

@@ -1,7 +1,7 @@
 """Chaos: a whole broker under random kills for as long as asked, every outcome checked at the end.
 
     .venv/bin/python -m bench.chaos --minutes 30 [--seed 1] [--items 2000] [--jobs 2]
-        [--damage P] [--root DIR] [--report-json FILE] [--quick]
+        [--damage P] [--power-cuts] [--root DIR] [--report-json FILE] [--quick]
 
 (tests/test_chaos.py runs it for 45 s, with `--report-json`, and checks the report.)
 
@@ -21,6 +21,13 @@ SIGKILL a results client or a submit and run it again, or SIGSTOP a worker
 for longer than its lease and let it go later. A client that fails (the
 broker was down too long) is run again with the same arguments, as a user
 would.
+
+With `--power-cuts` (bench/chaos_power.py) the data dir and the results
+clients' output files are on power-cut disks, and 30% of the actions cut
+the power instead: of the broker's machine (every stage and what was not
+fsynced go; the broker starts on the rest, torn writes and all) or of the
+results clients' (they run again on what they fsynced). The summary then goes
+to its own section of docs/RELIABILITY.md.
 
 At the end it stops killing, lets every job finish and be fetched, and
 asserts for every job: each input line has exactly one outcome (an output
@@ -52,22 +59,25 @@ import numpy as np
 
 from bench import machine
 from bench.chaos_fleet import (
+    ECHO_FAULTS,
     LEASE_S,
     REPO,
     BrokerProcess,
     Client,
     JobInput,
-    chaos_env,
     run_py,
     write_config,
     write_job,
 )
+from bench.chaos_power import BROKER_CUT, CLIENT_CUT, PowerCuts
 from bench.report import write_section
 from gpu.worker.options import WorkerOptions
 
 DOC = REPO / "docs" / "RELIABILITY.md"
 LYING_WORKER = REPO / "tests" / "procs" / "lying_worker.py"
 DAMAGE_CHANCE = 0.5  # of a whole-broker kill: one input segment is damaged before the restart
+POWER_CUT_CHANCE = 0.3  # --power-cuts: of the actions, a power cut (the rest as without)
+CLIENT_CUT_SHARE = 0.2  # of the power cuts: of the results clients' disk
 STAGES = ("front", "tokenizer", "router", "writer", "dispatch", "completion", "vectors", "worker")
 
 
@@ -96,6 +106,7 @@ class Report:
     settle_s: float = 0.0  # the longest a job had work pending after the kills stopped
     damage: Counter = field(default_factory=Counter)  # input segments damaged while it was down
     liar_runs: int = 0  # runs of the lying worker (it is restarted like the others)
+    power_cuts: Counter = field(default_factory=Counter)  # --power-cuts: of which machine
 
     @property
     def total_kills(self) -> int:
@@ -121,17 +132,20 @@ class Chaos:
         local_workers: int = 2,
         damage: float = DAMAGE_CHANCE,
         broker_kill_by_s: float | None = None,
+        power: PowerCuts | None = None,
     ) -> None:
         """`broker_kill_by_s`: if no action killed the whole broker this many seconds into
         the run, the next action does once an input segment exists (a short run then always
         has one, with a segment to damage)."""
         self.root = root
+        self.power = power
+        self.out_dir = root if power is None else power.out_dir
         self.broker_kill_by_s = broker_kill_by_s
         self.began = time.monotonic()
         self.random = random.Random(seed)
         self.rng = np.random.default_rng(seed)
         self.items, self.jobs_in_flight = items, jobs
-        self.env = chaos_env()
+        self.env = dict(os.environ)
         self.config = write_config(root, local_workers)
         # front, tokenizer, router, writer, dispatch, completion, vectors, and the local workers
         self.broker = BrokerProcess(self.config, root / "data", self.env, 7 + local_workers)
@@ -148,6 +162,7 @@ class Chaos:
                         batch_items=64,
                         drain_s=5,
                         target_batch_s=0,
+                        engine_options=ECHO_FAULTS,
                     ).argv(),
                 ),
                 self.env,
@@ -171,6 +186,7 @@ class Chaos:
                         engine="echo",
                         batch_items=16,
                         target_batch_s=0,
+                        engine_options=ECHO_FAULTS,
                     ).argv(),
                 )[2:],
             ],
@@ -294,9 +310,8 @@ class Chaos:
             self.env,
             self.root / f"{job_id}.submit.log",
         )
-        job = Job(
-            spec, submit, None, self.root / f"{job_id}.out.jsonl", self.root / f"{job_id}.err.jsonl"
-        )
+        out, err = self.out_dir / f"{job_id}.out.jsonl", self.out_dir / f"{job_id}.err.jsonl"
+        job = Job(spec, submit, None, out, err)
         submit.start()
         self.jobs.append(job)
 
@@ -307,7 +322,9 @@ class Chaos:
         overdue = overdue and time.monotonic() >= self.began + self.broker_kill_by_s
         if overdue and any((self.root / "data" / "segments").glob("in-*.seg")):  # one to damage
             roll = 0.7  # a whole-broker kill
-        if roll < 0.55:
+        if self.power is not None and self.random.random() < POWER_CUT_CHANCE:
+            self._power_cut()
+        elif roll < 0.55:
             pids = {
                 label: pid
                 for label, pid in self.broker.pids().items()
@@ -349,6 +366,21 @@ class Chaos:
                     self.stopped[pid] = time.monotonic() + LEASE_S + self.random.uniform(1, 4)
                     kills["SIGSTOP worker"] += 1
 
+    def _power_cut(self) -> None:
+        """The power goes: of the broker's machine (its stages and what it never fsynced
+        go; a stopped remote worker lives on, as after a kill) or, less often, of the
+        results clients' (they are run again by `_tend`)."""
+        if self.random.random() < CLIENT_CUT_SHARE:
+            self.power.cut_client()
+            self.report.power_cuts[CLIENT_CUT] += 1
+            return
+        self.power.cut_broker(self.broker.proc.pid)
+        self.broker.proc.wait(timeout=30)
+        remote = {w.proc.pid for w in self.workers if w.proc is not None}
+        self.stopped = {pid: when for pid, when in self.stopped.items() if pid in remote}
+        self.report.power_cuts[BROKER_CUT] += 1
+        self.broker.start()
+
     def _damage_a_segment(self) -> None:
         """With the broker down, damage one input segment as a disk might: cut it mid-slot
         (the items past the cut are lost: they must end as `corrupt_input` error lines) or
@@ -362,7 +394,9 @@ class Chaos:
         if self.random.random() < 0.5 and size > 3 * 4096:
             cut = self.random.randrange(2 * 4096, size - 1)
             cut -= cut % 8 == 0  # never on a word boundary: mid-slot
-            os.truncate(path, cut)
+            with open(path, "r+b") as f:  # durable, as damage on a disk is
+                os.ftruncate(f.fileno(), cut)
+                os.fsync(f.fileno())
             self.report.damage["input segment cut mid-slot"] += 1
         else:
             with open(path, "r+b") as f:
@@ -370,6 +404,8 @@ class Chaos:
                 byte = f.read(1)
                 f.seek(40)
                 f.write(bytes([byte[0] ^ 0x5A]))
+                f.flush()
+                os.fsync(f.fileno())
             self.report.damage["input segment header byte flipped"] += 1
 
     def _resume_all(self) -> None:
@@ -537,6 +573,8 @@ def summary(report: Report, command: str, facts: dict) -> str:
             for kind, n in kinds
         ],
         f"| kills in all (SIGSTOPs not counted) | {report.total_kills:,} |",
+        *[f"| power cut: {kind} | {n:,} |" for kind, n in sorted(report.power_cuts.items())],
+        *([f"| power cuts | {sum(report.power_cuts.values()):,} |"] if report.power_cuts else []),
         *[
             f"| damaged while the broker was down: {kind} | {n:,} |"
             for kind, n in report.damage.items()
@@ -582,6 +620,12 @@ def main() -> int:
         metavar="S",
         help="kill the whole broker at least once, at the latest S seconds into the run",
     )
+    parser.add_argument(
+        "--power-cuts",
+        action="store_true",
+        help="the data dir and the results' files on power-cut disks (bench/chaos_power.py);"
+        f" {POWER_CUT_CHANCE:.0%} of the actions cut the power instead of a kill",
+    )
     parser.add_argument("--root", type=Path, help="a new directory for the run (else var/)")
     parser.add_argument("--report-json", type=Path, help="also write the report here, as JSON")
     args = parser.parse_args()
@@ -591,26 +635,33 @@ def main() -> int:
 
     def progress(report: Report, elapsed: float, finished: int) -> None:
         print(
-            f"chaos: {elapsed / 60:.1f} min, {report.total_kills} kills, {finished} jobs done",
+            f"chaos: {elapsed / 60:.1f} min, {report.total_kills} kills, "
+            f"{sum(report.power_cuts.values())} power cuts, {finished} jobs done",
             file=sys.stderr,
             flush=True,
         )
 
-    chaos = Chaos(
-        root,
-        args.seed,
-        args.items,
-        args.jobs,
-        damage=args.damage,
-        broker_kill_by_s=args.broker_kill_by,
-    )
-    report = chaos.run(args.minutes * 60, progress)
+    power = PowerCuts(root, args.seed) if args.power_cuts else None
+    try:
+        chaos = Chaos(
+            root,
+            args.seed,
+            args.items,
+            args.jobs,
+            damage=args.damage,
+            broker_kill_by_s=args.broker_kill_by,
+            power=power,
+        )
+        report = chaos.run(args.minutes * 60, progress)
+    finally:
+        if power is not None:
+            power.close()
     if args.report_json is not None:
         args.report_json.write_text(json.dumps(report.as_json(), indent=1))
     text = summary(report, machine.command_line(), facts)
     print(text)
     if not args.quick:
-        write_section(DOC, "chaos", text)
+        write_section(DOC, "chaos-power" if args.power_cuts else "chaos", text)
     return 0 if report.ok else 1
 
 

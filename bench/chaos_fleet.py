@@ -14,7 +14,6 @@ second or so; the default would stop the broker after 5 restarts a minute).
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from pipeline.transport.ports import free_loopback_ports
 
 REPO = Path(__file__).resolve().parents[1]
 POISON_TOKEN = 7  # an echo worker that meets an item starting with it is SIGKILLed (a bad kernel)
+ECHO_FAULTS = {"poison_token": POISON_TOKEN}  # every echo worker's options (gpu/engines/echo.py)
 LEASE_S = 4.0
 TEXT_TOKENIZER = REPO / "gpu" / "minilm" / "tokenizer.json"
 
@@ -63,6 +63,7 @@ bind = "127.0.0.1:{ports[5]}"
 interval_s = 1.0
 [workers]
 local = {local_workers}
+options = {{poison_token = {POISON_TOKEN}}}
 batch_items = 64
 prefetch = 2
 target_batch_s = 0
@@ -235,7 +236,3 @@ class Client:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(timeout=30)
-
-
-def chaos_env() -> dict:
-    return {**os.environ, "FABRIC_ECHO_POISON": str(POISON_TOKEN)}

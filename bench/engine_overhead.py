@@ -3,7 +3,7 @@
     python bench/engine_overhead.py [--repeats 3] [--dir DIR] [--no-docs]
 
 In one run, on the demo corpus (the paragraphs of the Python documentation
-that CPython ships, assembly/demo.py):
+that CPython ships, cli/demo.py):
 
 1. the `minilm` engine alone: the corpus tokenised with the model's
    tokenizer, grouped into the demo's lanes (32, 64, 128, 256 tokens),
@@ -59,7 +59,7 @@ from bench.engine_timeline import BROKER, broker_cpu, cost_shares, timeline  # n
 from bench.machine import command_line, describe, load_average  # noqa: E402
 from bench.report import Row, render_section, write_section  # noqa: E402
 
-LANES = (16, 24, 32, 48, 64, 96, 128, 192, 256)  # as assembly/demo.py writes them
+LANES = (16, 24, 32, 48, 64, 96, 128, 192, 256)  # as cli/demo.py writes them
 BATCH = 64
 DOC = REPO / "docs" / "BENCHMARKS.md"
 
@@ -155,7 +155,7 @@ def pipeline(
     ran for the timed job (`log`: bench/batch_log_worker.py's records) and the job's wall-clock
     `began` and `ended`: the worker is then started by this bench as that logging worker,
     with the options the supervisor would give it, and the broker runs with `local = 0`."""
-    from assembly.demo import write_config
+    from cli.demo import demo_config
     from collector.results_client import ResultsClient
     from config import load_settings
     from ingest.submit_client import Producer
@@ -164,7 +164,7 @@ def pipeline(
     corpus, warm = root / "corpus.jsonl", root / "warm.jsonl"
     write_corpus(corpus, texts, per_line)
     write_corpus(warm, texts[:128], per_line)
-    config = write_config(root, workers=1)
+    config = demo_config(root, workers=1)
     text = config.read_text().replace("prefetch = 2", "prefetch = 2\ntarget_batch_s = 0.0")
     config.write_text(text)
     settings = load_settings(config)
@@ -250,7 +250,7 @@ def timeline_rows(parts, shares, spent, items: int) -> list[Row]:
 
 def fresh_run(args) -> tuple[Path, dict[str, str], list[str]]:
     """An empty `--dir`, the machine's facts, and the demo corpus (its first `--items` texts)."""
-    from assembly.demo import corpus
+    from cli.demo import corpus
 
     bench_dir = Path(args.dir)
     subprocess.run(["rm", "-rf", str(bench_dir)], check=True)

@@ -2,7 +2,10 @@
 
 One broker takes K submits of the same N rows (a new job each, so its log
 grows to K * N items). Per submit: wall time, and the user and system CPU
-of every process (supervisor, stages, this producer) from /proc. Over all
+of every process (supervisor, stages, this producer) from /proc, and the
+writers' fsyncs and items from the broker's metrics
+(`fabric_writer_fsync_seconds` count: one fdatasync per touched segment per
+step, the group commit; `fabric_writer_items_appended_total`). Over all
 submits: the broker's memory, sampled every 0.2 s. Then the broker is
 stopped with SIGTERM and checked with `run.py check`; with a profile asked
 for (or the items/s target missed, under `--profile auto`), one more
@@ -13,9 +16,11 @@ from __future__ import annotations
 
 import os
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench import ingest_profile
 from bench.ingest_broker import BenchBroker, Model, RssSampler, cpu_times
@@ -42,7 +47,7 @@ def bench_fabric(
         labels[broker.proc.pid] = "supervisor"
         watched = {label: pid for pid, label in labels.items()} | {"producer (bench)": os.getpid()}
         with RssSampler(broker.proc.pid) as rss, Producer(broker.address, window=WINDOW) as sdk:
-            seconds, cpu, marks = _submits(plan, sdk, rows, watched)
+            seconds, cpu, marks, syncs = _submits(plan, broker, sdk, rows, watched)
             rates = tuple(rows.shape[0] / s for s in seconds)
             if plan.profile == "on" or (
                 plan.profile == "auto" and float(np.median(rates)) < ITEMS_TARGET
@@ -52,16 +57,34 @@ def bench_fabric(
         _stop_and_check(broker, plan, outcome)
     finally:
         broker.close()
-    return _rate_rows(rates, seconds, disk_mb_s) + _cpu_rows(cpu, seconds) + memory, rates
+    rate_rows = _rate_rows(rates, seconds, disk_mb_s) + _sync_rows(syncs, seconds)
+    return rate_rows + _cpu_rows(cpu, seconds) + memory, rates
 
 
-def _submits(plan: Plan, sdk: Producer, rows: np.ndarray, watched: dict[str, int]):
-    """Time K submits: seconds and per process (user, system) CPU seconds of each; and when
-    (monotonic) 25% of the first submit was durable, then when each submit returned."""
+def writer_syncs(broker: BenchBroker) -> tuple[float, float]:
+    """(fdatasyncs, items appended) by every writer so far, from the broker's metrics."""
+    url = f"http://{broker.settings.metrics.bind}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as answer:
+        text = answer.read().decode()
+    totals = {"fabric_writer_fsync_seconds_count": 0.0, "fabric_writer_items_appended_total": 0.0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in totals:
+                totals[sample.name] += sample.value
+    return totals["fabric_writer_fsync_seconds_count"], totals["fabric_writer_items_appended_total"]
+
+
+def _submits(
+    plan: Plan, broker: BenchBroker, sdk: Producer, rows: np.ndarray, watched: dict[str, int]
+):
+    """Time K submits: seconds and per process (user, system) CPU seconds of each; when
+    (monotonic) 25% of the first submit was durable, then when each submit returned; and
+    the writers' (fdatasyncs, items) during each."""
     n = rows.shape[0]
     seconds: list[float] = []
     cpu: dict[str, list[tuple[float, float]]] = {label: [] for label in watched}
     marks: list[float] = []
+    syncs: list[tuple[float, float]] = []
 
     def note_quarter(report, lines_done: int) -> None:
         if not marks and report.stored >= n // 4:
@@ -69,6 +92,7 @@ def _submits(plan: Plan, sdk: Producer, rows: np.ndarray, watched: dict[str, int
 
     for k in range(plan.repeat):
         before = {label: cpu_times(pid) for label, pid in watched.items()}
+        synced_before = writer_syncs(broker)
         started = time.perf_counter()
         report = sdk.submit_tokens(
             f"bench-{os.getpid()}-{k}",
@@ -78,6 +102,8 @@ def _submits(plan: Plan, sdk: Producer, rows: np.ndarray, watched: dict[str, int
             progress=note_quarter if k == 0 else None,
         )
         seconds.append(time.perf_counter() - started)
+        synced_after = writer_syncs(broker)
+        syncs.append((synced_after[0] - synced_before[0], synced_after[1] - synced_before[1]))
         if not marks:  # the first submit took no progress report past 25%
             marks.append(time.monotonic())
         marks.append(time.monotonic())
@@ -90,7 +116,24 @@ def _submits(plan: Plan, sdk: Producer, rows: np.ndarray, watched: dict[str, int
                 f"({report.rejected} rejected): {report.errors[:3]}"
             )
         progress(f"step 2: submit {k + 1} of {plan.repeat}: {n / seconds[-1]:,.0f} items/s")
-    return seconds, cpu, marks
+    return seconds, cpu, marks, syncs
+
+
+def _sync_rows(syncs: list[tuple[float, float]], seconds: list[float]) -> list[Row]:
+    """The fsync policy beside the items/s: the writers' fdatasyncs per second (one per
+    touched segment per step: the group commit) and the items each made durable."""
+    return [
+        Row(
+            STEP,
+            "writer fdatasyncs/s (group commits; each submit)",
+            tuple(n / s for (n, _), s in zip(syncs, seconds, strict=True)),
+        ),
+        Row(
+            STEP,
+            "items per writer fdatasync",
+            tuple(items / max(n, 1) for n, items in syncs),
+        ),
+    ]
 
 
 def _rate_rows(rates: tuple[float, ...], seconds: list[float], disk_mb_s: float) -> list[Row]:

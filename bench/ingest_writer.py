@@ -33,6 +33,8 @@ from pathlib import Path
 import numpy as np
 import zmq
 
+from config.stage_settings import stage_settings
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import disk
@@ -93,7 +95,7 @@ def one_run(root: Path, items: int) -> dict[str, float]:
     DataDir(settings.data_path).ensure()
     (spec,) = rings_to(settings, "writer-0")
     ring = Ring.create(spec.name, RING_BYTES)
-    stage = WriterStage(settings, 0)
+    stage = WriterStage(stage_settings(settings, "writer"), 0)
     stage.open()
     context = zmq.Context()
     front = wire.open_socket(context, zmq.PULL, bind=internal_address(settings, "front"))

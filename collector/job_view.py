@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.core.item_seq import PART_BASE
+from pipeline.core.job_limits import Stop, record_limits
 from pipeline.core.job_states import JobState
 from pipeline.core.line_table import LineTable
 from pipeline.store.job_files import (
@@ -33,7 +34,7 @@ from pipeline.store.job_files import (
     journal_record_at,
     journal_records,
 )
-from pipeline.store.job_record import DELIVER_FILE, JobRecordError
+from pipeline.store.job_record import DELIVER_FILE, JobRecordError, record_priority
 
 CHUNKS_CACHED = 16
 
@@ -49,6 +50,9 @@ class JobView:
         self.job_no: int = int(meta["job_no"])
         self.created_ns: int = int(meta["created_ns"])
         self.deliver: str = meta.get("deliver", DELIVER_FILE)  # ingest.jobs.parse_deliver
+        self.priority: int = record_priority(meta)  # at submit; a client may change it
+        self.notify: str = str(meta.get("notify", ""))  # `submit --notify URL`, or ""
+        self.limits = record_limits(meta)  # its caps (pipeline/core/job_limits.py)
         self.journal = files.journal_path(job_id)
         self.offset = 0
         self.progress = ChunkProgress(keep_errors=False)
@@ -94,6 +98,22 @@ class JobView:
     def cancelled_at_deadline(self) -> bool:
         """Cancelled because its deadline passed (it ends `expired`, not `cancelled`)."""
         return self.files.cancelled_at_deadline(self.job_id)
+
+    @property
+    def paused(self) -> bool:
+        return self.files.is_paused(self.job_id)
+
+    @property
+    def current_priority(self) -> int:
+        """The last priority a client set (collector/completion/control.py), else the
+        record's (default 0)."""
+        changed = self.files.priority(self.job_id)
+        return changed if changed is not None else self.priority
+
+    @property
+    def stopped(self) -> Stop | None:
+        """The limit that stopped the job (its cancel mark says which), or None."""
+        return Stop.from_mark(self.files.cancel_words(self.job_id))
 
     def refresh(self) -> None:
         records, self.offset = journal_records(self.journal, self.offset)
@@ -282,7 +302,8 @@ class JobIndex:
         self.views.pop(job_id, None)
 
 
-def write_cancel(view: JobView, at_deadline: bool = False) -> None:
+def write_cancel(view: JobView, at_deadline: bool = False, stop: Stop | None = None) -> None:
     """Record durably that the job is cancelled (job number and wall time; `at_deadline`:
-    because its deadline passed)."""
-    view.files.mark_cancelled(view.job_id, view.job_no, time.time_ns(), at_deadline)
+    because its deadline passed; `stop`: because it passed that limit)."""
+    why = stop.mark_text() if stop is not None else ""
+    view.files.mark_cancelled(view.job_id, view.job_no, time.time_ns(), at_deadline, why)

@@ -82,6 +82,17 @@ class ResultsClient(BrokerClient):
             meta["reason"] = JobState.EXPIRED.value  # the state it ends in
         return self.request(MT.CANCEL, meta, MT.CANCELLED).meta
 
+    def control(
+        self, job_id: str, *, paused: bool | None = None, priority: int | None = None
+    ) -> dict[str, Any]:
+        """Pause (`paused=True`) or resume the job, and/or set its priority; its JOB_INFO."""
+        meta: dict[str, Any] = {"job": job_id}
+        if paused is not None:
+            meta["paused"] = paused
+        if priority is not None:
+            meta["priority"] = priority
+        return self.request(MT.CONTROL, meta, MT.JOB_INFO).meta
+
     def fetch(
         self,
         job_id: str,

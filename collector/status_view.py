@@ -100,7 +100,12 @@ def render_job(info: dict[str, Any]) -> str:
     """One job: state, counts, throughput, time left."""
     total = info["total"]
     lines = [
-        f"job {info['job']}: {info['state']}",
+        f"job {info['job']}: {info['state']}"
+        + (
+            " (paused: queued items wait; `run.py resume` lets them go)"
+            if info.get("paused")
+            else ""
+        ),
         f"  total      {total if total is not None else '(still being submitted)'}",
         f"  completed  {info['completed']}",
         f"  failed     {info['failed']}",
@@ -115,6 +120,22 @@ def render_job(info: dict[str, Any]) -> str:
             f"  tokens     {usage['prompt_tokens']} prompt + {usage['completion_tokens']} "
             f"generated = {usage['total_tokens']}"
         )
+    if info.get("priority"):
+        lines.append(f"  priority   {info['priority']} (higher first)")
+    if info.get("worker_s") is not None:
+        lines.append(f"  worker time  {info['worker_s']:.1f} s of engine time (workers' word)")
+    limits = info.get("limits") or {}
+    if limits:  # the job's caps (pipeline/core/job_limits.py); the budget's share used
+        budget = limits.get("max_tokens")
+        used = (
+            f" ({100 * usage['total_tokens'] / budget:.0f}% of the token budget)"
+            if (budget and usage)
+            else ""
+        )
+        lines.append(f"  limits     {', '.join(f'{k} {v}' for k, v in limits.items())}{used}")
+    if info.get("stopped"):
+        stop = info["stopped"]
+        lines.append(f"  stopped    {stop['code']} ({stop['limit']}): {stop['message']}")
     if info.get("fanout"):
         fan = info["fanout"]
         lines.append(f"  parts      {fan['parts']} in {fan['lines']} lines of several parts")
@@ -122,4 +143,9 @@ def render_job(info: dict[str, Any]) -> str:
         lines.append(f"  delivered to  {info['deliver']} (python run.py vectors stats)")
     if info.get("eta_s"):
         lines.append(f"  time left  about {info['eta_s']:.0f} s")
+    hook = info.get("webhook")
+    if hook:  # docs/operations.md, Webhooks
+        tries = f"{hook['attempts']} attempt{'s' if hook['attempts'] != 1 else ''}"
+        error = f"; last error: {hook['last_error']}" if hook.get("last_error") else ""
+        lines.append(f"  webhook    {hook['status']} to {hook['url']} ({tries}{error})")
     return "\n".join(lines)

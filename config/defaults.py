@@ -219,6 +219,18 @@ DEFAULTS: Final[dict[str, Any]] = {
         "request_head_timeout_s": 20.0,
         # An idle connection is closed this long after its last response.
         "keep_alive_timeout_s": 15.0,
+        # An event not answered 2xx this long after its batch ended is given up (OpenAI: 72 h).
+        "webhook_give_up_s": 72 * 3600.0,
+        # One POST of an event waits this long for the receiver's answer.
+        "webhook_timeout_s": 10.0,
+        # Hosts beyond loopback that a receiver's URL may name (names or addresses, as
+        # written in the URL); [] = loopback receivers only.
+        "webhook_hosts": [],
+        # [[api.webhooks]] tables: where a batch's end is POSTed, per owner (docs/http-api.md,
+        # "Webhooks"): owner (a keys_file owner, or "local" without keys), url, secret_file (a
+        # file holding the whsec_ secret), allow_batch_url (metadata fabric_webhook_url may
+        # name another receiver for one batch; default false).
+        "webhooks": [],
     },
     "security": {
         # Path of the broker's secret key file (NAME.key_secret from `run.py keys new`);

@@ -65,6 +65,29 @@ def interval(unit: str, *, zero_ok: bool) -> Rule:
     return Rule("number", f"a number {'>=' if zero_ok else '>'} 0 ({unit})", problem)
 
 
+WEBHOOK_KEYS: Final = ("owner", "url", "secret_file", "allow_batch_url")
+
+
+def webhooks_problem(tables: list[dict[str, Any]]) -> str | None:
+    """What is wrong with the [[api.webhooks]] tables (a URL's host is judged at start)."""
+    owners: dict[str, int] = {}
+    for i, table in enumerate(tables):
+        for key in table:
+            if key not in WEBHOOK_KEYS:
+                return f"has webhooks[{i}].{key}, not a key of [[api.webhooks]] ({', '.join(WEBHOOK_KEYS)})"
+        for key in WEBHOOK_KEYS[:3]:
+            if not isinstance(table.get(key), str) or not table[key]:
+                return f"has webhooks[{i}] without a {key} string"
+        if not isinstance(table.get("allow_batch_url", False), bool):
+            return f"has webhooks[{i}].allow_batch_url that is not true or false"
+        if not table["url"].startswith(("http://", "https://")):
+            return f"has webhooks[{i}].url = {json.dumps(table['url'])}, not an http(s):// URL"
+        if table["owner"] in owners:
+            return f"has webhooks[{i}].owner = {json.dumps(table['owner'])} again (webhooks[{owners[table['owner']]}])"
+        owners[table["owner"]] = i
+    return None
+
+
 def _lanes_problem(lanes: list[int]) -> str | None:
     if not lanes:
         return "is empty"
@@ -268,6 +291,17 @@ RULES: Final[dict[str, Rule]] = {
     "api.max_connections": count(1),
     "api.request_head_timeout_s": interval("seconds", zero_ok=False),
     "api.keep_alive_timeout_s": interval("seconds", zero_ok=False),
+    "api.webhook_give_up_s": interval("seconds", zero_ok=False),
+    "api.webhook_timeout_s": interval("seconds", zero_ok=False),
+    "api.webhook_hosts": Rule(
+        "list of strings", "a list of host names or addresses receivers may be on", lambda v: None
+    ),
+    "api.webhooks": Rule(
+        "list of tables",
+        "[[api.webhooks]] tables, each with owner, url (http:// or https://), secret_file "
+        "and optionally allow_batch_url = true, one per owner",
+        lambda v: webhooks_problem(v),
+    ),
     "security.server_key": Rule(
         "string", 'a path to the broker\'s NAME.key_secret, or "" for none', lambda v: None
     ),
@@ -333,6 +367,8 @@ def _has_kind(value: Any, kind: str) -> bool:
         return isinstance(value, bool)
     if kind == "table":
         return isinstance(value, dict)
+    if kind == "list of tables":
+        return isinstance(value, list) and all(isinstance(v, dict) for v in value)
     if kind == "list of integers":
         return isinstance(value, list) and all(_is_int(v) for v in value)
     if kind == "list of strings":

@@ -176,6 +176,20 @@ class ApiSettings:
     max_connections: int
     request_head_timeout_s: float
     keep_alive_timeout_s: float
+    webhook_give_up_s: float
+    webhook_timeout_s: float
+    webhook_hosts: tuple[str, ...]
+    webhooks: tuple[WebhookSettings, ...]  # [[api.webhooks]] tables
+
+
+@dataclass(frozen=True, slots=True)
+class WebhookSettings:
+    """One [[api.webhooks]] table: where one owner's batch events go (collector/webhooks.py)."""
+
+    owner: str
+    url: str
+    secret_file: str
+    allow_batch_url: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,6 +280,8 @@ _SECTION_TYPES: dict[str, type] = {
 
 def _typed(default: Any, value: Any) -> Any:
     """Give `value` the Python type of its default: int -> float, list -> tuple."""
+    if value and isinstance(value, list) and isinstance(value[0], dict):  # [[api.webhooks]]
+        return tuple(WebhookSettings(**table) for table in value)
     if isinstance(default, float):
         return float(value)
     if isinstance(value, list):

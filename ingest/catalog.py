@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from config.defaults import ENDPOINTS, ENGINE_VOCAB_SIZE
-from config.settings import ModelSettings, Settings
+from config.settings import ModelSettings
+from config.stage_settings import Catalogued
 
 EMBEDDINGS = "/v1/embeddings"
 CHAT_COMPLETIONS = "/v1/chat/completions"
@@ -68,7 +69,7 @@ class ModelCatalog:
     max_line_tokens: int = 1 << 20  # prompt tokens of one line's parts together
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> ModelCatalog:
+    def from_settings(cls, settings: Catalogued) -> ModelCatalog:
         largest = settings.broker.lanes[-1]
         models = {}
         for model in settings.models:

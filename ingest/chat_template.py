@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ingest.line_parser import ChatMessage
+from ingest.chat_messages import ChatMessage
 from pipeline.core.errors import TokenizerError
 
 GENERATION_TAG = "<|assistant|>\n"

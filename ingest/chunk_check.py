@@ -38,7 +38,8 @@ from ingest.line_errors import (
     UNKNOWN_MODEL,
     LineError,
 )
-from ingest.line_parser import beyond_vocabulary, too_many_tokens
+from ingest.line_parser import too_many_tokens
+from ingest.line_prompts import beyond_vocabulary
 from ingest.model_aliases import WrittenNames, own_names, written_names
 
 

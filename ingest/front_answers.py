@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from config.stage_settings import Catalogued
 from ingest.catalog import ModelCatalog
 from ingest.error_wire import errors_to_wire
 from ingest.jobs import Job, JobRegistry
@@ -20,7 +21,7 @@ from ingest.line_errors import LineError
 from pipeline.core.errors import IngestError
 
 
-def catalog(settings, models: ModelCatalog) -> dict[str, Any]:
+def catalog(settings: Catalogued, models: ModelCatalog) -> dict[str, Any]:
     """CATALOG's meta: served models, lanes, chunk size and the message size limit."""
     return {
         "models": [

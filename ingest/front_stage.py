@@ -24,7 +24,9 @@ each port"): chunks in flight by count and by bytes, per producer connection
 and in all (ingest/inflight.py: a chunk past a cap is refused, retryably), and
 connections per address and in all (ingest/peer_guard.py: libzmq buffers a
 frame whole before the front sees it, so only the number of connections
-bounds that). The answers besides refusals are built in ingest/front_answers.py.
+bounds that). Accepted chunks go on through ingest/chunk_forwarding.py; the
+answers wait for the step's journal sync in ingest/producer_replies.py, and
+those besides refusals are built in ingest/front_answers.py.
 
 A chunk that does not complete by its deadline (a stage died and its rings
 were replaced, a disk stalled) is answered with a retryable error; writers
@@ -41,36 +43,40 @@ derived from it, so a test can drive the stage with a clock of its own.
 from __future__ import annotations
 
 import time
-from collections import deque
-from typing import Any
 
-import numpy as np
 import zmq
 
+from config.stage_settings import FrontStageSettings
 from ingest import front_answers
 from ingest.catalog import ModelCatalog
 from ingest.chunk_check import Checked, chunk_digests, recheck
-from ingest.chunk_items import items_of, router_for
-from ingest.chunk_wire import chunk_from_wire, chunk_to_wire
+from ingest.chunk_forwarding import ChunkForwarding
+from ingest.chunk_wire import chunk_from_wire
 from ingest.custom_ids import Digests
 from ingest.error_wire import errors_from_wire
 from ingest.inflight import DEADLINE_MARGIN_S, Inflight, InflightChunks
 from ingest.input_chunk import InputChunk
-from ingest.jobs import Job, JobRegistry, parse_deadline_field
+from ingest.jobs import (
+    Job,
+    JobRegistry,
+    parse_deadline_field,
+    parse_limits_field,
+    parse_priority_field,
+)
 from ingest.line_errors import LineError
 from ingest.parked_chunks import ParkedChunks
 from ingest.peer_guard import PeerGuard
-from ingest.reconcile import stored_indexes
+from ingest.producer_replies import ProducerReplies
+from ingest.reconcile import stored_by_earlier_try
 from pipeline.core.errors import DiskFullError, FabricError, IngestError, WireError
 from pipeline.core.job_states import JobState
-from pipeline.process.stage import Stage, broker_epoch
+from pipeline.process.stage import Stage
 from pipeline.store.datadir import DataDir
 from pipeline.store.disk_full import FullDisk
 from pipeline.store.job_files import ChunkEntry, Landing, check_job_id
 from pipeline.store.job_record import DELIVER_FILE, parse_deliver
 from pipeline.transport import wire
 from pipeline.transport.outlet import Outlet
-from pipeline.transport.ring_records import put_items, split_items
 from pipeline.transport.security import ServerGate
 from pipeline.transport.topology import internal_address
 
@@ -79,7 +85,7 @@ MAX_REPORTS_PER_STEP = 4096  # writer and tokenizer reports read in one step
 IDLE_WAIT_S = 0.2  # the longest wait for a message when nothing waits for a ring
 
 
-class FrontStage(Stage):
+class FrontStage(Stage[FrontStageSettings]):
     name = "front"
     poller: zmq.Poller  # made by open()
     poll_ms = 20
@@ -117,10 +123,9 @@ class FrontStage(Stage):
         self.poller.register(self.producers, zmq.POLLIN)
         self.poller.register(inbox, zmq.POLLIN)
         self.poller.register(self.guard.monitor, zmq.POLLIN)
-        self.unsent: deque[Inflight] = deque()
-        self.replies: list[tuple[tuple[bytes, ...], MT, dict[str, Any], int, Any]] = []
+        self.forwarding = ChunkForwarding(self.tokenize, self.outlet, self.inflight)
+        self.replies = ProducerReplies(self.log)  # sent after the step's journal sync
         self.jobs_by_no: dict[int, Job] = {}
-        self.epoch = broker_epoch()
         self.life = time.monotonic_ns()  # this front's life, in the accept records it writes
         # a retried chunk an earlier front of this broker life sent on waits here until that
         # try can no longer land (ingest/parked_chunks.py)
@@ -134,12 +139,12 @@ class FrontStage(Stage):
         self.guard.step(now)  # cut connections over the caps before they are read
         if self.inbox.socket in events:
             self._read_inbox()
-        accepting = not self.stopping and not self.unsent and not self.inflight.full
+        accepting = not self.stopping and not self.forwarding.waiting and not self.inflight.full
         fresh: list[Inflight] = []
         if accepting and self.parked:
             fresh += self._unpark(now)
         if accepting and self.producers in events:
-            refuse = lambda route, reason: self._reply(route, MT.ERROR, {"reason": reason})  # noqa: E731
+            refuse = lambda route, reason: self.replies.add(route, MT.ERROR, {"reason": reason})  # noqa: E731
             for message in wire.requests(
                 self.producers, 16, self.limits, self.log, "producer", refuse
             ):
@@ -154,9 +159,9 @@ class FrontStage(Stage):
             self._flush_failed(exc, fresh)
             fresh = []
         for flight in fresh:
-            self.unsent.append(flight)
-        self._send_on()
-        self._send_replies()
+            self.forwarding.queue(flight)
+        self.forwarding.send_on()
+        self.replies.send(self.producers)
         self._unload_finished()
         self.disk.settle(now)
 
@@ -164,7 +169,7 @@ class FrontStage(Stage):
         """How long the step may wait for a message: `poll_ms` while records wait for room in
         a ring, else up to IDLE_WAIT_S (deadlines are seconds long) or a parked chunk's time.
         Messages wake it at once, so an idle front wakes 5 times a second, not 50."""
-        if self.unsent:
+        if self.forwarding.waiting:
             return self.poll_ms
         due = now + IDLE_WAIT_S
         if (parked := self.parked.next_s()) is not None:
@@ -175,26 +180,28 @@ class FrontStage(Stage):
     def _handle(self, message: wire.Message, now: float) -> Inflight | None:
         route, meta = message.route, message.meta
         if message.type == MT.HELLO:
-            self._reply(route, MT.CATALOG, front_answers.catalog(self.settings, self.catalog))
+            self.replies.add(route, MT.CATALOG, front_answers.catalog(self.settings, self.catalog))
         elif message.type == MT.JOB_STATUS:
             job_id = str(meta.get("job", ""))
-            self._reply(route, MT.JOB_INFO, front_answers.job_info(self.registry, job_id))
+            self.replies.add(route, MT.JOB_INFO, front_answers.job_info(self.registry, job_id))
         elif message.type == MT.SUBMIT_CHUNK:
             try:
                 return self._submit(message, now)
             except IngestError as exc:
-                self._refuse(route, meta, str(exc))
+                self.replies.refuse(route, meta, str(exc))
             except DiskFullError as exc:  # creating the job's files: the producer retries
                 self.log.warning("job %r: %s", meta.get("job"), exc)
                 error = front_answers.chunk_error(meta, str(exc))
-                self._reply(route, MT.CHUNK_ERROR, error, wire.Flag.RETRYABLE)
+                self.replies.add(route, MT.CHUNK_ERROR, error, wire.Flag.RETRYABLE)
             except WireError as exc:
-                self._refuse(route, meta, f"malformed chunk: {exc}")
+                self.replies.refuse(route, meta, f"malformed chunk: {exc}")
             except Exception:  # a bug must not turn one chunk into a crash loop
                 self.log.exception("internal error on a chunk of job %r", meta.get("job"))
-                self._refuse(route, meta, "internal error in the broker (logged); please report it")
+                self.replies.refuse(
+                    route, meta, "internal error in the broker (logged); please report it"
+                )
         else:
-            self._reply(
+            self.replies.add(
                 route, MT.ERROR, {"reason": f"the front does not take {message.type.name} messages"}
             )
         return None
@@ -210,28 +217,29 @@ class FrontStage(Stage):
                 raise IngestError(f"chunk_lines {chunk_lines} must be a positive number of lines")
             source = str(meta.get("source", ""))[:4096]  # the input file's path, for vectors search
             deadline = parse_deadline_field(meta.get("deadline"))  # the first chunk's counts
-            job = self.registry.create(job_id, chunk_lines, deliver, source, deadline)
+            priority = parse_priority_field(meta.get("job_priority", 0))
+            notify = str(meta.get("notify", ""))[:4096]  # where its end is POSTed, if anywhere
+            limits = parse_limits_field(meta.get("limits"))  # likewise
+            job = self.registry.create(
+                job_id,
+                chunk_lines,
+                deliver,
+                source,
+                deadline,
+                priority=priority,
+                notify=notify,
+                limits=limits,
+            )
         self.jobs_by_no[job.job_no] = job
-        if deliver != job.deliver:
-            raise IngestError(
-                f"job {job_id} was submitted with --deliver {job.deliver}, this chunk says "
-                f"{deliver}; resume it with the same --deliver"
-            )
-        if chunk_lines != job.chunk_lines:
-            raise IngestError(
-                f"job {job_id} was started with chunks of {job.chunk_lines} lines, this chunk says "
-                f"{chunk_lines}; resume it with the same chunk size"
-            )
-        if job.state not in (JobState.VALIDATING, JobState.QUEUED):
-            raise IngestError(f"job {job_id} is {job.state}; it takes no more input")
+        job.check_takes(deliver, chunk_lines)
         state = job.chunks.get(number)
         if state is not None and state.committed is not None:
             if job.commit_pending(number):  # its commit is not on disk yet (a full disk?)
                 reason = "the chunk is stored but not yet recorded durably; send it again"
-                self._chunk_error(route, job_id, number, reason)
+                self.replies.retry(route, job_id, number, reason)
             else:
                 ack = front_answers.chunk_ack(job, number, duplicate=True)
-                self._reply(route, MT.CHUNK_ACK, *ack)
+                self.replies.add(route, MT.CHUNK_ACK, *ack)
             return None
         flight = self.inflight.get((job.job_no, number))
         if flight is not None:
@@ -242,7 +250,7 @@ class FrontStage(Stage):
         nbytes = sum(a.nbytes for a in message.arrays.values())
         busy = self.inflight.busy(route, nbytes)
         if busy is not None:
-            self._chunk_error(route, job_id, number, busy)
+            self.replies.retry(route, job_id, number, busy)
             return None
         chunk = chunk_from_wire(meta, message.arrays)
         first = number * job.chunk_lines + 1
@@ -303,18 +311,7 @@ class FrontStage(Stage):
         """Check the chunk again, and find what an earlier attempt already stored."""
         stored = None
         if earlier is not None:  # accepted before and never committed: some items may be stored
-            stored = stored_indexes(
-                self.data_dir,
-                job.job_no,
-                chunk.first_line - 1,
-                chunk.last_line - 1,
-                earlier.accepted_ns,
-            )
-            if chunk.fanout:  # parts 1.. of its fan-out lines lie in the part region
-                first = min(f[2] for f in chunk.fanout)
-                last = max(f[2] + f[1] - 2 for f in chunk.fanout)
-                parts = stored_indexes(self.data_dir, job.job_no, first, last, earlier.accepted_ns)
-                stored = np.concatenate([stored, parts])
+            stored = stored_by_earlier_try(self.data_dir, job.job_no, chunk, earlier.accepted_ns)
         in_flight = self.inflight.digests_of_job(job, chunk.index)
         checked = recheck(chunk, self.catalog, job.custom_ids, in_flight, stored, hashed)
         if checked.already:
@@ -325,42 +322,6 @@ class FrontStage(Stage):
                 len(checked.already),
             )
         return checked
-
-    # ---- forwarding ------------------------------------------------------------------------
-    def _send_on(self) -> None:
-        while self.unsent:
-            flight = self.unsent[0]
-            if flight.key not in self.inflight:  # failed meanwhile
-                self.unsent.popleft()
-                continue
-            if not self._send_one(flight):
-                return
-            flight.sent = True
-            self.unsent.popleft()
-
-    def _send_one(self, flight: Inflight) -> bool:
-        to_send = flight.chunk
-        if to_send.n_items == 0:
-            flight.expected = 0
-            return True
-        if to_send.needs_tokenizing:
-            meta, arrays = chunk_to_wire(to_send)
-            meta.update(job_no=flight.job.job_no, deadline_ns=flight.deadline_ns)
-            try:
-                wire.send(self.tokenize, MT.TOKENIZE, meta, arrays)
-            except WireError:
-                return False  # tokenizers busy (or none up yet): try again next step
-            return True
-        if flight.pieces is None:
-            flight.pieces = deque(
-                split_items(items_of(to_send, flight.job.job_no, flight.deadline_ns))
-            )
-        router = router_for(to_send.index, len(self.outlet))
-        while flight.pieces:
-            if not self.outlet.try_put(router, put_items, flight.pieces[0]):
-                return False
-            flight.pieces.popleft()
-        return True
 
     # ---- reports from writers and tokenizers ------------------------------------------------------
     def _read_inbox(self) -> None:
@@ -392,7 +353,7 @@ class FrontStage(Stage):
             self.registry.touch(flight.job)
             self.inflight.remove(flight)
             ack = front_answers.chunk_ack(flight.job, flight.chunk.index)
-            self._reply(flight.route, MT.CHUNK_ACK, *ack)
+            self.replies.add(flight.route, MT.CHUNK_ACK, *ack)
 
     def _expire(self, now: float) -> None:
         for flight in self.inflight.expired(now):
@@ -408,7 +369,9 @@ class FrontStage(Stage):
             "job %s chunk %d failed: %s", flight.job.job_id, flight.chunk.index, reason
         )
         meta = {"job": flight.job.job_id, "chunk": flight.chunk.index, "reason": reason}
-        self._reply(flight.route, MT.CHUNK_ERROR, meta, wire.Flag.RETRYABLE if retryable else 0)
+        self.replies.add(
+            flight.route, MT.CHUNK_ERROR, meta, wire.Flag.RETRYABLE if retryable else 0
+        )
 
     def _flush_journals(self, now: float) -> None:
         """Sync the job journals; on a full disk, one try a second (the rest fail at once)."""
@@ -429,18 +392,7 @@ class FrontStage(Stage):
             self.log.error("job journal sync failed: %s", exc)
         for flight in fresh:
             self._fail(flight, f"the broker could not record the chunk: {exc}", retryable=True)
-        self.replies = [
-            (
-                route,
-                MT.CHUNK_ERROR,
-                {"job": m["job"], "chunk": m["chunk"], "reason": str(exc)},
-                wire.Flag.RETRYABLE,
-                None,
-            )
-            if t == MT.CHUNK_ACK and not m.get("duplicate")
-            else (route, t, m, f, a)
-            for route, t, m, f, a in self.replies
-        ]
+        self.replies.journal_failed(exc)
 
     def _unload_finished(self) -> None:
         """Forget jobs that take no more input, so memory follows the jobs being submitted."""
@@ -454,29 +406,6 @@ class FrontStage(Stage):
                 and self.registry.unload(job)
             ):
                 del self.jobs_by_no[job_no]
-
-    # ---- answers ----------------------------------------------------------------------------
-    def _refuse(self, route: tuple[bytes, ...], meta: dict[str, Any], reason: str) -> None:
-        self.log.warning("refused a chunk: %s", reason)
-        self._reply(route, MT.CHUNK_ERROR, front_answers.chunk_error(meta, reason))
-
-    def _chunk_error(self, route, job_id: str, number: int, reason: str) -> None:
-        """A retryable CHUNK_ERROR: the producer sends the chunk again later."""
-        meta = front_answers.chunk_error({"job": job_id, "chunk": number}, reason)
-        self._reply(route, MT.CHUNK_ERROR, meta, wire.Flag.RETRYABLE)
-
-    def _reply(
-        self, route, msg_type: MT, meta: dict[str, Any], flags: int = 0, arrays: dict | None = None
-    ) -> None:
-        self.replies.append((route, msg_type, meta, flags, arrays))
-
-    def _send_replies(self) -> None:
-        for route, msg_type, meta, flags, arrays in self.replies:
-            try:
-                wire.send(self.producers, msg_type, meta, arrays, route=route, flags=flags)
-            except WireError as exc:
-                self.log.info("could not answer a producer (gone?): %s", exc)
-        self.replies = []
 
     # ---- life ------------------------------------------------------------------------------
     def stats(self, now: float) -> dict:

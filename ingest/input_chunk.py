@@ -37,7 +37,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ingest.line_errors import LineError
-from ingest.line_parser import ParsedLine, TextPrompt
+from ingest.line_parser import ParsedLine
+from ingest.line_prompts import TextPrompt
 from ingest.request_shape import Shape
 from pipeline.core.item_seq import PART_BASE
 from pipeline.core.ragged import offsets_of, scatter

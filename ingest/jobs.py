@@ -18,12 +18,38 @@ from typing import Any
 
 from ingest.custom_ids import CustomIdSet
 from pipeline.core.errors import IngestError
+from pipeline.core.job_limits import LimitError, limits_from
 from pipeline.core.job_states import JobState, job_state
 from pipeline.store.counter import DurableCounter
 from pipeline.store.job_files import ChunkEntry, ChunkProgress, JobFiles, Landing
-from pipeline.store.job_record import DELIVER_FILE
+from pipeline.store.job_record import DELIVER_FILE, PRIORITY_LIMIT
 from pipeline.store.records import RecordLog
 from pipeline.store.segment import disk_error
+
+
+def parse_priority_field(value: Any) -> int:
+    """A chunk's `job_priority` (an integer, higher first; default 0); IngestError if not."""
+    if isinstance(value, bool) or not isinstance(value, int) or abs(value) > PRIORITY_LIMIT:
+        raise IngestError(
+            f"job priority {value!r} is not allowed: send an integer from -{PRIORITY_LIMIT} "
+            f"to {PRIORITY_LIMIT} (higher first; 0 is the default)"
+        )
+    return value
+
+
+def parse_limits_field(value: Any) -> dict[str, Any]:
+    """A chunk's `limits` (pipeline/core/job_limits.py, record keys -> numbers) as the record
+    keeps them ({} for none); IngestError naming a bad one."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise IngestError(
+            f"limits {value!r} is not an object of limits: send e.g. {{'max_errors': 10}}"
+        )
+    try:
+        return limits_from(value).to_record()
+    except LimitError as exc:
+        raise IngestError(str(exc)) from None
 
 
 def parse_deadline_field(value: Any) -> float | None:
@@ -165,6 +191,22 @@ class Job:
         """True while chunk's commit record is written but not yet durable."""
         return any(r["e"] == "commit" and r["c"] == chunk for r in self.journal.pending)
 
+    def check_takes(self, deliver: str, chunk_lines: int) -> None:
+        """A chunk is taken only on the terms the job was started with (its `--deliver`, its
+        chunk size), and only while the job takes input; IngestError naming the fix otherwise."""
+        if deliver != self.deliver:
+            raise IngestError(
+                f"job {self.job_id} was submitted with --deliver {self.deliver}, this chunk says "
+                f"{deliver}; resume it with the same --deliver"
+            )
+        if chunk_lines != self.chunk_lines:
+            raise IngestError(
+                f"job {self.job_id} was started with chunks of {self.chunk_lines} lines, this "
+                f"chunk says {chunk_lines}; resume it with the same chunk size"
+            )
+        if self.state not in (JobState.VALIDATING, JobState.QUEUED):
+            raise IngestError(f"job {self.job_id} is {self.state}; it takes no more input")
+
     def set_state(self, state: JobState) -> None:
         record = {"e": "state", "state": str(state)}
         self.journal.append(record)
@@ -226,13 +268,20 @@ class JobRegistry:
         deliver: str = DELIVER_FILE,
         source: str = "",
         deadline: float | None = None,
+        priority: int = 0,
+        notify: str = "",
+        limits: dict[str, Any] | None = None,
     ) -> Job:
         """Create a job durably (directory, job.json, empty journal); its chunks have
         `chunk_lines` lines and its results go where `deliver` says (`parse_deliver`).
         `source`: the absolute path of the input file on the producer's host, if it sent one
         (`vectors search` reads the text of a hit's line back from it when it can).
         `deadline`: when the job should be done (wall seconds), if it has one; dispatch
-        reads it from the record and serves earlier deadlines first (docs/dispatch.md)."""
+        reads it from the record and serves earlier deadlines first (docs/dispatch.md);
+        `priority` (higher first, within a minimum share for the rest) likewise.
+        `notify`: the URL completion POSTs the job's end to (`submit --notify`), if any.
+        `limits`: the job's caps (`parse_limits_field`), if it has any; completion reads them
+        from the record (collector/completion/caps.py)."""
         directory = self.files.directory(job_id)  # IngestError: not an allowed id
         job_no = self._counter.next()  # DiskFullError when the disk is full
         created_ns = time.time_ns()
@@ -247,6 +296,12 @@ class JobRegistry:
             meta["source"] = source
         if deadline is not None:
             meta["deadline"] = parse_deadline_field(deadline)
+        if priority:
+            meta["priority"] = parse_priority_field(priority)
+        if notify:
+            meta["notify"] = notify
+        if limits:
+            meta["limits"] = limits
         try:
             self.files.write_record(job_id, meta)
         except OSError as exc:  # a full disk: nothing of the job exists; the producer retries

@@ -19,17 +19,15 @@ OpenAI's order, part p = i * n + j being sample j of prompt i.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from operator import countOf
 from typing import Any, Final
 
 import numpy as np
 import orjson
 
-from ingest.catalog import CHAT_COMPLETIONS, EMBEDDINGS, RESPONSES, ModelCatalog, ModelEntry
-from ingest.chat_messages import ChatMessage, chat_messages, responses_messages
+from ingest.catalog import CHAT_COMPLETIONS, EMBEDDINGS, RESPONSES, ModelCatalog
+from ingest.chat_messages import chat_messages, responses_messages
 from ingest.line_errors import (
     CONFLICTING_FIELDS,
-    EMPTY_PROMPT,
     ENDPOINT_NOT_SERVED,
     INVALID_JSON,
     INVALID_VALUE,
@@ -37,9 +35,6 @@ from ingest.line_errors import (
     MISSING_FIELD,
     NESTING_TOO_DEEP,
     NOT_AN_OBJECT,
-    PROMPT_TOO_LONG,
-    TEXT_NOT_ACCEPTED,
-    TOKEN_OUT_OF_RANGE,
     TOO_MANY_INPUTS,
     UNKNOWN_MODEL,
     UNKNOWN_URL,
@@ -50,10 +45,10 @@ from ingest.line_errors import (
     show,
 )
 from ingest.line_errors import json_type as _json_type
+from ingest.line_prompts import Prompt, TextPrompt, prompts_of, require_text, token_ids_of
 from ingest.request_shape import MAX_SEED, SHAPE_PARAMETERS, Shape, parse_shape
 
 MAX_CUSTOM_ID_CHARS: Final = 512
-TOKEN_ID_LIMIT: Final = 2**32
 LINE_KEYS: Final = frozenset({"custom_id", "method", "url", "body"})
 # The body key holding text input, per endpoint.
 TEXT_FIELD: Final[dict[str, str]] = {
@@ -75,9 +70,6 @@ BODY_KEYS: Final[dict[str, frozenset[str]]] = {
     url: frozenset((*_OTHER_KEYS[url], TEXT_FIELD[url], *SHAPE_PARAMETERS[url]))
     for url in TEXT_FIELD
 }
-
-TextPrompt = str | tuple[ChatMessage, ...]
-Prompt = TextPrompt | np.ndarray  # text, or uint32 token ids
 
 
 @dataclass(slots=True)  # not frozen: built once per line, and a frozen __init__ costs 4x
@@ -182,15 +174,15 @@ def _request(obj: dict[str, Any], custom_id: str, catalog: ModelCatalog) -> Pars
         )
     prompts: tuple[Prompt, ...] = ()
     if has_ids:
-        prompts = (_token_ids(body["prompt_token_ids"], model, model_name),)
+        prompts = (token_ids_of(body["prompt_token_ids"], model, model_name),)
     elif url == CHAT_COMPLETIONS:
-        _takes_text(model, model_name, text_field)
+        require_text(model, model_name, text_field)
         prompts = (chat_messages(body["messages"], model_name),)
     elif url == RESPONSES:
-        _takes_text(model, model_name, text_field)
+        require_text(model, model_name, text_field)
         prompts = (responses_messages(body, model_name),)
     else:
-        prompts = _prompts(body[text_field], text_field, model, model_name, catalog.max_parts)
+        prompts = prompts_of(body[text_field], text_field, model, model_name, catalog.max_parts)
     n = _samples(body.get("n"))
     parts = len(prompts) * n
     if parts > catalog.max_parts:
@@ -231,16 +223,6 @@ def too_many_tokens(tokens: int, budget: int) -> str:
     )
 
 
-def _takes_text(model: ModelEntry, model_name: str, field: str) -> None:
-    if not model.takes_text:
-        raise Rejected(
-            TEXT_NOT_ACCEPTED,
-            f"model {show(model_name)} has no tokenizer configured, so it takes token ids only; "
-            f"send body.prompt_token_ids instead of body.{field}, or set a tokenizer "
-            "for the model in the configuration",
-        )
-
-
 def _samples(value: Any) -> int:
     """`n`: samples per prompt, 1..MAX_N (absent or null: 1)."""
     if value is None:
@@ -254,59 +236,6 @@ def _samples(value: Any) -> int:
             INVALID_VALUE, f"body.n = {value} is out of range; set an integer 1..{MAX_N}"
         )
     return value
-
-
-def _prompts(
-    value: Any, field: str, entry: ModelEntry, model: str, max_parts: int
-) -> tuple[Prompt, ...]:
-    """`input` (embeddings) or `prompt` (completions): a string, a list of strings, a list of
-    token ids (one prompt), or a list of token-id lists."""
-    if isinstance(value, str):
-        _takes_text(entry, model, field)
-        return (_text(value, field),)
-    if not isinstance(value, list):
-        raise Rejected(
-            WRONG_TYPE,
-            f"body.{field} = {show(value)} is {_json_type(value)}; set a string, a list of "
-            "strings, a list of token ids or a list of token-id lists",
-        )
-    if not value:
-        raise Rejected(EMPTY_PROMPT, f"body.{field} is an empty list; send at least one input")
-    if len(value) > max_parts and not isinstance(value[0], int):
-        raise Rejected(
-            TOO_MANY_INPUTS,
-            f"body.{field} has {len(value)} inputs; at most {max_parts} per line "
-            "(ingest.max_inputs_per_line): split it into several lines",
-        )
-    first = type(value[0])
-    if first is int or (first is float and not isinstance(value[0], bool)):
-        return (_token_ids(value, entry, model, f"body.{field}"),)
-    if first is str:
-        _takes_text(entry, model, field)
-        for i, v in enumerate(value):
-            if not isinstance(v, str):
-                raise Rejected(
-                    WRONG_TYPE,
-                    f"body.{field}[{i}] = {show(v)} is {_json_type(v)}; a list of strings "
-                    "holds only strings",
-                )
-        return tuple(_text(v, f"{field}[{i}]") for i, v in enumerate(value))
-    if first is list:
-        ids = []
-        for i, v in enumerate(value):
-            if not isinstance(v, list):
-                raise Rejected(
-                    WRONG_TYPE,
-                    f"body.{field}[{i}] = {show(v)} is {_json_type(v)}; a list of token-id "
-                    "lists holds only lists",
-                )
-            ids.append(_token_ids(v, entry, model, f"body.{field}[{i}]"))
-        return tuple(ids)
-    raise Rejected(
-        WRONG_TYPE,
-        f"body.{field}[0] = {show(value[0])} is {_json_type(value[0])}; set strings, token ids "
-        "or token-id lists",
-    )
 
 
 def no_logprobs(model: str, engine: str, url: str = CHAT_COMPLETIONS) -> str:
@@ -387,71 +316,3 @@ def _refuse_unknown(obj: dict[str, Any], allowed: frozenset[str], what: str, pre
             f"{prefix}{first} is not supported in {what}; remove it (accepted: "
             f"{', '.join(sorted(allowed))})",
         )
-
-
-def _token_ids(
-    value: Any, entry: ModelEntry, model: str, where: str = "body.prompt_token_ids"
-) -> np.ndarray:
-    limit = entry.prompt_limit_tokens
-    if not isinstance(value, list):
-        raise Rejected(
-            WRONG_TYPE, f"{where} = {show(value)} is {_json_type(value)}; set a list of integers"
-        )
-    if not value:
-        raise Rejected(EMPTY_PROMPT, f"{where} is empty; send at least one token id")
-    if countOf(map(type, value), int) != len(value):  # exact: a JSON true is a bool, not 1
-        at, bad = next((i, v) for i, v in enumerate(value) if type(v) is not int)
-        if type(bad) is float and not -TOKEN_ID_LIMIT < bad < TOKEN_ID_LIMIT:
-            # orjson reads an integer beyond 64 bits as a float: it is a number, just too big
-            raise Rejected(
-                TOKEN_OUT_OF_RANGE,
-                f"{where}[{at}] = {show(bad)} is out of range; token ids are "
-                f"0..{TOKEN_ID_LIMIT - 1}",
-            )
-        raise Rejected(
-            WRONG_TYPE,
-            f"{where} holds {show(bad)}, {_json_type(bad)}; send integers 0..{TOKEN_ID_LIMIT - 1}",
-        )
-    if len(value) > limit:
-        raise Rejected(
-            PROMPT_TOO_LONG,
-            f"{where} has {len(value)} tokens; model {show(model)} takes at most {limit}: "
-            "shorten the prompt",
-        )
-    try:
-        ids = np.array(value, dtype=np.int64)
-    except OverflowError:
-        ids = None
-    if ids is None or bool(((ids < 0) | (ids >= TOKEN_ID_LIMIT)).any()):
-        at = next(i for i, v in enumerate(value) if not 0 <= v < TOKEN_ID_LIMIT)
-        raise Rejected(
-            TOKEN_OUT_OF_RANGE,
-            f"{where}[{at}] = {show(value[at])} is out of range; token ids are "
-            f"0..{TOKEN_ID_LIMIT - 1}",
-        )
-    vocab = entry.vocab_size
-    if vocab is not None and int(ids.max()) >= vocab:
-        at = int(np.argmax(ids >= vocab))
-        raise Rejected(TOKEN_OUT_OF_RANGE, beyond_vocabulary(model, at, int(ids[at]), vocab, where))
-    return ids.astype(np.uint32)
-
-
-def beyond_vocabulary(
-    model: str, at: int, token: int, vocab: int, where: str = "body.prompt_token_ids"
-) -> str:
-    """The reason for a token id the model cannot run (also the front's, ingest.chunk_check)."""
-    return (
-        f"{where}[{at}] = {token} is beyond the vocabulary of model "
-        f"{show(model)}: it has {vocab} tokens (ids 0..{vocab - 1}); tokenise with the "
-        "model's own tokenizer"
-    )
-
-
-def _text(value: Any, field: str) -> str:
-    if not isinstance(value, str):
-        raise Rejected(
-            WRONG_TYPE, f"body.{field} = {show(value)} is {_json_type(value)}; set a string"
-        )
-    if not value:
-        raise Rejected(EMPTY_PROMPT, f"body.{field} is an empty string; send some text")
-    return value

@@ -5,13 +5,16 @@ or the front gave up waiting) may have some of its items in the log. Its
 retry must store only the others. An item's seq joins its job and index
 (pipeline/core/item_seq.py), so this reads the seq column of the segments that could hold the chunk:
 those still open, or sealed after the chunk was accepted. Only retries pay
-for it; the normal path never scans.
+for it; the normal path never scans. A chunk's fan-out lines (`n` > 1) have
+their parts 1.. in the job's part region, so those indexes are read too
+(`stored_by_earlier_try`).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from ingest.input_chunk import InputChunk
 from pipeline.core.errors import SegmentError
 from pipeline.core.item_seq import index_of, seq_range
 from pipeline.store.datadir import DataDir
@@ -42,3 +45,19 @@ def stored_indexes(
         finally:
             segment.close()
     return np.unique(np.concatenate(found)) if found else np.zeros(0, dtype=np.int64)
+
+
+def stored_by_earlier_try(
+    data_dir: DataDir, job_no: int, chunk: InputChunk, accepted_ns: int
+) -> np.ndarray:
+    """The item indexes of `chunk` (its fan-out parts included) that a try accepted at
+    `accepted_ns` and never committed already stored in the input log."""
+    stored = stored_indexes(
+        data_dir, job_no, chunk.first_line - 1, chunk.last_line - 1, accepted_ns
+    )
+    if chunk.fanout:  # parts 1.. of its fan-out lines lie in the part region
+        first = min(f[2] for f in chunk.fanout)
+        last = max(f[2] + f[1] - 2 for f in chunk.fanout)
+        parts = stored_indexes(data_dir, job_no, first, last, accepted_ns)
+        stored = np.concatenate([stored, parts])
+    return stored

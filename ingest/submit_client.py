@@ -31,7 +31,6 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +43,7 @@ from ingest.chunk_wire import chunk_to_wire
 from ingest.error_wire import errors_from_wire
 from ingest.input_chunk import InputChunk
 from ingest.request_shape import Shape
+from ingest.token_chunks import token_chunks
 from pipeline.core.errors import BrokerUnavailableError, IngestError
 from pipeline.store.job_record import DELIVER_FILE
 from pipeline.transport import wire
@@ -178,6 +178,9 @@ class Producer(BrokerClient):
         progress: Progress | None = None,
         deliver: str = DELIVER_FILE,
         deadline: float | None = None,
+        job_priority: int = 0,
+        notify: str = "",
+        limits: dict[str, Any] | None = None,
     ) -> SubmitReport:
         """Send every line of an OpenAI Batch JSONL file; return when all of it is durable.
         `parsed`: (chunk_lines, the chunks of `iter_batch_input(source, ..., chunk_lines)`) from
@@ -187,7 +190,11 @@ class Producer(BrokerClient):
         With `strict`, the whole file is checked first and nothing is sent if a
         line is bad (InputLineError names it). `deadline` (wall seconds since the epoch;
         `parse_deadline`) is recorded with a new job: dispatch serves earlier deadlines
-        first. A resumed job keeps the deadline it was created with.
+        first. `job_priority` (an integer, higher first) likewise. A resumed job keeps the
+        deadline and priority it was created with. `notify`: a URL the broker POSTs the job's
+        end to (collector/completion/job_webhooks.py), likewise kept. `limits`: the job's
+        caps (pipeline/core/job_limits.py `JobLimits.to_record`), recorded with a new job
+        likewise.
         """
         job_id = job_id or new_job_id()
         status = self.job_status(job_id)
@@ -207,7 +214,17 @@ class Producer(BrokerClient):
         source = str(Path(source).resolve())  # recorded with the job (`vectors search` text)
         with _resume_hint(job_id):
             return self._send_chunks(
-                job_id, lines, chunks, status, progress, deliver, source, deadline
+                job_id,
+                lines,
+                chunks,
+                status,
+                progress,
+                deliver,
+                source,
+                deadline,
+                job_priority,
+                notify,
+                limits,
             )
 
     def submit_tokens(
@@ -245,7 +262,7 @@ class Producer(BrokerClient):
             stop=(),
             priority=priority,
         )
-        chunks = _token_chunks(rows, lengths, custom_ids, model, shape, lines)
+        chunks = token_chunks(rows, lengths, custom_ids, model, shape, lines)
         with _resume_hint(job_id):
             return self._send_chunks(
                 job_id, lines, chunks, status, progress, deliver, deadline=deadline
@@ -261,6 +278,9 @@ class Producer(BrokerClient):
         deliver: str = DELIVER_FILE,
         source: str = "",
         deadline: float | None = None,
+        job_priority: int = 0,
+        notify: str = "",
+        limits: dict[str, Any] | None = None,
     ) -> SubmitReport:
         report = SubmitReport(job_id)
         self._backing_off.clear()
@@ -295,6 +315,12 @@ class Producer(BrokerClient):
                     meta["source"] = source
                 if deadline is not None:
                     meta["deadline"] = float(deadline)
+                if job_priority:
+                    meta["job_priority"] = int(job_priority)
+                if notify:
+                    meta["notify"] = notify
+                if limits:
+                    meta["limits"] = limits
                 self.send(MT.SUBMIT_CHUNK, meta, arrays)
                 pending[chunk.index] = (meta, arrays, time.monotonic(), 1)
             if pending:
@@ -377,34 +403,6 @@ class Producer(BrokerClient):
         pending[number] = (meta, arrays, time.monotonic(), tries + 1)
 
 
-DURATION_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-
-
-def parse_deadline(text: str, now: float) -> float:
-    """`submit --deadline`: a duration from `now` (wall seconds since the epoch: `90s`, `30m`,
-    `2h`, `1d`), an ISO 8601 time (`2026-12-01T23:00:00Z`; no zone: UTC) or wall seconds since
-    the epoch (`1764630000`). Returns wall seconds since the epoch; IngestError naming the
-    text otherwise."""
-    text = str(text).strip()
-    unit = DURATION_UNITS.get(text[-1:].lower())
-    try:
-        if unit is not None and text[:-1].replace(".", "", 1).isdigit():
-            return now + float(text[:-1]) * unit
-        if text.replace(".", "", 1).isdigit():
-            return float(text)
-        moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
-        moment = None
-    if moment is None:
-        raise IngestError(
-            f"--deadline {text!r} is not understood: give a duration (90s, 30m, 2h, 1d), an "
-            "ISO 8601 time (2026-12-01T23:00:00Z) or seconds since the epoch"
-        )
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=UTC)
-    return moment.timestamp()
-
-
 @contextmanager
 def _resume_hint(job_id: str) -> Iterator[None]:
     """Add to BrokerUnavailableError what the user can do about it."""
@@ -425,55 +423,3 @@ def _with_last(chunks: Iterator[InputChunk]) -> Iterator[tuple[InputChunk, bool]
         previous = chunk
     if previous is not None:
         yield previous, True
-
-
-def _token_chunks(
-    rows, lengths, custom_ids, model: str, shape: Shape, chunk_lines: int
-) -> Iterator[InputChunk]:
-    """InputChunks of pre-tokenised rows, `chunk_lines` items each, without Python per item."""
-    if isinstance(rows, np.ndarray) and rows.ndim == 2:
-        n = rows.shape[0]
-        lengths = (
-            np.full(n, rows.shape[1], np.int64)
-            if lengths is None
-            else np.asarray(lengths, np.int64)
-        )
-    else:
-        n = len(rows)
-    for number, start in enumerate(range(0, n, chunk_lines)):
-        stop = min(n, start + chunk_lines)
-        if isinstance(rows, np.ndarray) and rows.ndim == 2:
-            part = rows[start:stop]
-            part_lengths = lengths[start:stop]
-            if bool(np.all(part_lengths == part.shape[1])):
-                tokens = np.ascontiguousarray(part, dtype=np.uint32).reshape(-1)  # no gather
-            else:
-                keep = np.arange(part.shape[1])[None, :] < part_lengths[:, None]
-                tokens = part[keep].astype(np.uint32)
-        else:
-            part_rows = [np.asarray(r, np.uint32) for r in rows[start:stop]]
-            part_lengths = np.array([len(r) for r in part_rows], np.int64)
-            tokens = np.concatenate(part_rows) if part_rows else np.zeros(0, np.uint32)
-        offsets = np.zeros(stop - start + 1, np.int64)
-        np.cumsum(part_lengths, out=offsets[1:])
-        ids = (
-            tuple(custom_ids[start:stop])
-            if custom_ids is not None
-            else tuple(f"item-{i}" for i in range(start, stop))
-        )
-        yield InputChunk(
-            index=number,
-            first_line=start + 1,
-            last_line=stop,
-            line=np.arange(start + 1, stop + 1, dtype=np.uint64),
-            custom_ids=ids,
-            models=(model,),
-            model_index=np.zeros(stop - start, np.int64),
-            shapes=(shape,),
-            shape_index=np.zeros(stop - start, np.int64),
-            tokens=tokens,
-            offsets=offsets,
-            text_items=np.zeros(0, np.int64),
-            texts=(),
-            errors=(),
-        )

@@ -34,7 +34,8 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from config.settings import ModelSettings, Settings
+from config.settings import ModelSettings
+from config.stage_settings import Catalogued
 from ingest.catalog import CHAT_COMPLETIONS, RESPONSES, prompt_limit_tokens
 from ingest.chat_template import NativeTemplate, render_role_tags
 from ingest.input_chunk import InputChunk, TokenGroup
@@ -45,7 +46,8 @@ from ingest.line_errors import (
     LineError,
     show,
 )
-from ingest.line_parser import TEXT_FIELD, TextPrompt, too_many_tokens
+from ingest.line_parser import TEXT_FIELD, too_many_tokens
+from ingest.line_prompts import TextPrompt
 from pipeline.core.errors import TokenizerError
 from pipeline.core.ragged import offsets_of
 
@@ -126,7 +128,9 @@ def share_cores(processes: int, cores: int | None = None) -> int:
     return int(os.environ["RAYON_NUM_THREADS"])
 
 
-def load_tokenizers(settings: Settings, base_dir: Path | None = None) -> dict[str, ModelTokenizer]:
+def load_tokenizers(
+    settings: Catalogued, base_dir: Path | None = None
+) -> dict[str, ModelTokenizer]:
     """A `ModelTokenizer` for every model that has a tokenizer configured, by model name."""
     return {m.name: ModelTokenizer.load(m, base_dir) for m in settings.models if m.tokenizer}
 
@@ -134,7 +138,7 @@ def load_tokenizers(settings: Settings, base_dir: Path | None = None) -> dict[st
 def tokenize_chunk(
     chunk: InputChunk,
     tokenizers: Mapping[str, ModelTokenizer],
-    settings: Settings,
+    settings: Catalogued,
     *,
     strict: bool = False,
 ) -> InputChunk:

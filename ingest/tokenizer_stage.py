@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from config.settings import Settings
+from config.stage_settings import TokenizerStageSettings
 from ingest.chunk_items import items_of, router_for
 from ingest.chunk_wire import chunk_from_wire
 from ingest.error_wire import errors_to_wire
@@ -49,13 +49,13 @@ class Waiting:
     forwarded: int
 
 
-class TokenizerStage(Stage):
+class TokenizerStage(Stage[TokenizerStageSettings]):
     name = "tokenizer"
     poller: zmq.Poller  # made by open()
     poll_ms = 100
 
     def open(self) -> None:
-        settings: Settings = self.settings
+        settings = self.settings
         threads = share_cores(settings.ingest.processes)  # before the library's pool starts
         self.log.info("encoding on %d thread(s)", threads)
         self.tokenizers = load_tokenizers(settings)

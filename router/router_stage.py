@@ -24,6 +24,7 @@ from collections import deque
 import numpy as np
 import zmq
 
+from config.stage_settings import RouterStageSettings
 from pipeline.core.idle_wait import IdleWait
 from pipeline.core.ragged import offsets_of, pad
 from pipeline.process.stage import Stage
@@ -82,7 +83,7 @@ def group_by_key(items: Items, shape_ids: np.ndarray, lanes: np.ndarray) -> list
     return groups
 
 
-class RouterStage(Stage):
+class RouterStage(Stage[RouterStageSettings]):
     name = "router"
     poller: zmq.Poller  # made by open()
     poll_ms = 50

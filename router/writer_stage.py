@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import zmq
 
+from config.stage_settings import WriterStageSettings
 from pipeline.core.errors import DiskFullError, FabricError
 from pipeline.core.idle_wait import IdleWait
 from pipeline.core.item_seq import seq_of
@@ -76,7 +77,7 @@ class StepAppends:
         return bool(self.durable or self.failed)
 
 
-class WriterStage(Stage):
+class WriterStage(Stage[WriterStageSettings]):
     name = "writer"
     poller: zmq.Poller  # made by open()
     poll_ms = 50

@@ -70,6 +70,7 @@ def write_config(
     vectors: str = "",
     data_dir: Path | None = None,
     broker_keys: str = "",
+    segment_bytes: int = 4194304,
 ) -> Path:
     """A config with a data dir under tmp_path (or at `data_dir`), free loopback ports, and
     three models: `echo` (token ids only), `texty` (text, with a small word-level tokenizer)
@@ -80,7 +81,7 @@ def write_config(
     text = f"""
 [broker]
 data_dir = "{data_dir or tmp_path / "data"}"
-segment_bytes = 4194304
+segment_bytes = {segment_bytes}
 {broker_keys}
 [ingest]
 bind = "tcp://127.0.0.1:{ports[0]}"
@@ -151,11 +152,15 @@ class Broker:
         """Starts the broker and waits `timeout_s` for every stage, local workers included
         (a worker is up once its engine has loaded: minutes for vLLM on 2 cores)."""
         self.launch()
-        wait_for(
-            lambda: self.all_up() or self.proc.poll() is not None,
-            "every stage to be up",
-            timeout_s=timeout_s,
-        )
+        try:
+            wait_for(
+                lambda: self.all_up() or self.proc.poll() is not None,
+                "every stage to be up",
+                timeout_s=timeout_s,
+            )
+        except BaseException:  # not up in time: killed here, not left running to the collector
+            self.close()  # (an unreaped child and its pipe are ResourceWarnings in a later test)
+            raise
         if self.proc.poll() is not None:  # it exited at start: say why at once
             said = self.stderr_path.read_text() if self.stderr_path else self.proc.stderr.read()
             self._close_stderr()

@@ -21,6 +21,7 @@ from broker import write_config
 from conftest import make_batch
 
 from config import load_settings
+from config.stage_settings import stage_settings
 from gpu.dispatch.dispatch_stage import DispatchStage
 from gpu.work_protocol import ITEM_DTYPE
 from pipeline.core import item_seq
@@ -165,7 +166,7 @@ class SteppedDispatch:
 
     def open(self) -> SteppedDispatch:
         """Open the stage (it finds the segments already written) and move past its grace."""
-        self.stage = DispatchStage(self.settings, 0)
+        self.stage = DispatchStage(stage_settings(self.settings, "dispatch"), 0)
         self.stage.open()
         self.now = time.monotonic() + self.settings.dispatch.reregister_grace_s + 0.1
         self.completion = FakeCompletion(self.context, self.settings)

@@ -54,10 +54,19 @@ class _Quiet(BaseHTTPRequestHandler):
         self.wfile.write(payload)
 
 
+class _Backlogged(ThreadingHTTPServer):
+    """A listen backlog of 128, not socketserver's 5: the engine opens up to its concurrency
+    at once, and on a loaded host the proxy's connections to the upstream overflowed 5 (a
+    reset the proxy turned into a closed connection, which the engine rightly sent again,
+    so the tests counted more requests than items)."""
+
+    request_queue_size = 128
+
+
 class _Server:
     def __init__(self, handler) -> None:
         self.port = free_port()
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", self.port), handler)
+        self.httpd = _Backlogged(("127.0.0.1", self.port), handler)
         self.httpd.daemon_threads = True
         self.httpd.owner = self
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)

@@ -50,11 +50,14 @@ def api_broker(
     processes: int = 1,
     retention_s: float | None = None,
     text_worker: bool = False,
+    api_extra: str = "",
 ) -> tuple[Broker, str]:
     """`retention_s`: the job results' retention (the collector then sweeps every 0.3 s);
-    `text_worker`: a local worker for `texty` too (text in, its tokenizer's words out)."""
+    `text_worker`: a local worker for `texty` too (text in, its tokenizer's words out);
+    `api_extra`: more lines for [api] (its [[api.webhooks]] tables after them)."""
     port = free_port()
     extra = f'[api]\nenabled = true\nbind = "127.0.0.1:{port}"\nprocesses = {processes}\n'
+    extra += api_extra
     if retention_s is not None:
         extra += "[collector]\ninterval_s = 0.3\n"
     workers = 0 if text_worker else 1
@@ -588,6 +591,89 @@ def test_partial_output_while_in_progress_then_cancel_keeps_results(slow, tmp_pa
     final = client.files.with_raw_response.content(ended.output_file_id)
     assert final.headers["X-Fabric-Partial"] == "false"
     assert broker.job_status(batch.id)["state"] == "cancelled"  # as `status JOB` says it
+
+
+def test_pause_and_resume_extensions_hold_a_batch_while_another_runs(slow, tmp_path):
+    """POST /v1/batches/{id}/pause (an extension, sent with the official client's `post`):
+    the batch stays `in_progress`, its metadata says fabric_paused, its queued lines wait
+    while a second batch runs to the end; /resume lets them go, each line once. The
+    metadata's fabric_priority is the job's priority; a bad one is refused at create."""
+    broker, client = slow
+    path = tmp_path / "in.jsonl"
+    write_jsonl(path, 200, seed=5)
+    file = upload(client, path)
+    with pytest.raises(openai.BadRequestError, match="fabric_priority"):
+        client.batches.create(
+            input_file_id=file.id,
+            endpoint="/v1/embeddings",
+            completion_window="24h",
+            metadata={"fabric_priority": "high"},
+        )
+    batch = client.batches.create(
+        input_file_id=file.id,
+        endpoint="/v1/embeddings",
+        completion_window="24h",
+        metadata={"fabric_priority": "2"},
+    )
+
+    def some_done():
+        b = client.batches.retrieve(batch.id)
+        return b if b.status == "in_progress" and b.request_counts.completed >= 20 else None
+
+    wait_for(some_done, "some results", timeout_s=90, interval_s=0.3)
+    paused = client.post(f"/batches/{batch.id}/pause", cast_to=Batch)
+    assert paused.status == "in_progress" and paused.metadata["fabric_paused"] == "true"
+    assert paused.metadata["fabric_priority"] == "2"
+
+    def held():  # the job paused and its items in flight finished
+        info = broker.job_status(batch.id)
+        return info if info["paused"] and not info.get("in_flight") else None
+
+    info = wait_for(held, "the job to be paused with nothing in flight", timeout_s=30)
+    assert info["priority"] == 2 and info["pending"] > 0
+    other_path = tmp_path / "other.jsonl"
+    write_jsonl(other_path, 20, seed=6)
+    other = client.batches.create(
+        input_file_id=upload(client, other_path).id,
+        endpoint="/v1/embeddings",
+        completion_window="24h",
+    )
+    assert finish(client, other.id).status == "completed"
+    assert broker.job_status(batch.id)["completed"] == info["completed"]  # nothing more ran
+    assert client.batches.retrieve(batch.id).status == "in_progress"
+    resumed = client.post(f"/batches/{batch.id}/resume", cast_to=Batch)
+    assert "fabric_paused" not in (resumed.metadata or {})
+    ended = finish(client, batch.id)
+    assert ended.status == "completed"
+    out, err = lines_of(client, ended.output_file_id), lines_of(client, ended.error_file_id)
+    assert_each_once(out, err, {f"r{i}" for i in range(200)})
+    with pytest.raises(openai.ConflictError, match="Cannot pause"):
+        client.post(f"/batches/{batch.id}/pause", cast_to=Batch)
+
+
+def test_a_paused_batch_still_expires_at_its_expires_at(slow, tmp_path):
+    """The deadline keeps running while a batch is paused: paused once it runs, it ends
+    `expired` at the expires_at it was created with, its waiting lines `batch_expired`."""
+    _, client = slow
+    path = tmp_path / "in.jsonl"
+    write_jsonl(path, 300, seed=7)
+    batch = client.batches.create(
+        input_file_id=upload(client, path).id, endpoint="/v1/embeddings", completion_window="6s"
+    )
+
+    def running():
+        b = client.batches.retrieve(batch.id)
+        return b if b.status == "in_progress" else None
+
+    wait_for(running, "the batch to run", timeout_s=30, interval_s=0.2)
+    paused = client.post(f"/batches/{batch.id}/pause", cast_to=Batch)
+    assert paused.expires_at == batch.expires_at and paused.metadata["fabric_paused"] == "true"
+    ended = finish(client, batch.id)
+    assert ended.status == "expired" and ended.expired_at >= batch.expires_at
+    assert "fabric_paused" not in (ended.metadata or {})
+    out, err = lines_of(client, ended.output_file_id), lines_of(client, ended.error_file_id)
+    assert_each_once(out, err, {f"r{i}" for i in range(300)})
+    assert err and {e["error"]["code"] for e in err} == {"batch_expired"}
 
 
 def job_state_at_each_door(broker: Broker, job_id: str, tmp_path: Path) -> dict[str, str]:

@@ -156,6 +156,9 @@ WALL_CLOCK_ALLOWED = {
     "gpu/dispatch/file.py": "the dispatch file header's written_ns",
     "gpu/dispatch/report.py": "the wall time of a status answer",
     "gpu/engines/upstream.py": "a Retry-After given as an HTTP date (wall time) turned into seconds",
+    "collector/completion/job_webhooks.py": "a job's end event's created_at (unix seconds)",
+    "collector/webhook_outbox.py": "webhook-timestamp and its retry times (unix seconds, on disk)",
+    "collector/completion/control.py": "the pause mark's time (a timestamp for people)",
 }
 
 

@@ -17,6 +17,7 @@ from conftest import appender, make_batch
 from collector.completion.completion_stage import CompletionStage
 from collector.segments import SegmentCollector
 from config import load_settings
+from config.stage_settings import stage_settings
 from gpu.work_protocol import ITEM_DTYPE
 from ingest.jobs import JobRegistry
 from pipeline.core.item_seq import seq_of
@@ -38,7 +39,7 @@ class Harness:
 
     def __init__(self, settings) -> None:
         self.settings = settings
-        self.stage = CompletionStage(settings, 0)
+        self.stage = CompletionStage(stage_settings(settings, "completion"), 0)
         self.stage.open()
         self.stage.wall_ns = lambda: self.wall_ns
         self.wall_ns = WALL_NS

@@ -205,3 +205,39 @@ def test_data_path_is_fixed_at_load_time(tmp_path, monkeypatch):
     settings = load_settings(None, {"broker": {"data_dir": "rel"}})
     monkeypatch.chdir(ROOT)
     assert settings.data_path == tmp_path.resolve() / "rel"
+
+
+def test_each_stage_gets_its_own_frozen_part_of_the_settings_from_the_stage_table(tmp_path):
+    """config/stage_settings.py: the stage table hands each stage process only the sections
+    it reads, frozen; local workers each get their own [[workers]] group, numbered across the
+    groups; the epoch is not among them (the supervisor passes it as an argument)."""
+    from assembly.stages import stage_specs
+
+    path = tmp_path / "broker.toml"
+    path.write_text(
+        f'[broker]\ndata_dir = "{tmp_path / "data"}"\n[api]\nenabled = true\n'
+        '[[workers]]\nmodel = "a"\ncount = 1\n[[workers]]\nmodel = "b"\ncount = 2\n'
+        '[[models]]\nname = "a"\nengine = "echo"\n[[models]]\nname = "b"\nengine = "simulated"\n'
+    )
+    settings = load_settings(path)
+    views = {spec.label: spec.settings for spec in stage_specs(settings)}
+    assert {type(v).__name__ for v in views.values()} == {
+        f"{name}StageSettings"
+        for name in (
+            "Front", "Tokenizer", "Router", "Writer", "Dispatch", "Completion", "Vector", "Api",
+            "Worker",
+        )
+    }  # fmt: skip
+    completion = views["completion-0"]
+    assert completion.max_attempts == settings.dispatch.max_attempts
+    assert not hasattr(completion, "ingest") and not hasattr(completion, "models")
+    assert views["api-0"].ingest_bind == settings.ingest.bind
+    assert all(v.data_path == settings.data_path for v in views.values())
+    assert [(views[f"worker-{i}"].model, views[f"worker-{i}"].model_engine) for i in range(3)] == [
+        ("a", "echo"),
+        ("b", "simulated"),
+        ("b", "simulated"),
+    ]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        views["dispatch-0"].dispatch = settings.dispatch  # type: ignore[misc]
+    assert not any(hasattr(v, "epoch") for v in views.values())

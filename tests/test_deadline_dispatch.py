@@ -29,11 +29,11 @@ from pipeline.store.segment_format import KIND_INPUT, SegmentKey, slot_bytes_for
 log = logging.getLogger("test")
 
 
-def make_job(root, job_id: str, deadline: float | None) -> int:
+def make_job(root, job_id: str, deadline: float | None, priority: int = 0) -> int:
     """A job created as the front creates one; its job number."""
     registry = JobRegistry(root)
     try:
-        return registry.create(job_id, 100, deadline=deadline).job_no
+        return registry.create(job_id, 100, deadline=deadline, priority=priority).job_no
     finally:
         registry.close()
 

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
+from ingest.deadline_text import parse_deadline
 from ingest.jobs import parse_deadline_field
-from ingest.submit_client import parse_deadline
 from pipeline.core.errors import IngestError
 from pipeline.store.job_record import record_deadline
 
@@ -50,7 +50,9 @@ def test_a_record_without_a_deadline_or_with_a_bad_one_reads_as_none():
 
 def test_the_api_submits_a_batch_as_a_job_whose_deadline_is_its_expires_at():
     """The batch driver hands the producer SDK the batch's expires_at as the job's deadline
-    (the front writes it into the job record, where dispatch reads it)."""
+    and its metadata fabric_priority as the job's priority and its limits (api/batch_limits.py)
+    as the job's (the front writes them into the job record, where dispatch and completion
+    read them)."""
     from api.batch_driver import BatchDriver
     from api.batch_record import BatchRecord
 
@@ -58,8 +60,10 @@ def test_the_api_submits_a_batch_as_a_job_whose_deadline_is_its_expires_at():
         def __init__(self) -> None:
             self.calls = []
 
-        def submit_file(self, path, job_id, deadline=None, parsed=None):
-            self.calls.append((path, job_id, deadline))
+        def submit_file(
+            self, path, job_id, deadline=None, parsed=None, job_priority=0, limits=None
+        ):
+            self.calls.append((path, job_id, deadline, job_priority, limits))
 
     producer = Producer()
     driver = BatchDriver(None, None, (None, producer), None)
@@ -73,9 +77,10 @@ def test_the_api_submits_a_batch_as_a_job_whose_deadline_is_its_expires_at():
             created_at=1764540000,
             expires_at=1764630000,
             submit_path="/in.jsonl",
+            metadata={"fabric_priority": "3", "fabric_max_errors": "5", "note": "x"},
         )
         driver._submit(record)
         driver._submitting["batch_1"].result(timeout=30)
     finally:
         driver.close()
-    assert producer.calls == [("/in.jsonl", "batch_1", 1764630000)]
+    assert producer.calls == [("/in.jsonl", "batch_1", 1764630000, 3, {"max_errors": 5})]

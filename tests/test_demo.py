@@ -6,13 +6,15 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import tomllib
 
 from broker import REPO
-from conftest import assert_check_clean
+from conftest import assert_check_clean, wait_for
 
+from pipeline.core import exitcodes
 from pipeline.store.datadir import DataDir
 
 
@@ -119,4 +121,30 @@ def test_the_demo_embeds_real_text_end_to_end_and_runs_again_cleanly(tmp_path):
     found = hits(again.stdout)
     assert len(found) == 3 and all(len(ids) == len(set(ids)) == 3 for ids in found.values())
     assert all(int(i.removeprefix("para-")) < 30 for ids in found.values() for i in ids)
+    assert_check_clean(DataDir(root / "data"))
+
+
+def test_ctrl_c_drains_the_demo_broker_with_a_word_and_leaves_a_clean_data_dir(tmp_path):
+    # Ctrl-C on a terminal reaches the whole group: the demo says its broker drains (a
+    # second Ctrl-C would kill it: assembly/private_broker.py, tests/test_oneshot.py)
+    root, log = tmp_path / "demo", tmp_path / "demo.err"
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "run.py", "demo", "--dir", str(root)],  # all 2018 paragraphs
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            cwd=REPO,
+            start_new_session=True,
+        )
+    try:
+        wait_for(lambda: "durable" in log.read_text(), "the lines submitted", timeout_s=120)
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=120) == exitcodes.INTERRUPTED, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    said = log.read_text()
+    assert "demo: interrupted: the broker is draining (up to 120 s; Ctrl-C again" in said, said
+    assert "Traceback" not in said, said
     assert_check_clean(DataDir(root / "data"))

@@ -24,6 +24,7 @@ from conftest import appender, assert_check_clean, make_batch, small_tmpfs, wait
 
 from collector.completion.record_format import FIRST_SEGMENT_BYTES
 from collector.results_client import ResultsClient
+from config.stage_settings import stage_settings
 from ingest.jobs import JobRegistry
 from ingest.submit_client import Producer
 from pipeline.core.errors import DiskFullError
@@ -317,7 +318,7 @@ def test_the_writer_ends_a_full_disk_episode_once_space_is_freed_with_nothing_mo
     from router.writer_stage import WriterStage
 
     settings = load_settings(None, {"broker": {"data_dir": str(tmp_path / "fabric")}})
-    stage = WriterStage(settings, 0)
+    stage = WriterStage(stage_settings(settings, "writer"), 0)
     stage.open()
     try:
         start = time.monotonic()

@@ -47,7 +47,6 @@ def broker(tmp_path):
     def start(
         workers: int = 1,
         dispatch: str = FAST,
-        env: dict | None = None,
         worker_keys: str = "",
         edit=None,
     ) -> Broker:
@@ -56,13 +55,7 @@ def broker(tmp_path):
         if edit is not None:
             config.write_text(edit(config.read_text()))
         b = Broker(config)
-        if env:
-            os.environ.update(env)
-        try:
-            b.start()
-        finally:
-            for key in env or {}:
-                os.environ.pop(key, None)
+        b.start()
         started.append(b)
         return b
 
@@ -75,7 +68,7 @@ def broker(tmp_path):
 def workers():
     procs: list[subprocess.Popen] = []
 
-    def start(b: Broker, engine: str = "echo", *options: str, env: dict | None = None, **kw):
+    def start(b: Broker, engine: str = "echo", *options: str, **kw):
         worker = WorkerOptions(
             broker=b.settings.dispatch.bind,
             model="echo",
@@ -85,6 +78,7 @@ def workers():
             prefetch=kw.get("prefetch", 2),
             drain_s=kw.get("drain_s", 10),
             target_batch_s=0,  # the batch sizes these tests ask for, not ones measured
+            fault=kw.get("fault", ""),  # gpu/worker/faults.py
         )
         args = [sys.executable, str(REPO / "run.py"), "worker", *worker.argv()]
         for option in options:
@@ -92,7 +86,6 @@ def workers():
         proc = zygote.Popen(
             args,
             cwd=REPO,
-            env={**os.environ, **(env or {})},
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
@@ -198,7 +191,7 @@ def test_local_workers_finish_a_job_and_results_arrive_once_with_its_errors(tmp_
 def test_a_worker_killed_at_each_phase_loses_and_doubles_nothing(tmp_path, broker, workers, phase):
     b = broker(workers=0)
     submit_job(b, tmp_path, 1500, "k")
-    doomed = workers(b, env={"FABRIC_WORKER_FAULT": f"{phase}:3"})
+    doomed = workers(b, fault=f"{phase}:3")
     wait_for(lambda: doomed.poll() is not None, f"the worker to die {phase}", timeout_s=60)
     assert doomed.returncode == -signal.SIGKILL
     workers(b)  # a healthy one finishes the job, after the dead session's items are reclaimed
@@ -253,7 +246,7 @@ def test_a_dead_letter_completion_never_stored_is_sent_again_after_completion_is
         for i in range(1)  # alone: with completion stopped, no other result could be taken
     ]
     data.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    b = broker(workers=1, env={"FABRIC_ECHO_POISON": "666"})
+    b = broker(workers=1, worker_keys="options = {poison_token = 666}")  # the echo engine's
     completion = b.pids()["completion-0"]
     os.kill(completion, signal.SIGSTOP)  # it takes nothing in from here on
     assert submit(b.config, data, "--job-id", "d").returncode == 0

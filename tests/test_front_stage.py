@@ -15,6 +15,7 @@ from broker import write_config, write_jsonl
 from conftest import wait_for
 
 from config import load_settings
+from config.stage_settings import stage_settings
 from ingest.batch_input import iter_batch_input
 from ingest.chunk_wire import chunk_to_wire
 from ingest.front_stage import FrontStage
@@ -31,7 +32,7 @@ T0 = 1000.0  # the test's clock: far from the host's monotonic clock, so a real 
 def front(tmp_path):
     settings = load_settings(write_config(tmp_path))
     DataDir(settings.data_path).ensure()
-    stage = FrontStage(settings, 0)
+    stage = FrontStage(stage_settings(settings, "front"), 0)
     stage.open()
     context = zmq.Context()
     producer = wire.open_socket(context, zmq.DEALER, connect=settings.ingest.bind)
@@ -60,7 +61,7 @@ def test_a_chunk_past_its_deadline_is_answered_retryably_on_the_front_s_own_cloc
 
     def taken() -> bool:
         stage.step(T0)
-        return len(stage.inflight) == 1 and not stage.unsent
+        return len(stage.inflight) == 1 and not stage.forwarding.waiting
 
     wait_for(taken, "the front to accept the chunk and send it to a tokenizer", 10)
     sent = wire.recv(tokenizer, 5000)
@@ -79,7 +80,7 @@ def test_a_chunk_past_its_deadline_is_answered_retryably_on_the_front_s_own_cloc
 
 
 def test_a_front_restarted_alone_holds_a_retried_chunk_until_the_first_try_cannot_land(
-    tmp_path, monkeypatch
+    tmp_path,
 ):
     """The front dies with a chunk's first try still behind it (a tokenizer, the router or a
     writer may hold its records until their deadline): the restarted front of the same broker
@@ -92,10 +93,9 @@ def test_a_front_restarted_alone_holds_a_retried_chunk_until_the_first_try_canno
     context = zmq.Context()
     opened: list = []
 
-    def front_life(epoch: str):
+    def front_life(epoch: int):
         """A front of broker life `epoch`, a producer and a tokenizer connected to it."""
-        monkeypatch.setenv("FABRIC_EPOCH", epoch)  # what the supervisor sets for its stages
-        stage = FrontStage(settings, 0)
+        stage = FrontStage(stage_settings(settings, "front"), 0, epoch)  # as the supervisor does
         stage.open()
         producer = wire.open_socket(context, zmq.DEALER, connect=settings.ingest.bind)
         tokenizer = wire.open_socket(
@@ -112,16 +112,16 @@ def test_a_front_restarted_alone_holds_a_retried_chunk_until_the_first_try_canno
 
     def sent_on(stage, now: float) -> bool:
         stage.step(now)
-        return bool(stage.inflight) and not stage.unsent
+        return bool(stage.inflight) and not stage.forwarding.waiting
 
     try:
-        first, producer, tokenizer = front_life("1")
+        first, producer, tokenizer = front_life(1)
         wire.send(producer, MT.SUBMIT_CHUNK, meta, arrays)
         wait_for(lambda: sent_on(first, T0), "the first try to be sent on", 10)
         assert wire.recv(tokenizer, 5000).type == MT.TOKENIZE  # never answered
         dies()
 
-        second, producer, tokenizer = front_life("1")  # restarted alone, same broker life
+        second, producer, tokenizer = front_life(1)  # restarted alone, same broker life
         wire.send(producer, MT.SUBMIT_CHUNK, meta, arrays)
         wait_for(lambda: second.step(T0 + 1) or second.parked, "the retry to be held", 10)
         wire.send(producer, MT.SUBMIT_CHUNK, meta, arrays)  # sent again while it waits
@@ -136,7 +136,7 @@ def test_a_front_restarted_alone_holds_a_retried_chunk_until_the_first_try_canno
         assert retry.meta["deadline_ns"] == round((later + timeout_s) * 1e9)
         dies()
 
-        third, producer, tokenizer = front_life("2")  # a new broker life
+        third, producer, tokenizer = front_life(2)  # a new broker life
         wire.send(producer, MT.SUBMIT_CHUNK, meta, arrays)
         wait_for(lambda: sent_on(third, later + 1), "the retry to be sent on at once", 10)
         assert not third.parked and wire.recv(tokenizer, 5000).type == MT.TOKENIZE

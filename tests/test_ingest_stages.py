@@ -18,6 +18,7 @@ from broker import write_config
 from conftest import wait_for
 
 from config import load_settings
+from config.stage_settings import stage_settings
 from pipeline.core.errors import DiskFullError
 from pipeline.store.datadir import DataDir
 from pipeline.store.segment import Segment
@@ -64,7 +65,7 @@ def test_a_writer_judges_a_record_s_deadline_on_its_own_clock(tmp_path):
     DataDir(settings.data_path).ensure()
     (spec,) = rings_to(settings, "writer-0")
     ring = Ring.create(spec.name, 1 << 20)
-    stage = WriterStage(settings, 0)
+    stage = WriterStage(stage_settings(settings, "writer"), 0)
     stage.open()
     context = zmq.Context()
     front = wire.open_socket(context, zmq.PULL, bind=internal_address(settings, "front"))
@@ -128,7 +129,7 @@ class SteppedWriter:
         DataDir(self.settings.data_path).ensure()
         (self.spec,) = rings_to(self.settings, "writer-0")
         self.ring = Ring.create(self.spec.name, 1 << 20)
-        self.stage = WriterStage(self.settings, 0)
+        self.stage = WriterStage(stage_settings(self.settings, "writer"), 0)
         self.stage.open()
         self.context = zmq.Context()
         self.front = wire.open_socket(
@@ -265,7 +266,7 @@ def test_a_router_waiting_for_a_full_writer_ring_keeps_its_input_record(tmp_path
     Ring.unlink(front_spec.name)
     front_ring = Ring.create(front_spec.name, 2 * record_bytes)
     writer_ring = Ring.create(writer_spec.name, 1 << 16)
-    router = RouterStage(settings, 0)
+    router = RouterStage(stage_settings(settings, "router"), 0)
     router.open()
     try:
         filler = Keyed(9, 0, 2**62, "echo", 1, width, np.zeros(1, np.uint32),

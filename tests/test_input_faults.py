@@ -4,7 +4,6 @@ not stop a file, ids a model cannot run, and a front that must not buffer withou
 from __future__ import annotations
 
 import json
-import os
 import re
 import socket
 import struct
@@ -87,15 +86,17 @@ def test_a_local_worker_killed_by_a_poison_item_is_restarted_until_the_item_is_d
     "(no workers)". Now it keeps restarting the worker with backoff, dispatch dead-letters the
     item (max_attempts = 3 deaths > max_restarts = 1), later jobs complete, and status and the
     metrics say what happened."""
-    config = write_config(tmp_path, workers=1, dispatch=FAST, extra="max_restarts = 1")
+    config = write_config(
+        tmp_path,
+        workers=1,
+        dispatch=FAST,
+        extra="max_restarts = 1",
+        worker_keys=f"options = {{poison_token = {POISON}}}",  # the echo engine's fault hook
+    )
     text = config.read_text().replace("restart_backoff_s = 0.2", "restart_backoff_s = 0.5")
     config.write_text(text)
     b = Broker(config)
-    os.environ["FABRIC_ECHO_POISON"] = str(POISON)
-    try:
-        b.start()
-    finally:
-        os.environ.pop("FABRIC_ECHO_POISON")
+    b.start()
     seen: list[dict] = []
     try:
         embed_lines(tmp_path / "p.jsonl", 40, "p", poison_at=7)

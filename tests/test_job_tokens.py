@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 from test_completion_log import inputs, results
 
 from collector.completion.job_status import JobStatus
 from collector.completion.results_log import CompletionLog
+from collector.completion.worker_time import WorkerTime
+from pipeline.core.job_limits import JobLimits
 from pipeline.core.line_table import LineTable
 from pipeline.core.result_kinds import ResultKind, ResultStatus
+from pipeline.store.job_files import JobFiles
 
 
 def with_prompts(batch, prompts):
@@ -46,7 +51,9 @@ def test_job_info_carries_the_usage(data_dir):
     class View:
         job_id, job_no, total, cancelled, created_ns, deliver = "job-c", 7, 10, False, 0, "file"
         lines = LineTable()  # no line of several parts
+        paused, current_priority, limits, stopped = False, 0, JobLimits(), None
 
-    info = JobStatus(log).info(View(), False, 0.0)
+    worker_time = WorkerTime(JobFiles(data_dir.root), logging.getLogger("test"))
+    info = JobStatus(log, worker_time).info(View(), False, 0.0)
     assert info["usage"] == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}
     log.close()

@@ -87,9 +87,9 @@ def test_faults_are_retried_and_every_item_is_answered_once(served, fault):
     """Retried requests are the same items: the results are the plain run's, in order."""
     tokenizer, proxy, engine = served.tokenizer, served.proxy, served.engine
     proxy.script.extend([fault] * 12)  # the first 12 requests meet the fault
-    proxy.stall_s = 1.5
+    proxy.stall_s = 3.0  # past timeout_s, which stays above a loaded host's slow answer
     began = time.monotonic()
-    e = engine(timeout_s=0.3, retry_for_s=30)
+    e = engine(timeout_s=1.0, retry_for_s=60)
     result = e.run(batch_of(tokenizer, TEXTS))
     assert texts_of(tokenizer, result) == REVERSED
     assert proxy.counts[fault] == 12 and proxy.counts["pass"] == len(TEXTS)
@@ -182,6 +182,7 @@ def test_a_local_openai_worker_gets_its_models_tokenizer_and_its_groups_options(
     from broker import write_config
 
     from config import load_settings
+    from config.stage_settings import worker_settings
     from gpu.worker.options import WorkerOptions
 
     config = write_config(tmp_path, workers=0)
@@ -194,7 +195,7 @@ def test_a_local_openai_worker_gets_its_models_tokenizer_and_its_groups_options(
     config.write_text(
         text + f'[[models]]\nname = "up"\nengine = "openai"\ntokenizer = "{tokenizer}"\n'
     )
-    options = WorkerOptions.from_settings(load_settings(config), 0)
+    options = WorkerOptions.from_settings(worker_settings(load_settings(config), 0))
     assert (options.engine, options.model) == ("openai", "up")
     assert options.engine_options == {
         "tokenizer": str(tokenizer),

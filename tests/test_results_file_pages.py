@@ -109,3 +109,18 @@ def test_a_page_given_by_its_custom_ids_is_deduplicated_with_every_other_key(tmp
         assert again.write_custom_ids(data, ["x", "e"]) == 1
         assert again.write_page(b'{"id":"x","custom_id":null}\n', ["id:x"]) == 0
         assert len(again) == 7
+
+
+def test_sectors_of_zeros_from_a_torn_write_back_are_cut_with_everything_after_them(tmp_path):
+    """The power went before a page was synced, and the disk kept some of its sectors and
+    not others: zeros stand where the lost ones were. Those lines were never acknowledged
+    (they come again); the file is cut before the first of them, not refused as foreign."""
+    path = tmp_path / "out.jsonl"
+    synced, _ = page("a", "b")
+    later, _ = page("c", "d", "e")
+    path.write_bytes(synced + b"\0" * 7 + later[7:])  # c's first sector lost, d and e kept
+    with ResultFile.open(path) as again:
+        assert again.cut_bytes == len(later)
+        assert again.write_page(*page("c", "d", "e")) == 3
+        again.sync()
+    assert path.read_bytes() == synced + later

@@ -15,6 +15,7 @@ from broker import write_config, write_jsonl
 from conftest import wait_for
 
 from config import load_settings
+from config.stage_settings import stage_settings
 from ingest.batch_input import iter_batch_input
 from ingest.chunk_wire import chunk_to_wire
 from ingest.tokenizer_stage import TokenizerStage
@@ -46,7 +47,7 @@ class Harness:
         self.answers = wire.open_socket(
             self.context, zmq.PULL, bind=internal_address(self.settings, "front")
         )
-        self.stage = TokenizerStage(self.settings, 0)
+        self.stage = TokenizerStage(stage_settings(self.settings, "tokenizer"), 0)
         self.stage.open()
         self.sent = 0
 

@@ -21,7 +21,8 @@ from broker import WORDS, Broker, submit, write_config
 from client_commands import run_cli
 from conftest import assert_check_clean, wait_for
 
-from collector.vectors.shard import IDS_DTYPE, shard_paths
+from collector.vectors.shard import shard_paths
+from collector.vectors.vector_rows import IDS_DTYPE
 from config import load_settings
 from pipeline.core import exitcodes
 from pipeline.core.errors import FabricError

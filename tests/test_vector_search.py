@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from collector.vectors.search import search
-from collector.vectors.shard import VectorInputError
+from collector.vectors.vector_errors import VectorInputError
 from collector.vectors.vector_store import VectorStore
 
 DIM = 24

@@ -18,14 +18,9 @@ import pytest
 import zygote
 from conftest import assert_check_clean, small_tmpfs
 
-from collector.vectors.shard import (
-    Shard,
-    VectorInputError,
-    VectorSealedError,
-    VectorShardError,
-    shard_paths,
-)
+from collector.vectors.shard import Shard, shard_paths
 from collector.vectors.store_catalog import create_store
+from collector.vectors.vector_errors import VectorInputError, VectorSealedError, VectorShardError
 from collector.vectors.vector_store import VectorStore
 from pipeline.core.errors import DiskFullError
 from pipeline.store.datadir import DataDir

@@ -7,11 +7,12 @@ from broker import write_config
 
 from collector.vectors.vector_stage import DISCOVER_S, VectorStage
 from config import load_settings
+from config.stage_settings import stage_settings
 
 
 @pytest.fixture
 def stage(tmp_path):
-    stage = VectorStage(load_settings(write_config(tmp_path)), 0)
+    stage = VectorStage(stage_settings(load_settings(write_config(tmp_path)), "vectors"), 0)
     stage.open()
     waits = []
     stage.poller.poll = lambda timeout=None: waits.append(timeout) or []

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from smollm2 import with_torch
@@ -104,8 +106,8 @@ def _worker_with(engine, **options):
     sent = []
     worker._send = lambda kind, meta, arrays=None: sent.append((kind, meta, arrays)) or True
     worker.open()
-    worker.registered = True
-    worker.report_s = 1e9
+    worker.registration.registered = True
+    worker.registration.report_s = 1e9
 
     def work(batch_id: int, slots: list[int], task: str = "embed") -> None:
         items = np.zeros(len(slots), ITEM_DTYPE)
@@ -148,12 +150,18 @@ def test_re_registration_never_changes_a_batch_under_the_engine():
         assert worker.held[1].items["slot"].tolist() == [0, 1, 2]  # the running batch: whole
         assert 2 not in worker.held  # the waiting one: nothing live, skipped
         engine.go.set()
-        wait_for(lambda: (worker.step(0), "RESULTS" in _kinds(sent))[1], "batch 1's results")
+        wait_for(
+            lambda: (worker.step(time.monotonic(), 0), "RESULTS" in _kinds(sent))[1],
+            "batch 1's results",
+        )
         results = next(a for k, _, a in sent if k.name == "RESULTS")
         assert results["items"]["slot"].tolist() == [0, 2]
         assert results["payload"].view("<f4").reshape(2, 4)[:, 0].tolist() == [100.0, 102.0]
         work(3, [5])
-        wait_for(lambda: (worker.step(0), _kinds(sent).count("RESULTS") == 2)[1], "batch 3")
+        wait_for(
+            lambda: (worker.step(time.monotonic(), 0), _kinds(sent).count("RESULTS") == 2)[1],
+            "batch 3",
+        )
         assert worker.exit_code is None and worker.engine_thread.is_alive()
     finally:
         engine.go.set()
@@ -174,12 +182,12 @@ def test_a_finished_batch_ends_the_workers_wait_and_its_results_go_at_once():
         release = threading.Timer(0.2, engine.go.set)  # the engine finishes during the wait
         release.start()
         began = time.monotonic()
-        worker.step(timeout_ms=10_000)
+        worker.step(time.monotonic(), timeout_ms=10_000)
         waited = time.monotonic() - began
         release.join()
         assert "RESULTS" in _kinds(sent), _kinds(sent)
         assert waited < 5.0, f"the step waited {waited:.1f} s for a batch done after 0.2 s"
-        worker.step(timeout_ms=0)
+        worker.step(time.monotonic(), timeout_ms=0)
         assert "WORK_REQUEST" in _kinds(sent)  # its slot is free: the next batch asked for
     finally:
         engine.go.set()
@@ -193,15 +201,16 @@ def test_an_idle_worker_waits_for_the_broker_until_its_next_timer():
     waits = []
     worker.connection.poll = lambda timeout_ms: waits.append(timeout_ms) or False
     try:
-        worker.step()
+        now = 1000.0  # the session's clock is its step's now
+        worker.step(now)
         assert waits[-1] > 20, waits  # nothing due: the longest wait (IDLE_WAIT_MS)
-        worker.pause_until = worker.now() + 0.03  # a pause ends in 30 ms: waited for exactly
-        worker.step()
-        assert 0 < waits[-1] <= 30, waits
-        worker.registered = False  # registering: the next hello, due in 50 ms
-        worker.next_try = worker.now() + 0.05
-        worker.step()
-        assert 0 < waits[-1] <= 50, waits
+        worker.pause_until = now + 0.03  # a pause ends in 30 ms: waited for exactly
+        worker.step(now)
+        assert waits[-1] == 30, waits
+        worker.registration.registered = False  # registering: the next hello, due in 50 ms
+        worker.registration.next_try = now + 0.05
+        worker.step(now)
+        assert waits[-1] == 50, waits
     finally:
         worker.close()
 
@@ -220,7 +229,10 @@ def test_a_worker_whose_engine_failed_on_a_batch_it_no_longer_holds_hands_back_a
         del worker.held[1]  # acknowledged or dropped meanwhile: the engine still fails on it
         engine.fail = True
         engine.go.set()
-        wait_for(lambda: (worker.step(0), worker.exit_code is not None)[1], "the worker to end")
+        wait_for(
+            lambda: (worker.step(time.monotonic(), 0), worker.exit_code is not None)[1],
+            "the worker to end",
+        )
         assert worker.exit_code == exitcodes.FAILED
         backs = [a["items"]["slot"].tolist() for k, _, a in sent if k.name == "HAND_BACK"]
         assert backs == [[2, 3]] and _kinds(sent)[-1] == "BYE"
@@ -264,7 +276,7 @@ def test_a_worker_whose_engine_thread_ended_or_took_no_work_hands_back_and_exits
     worker, sent, work = _worker_with(_Gate())
     worker.engine_thread.stop(5)  # the engine thread ends, whatever the cause
     work(1, [0, 1])
-    worker.step(0)
+    worker.step(time.monotonic(), 0)
     assert worker.exit_code == exitcodes.FAILED and "engine thread" in worker.broken
     assert [a["items"]["slot"].tolist() for k, _, a in sent if k.name == "HAND_BACK"] == [[0, 1]]
     worker.close()
@@ -276,15 +288,17 @@ def test_a_worker_whose_engine_thread_ended_or_took_no_work_hands_back_and_exits
     stuck.engine_thread.thread.start()  # and takes nothing
     try:
         work(1, [0, 1])
-        stuck.step(0)
+        stuck.step(time.monotonic(), 0)
         assert stuck.exit_code is None  # held, not running: not for batch_timeout_s yet
         stuck.watchdog.stalled_since = stuck.watchdog.last_look = (
             time.monotonic() - 5.0
         )  # a SIGSTOP
-        stuck.step(0)
+        stuck.step(time.monotonic(), 0)
         assert stuck.exit_code is None  # the process itself did not run: the clock restarts
         wait_for(  # looked at often: a long gap between looks reads as a SIGSTOP
-            lambda: (stuck.step(0), stuck.exit_code is not None)[1], "the watchdog", interval_s=0.02
+            lambda: (stuck.step(time.monotonic(), 0), stuck.exit_code is not None)[1],
+            "the watchdog",
+            interval_s=0.02,
         )
         assert "takes no work" in stuck.broken
         assert [a["items"]["slot"].tolist() for k, _, a in sent if k.name == "HAND_BACK"] == [
@@ -359,10 +373,9 @@ def _vllm_out_of_memory():
 
 
 def _echo_out_of_memory():
-    engine = EchoEngine()
-    # FABRIC_ECHO_OOM=100:2: the batch of two runs out of memory, then its first item alone
-    # (Engine.run halves a batch before it hands it back)
-    engine.oom_token, engine.oom_left = 100, 2
+    # the batch of two runs out of memory, then its first item alone (Engine.run halves a
+    # batch before it hands it back)
+    engine = EchoEngine(oom_token=100, oom_times=2)
     return engine, "embed"
 
 
@@ -380,7 +393,10 @@ def test_out_of_memory_in_any_engine_hands_the_batch_back_without_an_attempt(eng
     worker, sent, work = _worker_with(engine)
     try:
         work(1, [0, 1], task)
-        wait_for(lambda: (worker.step(0), "HAND_BACK" in _kinds(sent))[1], "the hand-back")
+        wait_for(
+            lambda: (worker.step(time.monotonic(), 0), "HAND_BACK" in _kinds(sent))[1],
+            "the hand-back",
+        )
         (back,) = [(m, a) for k, m, a in sent if k.name == "HAND_BACK"]
         assert back[0]["count_attempt"] is False, back[0]
         assert "out of memory" in back[0]["reason"] and engine.name in back[0]["reason"]
@@ -418,7 +434,7 @@ def test_a_real_worker_whose_engine_runs_out_of_memory_hands_back_and_finishes_t
     ]
     data.write_text("".join(json.dumps(line) + "\n" for line in lines))
     assert submit(b.config, data, "--job-id", "oom").returncode == 0
-    worker = workers(b, env={"FABRIC_ECHO_OOM": "7:5"})  # 5 > max_attempts = 3
+    worker = workers(b, "echo", "oom_token=7", "oom_times=5")  # 5 > max_attempts = 3
     wait_for(lambda: finished(b, "oom"), "the job to finish despite 5 out-of-memory errors", 60)
     assert worker.poll() is None, "the worker lives on: out of memory is transient"
     info = job_info(b, "oom")
@@ -458,10 +474,11 @@ def test_local_worker_options_come_from_the_config(tmp_path):
     from broker import write_config
 
     from config import load_settings
+    from config.stage_settings import worker_settings
     from gpu.worker.options import WorkerOptions
 
     settings = load_settings(write_config(tmp_path, workers=2))
-    options = WorkerOptions.from_settings(settings, 1)
+    options = WorkerOptions.from_settings(worker_settings(settings, 1))
     group = settings.worker_groups[0]
     assert options.broker.startswith("tcp://127.0.0.1:") or options.broker.startswith("ipc://")
     assert (options.batch_items, options.prefetch, options.drain_s) == (

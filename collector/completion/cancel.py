@@ -1,6 +1,6 @@
 """Cancel: a client's CANCEL recorded as `jobs/<id>/cancel` and passed on to dispatch.
 
-A job already `completed` or `expired` is refused. Otherwise, unless it is
+A job already `completed`, `expired` or `failed` (a limit stopped it) is refused. Otherwise, unless it is
 cancelled already, the cancel mark is written (collector/job_view.py
 `write_cancel`: the job number and the wall-clock ns, atomically; and
 `expired` for a CANCEL with `"reason": "expired"`, the HTTP API's batch
@@ -23,7 +23,7 @@ from pipeline.core.job_states import JobState
 from pipeline.store.segment import disk_error
 from pipeline.transport import wire
 
-NOT_CANCELLABLE = (JobState.COMPLETED, JobState.EXPIRED)
+NOT_CANCELLABLE = (JobState.COMPLETED, JobState.EXPIRED, JobState.FAILED)
 AT_DEADLINE = JobState.EXPIRED  # a CANCEL's `reason` when the job's deadline passed
 
 
@@ -52,7 +52,12 @@ def cancel_job(
             raise disk_error(exc, view.cancel_path, "recording a cancel") from exc
         why = "at its deadline" if at_deadline else "by a client"
         log.info("job %s cancelled %s", view.job_id, why)
-    try:  # again on every request: dispatch may have restarted (it also reads the mark)
+    send_cancel(view, dispatch, log)  # again on every request: dispatch may have restarted
+
+
+def send_cancel(view: JobView, dispatch: zmq.Socket, log: logging.Logger) -> None:
+    """Tell dispatch the job is cancelled (it also reads the marks when it starts)."""
+    try:
         wire.send(dispatch, wire.MessageType.CANCEL_JOB, {"job_no": view.job_no})
     except FabricError as exc:
         log.warning("could not tell dispatch of the cancel yet: %s", exc)

@@ -5,8 +5,8 @@ Sockets:
 | socket            | kind   | peer                                                                 |
 |-------------------|--------|----------------------------------------------------------------------|
 | `completion` ipc  | PULL   | dispatch: RESULTS (as workers sent them), ITEM_ERRORS (dead letters, quarantined, cancelled) |
-| `dispatch` ipc    | PUSH   | dispatch: RETIRED (input slots now DEAD on disk, the worker acks, refused results to hand back) and CANCEL_JOB |
-| `completion.bind` | ROUTER | results clients: FETCH / RESULT_PAGE, JOB_STATUS / JOB_INFO, CANCEL / CANCELLED |
+| `dispatch` ipc    | PUSH   | dispatch: RETIRED (input slots now DEAD on disk, the worker acks, refused results to hand back), CANCEL_JOB and JOB_CONTROL |
+| `completion.bind` | ROUTER | results clients: FETCH / RESULT_PAGE, JOB_STATUS / JOB_INFO, CANCEL / CANCELLED, CONTROL / JOB_INFO |
 
 Each step takes what arrived and stores it (collector/completion/intake.py:
 every worker result checked against its item, a bad one handed back to
@@ -37,27 +37,31 @@ refused) is tried again every second until one goes through
 from __future__ import annotations
 
 import collections
+import math
 import time
 
 import numpy as np
 import zmq
 
-from collector.completion import cancel
+from collector.completion import cancel, control
+from collector.completion.caps import CapWatch
 from collector.completion.delivery import PageDelivery
+from collector.completion.figures import completion_figures
 from collector.completion.finishing import JobFinisher
+from collector.completion.input_segments import InputSegments
 from collector.completion.intake import ResultIntake
 from collector.completion.job_status import JobStatus
-from collector.completion.result_check import CAUSES
+from collector.completion.job_webhooks import JobWebhooks
 from collector.completion.results_log import CompletionLog
 from collector.job_view import JobIndex, JobView
+from config.stage_settings import CompletionStageSettings
 from gpu.work_protocol import ITEM_DTYPE
-from pipeline.core.errors import DiskFullError, FabricError, SegmentError
+from pipeline.core.errors import DiskFullError, FabricError
 from pipeline.process.stage import Stage
 from pipeline.store.datadir import DataDir
 from pipeline.store.disk_full import FullDisk
 from pipeline.store.intern_table import InternTable
 from pipeline.store.job_files import JOB_ID
-from pipeline.store.segment import Segment
 from pipeline.transport import wire
 from pipeline.transport.security import ServerGate
 from pipeline.transport.topology import internal_address
@@ -68,7 +72,7 @@ MAX_MESSAGES_PER_STEP = 256
 TIDY_S = 1.0
 
 
-class CompletionStage(Stage):
+class CompletionStage(Stage[CompletionStageSettings]):
     name = "completion"
     poller: zmq.Poller  # made by open()
     poll_ms = 10
@@ -79,23 +83,24 @@ class CompletionStage(Stage):
         self.data_dir = DataDir(settings.data_path).ensure()
         self.jobs = JobIndex(settings.data_path)
         self.shapes = InternTable(settings.data_path)
-        self.inputs: dict[int, Segment] = {}
+        self.inputs = InputSegments(self.data_dir)
         self.completion_log = CompletionLog(
-            self.data_dir, self._input, expected_items=self._lines_known, line_table=self._lines
+            self.data_dir, self.inputs.get, expected_items=self._lines_known, line_table=self._lines
         )
         self.wall_ns = time.time_ns  # the finished mark's timestamp (tests give a fake clock)
         self.intake = ResultIntake(
             self.completion_log,
             self.jobs,
             self.shapes,
-            self._input,
-            settings.dispatch.max_attempts,
+            self.inputs.get,
+            settings.max_attempts,
             self.log,
         )
-        self.status = JobStatus(self.completion_log)
+        self.status = JobStatus(self.completion_log, self.intake.worker_time)
         self.delivery = PageDelivery(self.completion_log, self.shapes, self.config.page_items)
+        self.webhooks = JobWebhooks(settings.data_path, settings.api, self.log)  # --notify
         self.finishing = JobFinisher(
-            self.completion_log, self.jobs, lambda: self.wall_ns(), self.log
+            self.completion_log, self.jobs, lambda: self.wall_ns(), self.log, self.webhooks.ended
         )
         self.flush_s = self.config.tombstone_flush_ms / 1000
         self.next_flush: float | None = None  # set from the first step's clock
@@ -121,6 +126,7 @@ class CompletionStage(Stage):
             send_timeout_ms=1000,
             connect=internal_address(settings, "dispatch"),
         )
+        self.caps = CapWatch(self.completion_log, self.intake.worker_time, self.dispatch, self.log)
         self.clients = wire.open_socket(self.context, zmq.ROUTER)
         self.clients.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)  # bigger: dropped
         self.limits = wire.WireLimits(max_bytes=self.config.max_message_bytes)
@@ -129,16 +135,6 @@ class CompletionStage(Stage):
         self.poller = zmq.Poller()
         self.poller.register(inbox, zmq.POLLIN)
         self.poller.register(self.clients, zmq.POLLIN)
-
-    def _input(self, segment_id: int) -> Segment:
-        segment = self.inputs.get(segment_id)
-        if segment is None:
-            paths = list(self.data_dir.segments.glob(f"in-{segment_id:012d}.*.seg"))
-            if not paths:
-                raise SegmentError(f"input segment {segment_id} does not exist (collected?)")
-            segment = Segment.open(paths[0], writable=True)
-            self.inputs[segment_id] = segment
-        return segment
 
     def _lines_known(self, job_id: str) -> int:
         """Lines of the job committed so far, as last read (sizes its completion segments)."""
@@ -154,6 +150,8 @@ class CompletionStage(Stage):
     def step(self, now: float) -> None:
         if self.next_flush is None:
             self.next_flush = now + self.flush_s
+        if not self.webhooks.alive():
+            raise RuntimeError("the webhook sender thread stopped")
         events = dict(self.poller.poll(self._wait_ms(now)))
         if self.inbox.socket in events or self.deferred or self.probe is not None:
             self._read_inbox(now)
@@ -189,11 +187,16 @@ class CompletionStage(Stage):
                 log.sync_outputs()
             except DiskFullError as exc:  # everything stays queued for the next try
                 self.disk.failed(exc, now)
+        self.intake.worker_time.write(now)  # each job's worker-seconds, every second
         if self.intake.touched and not log.unsynced:  # their results are durable
             touched, self.intake.touched = self.intake.touched, set()
             for job_id in touched:
                 view = self.jobs.view(job_id)
                 if view is not None:
+                    try:
+                        self.caps.check(view)  # a job past one of its limits is stopped
+                    except DiskFullError as exc:  # checked again with its next results
+                        self.disk.failed(exc, now)
                     self._finish_if_done(view, now)
 
     def _flush(self, now: float) -> None:
@@ -284,7 +287,7 @@ class CompletionStage(Stage):
         if message.type == MT.PING:
             self._reply(route, MT.PONG, {})
             return
-        if message.type not in (MT.FETCH, MT.JOB_STATUS, MT.CANCEL):
+        if message.type not in (MT.FETCH, MT.JOB_STATUS, MT.CANCEL, MT.CONTROL):
             self._reply(
                 route, MT.ERROR, {"reason": f"completion does not take {message.type.name}"}
             )
@@ -312,6 +315,13 @@ class CompletionStage(Stage):
                 return
             cancel.cancel_job(view, self.dispatch, self.log, why)
             self._reply(route, MT.CANCELLED, self._job_info(view, now))
+        elif message.type == MT.CONTROL:
+            reason = control.refusal(view, self._job_info(view, now)["state"], meta)
+            if reason:
+                self._reply(route, MT.ERROR, {"reason": reason})
+                return
+            control.control_job(view, meta, self.dispatch, self.log)
+            self._reply(route, MT.JOB_INFO, self._job_info(view, now))
         else:
             self._fetch(route, view, meta, now)
 
@@ -328,7 +338,9 @@ class CompletionStage(Stage):
         self._reply(route, MT.RESULT_PAGE, reply, arrays)
 
     def _job_info(self, view: JobView, now: float) -> dict:
-        return self.status.info(view, self.finishing.finished(view.job_id), now)
+        info = self.status.info(view, self.finishing.finished(view.job_id), now)
+        info["webhook"] = self.webhooks.delivery(view.job_id)  # its end's event, if any
+        return info
 
     def _catch_up(self, view: JobView, now: float) -> None:
         """Read what the front appended; rejected lines become error results.
@@ -351,17 +363,8 @@ class CompletionStage(Stage):
             self.disk.failed(exc, now)
 
     def stats(self, now: float) -> dict:
-        """Results stored, duplicates dropped, results delivered (docs/metrics.md)."""
-        intake = self.intake
-        return {
-            "fabric_items_completed_total": intake.stored,
-            "fabric_duplicate_results_total": {
-                (why.replace(" ", "_"),): n for why, n in intake.duplicates.items()
-            },
-            "fabric_results_delivered_total": self.delivery.delivered,
-            "fabric_results_refused_total": {(c,): intake.refused[c] for c in CAUSES[1:]},
-            **self.disk.figures(self.label),
-        }
+        more = {**self.disk.figures(self.label), **self.webhooks.stats()}
+        return completion_figures(self.intake, self.delivery.delivered, self.caps.stopped, more)
 
     def _reply(
         self, route, kind: MT, meta: dict, arrays: dict | None = None, flags: int = 0
@@ -376,10 +379,7 @@ class CompletionStage(Stage):
         """Release finished input segments; take up jobs not finished and not loaded yet (at
         the first step: those that finished before a restart); finish jobs whose every item
         has a result; unload finished jobs once nothing of theirs is undelivered."""
-        for segment_id, segment in list(self.inputs.items()):
-            if segment.sealed and segment.deleted >= segment.entries:
-                segment.close()
-                del self.inputs[segment_id]
+        self.inputs.release_finished()
         self.finishing.discover()
         log = self.completion_log
         for job_id in log.known_jobs():
@@ -389,6 +389,7 @@ class CompletionStage(Stage):
             if self.finishing.finished(job_id):
                 if not self.delivery.outstanding(job_id) and not log.undelivered(job_id):
                     log.unload(job_id)  # all delivered: free its bitmaps and handles
+                    self.intake.worker_time.forget(job_id)
                     self.jobs.forget(job_id)
                 continue
             self._catch_up(view, now)
@@ -422,12 +423,14 @@ class CompletionStage(Stage):
             )
 
     def close(self) -> None:
+        if getattr(self, "webhooks", None) is not None:
+            self.webhooks.close()
+        self.intake.worker_time.write(math.inf)  # each job's worker-seconds as they stand
         try:
             self.completion_log.close()
         except DiskFullError as exc:  # seals not durable: recovery finds them open, harmless
             self.log.error("closing the completion log: %s", exc)
-        for segment in self.inputs.values():
-            segment.close()
+        self.inputs.close()
         self.inbox.socket.close(0)
         self.dispatch.close()
         self.clients.close(0)

@@ -37,11 +37,14 @@ class JobFinisher:
         jobs: JobIndex,
         wall_ns: Callable[[], int],
         log: logging.Logger,
+        on_end: Callable[[JobView], None] | None = None,
     ) -> None:
+        """`on_end`: told of each job finishing, before its mark (`submit --notify`'s event)."""
         self.completion_log = completion_log
         self.jobs = jobs
         self.wall_ns = wall_ns
         self.log = log
+        self.on_end = on_end
         self.looked_at: set[str] = set()  # names under jobs/ already considered by `discover`
 
     def finished(self, job_id: str) -> bool:
@@ -77,6 +80,8 @@ class JobFinisher:
         """Seal the job's completion segments and note when it finished (for retention)."""
         files = self.jobs.files
         self.completion_log.finish_job(view.job_id)
+        if self.on_end is not None:
+            self.on_end(view)
         try:  # whole or absent: an empty mark would read as finished at time 0
             files.mark_finished(view.job_id, self.wall_ns())
         except OSError as exc:

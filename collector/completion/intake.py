@@ -27,6 +27,7 @@ import numpy as np
 from collector.completion.record_format import flags_of
 from collector.completion.result_check import CAUSES, HAND_BACK, ResultCheck, expected_for
 from collector.completion.results_log import CompletionLog, Results
+from collector.completion.worker_time import WorkerTime, engine_seconds
 from collector.job_view import JobIndex, JobView
 from gpu.work_protocol import ITEM_DTYPE
 from pipeline.core.errors import DiskFullError
@@ -100,6 +101,7 @@ class ResultIntake:
         # again") or a second computation after a reclaim ("computed again") (metrics)
         self.duplicates = {SENT_AGAIN: 0, COMPUTED_AGAIN: 0}
         self.refused: collections.Counter[str] = collections.Counter()  # cause -> results
+        self.worker_time = WorkerTime(jobs.files, log)  # engine seconds per job (worker_time.py)
 
     def results(self, message: wire.Message) -> None:
         """Store a worker's results; acknowledged at the next flush. DiskFullError: not
@@ -126,7 +128,8 @@ class ResultIntake:
         try:
             kept = rows.take(good) if len(good) < len(items) else rows
             why = SENT_AGAIN if meta.get("resent") else COMPUTED_AGAIN
-            known = self.record(items[good], status[good], kept, prompt[good], why)
+            per_item = engine_seconds(meta) / len(items) if len(items) else 0.0
+            known = self.record(items[good], status[good], kept, prompt[good], why, per_item)
             back = (
                 self._refuse(meta["session"], items, verdict, attempts)
                 if len(good) < len(items)
@@ -168,7 +171,8 @@ class ResultIntake:
 
     def item_errors(self, message: wire.Message) -> None:
         """Dispatch's ITEM_ERRORS: one error result, its `reason`, for each of its items. The
-        items of a job cancelled at its deadline get `batch_expired` instead of `cancelled`
+        items of a job cancelled at its deadline get `batch_expired` instead of `cancelled`,
+        those of a job stopped by a limit its stop's code (`error_cap`, `budget_exceeded`)
         (dispatch does not know why a job was cancelled; its cancel mark does), so every door
         writes the same code for them."""
         items = message.arrays["items"]
@@ -184,8 +188,13 @@ class ResultIntake:
     def _cancelled_reason(self, job_no: int, reason: str) -> str:
         job_id = self.jobs.job_id(job_no)
         view = self.jobs.view(job_id) if job_id is not None else None
-        if view is not None and view.cancelled_at_deadline:
+        if view is None:
+            return reason
+        if view.cancelled_at_deadline:
             return f"{ItemErrorCode.BATCH_EXPIRED}: the job's deadline passed before the item ran"
+        stop = view.stopped
+        if stop is not None:  # a limit stopped the job (collector/completion/caps.py)
+            return f"{stop.code}: the job was stopped before the item ran: {stop.message}"
         return reason
 
     def errors(self, items: np.ndarray, text: str) -> None:
@@ -213,8 +222,11 @@ class ResultIntake:
             view.rejected[:0] = rejected
             raise
 
-    def record(self, items, status, rows: Ragged, prompt, why: str = COMPUTED_AGAIN) -> bool:
-        """Store results; False if some name a job number this broker does not know (yet)."""
+    def record(
+        self, items, status, rows: Ragged, prompt, why: str = COMPUTED_AGAIN, engine_s=0.0
+    ) -> bool:
+        """Store results; False if some name a job number this broker does not know (yet).
+        `engine_s`: the worker-seconds of each item, added to its job for each one stored."""
         known = True
         job_nos = job_of(items["seq"])
         for job_no in np.unique(job_nos).tolist():
@@ -245,6 +257,7 @@ class ResultIntake:
                 sync=False,
             )
             self.stored += recorded.stored
+            self.worker_time.add(job_id, engine_s * recorded.stored)
             self.duplicates[why] = self.duplicates.get(why, 0) + recorded.duplicates
             if recorded.duplicates:
                 self.log.info(

@@ -16,20 +16,26 @@ several parts and their parts, a detail (docs/completion.md, "Lines and parts").
 `usage` is the job's token totals over its results (error results count
 nothing), each result counted once (collector/completion/job_results.py):
 `prompt_tokens`, `completion_tokens` (generated) and `total_tokens`.
+`worker_s` is the engine time its results took, from the workers' RESULTS
+(collector/completion/worker_time.py). `limits` are the job's caps (pipeline/core/job_limits.py; None: none), and
+`stopped` the one it passed (`code`, `limit`, `message` with the numbers), once
+completion stopped it (collector/completion/caps.py): it ends `failed`.
 """
 
 from __future__ import annotations
 
 from collector.completion.results_log import CompletionLog
+from collector.completion.worker_time import WorkerTime
 from collector.job_view import JobView
-from pipeline.core.job_states import job_state
+from pipeline.core.job_states import TERMINAL, job_state
 
 
 class JobStatus:
     """JOB_INFO of jobs, with each job's rate since this process first answered about it."""
 
-    def __init__(self, completion_log: CompletionLog) -> None:
+    def __init__(self, completion_log: CompletionLog, worker_time: WorkerTime) -> None:
         self.completion_log = completion_log
+        self.worker_time = worker_time
         self.rates: dict[str, tuple[float, int]] = {}  # job -> (first asked, completed then)
 
     def info(self, view: JobView, finished: bool, now: float) -> dict:
@@ -40,11 +46,13 @@ class JobStatus:
         undelivered = log.undelivered(job_id)
         total = view.total
         cancelled = view.cancelled
+        stop = view.stopped if cancelled else None
         state = job_state(
             total,
             done,
             cancelled=cancelled,
             at_deadline=cancelled and view.cancelled_at_deadline,
+            stopped=stop is not None,
             finished=finished,
             undelivered=undelivered,
         )
@@ -59,6 +67,8 @@ class JobStatus:
             "job_no": view.job_no,
             "exists": True,
             "state": str(state),
+            "paused": view.paused and state not in TERMINAL,  # queued items wait (control.py)
+            "priority": view.current_priority,
             "total": total,
             "completed": done - failed,
             "failed": failed,
@@ -73,6 +83,11 @@ class JobStatus:
                 "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens,
             },
+            "worker_s": round(self.worker_time.of(job_id), 3),
+            "limits": view.limits.to_record() or None,
+            "stopped": None
+            if stop is None
+            else {"code": stop.code, "limit": stop.limit, "message": stop.message},
             # counters above are lines; a line of several parts (fan-out) is a detail here
             "fanout": {"lines": len(view.lines), "parts": view.lines.items()}
             if len(view.lines)

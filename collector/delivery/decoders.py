@@ -4,7 +4,7 @@
     client.fetch(job, out, err, decoders=decoders)
 
 Each door that writes output lines renders generated text with these: `run.py
-results` (run.py), `run.py batch` (collector/oneshot.py) and the HTTP API's
+results` (run.py), `run.py batch` (cli/batch.py) and the HTTP API's
 batch driver (api/batch_driver.py), so `message.content`, `text` and
 `output_text` are the same text whichever door a job's results leave by. A
 model without a tokenizer gets no decoder: its lines carry `token_ids` and an
@@ -19,13 +19,13 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from config.settings import Settings
+from config.stage_settings import Modelled
 from pipeline.core.errors import TokenizerError
 
 Decoder = Callable[[list[int]], str]
 
 
-def model_decoders(settings: Settings) -> dict[str, Decoder]:
+def model_decoders(settings: Modelled) -> dict[str, Decoder]:
     """A decoder for each model of `settings` whose tokenizer file is here, by model name."""
     from tokenizers import Tokenizer  # loaded only by doors that render text
 

@@ -76,7 +76,6 @@ class ResultFile:
     def open(cls, path: str | os.PathLike[str]) -> ResultFile:
         """Open or create `path`; raise ResultFileError if it is not a result file or is in use."""
         path = Path(path)
-        created = not path.exists()
         try:
             # O_NONBLOCK: a FIFO without a reader fails here instead of hanging; no effect on files
             flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK
@@ -100,8 +99,9 @@ class ResultFile:
             if good_bytes < size:
                 os.ftruncate(fd, good_bytes)
                 os.fsync(fd)
-            if created:
-                fsync_dir(path.parent)
+            # at every open, not only when made here: a run killed between making the file
+            # and this sync left a name no later sync of the file itself makes durable
+            fsync_dir(path.parent)
         except OSError as exc:
             os.close(fd)
             raise ResultFileError(f"cannot read output file {path}: {exc.strerror}") from exc
@@ -236,6 +236,9 @@ def _read_keys(path: Path, file: Any) -> tuple[set[Held], int, int]:
     for number, line in enumerate(file, 1):
         if not line.endswith(b"\n"):  # torn: the writer died before the newline
             return keys, good_bytes, good_bytes + len(line)
+        if b"\0" in line:  # no JSON line holds a NUL: sectors of an unsynced write-back that
+            # never came (the power went); nothing from here on was synced or acknowledged
+            return keys, good_bytes, os.fstat(file.fileno()).st_size
         try:
             record = orjson.loads(line)
         except orjson.JSONDecodeError as exc:

@@ -1,7 +1,7 @@
 """Vector shards: a journalled, append-only home for embeddings (docs/vectors.md)."""
 
-from collector.vectors.shard import (
-    Shard,
+from collector.vectors.shard import Shard
+from collector.vectors.vector_errors import (
     VectorError,
     VectorInputError,
     VectorSealedError,

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from collector.vectors.shard import VectorError, VectorShardBusy
 from collector.vectors.store_catalog import (
     META_FILE,
     SINK_DIRS,
@@ -29,6 +28,7 @@ from collector.vectors.store_catalog import (
     store_name_of,
     stores_root,
 )
+from collector.vectors.vector_errors import VectorError, VectorShardBusy
 from pipeline.store.check import Finding
 
 SHARD_SUFFIXES = (".payload", ".ids", ".journal")

@@ -1,6 +1,6 @@
 """Users' side of the vector store: stats, search (by text or vector) and export.
 
-`python run.py vectors stats|search|export` (run.py) calls these. A text
+`python run.py vectors stats|search|export` (cli/vectors.py) calls these. A text
 query is embedded here, with the store's model's own tokenizer and engine
 (the same code the workers run), then searched by the vector stage
 (collector/vectors/vector_stage.py), which answers with the hits' custom_ids.
@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from collector.vectors.shard import VectorInputError
+from collector.vectors.vector_errors import VectorInputError
 from pipeline.core.ragged import pad
 from pipeline.transport import wire
 from pipeline.transport.broker_client import BrokerClient

@@ -16,7 +16,8 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from collector.vectors.shard import Shard, VectorInputError
+from collector.vectors.shard import Shard
+from collector.vectors.vector_errors import VectorInputError
 from collector.vectors.vector_store import VectorStore
 
 METRICS = ("cosine", "dot")

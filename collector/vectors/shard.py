@@ -35,36 +35,20 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.core.errors import FabricError
+from collector.vectors.vector_errors import (
+    VectorInputError,
+    VectorSealedError,
+    VectorShardBusy,
+    VectorShardError,
+)
+from collector.vectors.vector_rows import DTYPES, IDS_DTYPE, validate_rows
 from pipeline.store.durable import fsync_dir
 from pipeline.store.records import MAX_RECORD_BYTES, encode_record, read_records
 from pipeline.store.segment import disk_error
 
 FORMAT_VERSION = 1
-DTYPES = {"float16": np.dtype("<f2"), "float32": np.dtype("<f4")}
-IDS_DTYPE = np.dtype("<u8")
 _HEAD = struct.Struct("<II")
 DONTNEED = os.POSIX_FADV_DONTNEED
-
-
-class VectorError(FabricError):
-    """Root of the vector store's errors."""
-
-
-class VectorShardError(VectorError):
-    """A shard's files fail recovery or a check; the shard must not be served."""
-
-
-class VectorShardBusy(VectorShardError):
-    """Another process has the shard open for appending (the broker's vector stage)."""
-
-
-class VectorSealedError(VectorError):
-    """An append was attempted on a sealed (immutable) shard."""
-
-
-class VectorInputError(VectorError):
-    """An append or read asked for something the shard cannot take (shape, dtype, NaN, range)."""
 
 
 def shard_paths(directory: Path, shard_id: int) -> tuple[Path, Path, Path]:
@@ -353,34 +337,8 @@ class Shard:
     def validate(
         self, ids: np.ndarray, rows: np.ndarray, copy: bool = True
     ) -> tuple[np.ndarray, np.ndarray]:
-        """`ids` as u64 and `rows` as the shard dtype (copies, unless `copy` is False and they
-        already are), or a `VectorInputError`."""
-        rows = np.asarray(rows)
-        ids = np.asarray(ids)
-        if rows.ndim != 2 or rows.shape[1] != self.dim:
-            raise VectorInputError(
-                f"rows have shape {rows.shape}; shard {self.shard_id} takes (n, {self.dim})"
-            )
-        if rows.dtype.kind not in "fiu" or not np.can_cast(rows.dtype, self.dtype, "same_kind"):
-            raise VectorInputError(f"rows of dtype {rows.dtype} cannot be stored as {self.dtype}")
-        if ids.shape != (len(rows),) or ids.dtype.kind not in "iu":
-            raise VectorInputError(
-                f"ids have shape {ids.shape} and dtype {ids.dtype}; need {len(rows)} integers"
-            )
-        if ids.dtype.kind == "i" and len(ids) and ids.min() < 0:
-            raise VectorInputError(f"id {ids.min()} at row {int(ids.argmin())} is negative")
-        with np.errstate(over="ignore"):
-            stored = np.ascontiguousarray(rows.astype(self.dtype, copy=copy))
-        with np.errstate(over="ignore", invalid="ignore"):  # a NaN or inf makes its row sum one
-            sums_finite = np.isfinite(stored.sum(axis=1, dtype=np.float32)).all()
-        bad = None if sums_finite else ~np.isfinite(stored).all(axis=1)
-        if bad is not None and bad.any():
-            row = int(np.flatnonzero(bad)[0])
-            raise VectorInputError(
-                f"row {row} of the batch (id {int(ids[row])}) has NaN or infinite values "
-                f"as {self.dtype}; nothing was appended"
-            )
-        return np.ascontiguousarray(ids.astype(IDS_DTYPE, copy=copy)), stored
+        """`ids` and `rows` as this shard stores them, or a `VectorInputError` (`validate_rows`)."""
+        return validate_rows(ids, rows, self.dim, self.dtype, self.shard_id, copy)
 
     def flush(self) -> tuple[int, int]:
         """Make queued rows durable; returns `(first_row, count)` that became durable.

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import orjson
 
-from collector.vectors.shard import DTYPES, VectorInputError, VectorShardError
+from collector.vectors.vector_errors import VectorInputError, VectorShardError
+from collector.vectors.vector_rows import DTYPES
 from collector.vectors.vector_store import VectorStore
 from pipeline.core.file_names import file_safe, from_file_safe
 from pipeline.store.durable import write_whole

@@ -23,9 +23,10 @@ import zmq
 
 from collector.job_view import JobIndex
 from collector.vectors.search import search
-from collector.vectors.shard import VectorError, VectorInputError
 from collector.vectors.sink import VectorSink
 from collector.vectors.store_catalog import StoreSet, stores_root
+from collector.vectors.vector_errors import VectorError, VectorInputError
+from config.stage_settings import VectorStageSettings
 from pipeline.core.errors import FabricError
 from pipeline.core.item_seq import index_of, job_of
 from pipeline.process.stage import Stage
@@ -42,7 +43,7 @@ MAX_REQUEST_BYTES = 16 << 20  # a search of 1024 queries of 4096 float32 values
 DISCOVER_S = 1.0
 
 
-class VectorStage(Stage):
+class VectorStage(Stage[VectorStageSettings]):
     name = "vectors"
     poller: zmq.Poller  # made by open()
     poll_ms = 10
@@ -77,7 +78,7 @@ class VectorStage(Stage):
         self.gate = ServerGate(self.context, settings.security)  # CURVE, when keys are set
         self.completion = wire.open_socket(self.context, zmq.DEALER)
         secure_client(self.completion, internal_curve(settings))  # the broker's own key
-        self.completion.connect(client_address(settings.completion.bind))
+        self.completion.connect(client_address(settings.completion_bind))
         self.pages = wire.Inbox(self.completion, self.log, "completion")  # its RESULT_PAGEs
         self.users = wire.open_socket(self.context, zmq.ROUTER)
         self.users.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)  # bigger frames: disconnected

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
-from collector.vectors.shard import DTYPES, Shard, VectorInputError, VectorShardError
+from collector.vectors.shard import Shard
+from collector.vectors.vector_errors import VectorInputError, VectorShardError
+from collector.vectors.vector_rows import DTYPES
 from pipeline.core.errors import FabricError
 
 

@@ -3,7 +3,10 @@
 | module            | one idea                                                                |
 |-------------------|-------------------------------------------------------------------------|
 | `dispatch_stage.py` | DispatchStage: sockets, the step loop, worker messages, hand-outs       |
-| `state.py`        | DispatchState: what is queued, taking a batch, reclaims, attempts        |
+| `inbox.py`        | what writers and completion tell it: APPENDED, RETIRED, CANCEL_JOB      |
+| `timeouts.py`     | what time takes back: silent sessions, expired leases, stalled sessions |
+| `state.py`        | DispatchState: what is queued, taking a batch, claims, cancelled jobs   |
+| `reclaim.py`      | the end of a lease: reclaims, rewinds, attempts, dead letters, retires  |
 | `segment_queue.py`| one input segment's queue: cursor, written end, slots out, the scan     |
 | `leases.py`       | the lease table: which batch is out with which session                  |
 | `batch.py`        | a batch and its items (ITEM_DTYPE), quarantined slots                   |

@@ -1,4 +1,5 @@
-"""Deadline order: earlier deadlines first, as a hint that never starves other work.
+"""Deadline order: higher priority, then earlier deadlines first, as a hint that never
+starves other work.
 
 Today's order (gpu/dispatch/state.py) takes a model's segments highest shape
 priority first, then oldest, each from its cursor. When some unfinished job
@@ -8,13 +9,19 @@ segment and the slot to start from: that job's first slot not handed out
 yet, which may lie past the cursor (the slots before it stay queued, and the
 cursor stays where it is). The choice is per batch: the batch is the next
 free slots from there, whatever job they belong to. Jobs without a deadline
-rank after every job with one; equal deadlines go in today's order.
+rank after every job with one; equal deadlines go in today's order. A job's
+priority (an integer, default 0, gpu/dispatch/deadlines.py) ranks before its
+deadline: the waiting job of the highest priority goes first, the earliest
+deadline among those, so priority is served by the same hint and the same
+bounded share below.
 
 The rule that keeps it a hint (invariant 10): per model, at most
 `DEADLINE_RUN` batches in a row may go out of today's order for a deadline;
 the next one is taken in today's order, so work without a deadline (or with
-a later one) gets at least one batch in `DEADLINE_RUN + 1` while deadline
-work waits, and is never starved. A batch where both orders agree counts for
+a later one, or a lower priority) gets at least one batch in
+`DEADLINE_RUN + 1` while deadline or priority work waits, and is never
+starved: that batch is the oldest waiting work of the model's first segment
+in today's order (the minimum share, docs/dispatch.md). A batch where both orders agree counts for
 neither. If the deadline choice yields nothing, dispatch falls through to
 today's order.
 
@@ -49,6 +56,8 @@ class Deadlines(Protocol):
     def any(self) -> bool: ...
 
     def of(self, job_nos: np.ndarray, now: float) -> np.ndarray: ...
+
+    def priorities(self, job_nos: np.ndarray) -> np.ndarray: ...
 
 
 class JobSpans:
@@ -107,19 +116,26 @@ class JobSpans:
         np.fmin.at(deadline, inverse, np.concatenate([self.deadline, np.full(len(jobs), np.nan)]))
         self.first, self.last, self.deadline = merged_first, merged_last, deadline
 
-    def earliest(self, cursor: int) -> tuple[float, int] | None:
-        """(deadline, slot to start from) of the waiting job with the earliest deadline; None
-        when no job with a deadline waits here."""
-        if not self._timed:
+    def earliest(
+        self, cursor: int, priorities: np.ndarray, paused: np.ndarray
+    ) -> tuple[tuple, int] | None:
+        """((-priority, deadline), slot to start from) of the first waiting job: the highest
+        priority (`priorities`, per job of `jobs`), then the earliest deadline; None when no
+        job with a deadline or a priority waits here. Jobs in `paused` do not wait."""
+        ranked = priorities.any()
+        if not self._timed and not ranked:
             return None
         begin = np.maximum(self.first, cursor)
-        waiting = (self.last >= begin) & np.isfinite(self.deadline)
+        known = np.isfinite(self.deadline) | (ranked & ~np.isnan(self.deadline))
+        waiting = (self.last >= begin) & known
+        if len(paused):
+            waiting &= ~np.isin(self.jobs, paused)
         if not waiting.any():
             return None
         rows = np.flatnonzero(waiting)
-        order = np.lexsort((begin[rows], self.deadline[rows]))
+        order = np.lexsort((begin[rows], self.deadline[rows], -priorities[rows]))
         row = rows[order[0]]
-        return float(self.deadline[row]), int(begin[row])
+        return (-int(priorities[row]), float(self.deadline[row])), int(begin[row])
 
     def passed(self, start: int, scanned_to: int) -> None:
         """Every slot of start..scanned_to-1 is out or retired now: jobs look on from there."""
@@ -143,6 +159,7 @@ class DeadlineOrder:
         self._spans: dict[int, JobSpans] = {}  # segment id -> its jobs past the cursor
         self._run: dict[str, int] = {}  # model -> batches in a row taken ahead of today's order
         self.batches = 0  # batches handed out ahead of today's order (metrics)
+        self.paused: set[int] = set()  # jobs whose items are held back (DispatchState's)
 
     def pick(
         self, model: str, order: Sequence[SegmentQueue], now: float
@@ -186,12 +203,14 @@ class DeadlineOrder:
         """(queue, start slot) for the earliest-deadline waiting job among `candidates`
         (in today's order, which breaks ties); None when none has a deadline."""
         best = None
+        paused = np.fromiter(self.paused, np.int64, len(self.paused))
         for work in candidates:
             spans = self._spans.get(work.segment.segment_id)
             if spans is None:
                 spans = self._spans[work.segment.segment_id] = JobSpans()
             spans.learn(work.segment, work.cursor, work.end, self.deadlines, now)
-            found = spans.earliest(work.cursor)
+            priorities = self.deadlines.priorities(spans.jobs)
+            found = spans.earliest(work.cursor, priorities, paused)
             if found is not None and (best is None or found[0] < best[0]):
                 best = (found[0], work, found[1])
         return None if best is None else (best[1], best[2])

@@ -1,4 +1,9 @@
-"""Which jobs have a deadline, and when: dispatch's view of the `deadline` of job records.
+"""Which jobs have a deadline or a priority: dispatch's view of job records and marks.
+
+A job's priority (an integer, higher first, default 0) is the record's
+`priority` (`submit --priority`, the HTTP metadata `fabric_priority`) unless a
+client changed it (`run.py priority`: the `jobs/<id>/priority` mark, read with
+the record, and JOB_CONTROL while dispatch runs: `set_priority`).
 
 A job's deadline (wall seconds since the epoch) is a field of its record,
 `jobs/<job_id>/job.json` (pipeline/store/job_record.py), set by `submit --deadline`
@@ -33,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.store.job_files import JobFiles
-from pipeline.store.job_record import JobRecordError, record_deadline
+from pipeline.store.job_record import JobRecordError, record_deadline, record_priority
 
 LOOK_AGAIN_S = 0.2  # the least time between two listings of jobs/ for an unknown job number
 FINISHED_EVERY_S = 10.0  # how often the `finished` marks of jobs with a deadline are looked at
@@ -46,6 +51,7 @@ class JobDeadlines:
         self.files = JobFiles(data_root)
         self.log = log
         self._deadlines: dict[int, float] = {}  # job_no -> deadline (unfinished jobs)
+        self._priorities: dict[int, int] = {}  # job_no -> priority, when not 0 (unfinished)
         self._ids: dict[int, str] = {}  # job_no -> job id, to look for its finished mark
         self._seen: set[str] = set()  # job directories whose record was read (or refused)
         self._highest = 0  # the highest job number read
@@ -54,8 +60,26 @@ class JobDeadlines:
         self._finished_at = -math.inf
 
     def any(self) -> bool:
-        """True while some unfinished job has a deadline."""
-        return bool(self._deadlines)
+        """True while some unfinished job has a deadline or a priority other than 0."""
+        return bool(self._deadlines) or bool(self._priorities)
+
+    def priorities(self, job_nos: np.ndarray) -> np.ndarray:
+        """Per job number: its priority (int64; 0 when it has none or is not known yet)."""
+        answer = np.zeros(len(job_nos), np.int64)
+        if self._priorities:
+            for i in np.flatnonzero(np.isin(job_nos, list(self._priorities))).tolist():
+                answer[i] = self._priorities[int(job_nos[i])]
+        return answer
+
+    def set_priority(self, job_no: int, priority: int, job_id: str | None = None) -> None:
+        """A client changed the job's priority (JOB_CONTROL; its mark is written already);
+        `job_id`: to look for its `finished` mark, which drops it."""
+        if job_id is not None:
+            self._ids.setdefault(job_no, job_id)
+        if priority:
+            self._priorities[job_no] = priority
+        else:
+            self._priorities.pop(job_no, None)
 
     def of(self, job_nos: np.ndarray, now: float) -> np.ndarray:
         """Per job number (distinct jobs, not items): its deadline, inf (none) or nan (no
@@ -82,6 +106,7 @@ class JobDeadlines:
                 if self.files.is_finished(job_id):
                     del self._ids[job_no]
                     self._deadlines.pop(job_no, None)
+                    self._priorities.pop(job_no, None)
         try:
             mtime = self.files.root.stat().st_mtime_ns
         except FileNotFoundError:
@@ -106,7 +131,12 @@ class JobDeadlines:
             job_no = int(meta["job_no"])
             self._highest = max(self._highest, job_no)
             deadline = record_deadline(meta)
-            if deadline is not None and not self.files.is_finished(job_id):
-                self._deadlines[job_no] = deadline
+            changed = self.files.priority(job_id)  # a client's change, over the record's
+            priority = changed if changed is not None else record_priority(meta)
+            if (deadline is not None or priority) and not self.files.is_finished(job_id):
+                if deadline is not None:
+                    self._deadlines[job_no] = deadline
+                if priority:
+                    self._priorities[job_no] = priority
                 self._ids[job_no] = job_id
         self._listed_mtime = mtime if complete else None  # list again while one is incomplete

@@ -8,8 +8,9 @@ Sockets (docs/dispatch.md has the message table):
 | `dispatch` ipc   | PULL   | writers (APPENDED) and the completion stage (RETIRED, CANCEL_JOB) |
 | `completion` ipc | PUSH   | the completion stage: RESULTS forwarded as they came (gpu/dispatch/forward.py), ITEM_ERRORS |
 
-The owner thread runs `step()`: it reads what arrived, answers workers,
-expires leases and silent sessions (only after loading: invariant 9), sends
+The owner thread runs `step()`: it reads what arrived (the inbox's messages
+in gpu/dispatch/inbox.py), answers workers, expires leases and silent
+sessions (gpu/dispatch/timeouts.py; only after loading: invariant 9), sends
 dead letters, quarantined and cancelled items to the completion stage as
 error results, and hands the dispatch file its entries. ZeroMQ's own I/O
 thread moves the bytes; the dispatch file is written and synced on its own
@@ -38,46 +39,37 @@ import time
 import numpy as np
 import zmq
 
+from config.stage_settings import DispatchStageSettings
 from gpu.dispatch.arrivals import Arrivals
 from gpu.dispatch.batch import Batch, item_array
 from gpu.dispatch.batch_ids import BatchIds
 from gpu.dispatch.deadlines import JobDeadlines
 from gpu.dispatch.forward import ToCompletion
+from gpu.dispatch.inbox import cancelled_jobs, read_inbox
 from gpu.dispatch.item_errors import ItemErrors
 from gpu.dispatch.lease_recorder import LeaseRecorder
+from gpu.dispatch.paused import paused_marks
 from gpu.dispatch.registration import hello, reload_leases
 from gpu.dispatch.report import broker_status, dispatch_metrics
 from gpu.dispatch.sessions import PARK_S, Parked, Session, worker_figures
 from gpu.dispatch.stall import StallWatch
 from gpu.dispatch.state import DispatchState
+from gpu.dispatch.timeouts import expire_sessions_and_leases, reclaim_stalled
 from gpu.dispatch.work_finder import RESCAN_S, WorkFinder
 from gpu.dispatch.work_token import Refusals, WorkTokens
 from pipeline.core.errors import FabricError
-from pipeline.process.stage import Stage, broker_epoch
+from pipeline.process.stage import Stage
 from pipeline.store.datadir import DataDir
 from pipeline.store.intern_table import InternTable
-from pipeline.store.job_files import JobFiles
 from pipeline.transport import wire
 from pipeline.transport.security import ServerGate
 from pipeline.transport.topology import internal_address
 
 MT = wire.MessageType
-MAX_MESSAGES_PER_STEP = 512
+MAX_MESSAGES_PER_STEP = 512  # from workers, and from the inbox, in one step
 
 
-def cancelled_jobs(data_root, log) -> set[int]:
-    """Job numbers with a cancel mark (written by completion) and no `finished` mark: their
-    queued items are taken out of dispatch (pipeline/store/job_files.py knows the marks)."""
-    found = set()
-    for mark, job_no in JobFiles(data_root).cancelled_running():
-        if job_no is None:
-            log.warning("unreadable cancel mark %s; ignored", mark)
-        else:
-            found.add(job_no)
-    return found
-
-
-class DispatchStage(Stage):
+class DispatchStage(Stage[DispatchStageSettings]):
     name = "dispatch"
     poller: zmq.Poller  # made by open()
     reclaimed: collections.Counter[str]
@@ -89,7 +81,6 @@ class DispatchStage(Stage):
         config = settings.dispatch
         self.config = config
         self.data_dir = DataDir(settings.data_path).ensure()
-        self.epoch = broker_epoch()
         now = time.monotonic()  # the stage's start; after it, time comes from step(now)
         self.deadlines = JobDeadlines(self.data_dir.root, self.log)  # from job records
         self.deadlines.refresh(now)
@@ -131,6 +122,7 @@ class DispatchStage(Stage):
         self.file = self.leases.file
         reload_leases(self, now)  # gpu/dispatch/registration.py
         self.state.cancelled_jobs.update(cancelled_jobs(self.data_dir.root, self.log))
+        self.state.paused.jobs.update(paused_marks(self.data_dir.root, self.log))
         self.state.loaded()  # lease and session timeouts count from here (invariant 9)
         self.context = zmq.Context()
         self.gate = ServerGate(self.context, settings.security)  # CURVE, when keys are set
@@ -175,12 +167,12 @@ class DispatchStage(Stage):
             timeout = min(timeout, max(0, int((release - now) * 1000)))
         events = dict(self.poller.poll(timeout))
         if self.inbox.socket in events:
-            self._read_inbox(now)
+            read_inbox(self, now, MAX_MESSAGES_PER_STEP)  # gpu/dispatch/inbox.py
             self.state.sweep_cancelled()  # work that just arrived for a cancelled job
         if self.workers in events:
             self._read_workers(now)
         self._serve_parked(now)
-        self._timeouts(now)
+        expire_sessions_and_leases(self, now)  # gpu/dispatch/timeouts.py
         self.item_errors.take(self.state.take_outcomes(), now)
         self.to_completion.flush()
         self.leases.record_ended()
@@ -193,7 +185,7 @@ class DispatchStage(Stage):
             self.finder.rescan(now)
             self.deadlines.refresh(now)  # new jobs' deadlines; finished jobs forgotten
             self.item_errors.resend(now)
-            self._reclaim_stalled(now)
+            reclaim_stalled(self, now)
             self.state.sweep_cancelled()
             for q in self.state.queue_depth():
                 self.arrivals.forget_below(q.segment_id, q.floor)  # marks no slot can need again
@@ -202,51 +194,6 @@ class DispatchStage(Stage):
                 self.log.info("segment %d finished; released", segment.segment_id)
                 segment.close()
             self.leases.maybe_compact()
-
-    def _read_inbox(self, now: float) -> None:
-        for message in self.inbox.read(MAX_MESSAGES_PER_STEP):
-            meta = message.meta
-            if message.type == MT.APPENDED:
-                self.finder.appended(int(meta["segment"]), int(meta["end"]), now)
-            elif message.type == MT.RETIRED:
-                self._retired(message)
-            elif message.type == MT.CANCEL_JOB:
-                taken = self.state.cancel_job(int(meta["job_no"]))
-                self.log.info("job %d cancelled: %d queued item(s) taken", meta["job_no"], taken)
-            else:
-                self.log.error("unexpected internal message %s dropped", message.type.name)
-
-    def _retired(self, message: wire.Message) -> None:
-        items = message.arrays.get("items")
-        if items is not None and len(items):
-            for segment_id in np.unique(items["segment"]).tolist():
-                slots = items["slot"][items["segment"] == segment_id].astype(np.int64)
-                self.state.retired(int(segment_id), slots)
-            self.counts["retired"] += len(items)
-            self.item_errors.retired(items)
-        refused, at = message.arrays.get("refused"), 0
-        for session, batch_id, count in (
-            message.meta.get("refused", ()) if refused is not None else ()
-        ):
-            self._refused(str(session), int(batch_id), refused[at : at + count])
-            at += count
-        for route_hex, result_id, count in message.meta["acks"]:
-            route = bytes.fromhex(route_hex)
-            session = self.sessions.get(route.decode("ascii", "replace"))
-            if session is not None:
-                session.retired += int(count)
-            self.send(route, MT.RESULTS_ACK, {"result_ids": [result_id]})
-
-    def _refused(self, session: str, batch_id: int, items: np.ndarray) -> None:
-        """Completion refused these results of the session's batch (collector/result_check.py):
-        reclaim them counting an attempt, before the worker's ack goes out."""
-        batch = self.state.lease(batch_id)
-        if batch is None or batch.session != session:
-            return  # reclaimed meanwhile (a lease expiry, a lost session): counted then
-        slots = items["slot"][items["segment"] == batch.segment_id].astype(np.int64)
-        back = self.state.reclaim(batch_id, count_attempt=True, slots=slots)
-        self.reclaimed["result_refused"] += back
-        self.log.info("session %s: %d item(s) reclaimed, their results refused", session, back)
 
     def _read_workers(self, now: float) -> None:
         refuse = lambda route, reason: self.send(route[0], MT.ERROR, {"reason": reason})  # noqa: E731
@@ -418,43 +365,6 @@ class DispatchStage(Stage):
         self.state.answered(session_id, meta["batch_id"])
         if not meta.get("resent"):
             self.stall.answered(session_id, now)
-
-    # ---- time ----------------------------------------------------------------------------
-    def _timeouts(self, now: float) -> None:
-        limit = self.config.session_timeout_s
-        for session_id, session in list(self.sessions.items()):
-            if now - session.last_seen > limit:
-                lost = self.state.drop_session(session_id)
-                self.reclaimed["session_lost"] += lost
-                del self.sessions[session_id]
-                self.stall.forget(session_id)
-                self.log.warning(
-                    "session %s silent for %.1f s (limit %.1f s): gone; %d item(s) reclaimed",
-                    session_id,
-                    now - session.last_seen,
-                    limit,
-                    lost,
-                )
-        expired = self.state.expire(now)
-        self.reclaimed["lease_expired"] += expired
-        if expired:
-            self.log.warning("%d item(s) reclaimed after their lease expired", expired)
-
-    def _reclaim_stalled(self, now: float) -> None:
-        """Sessions that report (renewing their leases) but send no results past their stall
-        limit (gpu/dispatch/stall.py): their unanswered batches go back to the queue."""
-        holding = {s: self.state.session_batches(s) for s in self.sessions}
-        for stall in self.stall.find(holding, now):
-            back = self.state.reclaim_unanswered(stall.session)
-            self.reclaimed["stalled"] += back
-            self.log.warning(
-                "session %s holds batches with no results for %.1f s (stall limit %.1f s): "
-                "stalled; %d item(s) reclaimed, no new work until its results come",
-                stall.session,
-                stall.silent_s,
-                stall.limit_s,
-                back,
-            )
 
     # ---- what it reports (gpu/dispatch/report.py) ------------------------------------------
     def stats(self, now: float) -> dict:

@@ -71,6 +71,8 @@ def dispatch_metrics(stage, now: float) -> dict:
         "fabric_dead_letters_total": stage.counts[ItemErrorCode.DEAD_LETTERED],
         "fabric_quarantined_items_total": stage.counts[ItemErrorCode.CORRUPT_INPUT],
         "fabric_deadline_batches_total": getattr(stage.state.deadline_order, "batches", 0),
+        "fabric_paused_jobs": len(stage.state.paused.jobs),
+        "fabric_paused_items": stage.state.paused.held,
         "fabric_worker_messages_refused_total": {
             (k,): stage.refused.counts[k] for k in REFUSED_KINDS
         },

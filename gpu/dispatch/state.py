@@ -22,17 +22,14 @@ out alone, to a session that holds nothing else and gets nothing else until
 that item is resolved, so a poison item that kills its worker takes no
 healthy items down with it on the next tries.
 
-Reclaiming (invariant 7) rewinds only the affected segment's cursor to the
-earliest reclaimed slot; each reclaim that counts an attempt writes the
-marker's attempts byte (a single-byte store, never the whole marker), and
-at `max_attempts` the item is dead-lettered instead (invariant 14). Lease
-times use the monotonic clock passed in as `now`; nothing expires before
-`loaded()` (invariant 9).
+How work comes back from a lease (reclaims, expiries, retirements) is in
+gpu/dispatch/reclaim.py, mixed into `DispatchState`. Lease times use the
+monotonic clock passed in as `now`.
 """
 
 from __future__ import annotations
 
-import logging
+import dataclasses
 from collections.abc import Iterable
 
 import numpy as np
@@ -40,20 +37,19 @@ import numpy as np
 from gpu.dispatch.batch import Batch, Outcome, adopted, items_of, quarantined, read_rows
 from gpu.dispatch.deadline_order import DeadlineOrder, Deadlines
 from gpu.dispatch.leases import Leases
+from gpu.dispatch.paused import PausedJobs, free_slots
+from gpu.dispatch.reclaim import Reclaiming
 from gpu.dispatch.segment_queue import Queued, SegmentQueue
 from gpu.work_protocol import ITEM_DTYPE
 from pipeline.core import item_seq
 from pipeline.store.segment import Segment
 from pipeline.store.segment_format import (
     CHECKSUM_WORD,
-    live_markers,
     slot_checksums,
 )
 
-log = logging.getLogger("fabric.dispatch")
 
-
-class DispatchState:
+class DispatchState(Reclaiming):
     """Single-owner dispatch state; drive it with `now` from time.monotonic()."""
 
     def __init__(
@@ -71,6 +67,9 @@ class DispatchState:
         self.quarantined: list[np.ndarray] = []
         self.cancelled_jobs: set[int] = set()
         self.cancelled: list[np.ndarray] = []
+        self.paused = PausedJobs()  # their queued items held back (gpu/dispatch/paused.py)
+        if self.deadline_order is not None:  # a paused job is never the pick
+            self.deadline_order.paused = self.paused.jobs
         self._swept: dict[int, int] = {}  # segment -> end already swept for cancelled jobs
 
     # ---- what there is to do -----------------------------------------------------------------
@@ -137,7 +136,9 @@ class DispatchState:
                 slots = self.table.by_id[batch_id].items["slot"]
                 if len(slots):
                     floor = min(floor, int(slots.min()))
-            rows.append(work.queued(floor))
+            row = work.queued(floor)
+            held = self.paused.held_in(row.segment_id)  # a paused job's items wait
+            rows.append(dataclasses.replace(row, waiting=row.waiting + held) if held else row)
         return rows
 
     def extend(self, segment_id: int, end: int) -> None:
@@ -169,8 +170,52 @@ class DispatchState:
         Items out on lease finish (or not) with their worker. Returns the items taken.
         """
         self.cancelled_jobs.add(job_no)
+        self.paused.jobs.discard(job_no)
+        held = 0
+        for segment_id, slots in self.paused.release(job_no):  # out already; now cancelled
+            work = self._work.get(segment_id)
+            if work is not None:
+                seqs = work.segment.slots["seq"][slots]
+                self.cancelled.append(items_of(segment_id, slots, seqs))
+                held += len(slots)
         self._swept.clear()  # a new job to look for: every queue once more
-        return self.sweep_cancelled()
+        return held + self.sweep_cancelled()
+
+    def pause_job(self, job_no: int) -> int:
+        """Hold back every queued item of `job_no` (gpu/dispatch/paused.py) until
+        `resume_job`; items on lease finish. Returns the items held now."""
+        if job_no in self.paused.jobs or job_no in self.cancelled_jobs:
+            return 0
+        self.paused.jobs.add(job_no)
+        held = 0
+        for segment_id, work in self._work.items():
+            slots = work.unsent_from(work.cursor)
+            if not len(slots):
+                continue
+            seqs = work.segment.slots["seq"][slots]
+            mine = item_seq.job_of(seqs) == job_no
+            if mine.any():
+                work.mark_out(slots[mine])
+                self.paused.hold(segment_id, slots[mine], seqs[mine])
+                held += int(mine.sum())
+        return held
+
+    def resume_job(self, job_no: int) -> int:
+        """Give `job_no`'s held items back to the queue (each segment's cursor rewinds to
+        the first of them, as a reclaim does). Returns the items given back."""
+        self.paused.jobs.discard(job_no)
+        back = 0
+        for segment_id, slots in self.paused.release(job_no):
+            work = self._work.get(segment_id)
+            if work is None or work.out is None:
+                continue
+            work.out[slots] = False
+            first = int(slots.min())
+            work.cursor = min(work.cursor, first)
+            if self.deadline_order is not None:
+                self.deadline_order.rewind(segment_id, first)
+            back += len(slots)
+        return back
 
     def sweep_cancelled(self) -> int:
         """Take queued items of cancelled jobs written since the last sweep; returns how many."""
@@ -235,7 +280,8 @@ class DispatchState:
         segment = work.segment
         ahead = start is not None and start > work.cursor
         # Phase 1: read, check, decide; nothing changes yet.
-        slots, scanned_to = work.candidates(budget, start if ahead else None)
+        # (a paused job's slots met here are held: gpu/dispatch/paused.py)
+        slots, scanned_to = free_slots(self.paused, work, budget, start if ahead else None)
         if len(slots) == 0:
             self._passed(work, start if ahead else None, scanned_to)
             return None
@@ -290,12 +336,6 @@ class DispatchState:
             work.batches = set()
         work.batches.add(batch.batch_id)
 
-    def _remove_lease(self, batch: Batch) -> None:
-        self.table.remove(batch)
-        work = self._work.get(batch.segment_id)
-        if work is not None and work.batches is not None:
-            work.batches.discard(batch.batch_id)
-
     def adopt(
         self, session: str, items: np.ndarray, now: float, batch_id: int | None = None
     ) -> np.ndarray:
@@ -331,59 +371,11 @@ class DispatchState:
                 self._add_lease(batch, work)
         return answer
 
-    def report(
-        self,
-        session: str,
-        held: np.ndarray,
-        seen_batch: int,
-        now: float,
-        queued: Iterable[int] = (),
-    ) -> int:
-        """A session's periodic report: renew its leases; reclaim at once what it no longer holds.
-
-        Only batches up to `seen_batch` (the newest the worker had received when
-        it wrote the report) are compared, so a batch still on its way is not
-        mistaken for a lost one. Returns the items reclaimed.
-        """
-        reclaimed = 0
-        not_started = set(queued)
-        for batch_id in sorted(self.table.by_session.get(session, set())):
-            batch = self.table.by_id[batch_id]
-            batch.deadline_s = now + self.lease_s
-            if batch_id > seen_batch:
-                continue
-            batch.started = batch_id not in not_started
-            mine = held["segment"] == batch.segment_id
-            missing = ~np.isin(batch.items["slot"], held["slot"][mine])
-            if missing.any():
-                lost = batch.items["slot"][missing].astype(np.int64)
-                log.warning(
-                    "session %s no longer holds %d item(s) of batch %d; reclaimed",
-                    session,
-                    len(lost),
-                    batch_id,
-                )
-                reclaimed += self.reclaim(batch_id, count_attempt=True, slots=lost)
-        return reclaimed
-
     def take_ended(self) -> list[int]:
         return self.table.take_ended()
 
     def take_dropped(self) -> list[tuple[int, np.ndarray]]:
         return self.table.take_dropped()
-
-    def drop_session_quietly(self, session: str) -> int:
-        """A session left cleanly: hand back whatever it still holds without counting attempts."""
-        held = [b.batch_id for b in self.table.of(session)]
-        return sum(self.reclaim(batch_id, count_attempt=False) for batch_id in held)
-
-    def reclaim_unanswered(self, session: str) -> int:
-        """A stalled session (gpu/dispatch/stall.py): reclaim its batches whose results have
-        not come, counting an attempt for each it may have started (as for a lost session)."""
-        held = self.table.of(session)
-        return sum(
-            self.reclaim(b.batch_id, count_attempt=b.started) for b in held if not b.answered
-        )
 
     def session_batches(self, session: str) -> int:
         """Batches the session holds whose results have not come back yet."""
@@ -399,75 +391,6 @@ class DispatchState:
     def renew(self, session: str, now: float) -> int:
         """A session reported in: extend all its leases. Returns how many batches it holds."""
         return self.table.renew(session, now + self.lease_s)
-
-    def expire(self, now: float) -> int:
-        """Reclaim every lease past its deadline (after `loaded()` only); returns items reclaimed."""
-        if not self._loaded:
-            return 0
-        expired = [b for b in self.table.by_id.values() if b.deadline_s < now]
-        return sum(self.reclaim(b.batch_id, count_attempt=b.started) for b in expired)
-
-    def drop_session(self, session: str) -> int:
-        """A session is gone: reclaim all it held, counting an attempt for each item it may
-        have started (its last report said which batches were still queued, untouched)."""
-        held = self.table.of(session)
-        return sum(self.reclaim(b.batch_id, count_attempt=b.started) for b in held)
-
-    def reclaim(self, batch_id: int, count_attempt: bool, slots: np.ndarray | None = None) -> int:
-        """Hand a batch (or some of its slots) back. Rewinds only its segment (invariant 7)."""
-        batch = self.table.by_id.get(batch_id)
-        if batch is None:
-            return 0
-        work = self._work[batch.segment_id]
-        all_slots = batch.items["slot"].astype(np.int64)
-        back = all_slots if slots is None else np.intersect1d(all_slots, slots)
-        rest = np.setdiff1d(all_slots, back)
-        if len(rest):
-            batch.items = batch.items[np.isin(all_slots, rest)]
-            self.table.dropped.append((batch_id, back))
-        else:
-            self._remove_lease(batch)
-        segment = work.segment
-        back = back[live_markers(segment.markers[back])]  # retired meanwhile: nothing to do
-        if work.out is not None:
-            work.out[back] = False
-        if count_attempt and len(back):
-            attempts = segment.attempts(back).astype(np.int64) + 1
-            segment.set_attempts(back, attempts)
-            done = attempts >= self.max_attempts
-            if done.any():
-                dead = back[done]
-                self.dead_letters.append(
-                    items_of(segment.segment_id, dead, segment.slots["seq"][dead])
-                )
-                work.mark_out(dead)  # the completion stage retires them with an error
-                log.warning(
-                    "segment %d: %d item(s) dead-lettered after %d attempts",
-                    segment.segment_id,
-                    len(dead),
-                    self.max_attempts,
-                )
-                back = back[~done]
-        if len(back):
-            work.cursor = min(work.cursor, int(back.min()))  # bounded rewind
-            if self.deadline_order is not None:
-                self.deadline_order.rewind(segment.segment_id, int(back.min()))
-        return len(back)
-
-    def retired(self, segment_id: int, slots: np.ndarray) -> None:
-        """The completion stage retired these slots (their markers are DEAD): out for good, so
-        they never count as waiting again (a cancelled job's items behind the cursor did)."""
-        work = self._work.get(segment_id)
-        if work is None:
-            return
-        work.mark_out(slots)
-        for batch_id in sorted(work.batches or ()):
-            batch = self.table.by_id[batch_id]
-            keep = ~np.isin(batch.items["slot"], slots)
-            if not keep.all():
-                batch.items = batch.items[keep]
-                if len(batch.items) == 0:
-                    self._remove_lease(batch)
 
     def take_outcomes(self) -> Outcome:
         """Dead letters, quarantined and cancelled items since the last call."""

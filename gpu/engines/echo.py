@@ -1,12 +1,15 @@
 """The `echo` engine, for tests: generation returns the prompt's tokens, embedding returns them as floats.
 
-Three environment variables make it fail as a GPU engine can (for fault tests):
+Four engine options make it fail as a GPU engine can, for fault tests. A test's config
+passes them (`[workers] options = {poison_token = 666}`, or `run.py worker --option
+poison_token=666`); the engine reads nothing else:
 
-| variable             | value     | a batch with an item whose first token is that value |
-|----------------------|-----------|------------------------------------------------------|
-| `FABRIC_ECHO_POISON` | TOKEN     | kills the worker process with SIGKILL (a crashing kernel) |
-| `FABRIC_ECHO_HANG`   | TOKEN     | never ends (a hung kernel: only `batch_timeout_s` ends it) |
-| `FABRIC_ECHO_OOM`    | TOKEN:N   | raises torch's out-of-memory error, the first N times in this process (each halved piece that holds such an item counts: `Engine.run`) |
+| option                     | a batch with an item whose first token is that value |
+|----------------------------|------------------------------------------------------|
+| `poison_token`             | kills the worker process with SIGKILL (a crashing kernel) |
+| `hang_token`               | never ends (a hung kernel: only `batch_timeout_s` ends it) |
+| `refuse_token`             | that item (only it) gets its own error, as a model refuses an input it cannot serve |
+| `oom_token` (`oom_times`)  | raises torch's out-of-memory error, the first `oom_times` (default 1) times in this process (each halved piece that holds such an item counts: `Engine.run`) |
 """
 
 from __future__ import annotations
@@ -20,9 +23,6 @@ import numpy as np
 from gpu.engines.base import EMBED, Engine, EngineBatch, EngineResult
 from gpu.engines.generation import item_errors
 
-POISON_ENV = "FABRIC_ECHO_POISON"
-HANG_ENV = "FABRIC_ECHO_HANG"  # tests: a batch with an item starting with this token never ends
-OOM_ENV = "FABRIC_ECHO_OOM"  # tests: "TOKEN:N": such a batch runs out of memory N times
 ANY_ID = 1 << 32  # no vocabulary: every uint32 id is served
 NO_CONTEXT_LIMIT = 1 << 62
 
@@ -34,36 +34,44 @@ class EchoEngine(Engine):
     does not change its output. An item of 0 tokens, or whose length passes its lane, gets its
     own error, as in every engine.
 
-    For fault tests, `poison_token` (or the FABRIC_ECHO_POISON environment
-    variable) names a token: a batch with an item that starts with it kills
-    the worker process with SIGKILL, as a crashing GPU kernel would.
-    FABRIC_ECHO_HANG names a token whose batch never ends (a hung kernel), and
-    FABRIC_ECHO_OOM = "TOKEN:N" one whose batch raises torch's out-of-memory
-    error the first N times this process runs one.
+    For fault tests (the module docstring's table), `poison_token` names a token: a batch
+    with an item that starts with it kills the worker process with SIGKILL, as a crashing
+    GPU kernel would. `hang_token` names one whose batch never ends (a hung kernel), and
+    `oom_token` one whose batch raises torch's out-of-memory error the first `oom_times`
+    times this process runs one. `refuse_token` names one whose item alone gets its own
+    error (the batch runs).
     """
 
     name = "echo"
 
-    def __init__(self, poison_token: int | None = None) -> None:
-        if poison_token is None and os.environ.get(POISON_ENV):
-            poison_token = int(os.environ[POISON_ENV])
+    def __init__(
+        self,
+        poison_token: int | None = None,
+        hang_token: int | None = None,
+        oom_token: int | None = None,
+        oom_times: int = 1,
+        refuse_token: int | None = None,
+    ) -> None:
         self.poison_token = poison_token
-        token, _, times = os.environ.get(OOM_ENV, "").partition(":")
-        self.oom_token = int(token) if token else None
-        self.oom_left = int(times or 1)
+        self.hang_token = hang_token
+        self.oom_token = oom_token
+        self.oom_left = oom_times if oom_token is not None else 0
+        self.refuse_token = refuse_token
 
     def infer(self, batch: EngineBatch) -> EngineResult:
         n = len(batch.lengths)
         if self.poison_token is not None and n and (batch.tokens[:, 0] == self.poison_token).any():
             os.kill(os.getpid(), signal.SIGKILL)
-        hang = os.environ.get(HANG_ENV)
-        if hang and n and (batch.tokens[:, 0] == int(hang)).any():
+        if self.hang_token is not None and n and (batch.tokens[:, 0] == self.hang_token).any():
             while True:  # a hung kernel: only the worker's batch_timeout_s ends it
                 time.sleep(3600)
         if self.oom_left > 0 and n and (batch.tokens[:, 0] == self.oom_token).any():
             self.oom_left -= 1
             raise RuntimeError("CUDA out of memory. Tried to allocate 20.00 GiB (echo, a test)")
         errors = item_errors(batch, ANY_ID, NO_CONTEXT_LIMIT, self.name)
+        if self.refuse_token is not None and n:
+            for i in np.flatnonzero(batch.tokens[:, 0] == self.refuse_token).tolist():
+                errors[i] = errors[i] or f"echo refuses items starting with {self.refuse_token}"
         served = np.array([e is None for e in errors], bool)
         if batch.task == EMBED:
             vectors = batch.tokens.astype(np.float32)

@@ -26,7 +26,6 @@ beside the target and renamed into place; an existing complete directory is kept
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -92,28 +91,3 @@ def write_smollm2_dir(directory: Path, model=None) -> Path:
     shutil.rmtree(directory, ignore_errors=True)  # an incomplete one from before
     partial.rename(directory)
     return directory
-
-
-def add_parser(commands) -> None:
-    """`run.py smollm2-dir DIR`."""
-    command = commands.add_parser(
-        "smollm2-dir",
-        help="write SmolLM2 (the pinned GGUF) as a model directory for the vllm engine",
-    )
-    command.add_argument("dir", help="the directory to write, e.g. var/models/smollm2")
-    command.set_defaults(handler=_smollm2_dir)
-
-
-def _smollm2_dir(args: argparse.Namespace) -> int:
-    from gpu.engines.base import EngineError
-
-    target = Path(args.dir)
-    kept = smollm2_dir_ready(target)
-    try:
-        write_smollm2_dir(target)
-    except EngineError as exc:  # the GGUF package or transformers missing: the fix is named
-        print(f"smollm2-dir: {exc}")
-        return 1
-    print(f"SmolLM2 model directory {'kept' if kept else 'written'}: {target.resolve()}")
-    print(f'serve it: [[workers]] engine = "vllm", options = {{ model = "{target.resolve()}" }}')
-    return 0

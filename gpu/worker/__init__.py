@@ -8,14 +8,15 @@ dispatch's modules.
 
 | module          | what it holds                                                    |
 |-----------------|------------------------------------------------------------------|
-| `session`       | `Worker`, one session: registration, asking, results, hand-backs, drain; `run_worker` |
+| `session`       | `Worker`, one session stepped at `now`: asking, results, hand-backs, drain; `run_worker` |
+| `registration`  | registering with the broker: HELLO with backoff, WELCOME, the heartbeat's epoch |
 | `engine_thread` | the engine's own thread: runs queued batches, says how each went |
 | `watchdog`      | an engine that ended, hung, or takes no work ends the worker     |
 | `connection`    | the sockets to dispatch and its heartbeat endpoint               |
-| `held`          | a batch the worker holds, and its states                         |
+| `held`          | a batch the worker holds, its states, and the claims HELLO makes |
 | `results`       | the RESULTS arrays built from an engine's result                 |
 | `options`       | `WorkerOptions`: the flags, the config, the argv of a worker     |
-| `faults`        | fault injection for tests (`FABRIC_WORKER_FAULT`)                |
+| `faults`        | fault injection for tests (`WorkerOptions.fault`)                      |
 | `worker_stage`  | `WorkerStage`: a local worker run by the supervisor              |
 
 This package imports nothing itself: import the module you need.

@@ -12,6 +12,12 @@ the engine is done, not at its next poll timeout.
 | `ok`        | the engine returned one outcome per item                        |
 | `transient` | `TransientEngineError` (out of memory in any engine for one item alone: `Engine.run` halves a batch first): the batch goes back without an attempt |
 | `broken`    | anything else: the thread ends, and the worker hands back what it holds and exits 7 |
+
+The thread stamps no time for the watchdog: it counts `turns` (a batch
+started or ended) and says what it runs (`running`), and the watchdog times
+both on the session's clock (gpu/worker/watchdog.py). Its one clock is
+`clock`, which measures how long the engine took over a batch (its speed):
+a duration on this thread, where no step's `now` reaches.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from gpu.engines.base import Engine, EngineBatch, TransientEngineError
 from gpu.worker.faults import Faults
@@ -35,14 +41,17 @@ log = logging.getLogger("fabric.worker")
 class EngineThread:
     """One engine, run on its own thread (see the module docstring)."""
 
-    def __init__(self, engine: Engine, faults: Faults) -> None:
+    def __init__(
+        self, engine: Engine, faults: Faults, clock: Callable[[], float] = time.perf_counter
+    ) -> None:
         self.engine = engine
         self.faults = faults
+        self.clock = clock  # measures the engine's speed only (see the module docstring)
         self.ready: queue.Queue[Held | None] = queue.Queue()
         self.done: queue.Queue[Done] = queue.Queue()
         self.claim = threading.Lock()  # a queued batch is started or taken back, never both
-        self.running: tuple[int, float] | None = None  # (batch id, monotonic start)
-        self.active = 0.0  # monotonic: the thread last started or ended a batch
+        self.turns = 0  # batches the thread started, plus those it ended
+        self.running: tuple[int, int] | None = None  # (the turn it started on, batch id)
         self.tokens_per_s: float | None = None  # the engine's measured speed
         self.prompt_tokens = 0  # of the batches the engine finished (reported)
         self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
@@ -133,28 +142,30 @@ class EngineThread:
                 if held.state != "queued":  # handed back or dropped meanwhile
                     continue
                 held.state = "running"
-                self.active = time.monotonic()
+                self.turns += 1
             self.faults.reached("before_compute")
             batch = EngineBatch(
                 held.task, held.tokens, held.lengths, held.max_tokens, held.sampling
             )
             try:
                 self.faults.during_batch()
-                began = time.monotonic()
-                self.running = (held.batch_id, began)
+                began = self.clock()
+                self.running = (self.turns, held.batch_id)
                 result = self.engine.run(batch)
                 self.running = None
-                self.active = time.monotonic()
-                self.measured(held.tokens.size, time.monotonic() - began)
+                self.turns += 1
+                engine_s = self.clock() - began
+                self.measured(held.tokens.size, engine_s)
                 if len(result.errors) != len(held.items):
                     raise FabricError(
                         f"engine {self.engine.name} returned {len(result.errors)} outcomes "
                         f"for {len(held.items)} items"
                     )
                 self.prompt_tokens += int(held.lengths.sum())
-                self._tell(Done(held.batch_id, "ok", result))
+                self._tell(Done(held.batch_id, "ok", result, engine_s=engine_s))
             except TransientEngineError as exc:
                 self.running = None
+                self.turns += 1
                 self._tell(Done(held.batch_id, "transient", reason=str(exc)))
             except Exception as exc:  # the engine is broken: never retry against it
                 log.exception("engine %s failed", self.engine.name)

@@ -1,5 +1,6 @@
-"""Fault injection for tests: `FABRIC_WORKER_FAULT="phase[:n]"` SIGKILLs the worker process
-the n-th time it reaches that phase (default the first).
+"""Fault injection for tests: the worker option `fault = "phase[:n]"` (`run.py worker --fault
+phase[:n]`, `WorkerOptions.fault`) SIGKILLs the worker process the n-th time it reaches that
+phase (default the first). Only a test passes it; nothing reads the environment.
 
 | phase            | where                                                   |
 |------------------|---------------------------------------------------------|
@@ -18,23 +19,23 @@ import threading
 
 from pipeline.core.errors import FabricError
 
-FAULT_ENV = "FABRIC_WORKER_FAULT"
 PHASES = ("before_compute", "mid_batch", "before_send", "before_ack")
 log = logging.getLogger("fabric.worker")
 
 
 class Faults:
-    """The plan read from the environment (none: every call does nothing)."""
+    """The plan `spec` gives ("": none, and every call does nothing)."""
 
-    def __init__(self, spec: str | None = None) -> None:
-        spec = os.environ.get(FAULT_ENV, "") if spec is None else spec
+    def __init__(self, spec: str = "") -> None:
         self.phase: str | None = None
         self.count = 0
         self.seen: dict[str, int] = {}
         if spec:
             phase, _, count = spec.partition(":")
             if phase not in PHASES:
-                raise FabricError(f"{FAULT_ENV}={spec!r}: phase must be one of {', '.join(PHASES)}")
+                raise FabricError(
+                    f"worker fault {spec!r} (--fault): the phase must be one of {', '.join(PHASES)}"
+                )
             self.phase, self.count = phase, int(count or 1)
 
     def reached(self, phase: str) -> None:

@@ -19,6 +19,8 @@ import os
 from dataclasses import dataclass, field
 
 from config.defaults import DEFAULTS
+from config.stage_settings import WorkerStageSettings
+from gpu.worker.faults import PHASES
 from pipeline.transport.security import ClientCurve, internal_curve
 
 _DEFAULTS = DEFAULTS["workers"]
@@ -42,6 +44,7 @@ class WorkerOptions:
     )
     engine: str = "echo"  # a name of gpu/engines/registry.py
     engine_options: dict = field(default_factory=dict)  # make_engine's keyword options
+    fault: str = ""  # tests: "PHASE[:N]", SIGKILL at the N-th PHASE (gpu/worker/faults.py)
 
     # ---- the command line ------------------------------------------------------------------
     @staticmethod
@@ -89,6 +92,13 @@ class WorkerOptions:
             default=_DEFAULTS["batch_timeout_s"],
             help="a batch running longer means a hung engine: hand back and exit 7 (0: never)",
         )
+        parser.add_argument(
+            "--fault",
+            default="",
+            metavar="PHASE[:N]",
+            help="for fault tests: SIGKILL this worker the N-th time (default 1) it reaches "
+            f"PHASE, one of {', '.join(PHASES)}",
+        )
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, curve: ClientCurve | None = None) -> WorkerOptions:
@@ -111,6 +121,7 @@ class WorkerOptions:
             curve=curve,
             engine=args.engine,
             engine_options=engine_options(args.option or []),
+            fault=args.fault,
         )
 
     def argv(self) -> list[str]:
@@ -135,37 +146,31 @@ class WorkerOptions:
         ]
         for key, value in self.engine_options.items():
             flags += ["--option", f"{key}={value}"]
+        if self.fault:
+            flags += ["--fault", self.fault]
         return flags
 
     # ---- a local worker ----------------------------------------------------------------------
     @classmethod
-    def from_settings(cls, settings, index: int) -> WorkerOptions:
-        """Local worker `index` of a broker's config: its group's table, the model's engine,
-        the broker's own key, and its share of this host's cores for a CPU engine."""
-        from pipeline.transport.topology import (  # the broker's host only
-            client_address,
-            worker_group,
-        )
+    def from_settings(cls, settings: WorkerStageSettings) -> WorkerOptions:
+        """A local worker's options, from its part of the broker's config
+        (config/stage_settings.py): its group's table, the model's engine, the broker's own
+        key, and its share of this host's cores for a CPU engine."""
+        from pipeline.transport.topology import client_address  # the broker's host only
 
-        group = worker_group(settings, index)
-        model = group.model or settings.models[0].name
-        engine = group.engine or next(
-            (m.engine for m in settings.models if m.name == model), "echo"
-        )
+        group = settings.group
+        engine = group.engine or settings.model_engine or "echo"
         options: dict = {}
         if engine == "simulated":
             options["tokens_per_s"] = group.simulated_tokens_per_s
         elif engine in ("minilm", "transformers"):  # the cores shared among local workers
-            local = sum(g.local for g in settings.worker_groups)
-            options["threads"] = max(1, (os.cpu_count() or 1) // max(1, local))
-        elif engine == "openai":  # to carry the upstream's text: the model's own tokenizer
-            entry = next((m for m in settings.models if m.name == model), None)
-            if entry is not None and entry.tokenizer:
-                options["tokenizer"] = entry.tokenizer
+            options["threads"] = max(1, (os.cpu_count() or 1) // max(1, settings.local_workers))
+        elif engine == "openai" and settings.model_tokenizer:  # to carry the upstream's text
+            options["tokenizer"] = settings.model_tokenizer  # the model's own tokenizer
         options.update(group.options)
         return cls(
             broker=client_address(settings.dispatch.bind),
-            model=model,
+            model=settings.model,
             heartbeat=client_address(settings.dispatch.heartbeat_bind),
             batch_items=group.batch_items,
             batch_tokens=group.batch_tokens,

@@ -5,9 +5,9 @@
 `WorkerStage`s (gpu/worker/worker_stage.py).
 
 Two threads. The engine thread (gpu/worker/engine_thread.py) takes batches
-from a queue and runs them. The network thread (the caller of `step`, this
-module) owns the sockets (gpu/worker/connection.py) and all state: it
-registers, asks for work while the queue has room (`prefetch` batches
+from a queue and runs them. The network thread (the caller of `step(now)`,
+this module) owns the sockets (gpu/worker/connection.py) and all state: it
+registers (gpu/worker/registration.py), asks for work while the queue has room (`prefetch` batches
 ahead, so the engine never waits), sends results as they finish and
 keeps them until the completion stage has acknowledged them (resending after
 a reconnect), reports what it holds every `report_s` (which renews its
@@ -18,7 +18,7 @@ leases), and hands back what it cannot do.
 | broker away                       | keeps working through its queue; keeps results; retries with exponential backoff and jitter |
 | results not acknowledged (completion away, a full disk) | keeps them and resends every `RESEND_S`; asks for no more work while it holds 32 such batches, so its memory stays bounded |
 | broker back (any restart)         | re-registers with the (segment, slot, seq) of all it holds and each batch's work token (invariant 8); drops items the broker says are retired or unknown |
-| no answer at all while registering | after `NO_ANSWER_WARN_S` says so once, naming the address: keys are the usual cause |
+| no answer at all while registering | after `NO_ANSWER_WARN_S` says so once, naming the address: keys are the usual cause (gpu/worker/registration.py) |
 | RESULTS_REFUSED                   | drops those results: not work this broker's data dir handed out (gpu/dispatch/work_token.py) |
 | an item's own error               | that item's error result, at once (invariant 14)           |
 | TransientEngineError (out of memory in any engine for one item alone: `Engine.run` halves a batch first) | hands the batch back without an attempt; backs off |
@@ -31,7 +31,8 @@ leases), and hands back what it cannot do.
 
 Every message carries the session id, a fresh random id per process, which
 is also the socket identity, so the broker routes replies to this process
-only.
+only. Time is `step`'s `now`: only `run` and `drain`, the loops, read the
+host's clock, so tests step a session on a fake one (tests/test_worker_stepped.py).
 """
 
 from __future__ import annotations
@@ -46,12 +47,12 @@ from collections.abc import Callable
 import numpy as np
 
 from gpu.engines.base import Engine
-from gpu.work_protocol import ITEM_DTYPE, slot_key
-from gpu.worker.connection import MAX_RECONNECT_S, Connection, no_answer_advice
+from gpu.worker.connection import Connection, no_answer_advice
 from gpu.worker.engine_thread import EngineThread
 from gpu.worker.faults import Faults
-from gpu.worker.held import Held
+from gpu.worker.held import Held, claims, live_items, mark_gone
 from gpu.worker.options import WorkerOptions
+from gpu.worker.registration import Registration
 from gpu.worker.results import keep_results, results_message
 from gpu.worker.watchdog import Watchdog
 from pipeline.core import exitcodes
@@ -61,12 +62,10 @@ from pipeline.transport import wire
 
 MT = wire.MessageType
 log = logging.getLogger("fabric.worker")
-HELLO_MAX_S = MAX_RECONNECT_S  # registering again: at most this long between tries, jitter included
 MAX_BACKOFF_S = 5.0  # after a transient engine failure: the longest pause
 RESEND_S = 10.0  # results unacknowledged this long are sent again
 MAX_UNACKNOWLEDGED_BATCHES = 32  # results held for completion past this: the worker stops asking
 FIRST_BATCH_TOKENS = 4096  # the first request's token budget, before the engine is measured
-NO_ANSWER_WARN_S = 5.0  # registering this long without any answer: say so, and why it may be
 # The longest wait for a message: broker messages and finished batches end it at once, timers
 # (hello, ping, report, a pause) are waited for exactly; this bounds only the watchdog's look.
 IDLE_WAIT_MS = 100
@@ -75,30 +74,21 @@ IDLE_WAIT_MS = 100
 class Worker:
     """One worker session. Call `open()`, then `step()` until done, then `close()`."""
 
-    def __init__(
-        self, options: WorkerOptions, engine: Engine, now: Callable[[], float] = time.monotonic
-    ) -> None:
+    def __init__(self, options: WorkerOptions, engine: Engine) -> None:
         self.options = options
         self.engine = engine
         self.session = secrets.token_hex(8)
         self.connection = Connection(options.broker, options.heartbeat, options.curve, self.session)
-        self.now = now
         self.held: dict[int, Held] = {}
-        self.faults = Faults()
+        self.faults = Faults(options.fault)
         self.engine_thread = EngineThread(engine, self.faults)
         self.watchdog = Watchdog(options.batch_timeout_s)
-        self.registered = False
-        self.epoch: int | None = None
-        self.report_s = 1.0
+        self.registration = Registration()
         self.asking = False
         self.ask_sent = 0.0
-        self.next_try = 0.0
-        self.backoff = 0.2
-        self.hello_sent = 0.0
-        self.unanswered_since: float | None = None  # first HELLO since the broker last answered
+        self.backoff = 0.2  # after a transient engine failure: the pause, before jitter
         self.last_report = 0.0
         self.last_heard = 0.0
-        self.next_ping = 0.0
         self.pause_until = 0.0
         self.seen_batch = 0
         self.next_result_id = 1
@@ -140,46 +130,46 @@ class Worker:
         return max(1, min(limit, int(tokens_per_s * target)))
 
     # ---- the network thread --------------------------------------------------------------
-    def step(self, timeout_ms: int | None = None) -> None:
-        """One turn: timers, finished batches, then wait for the broker at most `timeout_ms`
-        (default: until the next timer, `IDLE_WAIT_MS` at most; a finished batch ends it)."""
-        now = self.now()
-        self._ping(now)
-        if not self.registered and now >= self.next_try:
+    def step(self, now: float, timeout_ms: int | None = None) -> None:
+        """One turn at time `now` (the only clock the session reads): timers, finished batches,
+        then wait for the broker at most `timeout_ms` (default: until the next timer,
+        `IDLE_WAIT_MS` at most; a finished batch ends it). What arrives meanwhile is handled
+        at `now` too."""
+        registration = self.registration
+        if self.options.heartbeat is not None and registration.ping_due(now):
+            self.connection.ping()
+        if registration.hello_due(now):
             self._hello(now)
-        silent_since = self.unanswered_since
-        if (
-            not self.registered
-            and silent_since is not None
-            and now - silent_since >= NO_ANSWER_WARN_S
-        ):
-            self._no_answer(now)
+        silent_s = registration.silent_for(now)
+        if silent_s is not None:
+            log.warning("%s", no_answer_advice(self.options.broker, self.options.curve, silent_s))
         self._take_done(now)
-        self._watch()
-        if self.registered:
+        self._watch(now)
+        if registration.registered:
             self._ask(now)
-            if now - self.last_report >= self.report_s:
+            if now - self.last_report >= registration.report_s:
                 self._report(now)
             self._resend(now)
         if self.connection.poll(self.wait_ms(now) if timeout_ms is None else timeout_ms):
             for message in self.connection.messages(64):
-                self.last_heard = self.now()
-                self.unanswered_since = None
-                self._handle(message, self.last_heard)
-        self._read_pings()
-        self._take_done(self.now())  # a batch finished during the wait: its results go now
+                self.last_heard = now
+                registration.heard()
+                self._handle(message, now)
+        for pong in self.connection.pongs():
+            if pong.type == MT.PONG:
+                registration.pong(pong.meta.get("epoch"), now)
+        self._take_done(now)  # a batch finished during the wait: its results go now
         self._track_idle(now)
 
     def wait_ms(self, now: float) -> int:
         """How long `step` may wait: to the next due timer, `IDLE_WAIT_MS` at most. It woke
         every 20 ms, which idle (or while the engine computes) cost more than 1% of a core
         beside an engine that wants them all."""
-        due = [self.next_ping if self.options.heartbeat is not None else math.inf]
-        if self.registered:
-            due.append(self.last_report + self.report_s)
+        registration = self.registration
+        due = [registration.next_due(now, self.options.heartbeat is not None)]
+        if registration.registered:
+            due.append(self.last_report + registration.report_s)
             due.append(self.pause_until if self.pause_until > now else math.inf)
-        else:
-            due.append(self.next_try)
         return max(0, min(IDLE_WAIT_MS, math.ceil((min(due) - now) * 1000)))
 
     def _track_idle(self, now: float) -> None:
@@ -195,42 +185,15 @@ class Worker:
         return self.connection.send(kind, meta, arrays)
 
     def _held_items(self) -> np.ndarray:
-        parts = [h.live_items() for h in self.held.values()]
-        return np.concatenate(parts) if parts else np.zeros(0, ITEM_DTYPE)
+        return live_items(self.held.values())
 
     def _hello(self, now: float) -> None:
-        held = list(self.held.values())  # claims: each batch's work token and issued items
-        issued = [h.items if h.issued is None else h.issued for h in held]
-        sent = self._send(
-            MT.WORKER_HELLO,
-            {
-                "model": self.options.model,
-                "epoch": self.epoch or 0,
-                "tokens": [
-                    [h.batch_id, h.token, len(i)] for h, i in zip(held, issued, strict=True)
-                ],
-            },
-            {
-                "held": self._held_items(),
-                "issued": np.concatenate(issued) if issued else np.zeros(0, ITEM_DTYPE),
-            },
-        )
-        if self.unanswered_since is None:
-            self.unanswered_since = now
-        self.hello_sent = now
-        # jitter, so a fleet does not stampede; never past HELLO_MAX_S, so a worker is back
-        # within a reregister_grace_s of its broker's return
-        delay = min(HELLO_MAX_S, self.backoff * (0.5 + random.random()))
-        self.next_try = now + delay
-        self.backoff = min(HELLO_MAX_S, self.backoff * 2)
+        tokens, arrays = claims(list(self.held.values()))  # each batch's token and its items
+        meta = {"model": self.options.model, "epoch": self.registration.epoch or 0}
+        sent = self._send(MT.WORKER_HELLO, {**meta, "tokens": tokens}, arrays)
+        delay_s = self.registration.said_hello(now)
         if not sent:
-            log.debug("broker not reachable; next try in %.2f s", delay)
-
-    def _no_answer(self, now: float) -> None:
-        """Registering gets no answer at all: say so once per silence, with the usual causes."""
-        seconds = now - self.unanswered_since
-        self.unanswered_since = math.inf  # said; the next answer starts a new silence
-        log.warning("%s", no_answer_advice(self.options.broker, self.options.curve, seconds))
+            log.debug("broker not reachable; next try in %.2f s", delay_s)
 
     def _ask(self, now: float) -> None:
         if self.draining or self.broken or now < self.pause_until:
@@ -319,11 +282,10 @@ class Worker:
                     meta["reason"],
                 )
         elif kind == MT.UNKNOWN_SESSION:
-            if self.registered:
+            if self.registration.registered:
                 log.warning("the broker does not know this session (it restarted); re-registering")
-            self.registered = False
+            self.registration.again(now)
             self.asking = False
-            self.next_try = now
         elif kind == MT.PONG:
             pass
         elif kind == MT.ERROR:
@@ -334,50 +296,21 @@ class Worker:
     def _welcome(self, message: wire.Message, now: float) -> None:
         meta = message.meta
         known = message.arrays.get("known", np.zeros(0, np.uint8))
-        held = self._held_items()
-        if len(known) == len(held) and len(held):
-            # Never change a batch under the engine: mark what is gone; a batch the engine
-            # has not started and that holds nothing live is skipped; results for gone items
-            # are dropped when they come back (_take_done).
-            gone = slot_key(held[known == 0])
-            for h in list(self.held.values()):
-                drop = np.isin(slot_key(h.items), gone)
-                if not drop.any():
-                    continue
-                h.gone = drop if h.gone is None else h.gone | drop
-                if h.gone.all() and self.engine_thread.unqueue(h, "dropped"):
-                    del self.held[h.batch_id]
-        if self.epoch is not None and meta["epoch"] != self.epoch:
-            log.info("broker restarted (epoch %d -> %d)", self.epoch, meta["epoch"])
-        self.epoch = int(meta["epoch"])
+        holding = len(self._held_items())
+        # a batch the engine has not started that holds nothing live is skipped (_take_done
+        # drops the results of gone items in one it ran)
+        for h in mark_gone(list(self.held.values()), known):
+            if self.engine_thread.unqueue(h, "dropped"):
+                del self.held[h.batch_id]
+        self.registration.welcomed(int(meta["epoch"]), float(meta["report_s"]))
         self.seen_batch = 0  # batch ids of this dispatch life are all new
-        self.report_s = float(meta["report_s"])
-        self.registered = True
-        self.backoff = 0.2
         self.asking = False
-        log.info("registered with the broker (epoch %d), holding %d item(s)", self.epoch, len(held))
+        log.info(
+            "registered with the broker (epoch %d), holding %d item(s)", meta["epoch"], holding
+        )
         for h in self.held.values():
             if h.state == "sent":
                 self._send_results(h, now)
-
-    def _ping(self, now: float) -> None:
-        if self.options.heartbeat is None or now < self.next_ping:
-            return
-        self.next_ping = now + self.report_s
-        self.connection.ping()
-
-    def _read_pings(self) -> None:
-        for message in self.connection.pongs():
-            epoch = message.meta.get("epoch")
-            if (
-                message.type == MT.PONG
-                and self.registered
-                and self.epoch is not None
-                and epoch != self.epoch
-            ):
-                log.warning("heartbeat: broker epoch changed to %s; re-registering", epoch)
-                self.registered = False
-                self.next_try = self.now()
 
     # ---- outcomes from the engine --------------------------------------------------------
     def _take_done(self, now: float) -> None:
@@ -397,6 +330,7 @@ class Worker:
                     arrays = keep_results(arrays, ~held.gone)
                     held.items, held.gone = held.items[~held.gone], None
                 held.results = ({}, arrays)
+                held.engine_s = done.engine_s
                 held.tokens = np.zeros((0, 0), np.uint32)
                 held.result_id = self.next_result_id
                 self.next_result_id += 1
@@ -408,13 +342,13 @@ class Worker:
                 self.pause_until = now + self.backoff * (0.5 + random.random())
                 self.backoff = min(MAX_BACKOFF_S, self.backoff * 2)
 
-    def _watch(self) -> None:
+    def _watch(self, now: float) -> None:
         """The engine watchdog's verdict, if any, ends this worker: it never holds work it
         cannot run (gpu/worker/watchdog.py)."""
         if self.exit_code is not None:
             return
         waiting = [h.batch_id for h in self.held.values() if h.state in ("queued", "running")]
-        verdict = self.watchdog.look(self.engine_thread, waiting)
+        verdict = self.watchdog.look(self.engine_thread, waiting, now)
         if verdict is None:
             return
         log.error("%s; handing back what this worker holds and exiting", verdict.reason)
@@ -444,6 +378,7 @@ class Worker:
             "resent": resent,
             "batch_id": held.batch_id,
             "token": held.token,
+            "engine_s": round(held.engine_s, 6),  # the job's worker-seconds (docs/wire.md)
         }
         issued = held.items if held.issued is None else held.issued
         if self._send(MT.RESULTS, meta, {**held.results[1], "issued": issued}):
@@ -462,28 +397,42 @@ class Worker:
         )
         log.info("handed back %d item(s): %s", len(items), reason)
 
-    # ---- draining --------------------------------------------------------------------------
-    def drain(self, deadline: float) -> None:
-        """Stop asking, hand back what has not started, finish the rest, say goodbye."""
+    # ---- draining: begin_drain, step until drained (or out of time), end_drain -----------
+    def begin_drain(self) -> None:
+        """Stop asking and hand back what the engine has not started (it skips them)."""
         self.draining = True
         queued = [h for h in self.held.values() if self.engine_thread.unqueue(h, "handed_back")]
-        self._hand_back(queued, "worker stopping (SIGTERM)", False)  # the engine skips them
-        while self.now() < deadline and self.held:
-            self.step(20)
+        self._hand_back(queued, "worker stopping (SIGTERM)", False)
+
+    @property
+    def drained(self) -> bool:
+        """Draining, and nothing held: the running batch finished and its results acknowledged."""
+        return self.draining and not self.held
+
+    def end_drain(self) -> None:
+        """Hand back what is still held (out of grace time) and say BYE."""
         if self.held:
             left = list(self.held.values())
             self._hand_back(left, "worker stopping (SIGTERM): out of grace time", False)
         self._send(MT.BYE, {})
         log.info("worker drained: %d item(s) completed in this session", self.completed)
 
+    def drain(self, deadline: float) -> None:
+        """Drain on the host's monotonic clock until `deadline`, as a stage's drain does."""
+        self.begin_drain()
+        while not self.drained and (now := time.monotonic()) < deadline:
+            self.step(now, 20)
+        self.end_drain()
+
     def run(self, stop: Callable[[], bool]) -> int:
-        """Loop until `stop()` or a broken engine; drain; return the exit code."""
+        """Loop on the host's monotonic clock until `stop()` or a broken engine; drain; return
+        the exit code."""
         while not stop() and self.exit_code is None:
-            self.step()
+            self.step(time.monotonic())
         if self.exit_code is None:
-            self.drain(self.now() + self.options.drain_s)
+            self.drain(time.monotonic() + self.options.drain_s)
             return exitcodes.OK
-        self.step(0)
+        self.step(time.monotonic(), 0)
         log.error("worker exits: %s", self.broken)
         return self.exit_code
 

@@ -2,7 +2,7 @@
 one of a `[[workers]]` table's `count`), with its options from the broker's config. An engine
 that cannot start (`EngineError` from its load) exits ENGINE_CANNOT_START after logging the
 engine's message: the supervisor's report carries both, `status` shows them and `run.py batch`
-stops on them (collector/oneshot.py)."""
+stops on them (cli/batch.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import logging
 import time
 from typing import NoReturn
 
+from config.stage_settings import WorkerStageSettings
 from gpu.engines.base import EngineError
 from gpu.engines.registry import EngineOptionsError, make_engine
 from gpu.worker.options import WorkerOptions
@@ -21,12 +22,12 @@ from pipeline.process.stage import Stage
 log = logging.getLogger("fabric.worker")
 
 
-class WorkerStage(Stage):
+class WorkerStage(Stage[WorkerStageSettings]):
     name = "worker"
 
-    def __init__(self, settings, index: int) -> None:
-        super().__init__(settings, index)
-        self.options = options = WorkerOptions.from_settings(settings, index)
+    def __init__(self, settings: WorkerStageSettings, index: int, epoch: int = 0) -> None:
+        super().__init__(settings, index, epoch)
+        self.options = options = WorkerOptions.from_settings(settings)
         try:
             engine = make_engine(options.engine, **options.engine_options)
         except EngineOptionsError as exc:
@@ -50,7 +51,7 @@ class WorkerStage(Stage):
         self.poller = self.worker.connection.poller  # its wait (run_stage adds its signal wake)
 
     def step(self, now: float) -> None:
-        self.worker.step()
+        self.worker.step(now)
         if self.worker.exit_code is not None:
             raise SystemExit(self.worker.exit_code)
 

@@ -8,6 +8,7 @@
 | `cancelling`  | completion: cancelled, items still being retired           | no       |
 | `completed`   | completion: every item has a result or an error            | yes      |
 | `cancelled`   | completion: cancelled and every item retired               | yes      |
+| `failed`      | completion: stopped by one of its limits (pipeline/core/job_limits.py) and every item retired | yes |
 | `expired`     | completion: cancelled at its deadline and every item retired; or finished, then removed after its retention | yes      |
 
 A terminal state never changes again. Values are the strings the wire and
@@ -18,9 +19,16 @@ Every door names a job's state with these words: `run.py status JOB`,
 API shows a batch whose job has one the OpenAI Batch status `OPENAI_STATUS`
 gives it (`BatchStatus`: OpenAI's statuses, one enum). The words are OpenAI's where OpenAI has the state; `queued` (no
 item done or with a worker yet) is the broker's own, and OpenAI's
-`in_progress`. OpenAI's `failed` (the input file did not validate) and
-`finalizing` (the output files being written) are the HTTP API's own steps
-around a job (api/batch_driver.py).
+`in_progress`. OpenAI's `failed` is a job's `failed` (stopped by a limit), or the
+HTTP API's own step when the input file did not validate; `finalizing` (the
+output files being written) is the HTTP API's own step (api/batch_driver.py).
+
+Paused is not a state: a job a client paused (`run.py pause`, the HTTP API's
+`/pause`) keeps its state (`queued` or `in_progress`, and so OpenAI's
+`in_progress`), and JOB_INFO carries `"paused": true` beside it
+(collector/completion/control.py); `status` shows it, the HTTP API's batch
+says it in its metadata (`fabric_paused`). A paused job still ends as any job
+does: cancelled, or expired at its deadline.
 
 `job_state` is the one place a job's state is worked out from its facts; the front
 (its journal's `validating` -> `queued`), completion (JOB_INFO) and `status` (adding
@@ -31,10 +39,11 @@ dispatch's items in flight) all call it:
 | `total` unknown: not every chunk up to the final one is committed   | `validating`  |
 | finished, fewer done than `total`, nothing undelivered (its delivered results were past retention and removed) | `expired` |
 | every line done, cancelled at its deadline                         | `expired`     |
+| every line done, stopped by a limit                                | `failed`      |
 | every line done, cancelled by a client                             | `cancelled`   |
 | every line done, not cancelled                                     | `completed`   |
 | not every line done, cancelled by a client                         | `cancelling`  |
-| some lines done, or items with workers (a cancel at the deadline changes nothing yet) | `in_progress` |
+| some lines done, or items with workers (a cancel at the deadline or by a limit changes nothing yet) | `in_progress` |
 | nothing done, nothing with a worker                                | `queued`      |
 """
 
@@ -51,13 +60,14 @@ class JobState(StrEnum):
     COMPLETED = "completed"
     CANCELLED = "cancelled"
     EXPIRED = "expired"
+    FAILED = "failed"
 
     @property
     def terminal(self) -> bool:
         return self in TERMINAL
 
 
-TERMINAL = frozenset({JobState.COMPLETED, JobState.CANCELLED, JobState.EXPIRED})
+TERMINAL = frozenset({JobState.COMPLETED, JobState.CANCELLED, JobState.EXPIRED, JobState.FAILED})
 
 
 class BatchStatus(StrEnum):
@@ -92,6 +102,7 @@ OPENAI_STATUS: dict[JobState, BatchStatus] = {
     JobState.COMPLETED: BatchStatus.COMPLETED,
     JobState.CANCELLED: BatchStatus.CANCELLED,
     JobState.EXPIRED: BatchStatus.EXPIRED,
+    JobState.FAILED: BatchStatus.FAILED,
 }
 
 
@@ -101,6 +112,7 @@ def job_state(
     *,
     cancelled: bool = False,
     at_deadline: bool = False,
+    stopped: bool = False,
     finished: bool = False,
     undelivered: int = 0,
     in_flight: int = 0,
@@ -108,18 +120,21 @@ def job_state(
     """A job's state from its facts (the module table): `total` its lines once every chunk up
     to the final one is committed (None before), `done` its lines with a result or an error
     result, `cancelled` its cancel mark exists, `at_deadline` that mark says its deadline
-    passed, `finished` its finished mark exists, `undelivered` its results not delivered yet,
+    passed, `stopped` that mark says a limit stopped it, `finished` its finished mark exists, `undelivered` its results not delivered yet,
     `in_flight` its items with workers now (dispatch's count)."""
     if total is None:
         return JobState.VALIDATING
     if finished and done < total and not undelivered:
         return JobState.EXPIRED  # its delivered results are past retention, removed
     deadline = cancelled and at_deadline
+    stopped = cancelled and stopped
     if done >= total:
         if deadline:
             return JobState.EXPIRED
+        if stopped:
+            return JobState.FAILED
         return JobState.CANCELLED if cancelled else JobState.COMPLETED
-    if cancelled and not deadline:
+    if cancelled and not deadline and not stopped:
         return JobState.CANCELLING
     return JobState.IN_PROGRESS if done or in_flight else JobState.QUEUED
 

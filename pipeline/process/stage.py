@@ -22,7 +22,8 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
-from typing import ClassVar
+from pathlib import Path
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import zmq
 
@@ -34,24 +35,38 @@ from pipeline.transport.topology import stage_label
 
 log = logging.getLogger("fabric.stage")
 PR_SET_PDEATHSIG = 1
-EPOCH_ENV = "FABRIC_EPOCH"  # the broker life's epoch, set by the supervisor for every stage
 # EX_TEMPFAIL: a DiskFullError reached the top of a stage (stages handle a full disk; this
 # is the safety net). The supervisor restarts it without counting a crash.
 DISK_FULL_EXIT = 75
 
 
-def broker_epoch() -> int:
-    """The epoch of this broker life, set by the supervisor (0 when run alone)."""
-    try:
-        return int(os.environ.get(EPOCH_ENV, "0"))
-    except ValueError:
-        return 0
+class MetricsConfig(Protocol):
+    """How a stage reports its figures (`[metrics]`, pipeline/telemetry/metrics.py StatsPusher)."""
+
+    @property
+    def bind(self) -> str: ...
+    @property
+    def interval_s(self) -> float: ...
+
+
+class StageConfig(Protocol):
+    """What every stage's settings hold (config/stage_settings.py): the data dir, for its
+    log, files and ipc sockets, and how it reports its figures."""
+
+    @property
+    def data_path(self) -> Path: ...
+    @property
+    def metrics(self) -> MetricsConfig: ...
+
+
+SettingsT = TypeVar("SettingsT", bound=StageConfig)
 
 
 @dataclass(frozen=True)
 class StageSpec:
     """What the supervisor starts: stage `name`, instance `index`, of the class that `stage`
-    names, `"module:Class"`.
+    names, `"module:Class"`, with `settings`, that stage's own frozen part of the config
+    (config/stage_settings.py; built by the stage table, which names the stages).
 
     The stage table (assembly/stages.py) names the classes by reference; the ground floor
     names none. So the supervisor never imports a stage module (about 0.4 s of CPU at every
@@ -62,6 +77,7 @@ class StageSpec:
     name: str
     index: int
     stage: str  # "module:Class"
+    settings: Any  # a StageConfig: the stage class's own settings type
     critical: bool = True  # a crash loop of a critical stage stops the broker; others (local
     # workers) are restarted forever, with backoff (pipeline/process/supervisor.py)
 
@@ -79,12 +95,14 @@ class StageSpec:
         return getattr(importlib.import_module(module), name)
 
 
-class Stage:
-    """Base class. Subclasses override `open`, `step`, `drain` and `close`.
+class Stage(Generic[SettingsT]):
+    """Base class. Subclasses override `open`, `step`, `drain` and `close`, and name their
+    settings type: `class FrontStage(Stage[FrontStageSettings])`.
 
     Contract: `step(now)` does one bounded unit of work and returns within
     about `poll_ms` when idle; it never sleeps unboundedly. `drain(deadline)`
-    finishes in-flight work before the monotonic `deadline`.
+    finishes in-flight work before the monotonic `deadline`. `epoch` is the broker life's
+    (the supervisor's start, ns; 0 for a stage run alone): an argument, not a setting.
     """
 
     name: ClassVar[str] = "stage"
@@ -92,9 +110,10 @@ class Stage:
     # the poller the stage's step waits on, if any: run_stage adds the signal wake pipe to it
     poller: zmq.Poller | None = None
 
-    def __init__(self, settings, index: int) -> None:
+    def __init__(self, settings: SettingsT, index: int, epoch: int = 0) -> None:
         self.settings = settings
         self.index = index
+        self.epoch = epoch
         self.log = logging.getLogger(f"fabric.{self.name}")
 
     @property
@@ -151,13 +170,15 @@ def set_title(title: str) -> None:
     setproctitle.setproctitle(title)
 
 
-def run_stage(spec: StageSpec, settings, drain_s: float = 30.0, ready=None) -> int:
+def run_stage(spec: StageSpec, epoch: int, drain_s: float = 30.0, ready=None) -> int:
     """Entry point of a stage process: set up, loop until asked to stop, drain, exit 0.
-    `ready` (a multiprocessing Event) is set once the stage is open: it is up."""
+    `epoch` is the broker life's; `ready` (a multiprocessing Event) is set once the stage
+    is open: it is up."""
+    settings: StageConfig = spec.settings
     set_title(f"fabric: {spec.label}")
     setup_stage_logging(settings.data_path / "log", spec.label)
     flags = StopFlags(interrupt=False)  # the supervisor stops its stages, in order
-    stage = spec.stage_class()(settings, spec.index)
+    stage = spec.stage_class()(settings, spec.index, epoch)
     stage.open()
     log.info("stage %s up", spec.label)
     if ready is not None:
@@ -221,12 +242,12 @@ def _alive(pid: int) -> bool:
 
 
 def stage_main(
-    spec: StageSpec, settings, parent_pid: int, ready=None
+    spec: StageSpec, epoch: int, parent_pid: int, ready=None
 ) -> None:  # pragma: no cover - child
     """multiprocessing target: exit with the stage's code; a crash logs and exits 1."""
     die_with_parent(parent_pid)
     try:
-        code = run_stage(spec, settings, ready=ready)
+        code = run_stage(spec, epoch, ready=ready)
     except DiskFullError:
         log.exception("stage %s stopped on a full disk", spec.label)
         code = DISK_FULL_EXIT

@@ -29,8 +29,8 @@
    `restart_window_s` stop the broker with exit code 5 and one clear line.
    A local worker is never given up on (its engine may die on one poison
    item, which dispatch dead-letters after `max_attempts` deaths): it is
-   restarted after a backoff that doubles with each death in a row, up to
-   `WORKER_MAX_BACKOFF_S`, and its report and the metrics say so, for `status`.
+   restarted after a backoff that doubles with each death in a row, and its report and
+   the metrics say so, for `status` (pipeline/process/restart_policy.py).
 5. On SIGTERM or SIGINT (handlers only set a flag): stop the stages front
    first, so work already accepted drains downstream; each gets
    `stop_timeout_s` before SIGKILL. Say how many items are left queued; exit 0.
@@ -56,8 +56,6 @@ import signal
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from pipeline.core import exitcodes
@@ -65,10 +63,12 @@ from pipeline.core.errors import ConfigError, FabricError
 from pipeline.process import announce
 from pipeline.process.fork_server import start_forked
 from pipeline.process.heartbeat import Heartbeat
+from pipeline.process.housekeeping import Housekeeping
 from pipeline.process.logs import setup_stage_logging
 from pipeline.process.preflight import preflight
+from pipeline.process.restart_policy import plan_restart
 from pipeline.process.signal_wake import SignalWake
-from pipeline.process.stage import DISK_FULL_EXIT, EPOCH_ENV, StageSpec, stage_main
+from pipeline.process.stage import DISK_FULL_EXIT, StageSpec, stage_main
 from pipeline.process.stage_child import StageChild, describe_exit
 from pipeline.process.stage_restarts import last_error_line, log_size
 from pipeline.process.supervisor_report import (
@@ -91,8 +91,6 @@ from pipeline.transport.security import (
 from pipeline.transport.topology import RING_BYTES, RingSpec, remove_run_dir
 
 log = logging.getLogger("fabric.supervisor")
-MAX_BACKOFF_S = 30.0
-WORKER_MAX_BACKOFF_S = 60.0  # a crash-looping local worker is restarted at least this often
 PRELOADED = {
     "numpy",
     "zmq",
@@ -102,30 +100,12 @@ PRELOADED = {
 }  # besides the stage modules
 STARTING_POLL_S = 0.02  # while a stage starts, how often its ready event is looked at
 IDLE_WAIT_S = 1.0  # the longest wait with nothing due: a stage's exit or a signal wakes it at once
-DISK_FULL_BACKOFF_S = 5.0  # a stage that stopped on a full disk (DISK_FULL_EXIT) waits this much
 LAST_LIFE_WAIT_S = 10.0  # the longest wait at start for the stages of a broker life just killed
 
 
 def _fresh_ring(ring: RingSpec) -> None:
     """Create (or replace) a ring; the stages at both ends attach by name."""
     Ring.create(ring.name, RING_BYTES).close()
-
-
-@dataclass(frozen=True)
-class Housekeeping:
-    """What the supervisor runs for the floors above it; each may be left out (tests).
-
-    `check_files(settings)`: before anything binds, raise ConfigError when a file the
-    config names does not load (tokenizers). `after_recovery(data_dir, damaged, torn)`:
-    when recovery found damage, before any stage starts, isolate damaged input segments
-    and give lost items their error results; returns the losses (each with `.line()`).
-    `collector`: removes finished segment files (`offer(summaries)`, `step(now)`,
-    `sweep(data_dir, retention_s)`; `next_step_s()`: when `step` has a retry due, or None).
-    """
-
-    check_files: Callable[[Any], None] | None = None
-    after_recovery: Callable[[DataDir, list, int], list] | None = None
-    collector: Any = None
 
 
 class Supervisor:
@@ -197,8 +177,7 @@ class Supervisor:
         insecure = check_exposure(self.settings)
         ServerKeys.load(security)  # a bad key file stops the start here, not in every stage
         os.umask(0o077)  # inherited by every stage: data dir files are the owner's alone
-        self.epoch = time.time_ns()
-        os.environ[EPOCH_ENV] = str(self.epoch)  # inherited by every stage: dispatch files
+        self.epoch = time.time_ns()  # passed to every stage it starts (front, dispatch files)
         # The fork server the stages come from: a fork of this process, made while it is one
         # thread and holds nothing open (pipeline/process/fork_server.py); it imports the stage
         # modules while this process recovers.
@@ -368,67 +347,23 @@ class Supervisor:
         child.process = None
         child.up = False
         self.metrics_hub.ended(child.spec.label)
-        window = self.config.restart_window_s
         child.total_deaths += 1
         child.last_exit = how
         death = {"at_ns": time.time_ns(), "stage": child.spec.label, "how": how}
-        death["restart_in_s"] = None  # set below with the backoff, unless the broker gives up
         self.deaths.append(death)
-        if disk_full:  # a restart frees nothing: never a crash loop, and no hurry
-            death["restart_in_s"] = DISK_FULL_BACKOFF_S
-            child.restart_at = now + DISK_FULL_BACKOFF_S
-            log.error(
-                "stage %s stopped on a full disk (see its log); restarting it in %.1f s",
-                child.spec.label,
-                DISK_FULL_BACKOFF_S,
-            )
+        log_path = self.data_dir.log / f"{child.spec.label}.log"
+        if failure := plan_restart(child, now, how, disk_full, self.config, log_path):
+            self.failure = failure  # a critical stage's crash loop: the broker stops
+        restart_at = child.restart_at
+        death["restart_in_s"] = None if restart_at is None else round(restart_at - now, 3)
+        if restart_at is None or disk_full:
             return
-        if not child.spec.critical:
-            self._restart_later(child, now, how)
-            death["restart_in_s"] = round(child.restart_at - now, 3)
+        if not child.spec.critical:  # restarted forever: the metrics say it waits
+            self.metrics_hub.waiting(child.spec.label, restart_at, child.in_a_row)
             return
-        child.deaths.append(now)
-        while child.deaths and child.deaths[0] < now - window:
-            child.deaths.popleft()
-        if len(child.deaths) > self.config.max_restarts:
-            self.failure = (
-                f"stage {child.spec.label} died {len(child.deaths)} times within {window:g} s "
-                f"(last: {how}); see {self.data_dir.log / (child.spec.label + '.log')}"
-            )
-            log.error("%s", self.failure)
-            return
-        label = child.spec.label
-        for ring in self.rings:
-            if label in (ring.src, ring.dst):  # whatever it held is dropped; chunks are retried
+        for ring in self.rings:  # whatever it held is dropped; chunks are retried
+            if child.spec.label in (ring.src, ring.dst):
                 _fresh_ring(ring)
-        backoff = min(MAX_BACKOFF_S, self.config.restart_backoff_s * 2 ** (len(child.deaths) - 1))
-        child.restart_at = now + backoff
-        death["restart_in_s"] = backoff
-        log.warning("stage %s died (%s); restarting it in %.1f s", child.spec.label, how, backoff)
-
-    def _restart_later(self, child: StageChild, now: float, how: str) -> None:
-        """A local worker died: restart it after a backoff that doubles with each death in a
-        row (capped at WORKER_MAX_BACKOFF_S), never give up, and say so in the supervisor's report and
-        the metrics. Giving up would stop all work silently while dispatch has not yet
-        dead-lettered the poison item that kills it (invariant 14)."""
-        if now - child.started_at >= self.config.restart_window_s:
-            child.in_a_row = 0  # it ran a good while: this death starts a new streak
-        child.in_a_row += 1
-        backoff = min(
-            WORKER_MAX_BACKOFF_S, self.config.restart_backoff_s * 2 ** min(child.in_a_row - 1, 30)
-        )
-        child.restart_at = now + backoff
-        level = logging.ERROR if child.in_a_row > self.config.max_restarts else logging.WARNING
-        log.log(
-            level,
-            "stage %s died (%s; %d deaths in a row); restarting it in %.1f s%s",
-            child.spec.label,
-            how,
-            child.in_a_row,
-            backoff,
-            f"; its log said: {child.last_error}" if child.last_error else "",
-        )
-        self.metrics_hub.waiting(child.spec.label, child.restart_at, child.in_a_row)
 
     def _write_report(self) -> None:
         """Replace `<data_dir>/supervisor.json` (pipeline/process/supervisor_report.py) with the
@@ -453,7 +388,7 @@ class Supervisor:
         child.log_offset = log_size(self.data_dir.log / f"{child.spec.label}.log")
         process = self._context.Process(
             target=stage_main,
-            args=(child.spec, self.settings, os.getpid(), child.ready),
+            args=(child.spec, self.epoch, os.getpid(), child.ready),
             name=child.spec.label,
         )
         process.start()

@@ -5,8 +5,11 @@
 | `jobs/next-job-no`           | the front (ingest/jobs.py)   | DurableCounter of job numbers (1, 2, ...) |
 | `jobs/<job_id>/job.json`     | the front, once, atomically  | the job record (pipeline/store/job_record.py) |
 | `jobs/<job_id>/chunks.log`   | the front                    | RecordLog (pipeline/store/records.py) of chunk events (below) |
-| `jobs/<job_id>/cancel`       | completion, atomically       | `<job_no> <wall ns>\\n`: a client cancelled the job; `<job_no> <wall ns> expired\\n`: it was cancelled at its deadline (the HTTP API's `completion_window`), and ends `expired`; dispatch reads the job number at start |
+| `jobs/<job_id>/cancel`       | completion, atomically       | `<job_no> <wall ns>\\n`: a client cancelled the job; `<job_no> <wall ns> expired\\n`: it was cancelled at its deadline (the HTTP API's `completion_window`), and ends `expired`; `<job_no> <wall ns> <code> <limit> <message>\\n`: it passed a limit (pipeline/core/job_limits.py) and ends `failed`; dispatch reads the job number at start |
 | `jobs/<job_id>/finished`     | completion, atomically       | `<wall ns>\\n`: every item has a result; retention counts from here |
+| `jobs/<job_id>/pause`        | completion, atomically       | `<job_no> <wall ns>\\n`: a client paused the job (removed on resume); dispatch reads the job number at start |
+| `jobs/<job_id>/priority`     | completion, atomically       | `<job_no> <priority>\\n`: a client changed the job's priority (over the record's `priority`); dispatch reads it with the record |
+| `jobs/<job_id>/worker-seconds` | completion, atomically     | `<seconds>\\n`: the engine time its results took, from the workers' RESULTS (collector/completion/worker_time.py); rewritten at most each second and when it finishes |
 
 A `<job_id>` matches JOB_ID, so it never names a path outside `jobs/`. A
 directory without `job.json` is a job being created (the record is written
@@ -29,6 +32,7 @@ agree on what a journal says.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -39,7 +43,7 @@ import numpy as np
 
 from pipeline.core.errors import IngestError
 from pipeline.core.job_states import JobState
-from pipeline.store.durable import write_whole
+from pipeline.store.durable import fsync_dir, write_whole
 from pipeline.store.job_record import RECORD_NAME, encode_job_record, read_job_record
 from pipeline.store.records import iter_records
 
@@ -48,6 +52,9 @@ COUNTER_FILE = "next-job-no"
 JOURNAL_FILE = "chunks.log"
 CANCEL_MARK = "cancel"
 FINISHED_MARK = "finished"
+PAUSE_MARK = "pause"
+PRIORITY_MARK = "priority"
+WORKER_SECONDS = "worker-seconds"
 JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")  # \Z: "$" would allow a final newline
 
 
@@ -85,6 +92,27 @@ class JobFiles:
 
     def finished_path(self, job_id: str) -> Path:
         return self.directory(job_id) / FINISHED_MARK
+
+    def pause_path(self, job_id: str) -> Path:
+        return self.directory(job_id) / PAUSE_MARK
+
+    def priority_path(self, job_id: str) -> Path:
+        return self.directory(job_id) / PRIORITY_MARK
+
+    def worker_seconds_path(self, job_id: str) -> Path:
+        return self.directory(job_id) / WORKER_SECONDS
+
+    def read_worker_seconds(self, job_id: str) -> float:
+        """The job's worker-seconds as last written (0.0 when none or unreadable)."""
+        try:
+            seconds = float(self.worker_seconds_path(job_id).read_text())
+        except (OSError, ValueError, UnicodeDecodeError):
+            return 0.0
+        return seconds if math.isfinite(seconds) and seconds > 0 else 0.0
+
+    def write_worker_seconds(self, job_id: str, seconds: float) -> None:
+        """Replace the job's worker-seconds atomically (OSError: not written)."""
+        write_whole(self.worker_seconds_path(job_id), f"{seconds:.6f}\n".encode())
 
     def names(self) -> list[str]:
         """The ids of the job directories (sorted), with or without a record yet."""
@@ -127,20 +155,57 @@ class JobFiles:
         return self.cancel_path(job_id).exists()
 
     def mark_cancelled(
-        self, job_id: str, job_no: int, now_ns: int, at_deadline: bool = False
+        self, job_id: str, job_no: int, now_ns: int, at_deadline: bool = False, why: str = ""
     ) -> None:
         """Note durably that a client cancelled the job, `at_deadline`: because its deadline
-        passed (OSError: not noted)."""
-        why = f" {JobState.EXPIRED}" if at_deadline else ""
+        passed; `why`: words saying what else stopped it (a limit: pipeline/core/job_limits.py
+        `Stop.mark_text`). OSError: not noted."""
+        why = f" {JobState.EXPIRED}" if at_deadline else (f" {why}" if why else "")
         write_whole(self.cancel_path(job_id), f"{job_no} {now_ns}{why}\n".encode())
+
+    def cancel_words(self, job_id: str) -> list[str]:
+        """The words of the job's cancel mark after its job number and time ([] if none)."""
+        try:
+            return self.cancel_path(job_id).read_text().split()[2:]
+        except (OSError, UnicodeDecodeError):
+            return []
 
     def cancelled_at_deadline(self, job_id: str) -> bool:
         """Whether the job's cancel mark says it was cancelled at its deadline."""
+        return self.cancel_words(job_id) == [JobState.EXPIRED]
+
+    def is_paused(self, job_id: str) -> bool:
+        return self.pause_path(job_id).exists()
+
+    def mark_paused(self, job_id: str, job_no: int, now_ns: int) -> None:
+        """Note durably that a client paused the job (OSError: not noted)."""
+        write_whole(self.pause_path(job_id), f"{job_no} {now_ns}\n".encode())
+
+    def clear_paused(self, job_id: str) -> None:
+        """Note durably that a client resumed the job (OSError: not noted)."""
+        path = self.pause_path(job_id)
+        path.unlink(missing_ok=True)
+        fsync_dir(path.parent)
+
+    def paused_running(self) -> list[tuple[Path, int | None]]:
+        """Every pause mark of a job not finished yet, with its job number (None: unreadable)."""
+        marks = []
+        for job_id in self.names():
+            path = self.pause_path(job_id)
+            if path.exists() and not self.is_finished(job_id):
+                marks.append((path, _first_int(path)))
+        return marks
+
+    def priority(self, job_id: str) -> int | None:
+        """The priority a client set on the running job, or None (the record's holds)."""
         try:
-            words = self.cancel_path(job_id).read_text().split()
-        except (OSError, UnicodeDecodeError):
-            return False
-        return words[2:] == [JobState.EXPIRED]
+            return int(self.priority_path(job_id).read_text().split()[1])
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def mark_priority(self, job_id: str, job_no: int, priority: int) -> None:
+        """Note durably the job's new priority (OSError: not noted)."""
+        write_whole(self.priority_path(job_id), f"{job_no} {priority}\n".encode())
 
     def cancelled_running(self) -> list[tuple[Path, int | None]]:
         """Every cancel mark of a job not finished yet, with the job number it holds (None

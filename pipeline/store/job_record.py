@@ -9,10 +9,11 @@
 | `deliver`    | where results go (ingest.jobs.parse_deliver); "file" if absent  | 1     |
 | `source`     | the input file's absolute path on the producer's host, if sent  | 2     |
 | `deadline`   | when the job should be done (wall seconds since the epoch), if it has one: dispatch serves earlier deadlines first (docs/dispatch.md); absent: no deadline | 2 |
+| `limits`     | the job's caps (pipeline/core/job_limits.py: `max_error_rate`, `min_sample`, `max_errors`, `max_tokens`), if it has any: completion stops the job when it passes one | 2 |
 | `v`          | record version: absent (1) or 2                                 | 2     |
 | `crc`        | version 2: CRC-32 of the record without `crc`, keys sorted, as compact JSON | 2 |
 
-Optional fields (`source`, `deadline`) are additive: a record without them
+Optional fields (`source`, `deadline`, `limits`) are additive: a record without them
 is read as before (no source, no deadline), so they need no new version.
 A record is written once, atomically, by the front (ingest/jobs.py, through
 pipeline/store/job_files.py, which knows where it lies). Version 1 records
@@ -63,6 +64,16 @@ def record_deadline(meta: dict[str, Any]) -> float | None:
     if isinstance(deadline, bool) or not isinstance(deadline, int | float):
         return None
     return float(deadline) if math.isfinite(deadline) and deadline > 0 else None
+
+
+PRIORITY_LIMIT = 1_000_000  # a job's priority is an integer from -this to this (higher first)
+
+
+def record_priority(meta: dict[str, Any]) -> int:
+    """The job's priority at submit from its verified record (higher first); 0 when it has
+    none (every older record)."""
+    priority = meta.get("priority")
+    return priority if isinstance(priority, int) and not isinstance(priority, bool) else 0
 
 
 def read_job_record(directory: Path) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from typing import Any
 
 import orjson
 
+from pipeline.store.durable import fsync_dir
 from pipeline.store.segment import disk_error
 
 _HEAD = struct.Struct("<II")
@@ -63,13 +64,18 @@ def encode_record(record: Any) -> bytes:
 
 
 class RecordLog:
-    """An append handle: cuts a torn tail on open; `append` buffers, `sync` makes durable."""
+    """An append handle: cuts a torn tail on open; `append` buffers, `sync` makes durable.
+
+    Every open makes the log's name durable at once (its directory fsynced), whether this
+    open made the file or a process killed before its own directory sync did: a record
+    fdatasynced into a file whose name a power cut takes is lost with it."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.records, good = read_records(path)
         try:
             self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fsync_dir(path.parent)
             if os.fstat(self._fd).st_size != good:
                 os.ftruncate(self._fd, good)
             os.lseek(self._fd, good, os.SEEK_SET)

@@ -95,7 +95,22 @@ METRICS: dict[str, Metric] = _catalogue(
         "fabric_deadline_batches_total",
         COUNTER,
         (),
-        "Batches handed out ahead of dispatch's usual order for an earlier job deadline",
+        "Batches handed out ahead of dispatch's usual order for a higher job priority or an "
+        "earlier job deadline",
+        "dispatch",
+    ),
+    Metric(
+        "fabric_paused_jobs",
+        GAUGE,
+        (),
+        "Jobs a client paused (run.py pause, POST /v1/batches/{id}/pause) that have not ended",
+        "dispatch",
+    ),
+    Metric(
+        "fabric_paused_items",
+        GAUGE,
+        (),
+        "Queued items of paused jobs held back from workers (counted in fabric_queued_items)",
         "dispatch",
     ),
     Metric(
@@ -234,6 +249,20 @@ METRICS: dict[str, Metric] = _catalogue(
         "completion",
     ),
     Metric(
+        "fabric_jobs_stopped_by_limit_total",
+        COUNTER,
+        (),
+        "Jobs completion stopped because they passed one of their limits (error or token caps)",
+        "completion",
+    ),
+    Metric(
+        "fabric_worker_seconds_total",
+        COUNTER,
+        (),
+        "Engine seconds of the results stored, from the workers' RESULTS (per job: status JOB)",
+        "completion",
+    ),
+    Metric(
         "fabric_results_delivered_total",
         COUNTER,
         (),
@@ -356,5 +385,33 @@ METRICS: dict[str, Metric] = _catalogue(
         ("status",),
         "Batches of the HTTP API by status (OpenAI's states)",
         "api",
+    ),
+    Metric(
+        "fabric_webhooks_events",
+        GAUGE,
+        ("state",),
+        "Webhook events of batch ends: pending, delivered, failed (given up)",
+        "api",
+    ),
+    Metric(
+        "fabric_webhooks_attempts_total",
+        COUNTER,
+        ("outcome",),
+        "POSTs of webhook events: ok (a 2xx) or error (anything else, or no answer)",
+        "api",
+    ),
+    Metric(
+        "fabric_webhooks_job_events",
+        GAUGE,
+        ("state",),
+        "Webhook events of CLI jobs' ends (submit --notify): pending, delivered, failed",
+        "completion",
+    ),
+    Metric(
+        "fabric_webhooks_job_attempts_total",
+        COUNTER,
+        ("outcome",),
+        "POSTs of CLI jobs' webhook events: ok (a 2xx) or error",
+        "completion",
     ),
 )

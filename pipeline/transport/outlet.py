@@ -17,11 +17,13 @@ from pipeline.core.errors import FabricError
 from pipeline.transport import wire
 from pipeline.transport.ring import Ring
 from pipeline.transport.ring_port import RingPort
-from pipeline.transport.topology import internal_address, rings_from
+from pipeline.transport.topology import Wired, internal_address, rings_from
 
 
 class Outlet:
-    def __init__(self, context: zmq.Context, settings, src_label: str, dst_stage: str) -> None:
+    def __init__(
+        self, context: zmq.Context, settings: Wired, src_label: str, dst_stage: str
+    ) -> None:
         specs = [r for r in rings_from(settings, src_label) if r.dst.startswith(dst_stage + "-")]
         self.ports = [RingPort(r.name) for r in specs]
         self.wakeups = []

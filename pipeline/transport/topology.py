@@ -30,6 +30,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from pipeline.transport.binds import LOOPBACK_HOST, host_port, is_wildcard
 from pipeline.transport.ring_names import ring_name
@@ -37,6 +38,31 @@ from pipeline.transport.ring_names import ring_name
 RING_BYTES = (
     64 << 20
 )  # per ring; records are at most pipeline.transport.ring_records.MAX_RECORD_BYTES
+
+
+class Placed(Protocol):
+    """Settings that say where the data dir is: the whole config, or any stage's own
+    (config/stage_settings.py)."""
+
+    @property
+    def data_path(self) -> Path: ...
+
+
+class _Counted(Protocol):
+    @property
+    def processes(self) -> int: ...
+
+
+class Wired(Placed, Protocol):
+    """Settings that say how many processes the rings join: the whole config, or the front's,
+    a tokenizer's, a router's or a writer's own."""
+
+    @property
+    def ingest(self) -> _Counted: ...
+    @property
+    def router(self) -> _Counted: ...
+    @property
+    def writers(self) -> _Counted: ...
 
 
 @dataclass(frozen=True)
@@ -54,14 +80,14 @@ def run_dir_path(data_path: Path) -> Path:
     return Path(tempfile.gettempdir()) / f"fabric-{digest}"
 
 
-def run_dir(settings) -> Path:
+def run_dir(settings: Placed) -> Path:
     """The directory for ipc sockets (`run_dir_path`), made if missing."""
     path = run_dir_path(settings.data_path)
     path.mkdir(mode=0o700, exist_ok=True)
     return path
 
 
-def remove_run_dir(settings) -> None:
+def remove_run_dir(settings: Placed) -> None:
     """Remove the ipc sockets' directory: a broker that stopped cleanly leaves none behind
     (one killed leaves it, and its next start on the data dir uses it again)."""
     shutil.rmtree(run_dir_path(settings.data_path), ignore_errors=True)
@@ -75,19 +101,9 @@ def client_address(bind: str) -> str:
     return bind
 
 
-def internal_address(settings, endpoint: str) -> str:
+def internal_address(settings: Placed, endpoint: str) -> str:
     """`ipc://` address of an internal socket: front, tokenize, router-<r>, writer-<w>."""
     return f"ipc://{run_dir(settings) / endpoint}.ipc"
-
-
-def worker_group(settings, index: int):
-    """The [workers] (or [[workers]]) settings local worker `index` runs with: workers are
-    numbered through the groups in order, worker-0 .. worker-(N-1)."""
-    for group in settings.worker_groups:
-        if index < group.local:
-            return group
-        index -= group.local
-    raise IndexError(f"no local worker {index} in {settings.source}")
 
 
 def stage_label(name: str, index: int) -> str:
@@ -96,7 +112,7 @@ def stage_label(name: str, index: int) -> str:
     return f"{name}-{index}"
 
 
-def ring_specs(settings) -> list[RingSpec]:
+def ring_specs(settings: Wired) -> list[RingSpec]:
     data = settings.data_path
     rings = []
     for r in range(settings.router.processes):
@@ -117,11 +133,11 @@ def ring_specs(settings) -> list[RingSpec]:
     return rings
 
 
-def rings_from(settings, label: str) -> list[RingSpec]:
+def rings_from(settings: Wired, label: str) -> list[RingSpec]:
     """Rings a stage writes, ordered by destination index."""
     return [r for r in ring_specs(settings) if r.src == label]
 
 
-def rings_to(settings, label: str) -> list[RingSpec]:
+def rings_to(settings: Wired, label: str) -> list[RingSpec]:
     """Rings a stage reads."""
     return [r for r in ring_specs(settings) if r.dst == label]

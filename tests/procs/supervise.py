@@ -47,7 +47,7 @@ def main() -> int:
     specs = []
     for arg in sys.argv[2:]:
         name, count = arg.split(":")
-        specs += [StageSpec(name, i, STAGES[name]) for i in range(int(count))]
+        specs += [StageSpec(name, i, STAGES[name], settings) for i in range(int(count))]
     try:
         return Supervisor(settings, specs).run()
     except DataDirLockedError as exc:

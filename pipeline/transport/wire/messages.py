@@ -104,10 +104,12 @@ class MessageType(IntEnum):
     BROKER_INFO = 56
     STATS = 57
     RESULTS_REFUSED = 58
+    JOB_CONTROL = 59
     FETCH = 60
     RESULT_PAGE = 61
     CANCEL = 64
     CANCELLED = 65
+    CONTROL = 66
     VECTORS_STATS = 70
     VECTORS_INFO = 71
     VECTORS_SEARCH = 72
@@ -153,6 +155,7 @@ REQUIRED_META: dict[MessageType, dict[str, type]] = {
     MessageType.RETIRED: {"acks": list},
     MessageType.APPENDED: {"segment": int, "end": int},
     MessageType.CANCEL_JOB: {"job_no": int},
+    MessageType.JOB_CONTROL: {"job_no": int, "paused": bool, "priority": int},
     MessageType.BROKER_STATUS: {},
     MessageType.BROKER_INFO: {"epoch": int},
     MessageType.STATS: {"stage": str, "pid": int, "samples": list},
@@ -161,6 +164,7 @@ REQUIRED_META: dict[MessageType, dict[str, type]] = {
     MessageType.RESULT_PAGE: {"job": str, "page": int},
     MessageType.CANCEL: {"job": str},
     MessageType.CANCELLED: {"job": str, "state": str},
+    MessageType.CONTROL: {"job": str},
     MessageType.VECTORS_STATS: {},
     MessageType.VECTORS_INFO: {"stores": list},
     MessageType.VECTORS_SEARCH: {"store": str, "k": int, "metric": str},

@@ -1,5 +1,5 @@
-"""The one progress line of every command that shows one (`submit`, `results`, `batch`, the
-demo), on stderr, so that stdout holds only answers.
+"""The one progress line of every command that shows one (`submit`, `results`, `batch`,
+`vectors export`, the demo), on stderr, so that stdout holds only answers.
 
 On a terminal the line is redrawn in place (at most every `TTY_EVERY_S`, cut to the width
 of the terminal: a line that wraps cannot be redrawn); elsewhere (a log, CI, a pipe) it is

@@ -12,23 +12,23 @@ and prints the nearest paragraphs; prints a summary; and stops the broker
 cleanly. The nearest paragraphs and the summary go to stdout, progress to
 stderr. Run again, it says what it found and does it all again as a new job,
 into a new store (so each paragraph is one hit), rewriting the results file.
-Ctrl-C stops the broker cleanly too.
+Ctrl-C stops the broker cleanly too: it drains, and a second Ctrl-C stops it at once
+(assembly/private_broker.py).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from collector.progress_line import ProgressLine, bar
+from assembly.private_broker import start_broker, stop_broker, wait_ready, write_config
+from cli.progress_line import ProgressLine, bar
 from pipeline.core import exitcodes
+from pipeline.core.errors import BrokerUnavailableError
 from pipeline.core.invocation import how_to_run
-from pipeline.transport.ports import free_loopback_ports
 
 REPO = Path(__file__).resolve().parents[1]
 MIN_WORDS = 6
@@ -36,6 +36,7 @@ SENTENCE_WORDS = 60  # a paragraph is cut at the first sentence end past this ma
 MAX_WORDS = 90  # ... or here at the latest
 MAX_TOKENS = 256  # the model's limit; the few longer pieces (code) are left out
 START_TIMEOUT_S = 120.0  # for the broker to answer: stages start slowly on a busy machine
+LANES = (16, 24, 32, 48, 64, 96, 128, 192, 256)  # token lengths of its batches' lanes
 
 
 def corpus() -> list[str]:
@@ -67,43 +68,39 @@ def corpus() -> list[str]:
     return [p for p, n in zip(paragraphs, lengths, strict=True) if n <= MAX_TOKENS]
 
 
-def write_config(root: Path, workers: int) -> Path:
+def add_parser(commands) -> None:
+    demo = commands.add_parser("demo", help="embed the Python docs with MiniLM, end to end")
+    demo.add_argument("--dir", default="var/demo", help="where the demo keeps its broker and files")
+    demo.add_argument("--workers", type=int, default=1, help="local minilm worker processes")
+    demo.add_argument("--limit", type=int, help="embed only the first N paragraphs")
+    demo.set_defaults(handler=demo_command)
+
+
+def demo_command(args: argparse.Namespace) -> int:
+    return run_demo(args.dir, args.workers, args.limit)
+
+
+def demo_config(root: Path, workers: int) -> Path:
+    """The demo broker's config, `root`/demo.toml: minilm, its vectors kept, metrics on."""
     from gpu.engines.minilm import minilm_tokenizer_path
 
-    ports = free_loopback_ports(6)
-    text = f"""# Written by `python run.py demo`; rewritten on every run.
-[broker]
-data_dir = "{root / "data"}"
-segment_bytes = 16777216
-lanes = [16, 24, 32, 48, 64, 96, 128, 192, 256]
-[ingest]
-bind = "tcp://127.0.0.1:{ports[0]}"
-chunk_items = 512
-[dispatch]
-bind = "tcp://127.0.0.1:{ports[1]}"
-heartbeat_bind = "tcp://127.0.0.1:{ports[2]}"
-reregister_grace_s = 1.0
-[completion]
-bind = "tcp://127.0.0.1:{ports[3]}"
-results_retention_s = 600.0  # the store holds them; `results --all` reads them meanwhile
-[vectors]
-bind = "tcp://127.0.0.1:{ports[4]}"
-[metrics]
-bind = "127.0.0.1:{ports[5]}"
-[workers]
-local = {workers}
-batch_items = 64
-batch_tokens = 16384
-prefetch = 2
-[[models]]
-name = "minilm"
-engine = "minilm"
-tokenizer = "{minilm_tokenizer_path()}"
-max_tokens = 256
-"""
-    path = root / "demo.toml"
-    path.write_text(text)
-    return path
+    minilm = {
+        "name": "minilm",
+        "engine": "minilm",
+        "tokenizer": str(minilm_tokenizer_path()),
+        "max_tokens": MAX_TOKENS,
+    }
+    more: dict[str, dict] = {
+        "broker": {"segment_bytes": 16 << 20, "lanes": list(LANES)},
+        "ingest": {"chunk_items": 512},
+        # the store holds them; `results --all` reads them meanwhile
+        "completion": {"results_retention_s": 600.0},
+        "workers": {"batch_items": 64, "batch_tokens": 16384, "prefetch": 2},
+    }
+    header = "Written by `python run.py demo`; rewritten on every run."
+    return write_config(
+        root / "demo.toml", header, root / "data", [minilm], workers, more, metrics=True
+    )
 
 
 class _Bar:
@@ -123,7 +120,6 @@ def run_demo(root: Path | str = "var/demo", workers: int = 1, limit: int | None 
     from collector.vectors.client import VectorsClient
     from config import load_settings
     from ingest.submit_client import Producer
-    from pipeline.core.errors import BrokerUnavailableError
 
     root = (REPO / root) if not Path(root).is_absolute() else Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -135,46 +131,44 @@ def run_demo(root: Path | str = "var/demo", workers: int = 1, limit: int | None 
             "running again as a new job, into a vector store of its own",
             file=sys.stderr,
         )
-    for old in ("results.jsonl", "errors.jsonl", "corpus.jsonl"):
+    for old in ("results.jsonl", "errors.jsonl", "corpus.jsonl", "broker.err"):
         (root / old).unlink(missing_ok=True)
     paragraphs = corpus()
     texts = paragraphs[:limit]
     with open(root / "corpus.jsonl", "w") as out:
         for i, text in enumerate(texts):
-            line = {
+            request = {
                 "custom_id": f"para-{i}",
                 "method": "POST",
                 "url": "/v1/embeddings",
                 "body": {"model": "minilm", "input": text},
             }
-            out.write(json.dumps(line) + "\n")
-    config = write_config(root, workers)
+            out.write(json.dumps(request) + "\n")
+    config = demo_config(root, workers)
     settings = load_settings(config)
     print(
         f"demo: {len(texts)} paragraphs of the Python documentation -> all-MiniLM-L6-v2 "
         f"embeddings on the CPU ({workers} local worker(s)); broker logs in {root / 'data/log'}",
         file=sys.stderr,
     )
-    broker_err = open(root / "broker.err", "w")  # noqa: SIM115 - lives as long as the broker
-    broker = subprocess.Popen(
-        [sys.executable, str(REPO / "run.py"), "--config", str(config)],
-        stdout=subprocess.DEVNULL,
-        stderr=broker_err,
-        cwd=REPO,
-    )
+    broker = start_broker(config, root / "broker.err")
     started = time.monotonic()
     job_id = f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
+
+    def alive() -> None:
+        if broker.poll() is not None:
+            raise BrokerUnavailableError(
+                f"the demo's broker stopped (exit {broker.returncode}); see {root / 'broker.err'}"
+            )
+
     try:
         # patient: the broker started a moment ago and is not listening yet
         with Producer(settings.ingest.bind, timeout_s=30.0, attempts=20, patient=True) as producer:
-            deadline = time.monotonic() + START_TIMEOUT_S
-            while True:  # the front answers once recovery is done and its process is up
-                try:
-                    producer.job_status(job_id)
-                    break
-                except BrokerUnavailableError:
-                    if broker.poll() is not None or time.monotonic() > deadline:
-                        raise
+            if not wait_ready(producer, job_id, alive, START_TIMEOUT_S):
+                raise BrokerUnavailableError(
+                    f"the demo's broker did not answer within {START_TIMEOUT_S:.0f} s; see "
+                    f"{root / 'broker.err'}"
+                )
             bar = _Bar("submit", len(texts))
             report = producer.submit_file(
                 root / "corpus.jsonl",
@@ -200,14 +194,13 @@ def run_demo(root: Path | str = "var/demo", workers: int = 1, limit: int | None 
             )
             neighbours = _search(settings, vectors, job_id, paragraphs)
     except KeyboardInterrupt:
-        print("\ndemo: interrupted; stopping the broker", file=sys.stderr)
-        _stop(broker)
+        print(file=sys.stderr)  # below the progress line, and the terminal's ^C
+        stop_broker(broker, settings, _say, resumable=False)  # a second Ctrl-C kills it
         return exitcodes.INTERRUPTED
     except BaseException:
-        _stop(broker)
+        stop_broker(broker, settings)
         raise
-    code = _stop(broker)
-    broker_err.close()
+    code = stop_broker(broker, settings)
     print(neighbours)  # the answers on stdout; the progress above went to stderr
     tokens = 0
     with open(root / "results.jsonl") as results:
@@ -259,12 +252,5 @@ def _search(settings, vectors, store: str, texts: list[str]) -> str:
     return "\n".join(lines)
 
 
-def _stop(broker: subprocess.Popen) -> int:
-    if broker.poll() is None:
-        broker.send_signal(signal.SIGTERM)
-        try:
-            return broker.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            broker.kill()
-            return broker.wait()
-    return broker.returncode if broker.returncode is not None else os.EX_SOFTWARE
+def _say(line: str) -> None:
+    print(f"demo: {line}", file=sys.stderr, flush=True)

@@ -18,12 +18,12 @@ Like `vllm run-batch`, with the broker's guarantees:
    skipped (nothing is stored twice).
 5. Follow the job's results into OUT and OUT.errors.jsonl with the results
    client, which writes each custom_id once and acknowledges a page only after
-   both files are on disk; a progress line (collector/progress_line.py) shows
+   both files are on disk; a progress line (cli/progress_line.py) shows
    the job's counters, its rate and the time left, as `status JOB` has them.
    A local worker whose engine cannot start (exit ENGINE_CANNOT_START in the
    supervisor's report) stops the run with the engine's own message, instead
    of waiting while the supervisor restarts it.
-6. SIGTERM the broker and wait for it to drain (collector/oneshot_broker.py);
+6. SIGTERM the broker and wait for it to drain (assembly/private_broker.py);
    exit 0 when every line has its outcome (a result or an error line), 9 when
    every line has one but none succeeded, 7 otherwise (pipeline/core/exitcodes.py).
 
@@ -38,22 +38,27 @@ cannot be written says which path and exits 8.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from collector.oneshot_broker import start_broker, stop_broker, wait_for_lock
-from collector.progress_line import ProgressLine, bar
+from assembly.private_broker import (
+    engine_cannot_start,
+    start_broker,
+    stop_broker,
+    wait_for_lock,
+    wait_ready,
+    write_config,
+)
+from cli.batch_output import first_error, resuming_line
+from cli.common import limit_options, limits_of
+from cli.progress_line import ProgressLine, bar
 from collector.status_view import job_done, job_fields
 from pipeline.core import exitcodes
 from pipeline.core.errors import ConfigError, FabricError, OutputError
 from pipeline.core.job_states import is_terminal
-from pipeline.process.stage_restarts import read_restarts
-from pipeline.transport.ports import free_loopback_ports
 from pipeline.transport.topology import client_address
 
 REPO = Path(__file__).resolve().parents[1]
@@ -79,6 +84,7 @@ class OneShot:
     tokenizer: str | None = None
     workers: int = 1
     aliases: tuple[str, ...] = ()  # --alias: other names the lines may give the model
+    limits: dict | None = None  # --max-errors and the other caps (pipeline/core/job_limits.py)
 
     @property
     def state_dir(self) -> Path:
@@ -98,7 +104,7 @@ class OneShot:
         return "batch-" + digest.hexdigest()
 
 
-def write_config(run: OneShot) -> Path:
+def batch_config(run: OneShot) -> Path:
     """The config of a private broker for one model, in the state dir (rewritten each run)."""
     from config.defaults import ENGINE_ENDPOINTS
     from pipeline.store.model_names import NAME_RULE, name_problem
@@ -123,34 +129,21 @@ def write_config(run: OneShot) -> Path:
         tokenizer = run.tokenizer
     if tokenizer and not os.path.isabs(tokenizer):
         tokenizer = str((REPO / tokenizer) if (REPO / tokenizer).exists() else Path(tokenizer))
-    ports = free_loopback_ports(4)
-    text = f"""# Written by `run.py batch` for {run.output}; rewritten on every run.
-[broker]
-data_dir = "{run.state_dir / "data"}"
-[ingest]
-bind = "tcp://127.0.0.1:{ports[0]}"
-[dispatch]
-bind = "tcp://127.0.0.1:{ports[1]}"
-heartbeat_bind = "tcp://127.0.0.1:{ports[2]}"
-reregister_grace_s = 1.0
-[completion]
-bind = "tcp://127.0.0.1:{ports[3]}"
-[vectors]
-bind = "ipc://{_short_ipc(run)}"
-[metrics]
-bind = ""
-[workers]
-local = {run.workers}
-[[models]]
-name = "{run.model}"
-engine = "{engine}"
-tokenizer = "{tokenizer}"
-max_tokens = {max_tokens}
-aliases = {json.dumps(aliases)}
-"""
-    path = run.state_dir / "batch.toml"
-    path.write_text(text)
-    return path
+    model = {
+        "name": run.model,
+        "engine": engine,
+        "tokenizer": tokenizer,
+        "max_tokens": max_tokens,
+        "aliases": aliases,
+    }
+    return write_config(
+        run.state_dir / "batch.toml",
+        f"Written by `run.py batch` for {run.output}; rewritten on every run.",
+        run.state_dir / "data",
+        [model],
+        run.workers,
+        vectors_bind=f"ipc://{_short_ipc(run)}",
+    )
 
 
 def _short_ipc(run: OneShot) -> str:
@@ -162,6 +155,8 @@ def _short_ipc(run: OneShot) -> str:
 def _make_state_dir(run: OneShot) -> bool:
     """Make OUT.fabric/ beside OUT (True when this run made it); OutputError naming the path
     when OUT, its errors file or the state dir cannot be written there."""
+    from pipeline.store.durable import fsync_dir
+
     made = not run.state_dir.exists()
     path = run.state_dir
     try:
@@ -170,6 +165,8 @@ def _make_state_dir(run: OneShot) -> bool:
             if path.exists() or path.parent == run.state_dir:
                 with open(path, "ab"):  # opened for appending, as they will be: nothing changes
                     pass
+        for path in (run.state_dir, run.output.parent):  # their names survive a power cut
+            fsync_dir(path)
     except OSError as exc:
         raise OutputError(
             f"cannot write {exc.filename or path}: {exc.strerror or exc}; -o {run.output} "
@@ -192,31 +189,13 @@ def _claim_output(run: OneShot, job_id: str) -> bool:
                 f"{path} exists but was not written for this input (job {job_id}): the input "
                 f"changed, or the file is another's; move it away or choose another -o"
             )
-    from pipeline.store.durable import fsync_dir
+    from pipeline.store.durable import write_whole
 
     marks.mkdir(parents=True, exist_ok=True)
-    mark.write_text(f"{run.input.resolve()}\n")
-    fsync_dir(marks)
+    # durable, name and all, before OUT gets a line: after a power cut, OUT with lines and
+    # no mark reads as another job's file
+    write_whole(mark, f"{run.input.resolve()}\n".encode(), also_sync=(run.state_dir,))
     return False
-
-
-def _lines(path: Path, nonblank: bool = False) -> int:
-    """Whole lines in `path` (0 when it does not exist); `nonblank`: only those with text."""
-    if not path.exists():
-        return 0
-    with open(path, "rb") as f:
-        if nonblank:
-            return sum(1 for line in f if line.strip())
-        return sum(block.count(b"\n") for block in iter(lambda: f.read(1 << 20), b""))
-
-
-def _resuming(run: OneShot) -> str:
-    """`resuming: 1,488 of 2,018 lines already in OUT (...)`: what an earlier run wrote."""
-    results, errors = _lines(run.output), _lines(run.errors)
-    return (
-        f"resuming: {results + errors:,} of {_lines(run.input, nonblank=True):,} lines already "
-        f"in {run.output} ({results:,} results) and {run.errors.name} ({errors:,} errors)"
-    )
 
 
 def run_oneshot(run: OneShot) -> int:
@@ -232,7 +211,7 @@ def run_oneshot(run: OneShot) -> int:
         raise OneShotError(f"input {run.input} is not a file; pass an OpenAI Batch JSONL file")
     made = _make_state_dir(run)
     try:  # a run that fails before its broker starts leaves no state dir it made
-        config = run.config or write_config(run)
+        config = run.config or batch_config(run)
         try:
             settings = load_settings(config)
         except ConfigError as exc:
@@ -252,7 +231,7 @@ def run_oneshot(run: OneShot) -> int:
         say(f"{config} starts no local workers: the lines wait for workers of other hosts")
     say(f"job {job_id}: {run.input} -> {run.output}; broker on {settings.data_path}")
     if resumed:
-        say(_resuming(run))
+        say(resuming_line(run.input, run.output, run.errors))
     broker = start_broker(config, run.state_dir / "broker.err")
     try:
         code = _drive(run, settings, job_id, broker, progress, say)
@@ -275,7 +254,6 @@ def _drive(run: OneShot, settings, job_id: str, broker, progress: ProgressLine, 
     from collector.delivery.decoders import model_decoders
     from collector.results_client import ResultsClient
     from ingest.submit_client import Producer
-    from pipeline.core.errors import BrokerUnavailableError
     from pipeline.transport.security import client_curve
 
     curve = client_curve(settings.security, None, None)  # the config's keys, if it sets any
@@ -287,32 +265,25 @@ def _drive(run: OneShot, settings, job_id: str, broker, progress: ProgressLine, 
                 f"{run.state_dir / 'broker.err'} and {settings.data_path / 'log'}; run the same "
                 f"command again to resume"
             )
-        for worker in read_restarts(settings.data_path):  # a restart would fail the same way
-            if worker["last_exit"] == f"exit code {exitcodes.ENGINE_CANNOT_START}":
-                why = str(worker["last_error"]).split("the engine cannot start: ", 1)[-1]
-                raise OneShotError(
-                    f"{worker['stage']} cannot start its engine: {why}; fix its model or "
-                    f"engine options, then run the same command again to resume"
-                )
+        stuck = engine_cannot_start(settings.data_path)  # a restart would fail the same way
+        if stuck:
+            raise OneShotError(
+                f"{stuck}; fix its model or engine options, then run the same command again "
+                "to resume"
+            )
 
     address = client_address(settings.ingest.bind)
     # patient: the broker started a moment ago and may not listen yet
     with Producer(address, timeout_s=30.0, attempts=20, curve=curve, patient=True) as producer:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:  # the front answers once recovery is done and the stages are up
-            alive()
-            try:
-                producer.job_status(job_id)
-                break
-            except BrokerUnavailableError:
-                if time.monotonic() > deadline:
-                    raise OneShotError(
-                        f"the broker did not answer within {START_TIMEOUT_S:.0f} s; see "
-                        f"{run.state_dir / 'broker.err'}"
-                    ) from None
+        if not wait_ready(producer, job_id, alive, START_TIMEOUT_S):
+            raise OneShotError(
+                f"the broker did not answer within {START_TIMEOUT_S:.0f} s; see "
+                f"{run.state_dir / 'broker.err'}"
+            )
         report = producer.submit_file(  # a rerun skips the chunks already durable
             run.input,
             job_id,
+            limits=run.limits,
             progress=lambda r, lines: progress.show(f"{job_id}: submitting, line {lines}"),
         )
     say(_queued(job_id, report))
@@ -360,7 +331,7 @@ def _drive(run: OneShot, settings, job_id: str, broker, progress: ProgressLine, 
     if not (is_terminal(info.get("state")) and total is not None and done >= total):
         return exitcodes.FAILED
     if total and not int(info.get("completed", 0)):
-        say(f"no line succeeded: all {total} lines failed; {_first_error(run.errors)}")
+        say(f"no line succeeded: all {total} lines failed; {first_error(run.errors)}")
         return exitcodes.ALL_FAILED
     return exitcodes.OK
 
@@ -400,19 +371,6 @@ def _progress_text(job_id: str, report, tty: bool) -> str:
     )
 
 
-def _first_error(errors: Path) -> str:
-    """`see ERRORS (the first says: ...)`: why the lines failed, from the errors file."""
-    import orjson
-
-    try:
-        with open(errors, "rb") as f:
-            first = orjson.loads(f.readline())
-        message = (first.get("error") or {}).get("message") or first["response"]["body"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return f"see {errors}"
-    return f"see {errors} (the first says: {str(message)[:300]})"
-
-
 def add_parser(commands) -> None:
     """`run.py batch`: its arguments, on run.py's subcommands."""
     batch = commands.add_parser(
@@ -441,6 +399,7 @@ def add_parser(commands) -> None:
         help="without --config: another name the lines may give the model, e.g. gpt-4o-mini "
         "(repeatable); the output's model repeats it",
     )
+    limit_options(batch)
     batch.set_defaults(handler=_batch)
 
 
@@ -462,5 +421,6 @@ def _batch(args) -> int:
             args.tokenizer,
             args.workers,
             tuple(args.alias),
+            limits_of(args),
         )
     )

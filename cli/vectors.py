@@ -1,4 +1,5 @@
-"""`python run.py vectors stats|search|export`: the vector store from the command line."""
+"""`python run.py vectors stats|search|export`: the vector store from the command line
+(docs/vectors.md)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,17 @@ from pathlib import Path
 import numpy as np
 import orjson
 
+from cli.common import address, client_options, curve
 from collector.vectors.client import VectorsClient, embed_texts
 from collector.vectors.search import METRICS
-from collector.vectors.shard import VectorInputError
 from collector.vectors.texts import input_texts
+from collector.vectors.vector_errors import VectorInputError
+from config import load_settings
 from pipeline.core import exitcodes
 from pipeline.core.item_seq import index_of
 
 
-def add_parser(commands, client_options, handler) -> None:
+def add_parser(commands) -> None:
     vectors = commands.add_parser("vectors", help="the vector store: stats, search, export")
     actions = vectors.add_subparsers(dest="action", required=True)
     stats = actions.add_parser("stats", help="stores, rows, shards, jobs being delivered")
@@ -39,12 +42,18 @@ def add_parser(commands, client_options, handler) -> None:
     export.add_argument("--store", required=True, help="store name")
     export.add_argument("-o", "--output", required=True, help="out.npy or out.parquet")
     client_options(export, "vectors")
-    vectors.set_defaults(handler=handler)
+    vectors.set_defaults(handler=vectors_command)
 
 
-def run_vectors(args: argparse.Namespace, address: str, settings_of, curve=None) -> int:
-    """One `vectors` action against the vector stage at `address`; `curve`: the client's CURVE keys."""
-    with VectorsClient(address, timeout_s=args.timeout, curve=curve) as client:
+def vectors_command(args: argparse.Namespace) -> int:
+    """One `vectors` action against the vector stage (--broker, else the config's)."""
+
+    def settings_of():
+        return load_settings(args.config)
+
+    with VectorsClient(
+        address(args, "vectors"), timeout_s=args.timeout, curve=curve(args)
+    ) as client:
         if args.action == "stats":
             return _stats(client, args)
         if args.action == "search":
@@ -164,16 +173,13 @@ def _search(client: VectorsClient, args, settings_of) -> int:
 
 
 def _export(client: VectorsClient, args) -> int:
+    from cli.progress_line import ProgressLine
+
     out = Path(args.output)
-    tty = sys.stderr.isatty()
-
-    def progress(done: int, total: int) -> None:
-        if tty:
-            print(f"\rexport: {done:,}/{total:,} rows", end="", file=sys.stderr, flush=True)
-
-    rows = client.export(args.store, out, progress)
-    if tty:
-        print(file=sys.stderr)
+    with ProgressLine(every_s=5.0) as line:  # ended, whatever happens
+        rows = client.export(
+            args.store, out, lambda done, total: line.show(f"export: {done:,}/{total:,} rows")
+        )
     extra = f" (ids and custom_ids: {out}.ids.jsonl)" if out.suffix.lower() == ".npy" else ""
     print(f"export: {rows:,} rows of store {args.store} to {out}{extra}", file=sys.stderr)
     return exitcodes.OK
