@@ -379,7 +379,9 @@ def test_an_engine_that_cannot_start_stops_the_batch_and_status_names_it(tmp_pat
             "status to name the engine's error",
             timeout_s=120,
         )
-        assert "local worker-0: restarting" in said and "exit code 10" in said, said
+        # restarting, or (on a loaded host, between two looks) running again a moment before
+        # it dies the same way: either way status names the exit and its cause
+        assert "local worker-0: " in said and "exit code 10" in said, said
         assert b.stop() == exitcodes.OK, b.stderr
     finally:
         b.close()
