@@ -19,7 +19,6 @@ import json
 import random
 import tempfile
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -70,6 +69,7 @@ class _Server:
         self.httpd.daemon_threads = True
         self.httpd.owner = self
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.closing = threading.Event()  # ends a latency or a stall the server is playing
 
     @property
     def base_url(self) -> str:
@@ -80,6 +80,7 @@ class _Server:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.closing.set()
         self.httpd.shutdown()
         self.httpd.server_close()
 
@@ -91,7 +92,7 @@ class _UpstreamHandler(_Quiet):
         if not self.path.startswith("/v1/"):
             self.answer(404, b'{"error": {"message": "no such route (a test\'s 404)"}}')
             return
-        time.sleep(owner.latency_s)
+        owner.closing.wait(owner.latency_s)  # a slow server, until it closes
         prompt = request.get("prompt", request.get("input"))
         ids = owner.tokenizer.encode(prompt).ids if isinstance(prompt, str) else list(prompt)
         words = owner.tokenizer.decode(ids).split()
@@ -171,7 +172,7 @@ class _ProxyHandler(_Quiet):
             self.answer(500, json.dumps({"error": {"message": OOM_MESSAGE}}).encode())
         elif action in ("stall", "down"):
             if action == "stall":
-                time.sleep(proxy.stall_s)
+                proxy.closing.wait(proxy.stall_s)  # a stall, until the proxy closes
             self.close_connection = True
         else:
             conn = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=30)

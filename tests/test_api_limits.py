@@ -8,6 +8,7 @@ trickling a byte at a time), an idle keep-alive connection is closed after
 from __future__ import annotations
 
 import hashlib
+import select
 import socket
 import threading
 import time
@@ -199,7 +200,8 @@ def test_an_idle_keep_alive_connection_is_closed_after_its_timeout(served):
         for _ in range(3):  # kept open while it is used
             sock.sendall(request())
             assert response(sock)[0] == 200
-            time.sleep(KEEP_ALIVE_S / 4)  # idle, but for less than the timeout
+            # idle, but for less than the timeout: the server must not close it meanwhile
+            assert select.select([sock], [], [], KEEP_ALIVE_S / 4)[0] == []
         answered = time.monotonic()
         assert ended(sock)
         idle_s = time.monotonic() - answered
