@@ -182,6 +182,19 @@ class Broker:
             err.close()
         return self
 
+    def worker_argv(self, model: str, engine: str, *options: str, batch_items: int = 8) -> list:
+        """`python run.py worker` against this broker, for `model` on `engine`, its own process
+        as on a GPU host; `options`: `--option=KEY=VALUE` flags; batches cut as they come."""
+        settings = self.settings.dispatch
+        return [
+            sys.executable,
+            str(REPO / "run.py"),
+            "worker",
+            *("--broker", settings.bind, "--heartbeat", settings.heartbeat_bind),
+            *("--model", model, "--engine", engine, *options),
+            *("--batch-items", str(batch_items), "--target-batch-s", "0"),
+        ]
+
     def supervisor_log(self) -> str:
         """For people reading a failure; tests wait on `report()`, never on log text."""
         path = self.data_dir.log / "supervisor-0.log"

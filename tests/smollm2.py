@@ -20,7 +20,6 @@ import contextlib
 import functools
 import importlib.util
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -124,27 +123,9 @@ def broker_with_worker(tmp_path: Path, tmp_path_factory, model_toml: str = SMOL_
     worker = None
     try:
         worker = subprocess.Popen(  # its own process, as on a GPU host
-            [
-                sys.executable,
-                str(REPO / "run.py"),
-                "worker",
-                "--broker",
-                b.settings.dispatch.bind,
-                "--heartbeat",
-                b.settings.dispatch.heartbeat_bind,
-                "--model",
-                "smol",
-                "--engine",
-                "transformers",
-                "--option",
-                "threads=1",
-                "--option",
-                f"model={weights}",
-                "--batch-items",
-                "8",
-                "--target-batch-s",
-                "0",
-            ],
+            b.worker_argv(
+                "smol", "transformers", "--option", "threads=1", "--option", f"model={weights}"
+            ),
             cwd=REPO,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

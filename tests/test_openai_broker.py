@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -50,27 +49,15 @@ def openai_broker(tmp_path: Path, latency_s: float = 0.0, **options):
         flags = [f"--option={k}={v}" for k, v in options.items()]
         log = open(tmp_path / "worker.log", "w")  # noqa: SIM115 (closed once the child has it)
         worker = subprocess.Popen(
-            [
-                sys.executable,
-                str(REPO / "run.py"),
-                "worker",
-                "--broker",
-                b.settings.dispatch.bind,
-                "--heartbeat",
-                b.settings.dispatch.heartbeat_bind,
-                "--model",
+            b.worker_argv(
                 "up",
-                "--engine",
                 "openai",
                 f"--option=base_url={proxy.base_url}",
                 "--option=model=fake-upstream",
                 f"--option=tokenizer={tokenizer}",
                 *flags,
-                "--batch-items",
-                "64",
-                "--target-batch-s",
-                "0",
-            ],
+                batch_items=64,
+            ),
             cwd=REPO,
             stdout=subprocess.DEVNULL,
             stderr=log,

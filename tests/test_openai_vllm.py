@@ -15,7 +15,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import urllib.request
 from pathlib import Path
 
@@ -136,17 +135,8 @@ def broker_on_vllm(tmp_path: Path, server: VllmServer):
     config.write_text(config.read_text() + SMOL_OPENAI.format(tokenizer=tokenizer))
     b = Broker(config).start()
     worker = subprocess.Popen(
-        [
-            sys.executable,
-            str(REPO / "run.py"),
-            "worker",
-            "--broker",
-            b.settings.dispatch.bind,
-            "--heartbeat",
-            b.settings.dispatch.heartbeat_bind,
-            "--model",
+        b.worker_argv(
             "smol",
-            "--engine",
             "openai",
             f"--option=base_url={server.base_url}",
             "--option=model=smol",
@@ -154,11 +144,7 @@ def broker_on_vllm(tmp_path: Path, server: VllmServer):
             "--option=retry_for_s=5.0",
             "--option=timeout_s=120.0",
             "--option=max_concurrency=8",
-            "--batch-items",
-            "8",
-            "--target-batch-s",
-            "0",
-        ],
+        ),
         cwd=REPO,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
