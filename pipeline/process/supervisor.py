@@ -12,7 +12,8 @@
    ports (their pids in the last report); check what would stop a
    stage at start (pipeline/process/preflight.py: files the config names load, ports
    are free; exit 3 with the cause); start the heartbeat port and the metrics thread
-   (pipeline/telemetry/metrics_server.py).
+   (pipeline/telemetry/metrics_server.py), whose /live and /ready answer from `health`,
+   which each turn of the loop feeds (pipeline/telemetry/health.py).
 2. Run recovery (invariant 4), then `after_recovery` when it found damage,
    and hand finished segments to the collector.
 3. Create the shared-memory rings between stages, then start every stage
@@ -79,6 +80,7 @@ from pipeline.process.supervisor_report import (
 )
 from pipeline.store.datadir import DataDir
 from pipeline.store.recovery import recover
+from pipeline.telemetry.health import Health
 from pipeline.telemetry.metrics_hub import MetricsHub
 from pipeline.telemetry.metrics_server import MetricsServer
 from pipeline.transport.ring import Ring
@@ -136,6 +138,7 @@ class Supervisor:
         self.heartbeat: Heartbeat | None = None
         self.metrics_hub = MetricsHub()  # what the stages report, restarts; served by `metrics`
         self.metrics: MetricsServer | None = None
+        self.health = Health()  # /live and /ready on metrics.bind (pipeline/telemetry/health.py)
         self.said_ready = False
         self.said_failures: set[str] = set()  # start failures already printed
         self.epoch = 0
@@ -206,7 +209,7 @@ class Supervisor:
         self._write_report()  # what an earlier broker life reported is stale
         self.heartbeat = Heartbeat(self.settings.dispatch.heartbeat_bind, self.epoch, security)
         self.heartbeat.start()
-        self.metrics = MetricsServer(self.settings, self.metrics_hub)
+        self.metrics = MetricsServer(self.settings, self.metrics_hub, self.health)
         self.metrics.start()
         report = recover(self.data_dir, self.settings.broker.recovery_processes)
         log.info(
@@ -306,6 +309,7 @@ class Supervisor:
                 child.release_ready()
                 changed = True
         self._say_ready()
+        self.health.turned(c.spec.label for c in self._children if c.spec.critical and not c.up)
         if changed:
             self._write_report()
         if self.collector is None:
@@ -405,6 +409,7 @@ class Supervisor:
     # ---- stopping ------------------------------------------------------------
     def stop(self) -> None:
         """Stop stages front first; SIGKILL any that outlive `stop_timeout_s`."""
+        self.health.stopping()
         for child in self._children:
             process = child.process
             if process is None:

@@ -4,6 +4,7 @@
 |-----------------|-----------|-----------------------------------------------------------|
 | `metrics` ipc   | PULL      | every stage process: STATS (pipeline/telemetry/metrics.py)          |
 | `metrics.bind`  | HTTP      | Prometheus: GET /metrics, text exposition format           |
+|                 |           | probes: GET /live, GET /ready (pipeline/telemetry/health.py) |
 
 The thread only moves reports into the `MetricsHub`; the HTTP server
 (prometheus_client's WSGI app, on its own daemon thread) renders the hub, the restart
@@ -26,6 +27,7 @@ from collections.abc import Iterator
 from pipeline.core.wake_pipe import WakePipe
 from pipeline.store.datadir import DataDir
 from pipeline.store.segment_format import SUFFIX
+from pipeline.telemetry.health import Health, with_probes
 from pipeline.telemetry.metric_catalogue import COUNTER, GAUGE, HISTOGRAM, METRICS
 from pipeline.telemetry.metrics_hub import MetricsHub
 from pipeline.transport.binds import host_port
@@ -34,15 +36,15 @@ from pipeline.transport.topology import internal_address
 log = logging.getLogger("fabric.metrics")
 
 
-def _http_server(host: str, port: int, registry, wake: WakePipe):
-    """prometheus_client's threading WSGI server on `host:port` and the daemon thread serving it
+def _http_server(host: str, port: int, app, wake: WakePipe):
+    """prometheus_client's threading WSGI server running `app` on `host:port`, and the daemon
+    thread serving it
     that waits for a connection or `wake` (prometheus_client's own `start_http_server`, and
     socketserver's `serve_forever`, look for a stop every 0.5 s, which every broker stop
     waited out). Raises OSError when it cannot listen."""
     import socket
     from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-    from prometheus_client import make_wsgi_app
     from prometheus_client.exposition import ThreadingWSGIServer
 
     class Server(ThreadingWSGIServer):
@@ -54,7 +56,7 @@ def _http_server(host: str, port: int, registry, wake: WakePipe):
         def log_message(self, format: str, *args: object) -> None:
             """A scrape is not worth a line on stderr."""
 
-    httpd = make_server(host, port, make_wsgi_app(registry), Server, handler_class=QuietHandler)
+    httpd = make_server(host, port, app, Server, handler_class=QuietHandler)
     httpd.timeout = 0.5  # a connection gone before its accept: handle_request waits no longer
     thread = threading.Thread(target=_serve, args=(httpd, wake), name="metrics-http", daemon=True)
     thread.start()
@@ -181,10 +183,11 @@ class FabricCollector:
 class MetricsServer(threading.Thread):
     """Receives the stages' STATS into `hub` and serves Prometheus metrics on `metrics.bind`."""
 
-    def __init__(self, settings, hub: MetricsHub) -> None:
+    def __init__(self, settings, hub: MetricsHub, health: Health | None = None) -> None:
         super().__init__(name="metrics", daemon=True)
         self.settings = settings
         self.hub = hub
+        self.health = health or Health()  # answers /live and /ready beside /metrics
         self.bind = settings.metrics.bind
         self.httpd = None
         self._http_thread: threading.Thread | None = None
@@ -195,7 +198,7 @@ class MetricsServer(threading.Thread):
         """Serve HTTP (if `metrics.bind` is set) and start taking reports."""
         if not self.bind:
             return
-        from prometheus_client import CollectorRegistry
+        from prometheus_client import CollectorRegistry, make_wsgi_app
 
         registry = CollectorRegistry(auto_describe=False)
         registry.register(FabricCollector(self.hub, DataDir(self.settings.data_path)))
@@ -203,7 +206,8 @@ class MetricsServer(threading.Thread):
         assert target is not None, self.bind
         host, port = target
         try:
-            self.httpd, self._http_thread = _http_server(host, port, registry, self._wake)
+            app = with_probes(self.health, make_wsgi_app(registry))
+            self.httpd, self._http_thread = _http_server(host, port, app, self._wake)
         except OSError as exc:
             log.error(
                 "metrics endpoint %s: cannot listen (%s); serving no metrics: "
