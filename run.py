@@ -66,14 +66,20 @@ def _serving(argv: list[str]) -> bool:
     return bool(argv) and argv[0] not in (*COMMANDS, "-h", "--help")
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command line after the program's name, as `main` reads it (a bad one exits 2):
+    also what checks the commands deploy/ runs (tests/test_deploy_manifests.py)."""
+    parser = serve_parser() if _serving(argv) else build_parser(argv[0] if argv else None)
+    return parser.parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # numpy's BLAS on one thread in this process and every one it starts, unless set: an
     # OpenBLAS pool starts a spinning thread per core in each process (docs/operations.md).
     # Before any command imports numpy (`import run` does not).
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-    parser = serve_parser() if _serving(argv) else build_parser(argv[0] if argv else None)
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
     args.argv = argv  # how to run it again (`submit` interrupted)
     note_config(None if getattr(args, "broker", None) else getattr(args, "config", None))
     logging.basicConfig(

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from collections import Counter
 from pathlib import Path
@@ -130,6 +131,22 @@ max_tokens = {TEXT_LIMIT_TOKENS}
     path = tmp_path / "broker.toml"
     path.write_text(text)
     return path
+
+
+def probe(bind: str, path: str, timeout_s: float = 5.0) -> tuple[int, str] | None:
+    """(status, body) of GET http://bind/path, or None when nothing answered in time."""
+    try:
+        with urllib.request.urlopen(f"http://{bind}{path}", timeout=timeout_s) as answer:
+            return answer.status, answer.read().decode()
+    except urllib.error.HTTPError as exc:
+        with exc:
+            return exc.code, exc.read().decode()
+    except TimeoutError:
+        return None
+    except urllib.error.URLError as exc:  # a connect that timed out
+        if isinstance(exc.reason, TimeoutError):
+            return None
+        raise
 
 
 class Broker:

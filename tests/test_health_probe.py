@@ -5,28 +5,11 @@ from __future__ import annotations
 
 import os
 import signal
-import urllib.error
-import urllib.request
 
-from broker import Broker, write_config
+from broker import Broker, probe, write_config
 from conftest import wait_for
 
 from pipeline.telemetry.health import LOOP_STALE_S, Health
-
-
-def probe(bind: str, path: str, timeout_s: float = 5.0) -> tuple[int, str] | None:
-    """(status, body) of GET http://bind/path, or None when nothing answered in time."""
-    try:
-        with urllib.request.urlopen(f"http://{bind}{path}", timeout=timeout_s) as answer:
-            return answer.status, answer.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
-    except TimeoutError:
-        return None
-    except urllib.error.URLError as exc:  # a connect that timed out
-        if isinstance(exc.reason, TimeoutError):
-            return None
-        raise
 
 
 class FakeClock:
