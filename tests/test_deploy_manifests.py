@@ -63,6 +63,20 @@ KUSTOMIZE_KEYS = {
     "configMapGenerator",
     "generatorOptions",
 }
+# The prometheus trigger's metadata keys (KEDA pkg/scalers/prometheus_scaler.go, the commit
+# of tests/schemas/keda/SOURCE.md; the CRD types metadata as any strings). Required first.
+PROMETHEUS_REQUIRED = {"serverAddress", "query", "threshold"}
+PROMETHEUS_KEYS = PROMETHEUS_REQUIRED | {
+    "queryParameters",
+    "activationThreshold",
+    "namespace",
+    "customHeaders",
+    "ignoreNullValues",
+    "unsafeSsl",
+    "awsRegion",
+    "timeout",
+    "identityOwner",
+}
 DRAIN_MARGIN_S = 15  # a drained worker still sends its results and says goodbye
 
 
@@ -158,6 +172,12 @@ def validate_keda(resource: dict) -> None:
     validator.validate(resource)
     spec = resource["spec"]  # the CRD's one CEL rule, which jsonschema does not run
     assert spec.get("minReplicaCount", 0) <= spec.get("maxReplicaCount", 100)
+    for trigger in spec["triggers"]:  # what KEDA's scaler reads from the trigger's strings
+        if trigger["type"] == "prometheus":
+            keys = set(trigger["metadata"])
+            assert PROMETHEUS_REQUIRED <= keys <= PROMETHEUS_KEYS, keys
+            for key in ("threshold", "activationThreshold"):
+                float(trigger["metadata"].get(key, "0"))  # ValueError if not a number
 
 
 def validate(resource: dict) -> None:
@@ -215,6 +235,10 @@ BROKEN = [
      "spec.maxReplicaCount", "eight"),
     ("a trigger without its type", ("ScaledObject", "fabric-worker-minilm"),
      "spec.triggers.0.type", None),
+    ("a misspelt trigger key", ("ScaledObject", "fabric-worker-minilm"),
+     "spec.triggers.0.metadata.activationTreshold", "0"),
+    ("a threshold that is not a number", ("ScaledObject", "fabric-worker-minilm"),
+     "spec.triggers.0.metadata.threshold", "one"),
     ("fewer replicas at most than at least", ("ScaledObject", "fabric-worker-minilm"),
      "spec.minReplicaCount", 9),
 ]  # fmt: skip
@@ -233,7 +257,7 @@ def test_a_broken_copy_is_rejected_by_the_same_validation(rendered, what, key, p
         node[int(last)] = value
     else:
         node[last] = value
-    with pytest.raises((jsonschema.ValidationError, AssertionError)):
+    with pytest.raises((jsonschema.ValidationError, AssertionError, ValueError)):
         validate(broken)
 
 
