@@ -419,6 +419,21 @@ def test_each_model_has_workers_scaled_by_kedas_prometheus_trigger_on_its_demand
     assert served == {m.name for m in settings.models}
 
 
+def test_the_queries_name_the_demand_metric_as_the_catalogue_has_it(rendered):
+    """The ScaledObjects' metric, checked against the broker's catalogue once it serves it
+    (issue 32, item 1: built beside these manifests)."""
+    from pipeline.telemetry.metric_catalogue import GAUGE, METRICS
+
+    metric = METRICS.get("fabric_workers_needed")
+    if metric is None:
+        pytest.skip("fabric_workers_needed is not in pipeline/telemetry/metric_catalogue.py yet")
+    assert (metric.kind, metric.labels) == (GAUGE, ("model",))
+    for key, resource in rendered.items():
+        if key[0] == "ScaledObject":
+            (trigger,) = resource["spec"]["triggers"]
+            assert "fabric_workers_needed{" in trigger["metadata"]["query"]
+
+
 def test_the_image_runs_the_projects_own_install_as_the_pods_user(rendered):
     entrypoint, _, user = image_command()
     assert entrypoint == ["/usr/bin/tini", "--", "fabric"]  # Debian's tini; the console script
