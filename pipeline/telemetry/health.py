@@ -4,8 +4,8 @@ An orchestrator (a Kubernetes liveness and readiness probe, a load balancer's
 health check) cannot speak the heartbeat port's ZeroMQ; these two plain HTTP
 answers say the same things the supervisor knows, from the same process:
 
-| path     | 200 when                                                     | 503 when                         |
-|----------|--------------------------------------------------------------|----------------------------------|
+| path     | 200 when                                                      | 503 when                         |
+|----------|---------------------------------------------------------------|----------------------------------|
 | `/live`  | the supervisor is starting (recovery), stopping, or its loop  | its loop has not turned for      |
 |          | turned within LOOP_STALE_S (it turns at least every second)   | LOOP_STALE_S: it is stuck        |
 | `/ready` | recovery is done, every critical stage (all but local         | recovering, a critical stage     |
@@ -15,9 +15,8 @@ A local worker (not critical: restarted for ever) neither delays nor ends
 readiness: while its engine loads (minutes for vLLM) or after it died,
 producers, remote workers and results clients are served. So `/ready` may
 answer 200 before stderr's `fabric: ready` line, which waits for local
-workers too. The body
-is one line for people (`ready`, `not ready: stage dispatch-0 is not up`);
-programs read the status code. The supervisor's loop feeds `Health`
+workers too. The body is one line for people (`ready`, `not ready: stage
+dispatch-0 not up`); programs read the status code. The supervisor's loop feeds `Health`
 (pipeline/process/supervisor.py); the metrics thread's HTTP server answers
 from it (pipeline/telemetry/metrics_server.py).
 """
