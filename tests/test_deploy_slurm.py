@@ -105,7 +105,7 @@ def test_array_tasks_run_a_job_and_one_signalled_mid_job_drains_and_exits_0(tmp_
     n = 3000
     data = tmp_path / "in.jsonl"
     data.write_text("".join(json.dumps({"custom_id": f"s{i}", **line}) + "\n" for i in range(n)))
-    slow = ("--option", "tokens_per_s=20000", "--batch-items", "32", "--target-batch-s", "0")
+    slow = ("--option", "tokens_per_s=1000", "--batch-items", "32", "--target-batch-s", "0")
     tasks: list[subprocess.Popen] = []
     try:
         done = run_cli("submit", str(data), "--job-id", "slurm", "--config", str(config))
