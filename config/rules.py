@@ -327,6 +327,20 @@ WORKER_GROUP_RULES: Final[dict[str, Rule]] = {
     },
 }
 
+# One [[fleet]] table (config/defaults.py FLEET_DEFAULTS): its Ray keys, then those of a
+# [[workers]] table but `count`.
+FLEET_RULES: Final[dict[str, Rule]] = {
+    "model": WORKER_GROUP_RULES["model"],
+    "min": count(0, " (0: no actor while the model has no work)"),
+    "max": count(1),
+    "num_gpus": interval("GPUs", zero_ok=True),
+    "num_cpus": interval("CPUs", zero_ok=True),
+    "accelerator_type": Rule(
+        "string", 'a Ray accelerator type such as "H100", or "" for any', lambda v: None
+    ),
+    **{key: rule for key, rule in WORKER_GROUP_RULES.items() if key not in ("count", "model")},
+}
+
 MODEL_RULES: Final[dict[str, Rule]] = {
     "name": Rule("string", f"a name of {NAME_RULE}", name_problem),
     "engine": Rule(
