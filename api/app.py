@@ -26,7 +26,7 @@ from api.batch_limits import check_limits
 from api.batch_record import BatchRecord
 from api.batch_store import BatchStore, idempotent_batch_id, new_batch_id, to_openai
 from api.control_routes import add_control_routes, priority_of
-from api.dispatch_view import DispatchView, add_demand_route
+from api.dispatch_view import DispatchView, JobNumbers, add_demand_route
 from api.errors import ApiError, invalid, not_found
 from api.file_store import PURPOSE_INPUT, FileStore
 from api.keys import KeyRing
@@ -102,6 +102,7 @@ def make_app(
     add_control_routes(app, batches, owner_of)  # POST /v1/batches/{id}/pause, /resume
     dispatch = DispatchView(dispatch_address, client_curve(settings.security))
     add_demand_route(app, dispatch, owner_of)  # GET /v1/fabric/demand (an extension)
+    job_numbers = JobNumbers(root.parent)  # a batch's job is named after it
 
     # ---- files -----------------------------------------------------------------------------
     @app.post("/v1/files")
@@ -201,6 +202,8 @@ def make_app(
         delivery = outbox.find(event_id(record.id)) if record.ended else None
         if delivery is not None:
             out["fabric_webhook"] = delivery.summary()
+        if not record.ended:  # its deadline's live projection (api/dispatch_view.py)
+            out = dispatch.with_projection(out, job_numbers.of(record.id))
         return out
 
     @app.post("/v1/batches")

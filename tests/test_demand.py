@@ -9,11 +9,14 @@ clock: 20 items/s, 1280 lane-padded tokens/s, 0.05 worker-seconds per item.
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import numpy as np
 from dispatch_stepped import FAST, LANE, MT, SteppedDispatch
 from test_deadline_dispatch import make_job, write_segment
 
+from cli.deadline_promise import promise
+from gpu.dispatch.demand import project_new
 from pipeline.core import item_seq
 
 BATCH = 10
@@ -92,6 +95,20 @@ def test_workers_needed_and_projections_follow_the_documented_formulas(tmp_path)
         assert proj_b["projected_finish_s"] == pytest_approx(now + b_s / 2)
         assert proj_b["at_risk"] is False and proj_b["workers_to_finish"] == 1
         assert row["jobs_at_risk"] == 1
+
+        # a job not stored yet (100 lines: 5 s of one worker at 20 items/s), due with A: A
+        # has less slack and goes first, so it finishes after share(19 + 5 s) = 32 s of work
+        # over 2 workers, 16 s: late; 3 workers would make it in A's 11 s
+        new = project_new(info, "echo", 100, made + 14, 0, now)
+        assert new.finish_s == pytest_approx(now + 32 / 2) and new.at_risk
+        assert new.workers_to_finish == 3
+        words = promise(info, Counter(echo=100), made + 14, 0)
+        assert words.at_risk and words.words.startswith("at risk (projected ")
+        assert "with 2 workers; 3 would finish by " in words.words
+        roomy = promise(info, Counter(echo=100), made + 3600, 0)
+        assert not roomy.at_risk and roomy.words.startswith("on track (projected ")
+        assert project_new(info, "sim", 100, made + 14, 0, now) is None  # no rate: no guess
+        assert promise(info, Counter(sim=5), made + 14, 0).words.startswith("no projection")
 
         d.step(20.0)  # A's deadline has passed: counted as LATE_FLOOR_S (10 s) left
         row = d.broker_info()["demand"]["echo"]

@@ -39,7 +39,7 @@ class JobWork:
     deadline_s: float  # wall seconds since the epoch
     priority: int
     items: int  # pending and in flight
-    tokens: int  # lane-padded
+    tokens: int | None  # lane-padded; None: not known (a job not stored yet: its items count)
 
 
 @dataclass(frozen=True)
@@ -139,3 +139,30 @@ def project(
         needed = max(1, ceil_workers(work_s, left_s)) if left_s > 0 else None
         answer.append(Projection(job.job_no, job.deadline_s, finish, workers, needed))
     return answer
+
+
+NEW_JOB = -1  # the job number a job not submitted yet goes by in `project_new`
+
+
+def project_new(
+    info: dict, model: str, items: int, deadline_s: float, priority: int, now_s: float
+) -> Projection | None:
+    """The projection of a job not stored yet, of `items` lines of `model`, among the jobs
+    dispatch's status answer (`info`, BROKER_INFO) lists: its `demand`, `work_left` and
+    `deadline_jobs`. None when no rate is measured for the model (no guess)."""
+    row = info.get("demand", {}).get(model)
+    if row is None:
+        return None
+    rate = Rate(row["worker_items_per_s"], row["worker_tokens_per_s"])
+    if not rate.known:
+        return None
+    left = info.get("work_left", {}).get(model, {"items": 0, "tokens": 0})
+    jobs = [
+        JobWork(int(no), j["deadline_s"], j["priority"], j["items"], j["tokens"])
+        for no, j in info.get("deadline_jobs", {}).items()
+        if j["model"] == model
+    ]
+    new = JobWork(NEW_JOB, deadline_s, priority, items, None)
+    total_s = rate.seconds(left["items"], left["tokens"]) + rate.seconds(items)
+    mine = project([*jobs, new], total_s, row["workers"], rate, now_s)
+    return next(p for p in mine if p.job_no == NEW_JOB)

@@ -70,6 +70,7 @@ class Demand:
         self.rates = WorkerRates()
         self.models: dict[str, ModelDemand] = {}
         self.jobs: dict[int, dict] = {}  # job number -> its projection (the status answer)
+        self.work_left: dict[str, dict[str, int]] = {}  # model -> pending + in flight
 
     def refresh(self, stage, now: float) -> None:
         """Gather queues, leases, deadlines and rates; estimate; hand the slack order each
@@ -105,12 +106,13 @@ class Demand:
         jobs = self._deadline_jobs(stage, per_job, now)
         oldest = oldest_ages(stage, time.time())
         models = {m.name for m in stage.settings.models} | {m for m, _ in pending | flying}
-        self.models, self.jobs, lead_s = {}, {}, {}
+        self.models, self.jobs, self.work_left, lead_s = {}, {}, {}, {}
         for model in sorted(models):
             rate = self.rates.per_worker(model, sessions[model])
             items = pending[model, "items"] + flying[model, "items"]
             tokens = pending[model, "tokens"] + flying[model, "tokens"]
             total_s = rate.seconds(items, tokens) if rate.known else None
+            self.work_left[model] = {"items": items, "tokens": tokens}
             workers = len(sessions[model])
             mine = jobs.get(model, [])
             need = workers_needed(mine, total_s, items > 0, workers, rate, wall_now, self.horizon_s)
@@ -120,10 +122,9 @@ class Demand:
             for job in mine:
                 if rate.known:
                     lead_s[job.job_no] = rate.seconds(job.items, job.tokens) / max(1, workers)
-            for p in projections or [
-                Projection(j.job_no, j.deadline_s, None, workers, None) for j in mine
-            ]:
-                self._keep(model, p, rate.known)
+            unknown = [Projection(j.job_no, j.deadline_s, None, workers, None) for j in mine]
+            for job, p in zip(mine, _in_order_of(mine, projections or unknown), strict=True):
+                self._keep(model, job, p, rate.known)
             self.models[model] = ModelDemand(
                 need,
                 pending[model, "items"],
@@ -154,11 +155,14 @@ class Demand:
                 answer[model].append(JobWork(job, float(deadline), int(priority), items, tokens))
         return answer
 
-    def _keep(self, model: str, p: Projection, measured: bool) -> None:
+    def _keep(self, model: str, job: JobWork, p: Projection, measured: bool) -> None:
         """The job's projection; a job of several models finishes with the latest."""
         before = self.jobs.get(p.job_no)
         row = {
             "model": model,
+            "items": job.items,  # its work left (pending and in flight): what a projection
+            "tokens": job.tokens,  # of a job submitted now counts ahead of it
+            "priority": job.priority,
             "deadline_s": p.deadline_s,
             "projected_finish_s": p.finish_s,
             "measured": measured,  # False: no rate measured for the model yet, no projection
@@ -174,6 +178,11 @@ class Demand:
         if row is None:
             return Rate(None, None)
         return Rate(row.worker_items_per_s, row.worker_tokens_per_s)
+
+
+def _in_order_of(jobs: list[JobWork], projections: list[Projection]) -> list[Projection]:
+    by_job = {p.job_no: p for p in projections}
+    return [by_job[j.job_no] for j in jobs]
 
 
 def _finish(row: dict) -> float:
