@@ -113,6 +113,9 @@ DEFAULTS: Final[dict[str, Any]] = {
         "stall_batch_multiple": 20.0,
         # ... but never sooner than this (covers a session not measured yet, a slow batch).
         "stall_min_s": 300.0,
+        # The demand signal (fabric_workers_needed): work without a deadline should be
+        # done within this many seconds (docs/dispatch.md, Demand and deadlines).
+        "demand_horizon_s": 300.0,
         # Largest message accepted from a worker (RESULTS, REPORT, ...), in bytes (64 MiB);
         # a peer that sends more is disconnected.
         "max_message_bytes": 64 * 1024 * 1024,

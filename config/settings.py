@@ -97,6 +97,7 @@ class DispatchSettings:
     session_max_batches: int
     stall_batch_multiple: float
     stall_min_s: float
+    demand_horizon_s: float
     max_message_bytes: int
 
 
