@@ -44,8 +44,11 @@ def ray_head():
         head.stop()
 
 
-def fleet_config(tmp_path, min_actors: int, max_actors: int, tokens_per_s: float = 30000.0):
-    """A broker config with one [[fleet]] table: model `echo` on the simulated engine."""
+def fleet_config(
+    tmp_path, min_actors: int, max_actors: int, tokens_per_s: float = 30000.0, horizon_s=300.0
+):
+    """A broker config with one [[fleet]] table: model `echo` on the simulated engine;
+    `horizon_s`: dispatch's demand_horizon_s (a short one asks for more workers)."""
     table = f"""
 [[fleet]]
 model = "echo"
@@ -58,7 +61,8 @@ batch_items = 32
 target_batch_s = 0.0
 drain_s = 10.0
 """
-    return write_config(tmp_path, dispatch=FAST, extra=table)
+    dispatch = f"{FAST}\ndemand_horizon_s = {horizon_s}"
+    return write_config(tmp_path, dispatch=dispatch, extra=table)
 
 
 class Controller:
@@ -153,7 +157,8 @@ def results_once(tmp_path, config, job: str, good: set[int]) -> None:
 
 @pytest.mark.slow
 def test_fleet_scales_from_zero_runs_each_line_once_and_goes_back_to_zero(tmp_path, ray_head):
-    config = fleet_config(tmp_path, 0, 2)
+    """0 -> 2 -> 0: the job's work asks for 2 workers (3 s of horizon), its end for none."""
+    config = fleet_config(tmp_path, 0, 2, tokens_per_s=20000.0, horizon_s=3.0)
     b = Broker(config).start()
     ctl = Controller(tmp_path, config, ray_head.address, "scale").start("--scale-down-s", "1")
     try:
@@ -161,6 +166,9 @@ def test_fleet_scales_from_zero_runs_each_line_once_and_goes_back_to_zero(tmp_pa
         began = time.monotonic()
         wait_for(lambda: sessions(b), "an actor's worker to register", timeout_s=60)
         first_s = time.monotonic() - began
+        # the first worker's measured rate makes workers_needed 2 (one is all the fallback
+        # of a broker without a demand signal asks for)
+        wait_for(lambda: len(sessions(b)) == 2, "the demand's 2nd actor", timeout_s=60)
         results_once(tmp_path, config, "job", good)
         drained = time.monotonic()
         wait_for(lambda: not sessions(b) and not actor_pids(ray_head), "the fleet at 0", 30)
