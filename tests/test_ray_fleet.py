@@ -9,7 +9,7 @@ actors run the simulated engine, slowed so that a job lasts while a test kills t
 
 from __future__ import annotations
 
-import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -45,10 +45,16 @@ def ray_head():
 
 
 def fleet_config(
-    tmp_path, min_actors: int, max_actors: int, tokens_per_s: float = 30000.0, horizon_s=300.0
+    tmp_path,
+    min_actors: int,
+    max_actors: int,
+    tokens_per_s: float = 30000.0,
+    horizon_s=300.0,
+    security: str = "",
 ):
     """A broker config with one [[fleet]] table: model `echo` on the simulated engine;
-    `horizon_s`: dispatch's demand_horizon_s (a short one asks for more workers)."""
+    `horizon_s`: dispatch's demand_horizon_s (a short one asks for more workers);
+    `security`: a [security] section."""
     table = f"""
 [[fleet]]
 model = "echo"
@@ -62,7 +68,7 @@ target_batch_s = 0.0
 drain_s = 10.0
 """
     dispatch = f"{FAST}\ndemand_horizon_s = {horizon_s}"
-    return write_config(tmp_path, dispatch=dispatch, extra=table)
+    return write_config(tmp_path, dispatch=dispatch, extra=security + table)
 
 
 class Controller:
@@ -116,18 +122,54 @@ def actor_pids(head: LocalRay) -> set[int]:
     return pids
 
 
-def ray_kill(address: str, namespace: str, name: str) -> int:
-    """`ray.kill` of the named actor (no restart), from a driver of its own; its pid."""
-    code = (
-        "import ray, sys; ray.init(address=sys.argv[1], namespace=sys.argv[2]); "
-        "actor = ray.get_actor(sys.argv[3]); print(ray.get(actor.state.remote())['pid']); "
-        "ray.kill(actor, no_restart=True)"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code, address, namespace, name], capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stderr
-    return int(done.stdout.split()[-1])
+# A Ray driver of its own that kills actors when told, connected ahead (ray.init takes
+# seconds): "kill NAME" ray.kill()s the actor for good, "crash NAME" SIGKILLs its process
+# (Ray restarts it); each answers the actor's pid. "clear" kills every actor of the namespace.
+DRIVER = """
+import os, signal, sys, ray
+ray.init(address=sys.argv[1], namespace=sys.argv[2], log_to_driver=False)
+print("ready", flush=True)
+for line in sys.stdin:
+    word, name = line.split()[0], line.split()[-1]
+    if word == "clear":
+        for each in ray.util.list_named_actors():
+            ray.kill(ray.get_actor(each), no_restart=True)
+        print("cleared", flush=True)
+        continue
+    actor = ray.get_actor(name)
+    pid = ray.get(actor.state.remote())["pid"]
+    if word == "kill":
+        ray.kill(actor, no_restart=True)
+    else:
+        os.kill(pid, signal.SIGKILL)
+    print(pid, flush=True)
+"""
+
+
+class RayDriver:
+    def __init__(self, address: str, namespace: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", DRIVER, address, namespace],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+
+    def ask(self, line: str) -> str:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        return self.answer()
+
+    def answer(self) -> str:
+        said = self.proc.stdout.readline().strip()
+        assert said, f"the Ray driver ended ({self.proc.wait()})"
+        return said
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+        self.proc.stdout.close()
 
 
 def sessions(b: Broker) -> list[dict]:
@@ -159,9 +201,10 @@ def results_once(tmp_path, config, job: str, good: set[int]) -> None:
 def test_fleet_scales_from_zero_runs_each_line_once_and_goes_back_to_zero(tmp_path, ray_head):
     """0 -> 2 -> 0: the job's work asks for 2 workers (3 s of horizon), its end for none."""
     config = fleet_config(tmp_path, 0, 2, tokens_per_s=20000.0, horizon_s=3.0)
-    b = Broker(config).start()
     ctl = Controller(tmp_path, config, ray_head.address, "scale").start("--scale-down-s", "1")
+    b = Broker(config)
     try:
+        b.start()  # the controller connects to Ray meanwhile
         good = submit(tmp_path, config, "job")
         began = time.monotonic()
         wait_for(lambda: sessions(b), "an actor's worker to register", timeout_s=60)
@@ -186,26 +229,32 @@ def test_fleet_scales_from_zero_runs_each_line_once_and_goes_back_to_zero(tmp_pa
 @pytest.mark.slow
 def test_actors_killed_mid_batch_every_line_once(tmp_path, ray_head):
     config = fleet_config(tmp_path, 2, 2, tokens_per_s=15000.0)
-    b = Broker(config).start()
     ctl = Controller(tmp_path, config, ray_head.address, "kill").start()
+    driver = RayDriver(ray_head.address, "kill")
+    b = Broker(config)
     try:
+        b.start()
         wait_for(lambda: len(sessions(b)) == 2, "both actors' workers to register", 90)
+        assert driver.answer() == "ready"
         good = submit(tmp_path, config, "job")
         wait_for(lambda: all(s["batches"] for s in sessions(b)), "both actors to hold batches")
         before = actor_pids(ray_head)
-        assert len(before) == 2
-        gone = ray_kill(ray_head.address, "kill", "fabric-worker:echo#1")  # for good: replaced
-        (victim,) = before - {
-            gone
-        }  # its process dies (the OOM killer, a lost node): Ray restarts it
-        os.kill(victim, signal.SIGKILL)
-        killed = time.monotonic()
+        # one's process dies (the OOM killer, a lost node): Ray restarts it; the other is
+        # killed for good (ray.kill): the controller starts its slot again
+        killed = {int(driver.ask("crash fabric-worker:echo#0"))}
+        killed.add(int(driver.ask("kill fabric-worker:echo#1")))
+        assert killed == before
+        at = time.monotonic()
+        assert b.job_status("job")["completed"] < len(good)  # the kills were mid-job
         results_once(tmp_path, config, "job", good)
-        assert time.monotonic() - killed < JOB_S
+        assert time.monotonic() - at < JOB_S
         after = wait_for(lambda: len(p := actor_pids(ray_head)) == 2 and p, "2 actors again")
         assert not after & before  # both replaced
     finally:
-        ctl.down()
+        ctl.stop()
+        assert driver.ask("clear") == "cleared"
+        driver.close()
+    wait_for(lambda: not actor_pids(ray_head), "the actors to be gone")
     assert b.stop() == exitcodes.OK
     b.close()
     assert_check_clean(b.data_dir)
@@ -213,10 +262,23 @@ def test_actors_killed_mid_batch_every_line_once(tmp_path, ray_head):
 
 @pytest.mark.slow
 def test_controller_killed_and_restarted_adopts_its_actors(tmp_path, ray_head):
-    config = fleet_config(tmp_path, 2, 2, tokens_per_s=15000.0)
-    b = Broker(config).start()
-    ctl = Controller(tmp_path, config, ray_head.address, "adopt").start()
+    """...against a broker that requires CURVE keys: the fleet's own key, which only the
+    controller's host has as a file, reaches the actors (they register with it)."""
+    keys, authorized = tmp_path / "keys", tmp_path / "authorized_keys"
+    authorized.mkdir()
+    for name in ("broker", "fleet"):
+        assert run_cli("keys", "new", name, "--dir", str(keys)).returncode == 0
+    shutil.copy(keys / "fleet.key", authorized / "fleet.key")
+    security = (
+        f'[security]\nserver_key = "{keys}/broker.key_secret"\nauthorized_keys = "{authorized}"\n'
+    )
+    config = fleet_config(tmp_path, 2, 2, tokens_per_s=15000.0, security=security)
+    ctl = Controller(tmp_path, config, ray_head.address, "adopt")
+    ctl.args += ["--key", str(keys / "fleet.key_secret"), "--server-key", str(keys / "broker.key")]
+    ctl.start()
+    b = Broker(config)
     try:
+        b.start()
         wait_for(lambda: len(sessions(b)) == 2, "both actors' workers to register", 90)
         before, registered = actor_pids(ray_head), {s["session"] for s in sessions(b)}
         good = submit(tmp_path, config, "job")
