@@ -106,7 +106,13 @@ class FleetControl:
 
     # ---- Ray ------------------------------------------------------------------------------
     def connect(self, address: str) -> None:
-        ray.init(address=address, namespace=self.namespace, log_to_driver=False)
+        try:
+            ray.init(address=address, namespace=self.namespace, log_to_driver=False)
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            raise FabricError(
+                f"cannot join the Ray cluster at --ray {address} ({exc}); start one "
+                "(`ray start --head`) or pass the address of its head, HOST:6379"
+            ) from None
 
     def found(self) -> dict[str, tuple[str, int]]:
         """The fleet's actors in this namespace, by name: (model, slot)."""
