@@ -25,6 +25,9 @@ from assembly.fleet import FAILED_PAUSE_S, ModelFleet, Plan, Slot, workers_neede
 from bench.ray_cluster import LocalRay
 from config import load_settings
 from config.settings import build_fleet
+from gpu.engines.base import EngineError
+from gpu.engines.simulated import SimulatedEngine
+from gpu.worker.hosted import HostedWorker
 from gpu.worker.options import WorkerOptions
 from pipeline.core import exitcodes
 from pipeline.core.errors import ConfigError, FabricError
@@ -373,3 +376,42 @@ def test_a_fleet_table_gives_the_actors_worker_options(tmp_path):
     assert options.engine == "minilm" and options.drain_s == 5.0
     assert options.engine_options == {"threads": 2, "batch_size": 8}
     assert load_settings(tmp_path / "f.toml").workers.local == 1  # [workers] is untouched
+
+
+class _NoLoad(SimulatedEngine):
+    def load(self) -> None:
+        raise EngineError("simulated: no such model (a test)")
+
+
+def test_a_hosted_worker_runs_a_job_and_drains_as_sigterm_drains_a_worker(tmp_path):
+    """gpu/worker/hosted.py without Ray: the session an actor hosts runs a job, each line
+    once; drain() finishes or hands back and says BYE (the broker forgets it at once); an
+    engine that cannot load fails it with exit code 10, holding nothing."""
+    config = write_config(tmp_path, dispatch=FAST)
+    b = Broker(config).start()
+    settings = b.settings.dispatch
+    options = WorkerOptions(
+        settings.bind, "echo", settings.heartbeat_bind, batch_items=32, target_batch_s=0.0
+    )
+    hosted = HostedWorker(options, SimulatedEngine(tokens_per_s=30000.0))
+    try:
+        wait_for(lambda: sessions(b), "the hosted worker to register")
+        assert hosted.state()["state"] == "running"
+        good = submit(tmp_path, config, "job", 600)
+        wait_for(lambda: any(s["batches"] for s in sessions(b)), "it to hold batches")
+        assert hosted.drain() == "draining"  # mid-job: it finishes its batch, hands back
+        wait_for(lambda: hosted.state()["state"] == "stopped", "the drain to end", 30)
+        assert hosted.state()["exit_code"] == exitcodes.OK
+        wait_for(lambda: not sessions(b), "the broker to forget the session (its BYE)", 5)
+        second = HostedWorker(options, SimulatedEngine(tokens_per_s=300000.0))
+        results_once(tmp_path, config, "job", good)  # what it handed back went to the next
+        second.drain()
+        wait_for(lambda: second.state()["state"] == "stopped", "the second drain to end", 30)
+        broken = HostedWorker(options, _NoLoad())
+        wait_for(lambda: broken.state()["state"] == "failed", "the engine's failure")
+        assert broken.state()["exit_code"] == exitcodes.ENGINE_CANNOT_START
+    finally:
+        hosted.drain()
+    assert b.stop() == exitcodes.OK
+    b.close()
+    assert_check_clean(b.data_dir)

@@ -48,6 +48,7 @@ class HostedWorker:
         try:
             self.worker.open()  # loads the engine: minutes for a large model
         except Exception as exc:  # an engine that cannot start: nothing was leased yet
+            self.worker.engine_thread.close()  # its wake pipe (never started), the engine
             self._end("failed", exitcodes.ENGINE_CANNOT_START, f"engine did not start: {exc}")
             return
         self._state = "draining" if self._stop.is_set() else "running"
