@@ -13,6 +13,7 @@ python run.py pause JOB | resume JOB               hold a job's queued items bac
 python run.py priority JOB N                       change a running job's priority (higher first)
 python run.py vectors stats|search|export          the vector store (docs/vectors.md)
 python run.py worker --broker ADDR --model M --engine E   a GPU (or CPU) worker process
+python run.py fleet --ray ADDRESS --config F       workers as Ray actors, sized by the broker's demand
 python run.py check --config prod.toml [--fix]     offline consistency check of the data dir
 python run.py batch IN.jsonl -o OUT.jsonl [--config F | --model M --engine E]   one-shot, resumable
 python run.py keys new NAME [--dir DIR]            a CURVE key pair (docs/operations.md)
@@ -47,7 +48,7 @@ from pipeline.core.invocation import note_config
 
 # The commands, in the order `--help` lists them: each is the module cli/<command>.py.
 COMMANDS: tuple[str, ...] = ("batch", "demo", "check", "keys", "submit", "status", "results")
-COMMANDS += ("cancel", "pause", "resume", "priority", "vectors", "worker", "smollm2-dir")
+COMMANDS += ("cancel", "pause", "resume", "priority", "vectors", "worker", "fleet", "smollm2-dir")
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:

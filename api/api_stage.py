@@ -81,7 +81,7 @@ class ApiStage(Stage[ApiStageSettings]):
             self.files.sweep()
             self.batches.sweep()
         endpoints = tuple(sorted({e for m in settings.models for e in m.endpoints}))
-        app = make_app(settings, root, endpoints)
+        app = make_app(settings, root, endpoints, client_address(settings.dispatch_bind))
         self.route_stats = app.state.route_stats
         self.sock = listening_socket(settings.api.bind, settings.api.processes > 1)
         config = uvicorn.Config(

@@ -26,6 +26,7 @@ from api.batch_limits import check_limits
 from api.batch_record import BatchRecord
 from api.batch_store import BatchStore, idempotent_batch_id, new_batch_id, to_openai
 from api.control_routes import add_control_routes, priority_of
+from api.dispatch_view import DispatchView, JobNumbers, add_demand_route
 from api.errors import ApiError, invalid, not_found
 from api.file_store import PURPOSE_INPUT, FileStore
 from api.keys import KeyRing
@@ -35,6 +36,7 @@ from api.upload import UploadParser, receive_upload
 from collector.webhook_outbox import Outbox
 from collector.webhooks import Webhooks, event_id
 from config.stage_settings import ApiStageSettings
+from pipeline.transport.security import client_curve
 
 READ_BLOCK = 1 << 20
 PARTIAL_HEADER = "X-Fabric-Partial"  # "true" on the content of a batch's file still growing
@@ -57,9 +59,16 @@ def parse_window(text: Any) -> int:
     return int(match[1]) * UNIT_S[match[2]]
 
 
-def make_app(settings: ApiStageSettings, root: Path, endpoints: tuple[str, ...]) -> FastAPI:
-    """The app over `<data_dir>/api` (`root`); `endpoints`: the urls the broker's models serve.
-    `app.state.route_stats` counts the requests (RouteStats)."""
+def make_app(
+    settings: ApiStageSettings,
+    root: Path,
+    endpoints: tuple[str, ...],
+    dispatch_address: str | None = None,
+) -> FastAPI:
+    """The app over `<data_dir>/api` (`root`); `endpoints`: the urls the broker's models serve;
+    `dispatch_address`: where dispatch answers status (the demand, deadline projections;
+    None: nowhere, those answer 503 or are left out). `app.state.route_stats` counts the
+    requests (RouteStats)."""
     files = FileStore(root)
     batches = BatchStore(root)
     keys = KeyRing(settings.api.keys_file)
@@ -91,6 +100,9 @@ def make_app(settings: ApiStageSettings, root: Path, endpoints: tuple[str, ...])
 
     add_models_routes(app, settings, owner_of)  # GET /v1/models, /v1/models/{id}
     add_control_routes(app, batches, owner_of)  # POST /v1/batches/{id}/pause, /resume
+    dispatch = DispatchView(dispatch_address, client_curve(settings.security))
+    add_demand_route(app, dispatch, owner_of)  # GET /v1/fabric/demand (an extension)
+    job_numbers = JobNumbers(root.parent)  # a batch's job is named after it
 
     # ---- files -----------------------------------------------------------------------------
     @app.post("/v1/files")
@@ -190,6 +202,8 @@ def make_app(settings: ApiStageSettings, root: Path, endpoints: tuple[str, ...])
         delivery = outbox.find(event_id(record.id)) if record.ended else None
         if delivery is not None:
             out["fabric_webhook"] = delivery.summary()
+        if not record.ended:  # its deadline's live projection (api/dispatch_view.py)
+            out = dispatch.with_projection(out, job_numbers.of(record.id))
         return out
 
     @app.post("/v1/batches")

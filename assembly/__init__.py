@@ -12,4 +12,6 @@ this package, and above it the command line (run.py and cli/) and bench/
 | `assembly/broker.py`   | the supervisor with its stages, rings and housekeeping        |
 | `assembly/check.py`    | `run.py check`: the logs, jobs, vector stores and lost items  |
 | `assembly/private_broker.py` | a broker a command starts for itself (the demo, `run.py batch`) |
+| `assembly/fleet.py`    | a Ray fleet's rule of a turn: what to start, drain and remove  |
+| `assembly/ray_fleet.py` | `run.py fleet`: workers as Ray actors (the one module importing Ray) |
 """

@@ -41,7 +41,18 @@ def add_parser(commands) -> None:
     submit.add_argument(
         "--deadline",
         help="when the job should be done: a duration (90s, 30m, 2h, 1d), an ISO 8601 time or "
-        "seconds since the epoch; dispatch serves earlier deadlines first (a hint, never a gate)",
+        "seconds since the epoch; the broker says whether the job is on track or at risk, and "
+        "dispatch serves the least slack first (a hint, never a gate)",
+    )
+    submit.add_argument(
+        "--deadline-strict",
+        action="store_true",
+        help="with --deadline: refuse the job, storing nothing, when the broker projects it "
+        "would finish after its deadline with the workers there are (exit code 11)",
+    )
+    submit.add_argument(
+        "--dispatch",
+        help="dispatch's address, for the deadline projection (default: the config's)",
     )
     submit.add_argument(
         "--priority",
@@ -83,7 +94,14 @@ def submit_command(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return exitcodes.USAGE
     deadline = parse_deadline(args.deadline, time.time()) if args.deadline else None
+    if args.deadline_strict and deadline is None:
+        print("error: --deadline-strict needs a --deadline", file=sys.stderr)
+        return exitcodes.USAGE
     settings = load_settings(args.config)
+    if deadline is not None:
+        refused = deadline_answer(args, settings, deadline)
+        if refused is not None:
+            return refused
     address = args.broker or settings.ingest.bind
     notify = "" if args.notify is None else notify_url(args.notify, settings.api)
     if notify is None:
@@ -147,6 +165,42 @@ def submit_command(args: argparse.Namespace) -> int:
     )
     print(report.job_id)
     return exitcodes.OK
+
+
+def deadline_answer(args: argparse.Namespace, settings, deadline: float) -> int | None:
+    """Say whether the job is on track for `deadline` (cli/deadline_promise.py); the exit code
+    when --deadline-strict refuses it (at risk, or no answer to check with), else None."""
+    from cli.deadline_promise import lines_per_model, promise
+    from collector.results_client import DispatchClient
+    from pipeline.core.errors import FabricError
+    from pipeline.transport.topology import client_address
+
+    where = args.dispatch or client_address(settings.dispatch.bind)
+    try:
+        with DispatchClient(where, min(args.timeout, 5.0), 1, curve(args)) as client:
+            info = client.broker_status()
+    except FabricError as exc:
+        print(
+            f"deadline: no projection: dispatch at {where} did not answer ({exc})",
+            file=sys.stderr,
+        )
+        if args.deadline_strict:
+            print(
+                "refused (--deadline-strict): the deadline cannot be checked; nothing stored",
+                file=sys.stderr,
+            )
+            return exitcodes.UNAVAILABLE
+        return None
+    answer = promise(info, lines_per_model(args.file, settings), deadline, args.priority)
+    if answer.at_risk and args.deadline_strict:
+        print(
+            f"refused (--deadline-strict): {answer.words}; nothing stored. Add workers, move "
+            "the deadline, or submit without --deadline-strict",
+            file=sys.stderr,
+        )
+        return exitcodes.DEADLINE_AT_RISK
+    print(f"deadline: {answer.words}", file=sys.stderr)
+    return None
 
 
 def notify_url(given: str, api: ApiSettings) -> str | None:

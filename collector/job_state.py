@@ -23,11 +23,15 @@ from pipeline.core.job_states import JobState, job_state
 
 
 def with_in_flight(info: dict[str, Any], broker: dict[str, Any] | None) -> dict[str, Any]:
-    """`info` (a JOB_INFO) with dispatch's items in flight for its job, from BROKER_INFO."""
+    """`info` (a JOB_INFO) with dispatch's items in flight for its job, from BROKER_INFO, and
+    its deadline projection (`deadline`: docs/dispatch.md, "Demand and deadlines") if any."""
     if broker is None or "job_no" not in info or "in_flight_jobs" not in broker:
         return info
     in_flight = int(broker["in_flight_jobs"].get(str(info["job_no"]), 0))
     merged = {**info, "in_flight": in_flight}
+    projection = broker.get("deadline_jobs", {}).get(str(info["job_no"]))
+    if projection is not None:  # an unfinished job with a deadline: dispatch's projection
+        merged["deadline"] = projection
     if info.get("state") == JobState.QUEUED:  # nothing done, not cancelled by a client
         merged["state"] = str(job_state(info.get("total"), 0, in_flight=in_flight))
     return merged

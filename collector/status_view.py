@@ -6,6 +6,7 @@ import time
 from collections import defaultdict
 from typing import Any
 
+from pipeline.core.deadline_words import clock, deadline_words
 from pipeline.core.job_states import JobState
 from pipeline.process.stage_restarts import describe
 
@@ -96,6 +97,12 @@ def render_broker(info: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
+def deadline_line(projection: dict[str, Any]) -> str:
+    """ "06:00: on track (projected 04:10)" (pipeline/core/deadline_words.py)."""
+    now = time.time()
+    return f"{clock(projection['deadline_s'], now)}: {deadline_words(projection, now)}"
+
+
 def render_job(info: dict[str, Any]) -> str:
     """One job: state, counts, throughput, time left."""
     total = info["total"]
@@ -143,6 +150,8 @@ def render_job(info: dict[str, Any]) -> str:
         lines.append(f"  delivered to  {info['deliver']} (python run.py vectors stats)")
     if info.get("eta_s"):
         lines.append(f"  time left  about {info['eta_s']:.0f} s")
+    if info.get("deadline"):
+        lines.append(f"  deadline   {deadline_line(info['deadline'])}")
     hook = info.get("webhook")
     if hook:  # docs/operations.md, Webhooks
         tries = f"{hook['attempts']} attempt{'s' if hook['attempts'] != 1 else ''}"

@@ -12,6 +12,7 @@ one fact a line, with no escape codes:
 | `lane`         | one per model and lane with queued work: items, tokens at most, age of the oldest segment |
 | `worker`       | one per session: model, batches held, items done, items/s, idle share, silence |
 | `job`          | one per job shown: state, done/total and percent, failed, rate, time left |
+| `deadline`     | one per job shown with a deadline: when, on track or at risk (dispatch's projection) |
 | `restart`      | one per recent stage death in the supervisor's log             |
 | `dead-letter`  | one per recent dead-letter event: job, items, reason            |
 | `note`         | what could not be read (the broker down, no data dir here)      |
@@ -30,7 +31,7 @@ from collections import defaultdict
 from typing import Any, TextIO
 
 from collector.status_sources import Snapshot, Sources
-from collector.status_view import duration, job_done, job_fields
+from collector.status_view import deadline_line, duration, job_done, job_fields
 from pipeline.core import exitcodes
 from pipeline.process.stage import StopFlags
 from pipeline.process.stage_restarts import describe
@@ -118,6 +119,8 @@ def plain_lines(snap: Snapshot, address: str) -> list[str]:
         lines.append(
             f"job {job['job']} {job['state']} {progress} failed={failed} rate={rate} left={left}"
         )
+        if job.get("deadline"):
+            lines.append(f"deadline {job['job']} {deadline_line(job['deadline'])}")
     if snap.jobs_hidden:
         lines.append(f"job (+{snap.jobs_hidden} more)")
     for restart in snap.restarts:
@@ -189,6 +192,7 @@ def rich_view(snap: Snapshot, address: str):
         jobs = table(
             "Jobs", "job", "state", "progress", "done", "failed", "rate", "time left", left=3
         )
+        jobs.add_column("deadline", justify="left", no_wrap=True)
         for job in snap.jobs:
             if "note" in job:
                 jobs.add_row(job["job"], job["state"], Text(job["note"], style="red"))
@@ -197,9 +201,12 @@ def rich_view(snap: Snapshot, address: str):
             progress, failed, rate, left = job_fields(job)
             bar = ProgressBar(total=float(total or 1), completed=float(done if total else 0))
             bar.width = 24
-            jobs.add_row(job["job"], job["state"], bar, progress, failed, rate, left)
+            due = job.get("deadline")
+            at_risk = bool(due and due.get("at_risk"))
+            deadline = Text(deadline_line(due) if due else "", style="red" if at_risk else "")
+            jobs.add_row(job["job"], job["state"], bar, progress, failed, rate, left, deadline)
         if not jobs.row_count:
-            jobs.add_row("(no recent jobs)", "", "", "", "", "", "")
+            jobs.add_row("(no recent jobs)", "", "", "", "", "", "", "")
         if snap.jobs_hidden:
             jobs.caption = f"+{snap.jobs_hidden} more"
         parts.append(jobs)

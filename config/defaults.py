@@ -113,6 +113,9 @@ DEFAULTS: Final[dict[str, Any]] = {
         "stall_batch_multiple": 20.0,
         # ... but never sooner than this (covers a session not measured yet, a slow batch).
         "stall_min_s": 300.0,
+        # The demand signal (fabric_workers_needed): work without a deadline should be
+        # done within this many seconds (docs/dispatch.md, Demand and deadlines).
+        "demand_horizon_s": 300.0,
         # Largest message accepted from a worker (RESULTS, REPORT, ...), in bytes (64 MiB);
         # a peer that sends more is disconnected.
         "max_message_bytes": 64 * 1024 * 1024,
@@ -248,6 +251,9 @@ DEFAULTS: Final[dict[str, Any]] = {
         # Clients: the broker's public key file (NAME.key); "" = the public half of server_key.
         "server_public_key": "",
     },
+    # Ray fleets (`run.py fleet`, docs/scaling.md): none unless the file has [[fleet]] tables,
+    # each with the keys of FLEET_DEFAULTS below.
+    "fleet": [],
     # Models served when the file has no [[models]] table.
     "models": [
         {"name": "minilm", "engine": "minilm"},
@@ -277,6 +283,22 @@ MODEL_DEFAULTS: Final[dict[str, Any]] = {
     "aliases": [],
 }
 
+# The keys of one [[fleet]] table (`run.py fleet --ray ADDRESS`, gpu workers as Ray actors;
+# docs/scaling.md): these, and every key of a [[workers]] table but `count` (engine, options,
+# batch_items, drain_s, ...), with the same defaults.
+FLEET_DEFAULTS: Final[dict[str, Any]] = {
+    # The model the fleet's actors serve: a [[models]] name, one [[fleet]] table per model.
+    "model": REQUIRED,
+    # Fewest and most actors; between them the fleet follows the broker's workers_needed.
+    "min": 0,
+    "max": 1,
+    # Ray resources of each actor (Ray places it on a node that has them).
+    "num_gpus": 0.0,
+    "num_cpus": 1.0,
+    # Ray's accelerator type of a GPU actor, e.g. "H100" or "A10G"; "" = any.
+    "accelerator_type": "",
+}
+
 _EMBEDDINGS: Final = ["/v1/embeddings"]
 _COMPLETIONS: Final = ["/v1/chat/completions", "/v1/completions", "/v1/responses"]
 
@@ -298,5 +320,5 @@ ENGINE_VOCAB_SIZE: Final[dict[str, int]] = {"minilm": 30522}
 # Every endpoint a model may list.
 ENDPOINTS: Final[tuple[str, ...]] = (*_EMBEDDINGS, *_COMPLETIONS)
 
-# The plain sections of DEFAULTS, in file order (everything except `models`).
-SECTIONS: Final[tuple[str, ...]] = tuple(k for k in DEFAULTS if k != "models")
+# The plain sections of DEFAULTS, in file order (everything except the lists of tables).
+SECTIONS: Final[tuple[str, ...]] = tuple(k for k in DEFAULTS if k not in ("fleet", "models"))

@@ -224,6 +224,7 @@ RULES: Final[dict[str, Rule]] = {
         lambda v: None if v == 0 or v >= 2 else "is between 0 and 2",
     ),
     "dispatch.stall_min_s": interval("seconds", zero_ok=False),
+    "dispatch.demand_horizon_s": interval("seconds", zero_ok=False),
     "dispatch.max_message_bytes": count(4096, " (4 KiB)"),
     "completion.bind": ADDRESS,
     "completion.processes": Rule(
@@ -325,6 +326,20 @@ WORKER_GROUP_RULES: Final[dict[str, Rule]] = {
         for key, rule in RULES.items()
         if key.startswith("workers.") and key != "workers.local"
     },
+}
+
+# One [[fleet]] table (config/defaults.py FLEET_DEFAULTS): its Ray keys, then those of a
+# [[workers]] table but `count`.
+FLEET_RULES: Final[dict[str, Rule]] = {
+    "model": WORKER_GROUP_RULES["model"],
+    "min": count(0, " (0: no actor while the model has no work)"),
+    "max": count(1),
+    "num_gpus": interval("GPUs", zero_ok=True),
+    "num_cpus": interval("CPUs", zero_ok=True),
+    "accelerator_type": Rule(
+        "string", 'a Ray accelerator type such as "H100", or "" for any', lambda v: None
+    ),
+    **{key: rule for key, rule in WORKER_GROUP_RULES.items() if key not in ("count", "model")},
 }
 
 MODEL_RULES: Final[dict[str, Rule]] = {

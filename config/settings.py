@@ -14,7 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from config.defaults import BY_ENGINE, DEFAULTS, ENGINE_ENDPOINTS, MODEL_DEFAULTS, SECTIONS
+from config.defaults import (
+    BY_ENGINE,
+    DEFAULTS,
+    ENGINE_ENDPOINTS,
+    FLEET_DEFAULTS,
+    MODEL_DEFAULTS,
+    SECTIONS,
+)
 from pipeline.core.errors import ConfigError
 
 
@@ -90,6 +97,7 @@ class DispatchSettings:
     session_max_batches: int
     stall_batch_multiple: float
     stall_min_s: float
+    demand_horizon_s: float
     max_message_bytes: int
 
 
@@ -142,6 +150,21 @@ class WorkerSettings:
     target_batch_s: float
     drain_s: float
     batch_timeout_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class FleetSettings:
+    """One [[fleet]] table: Ray actors that run workers of one model (`run.py fleet`,
+    docs/scaling.md), between `min` and `max` of them, each asking Ray for its resources;
+    `worker` holds the keys it shares with a [[workers]] table (engine, options, batches)."""
+
+    model: str
+    min: int
+    max: int
+    num_gpus: float
+    num_cpus: float
+    accelerator_type: str
+    worker: WorkerSettings  # `local` = 0: the actors are the workers
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,6 +271,7 @@ class Settings:
     data_path: Path
     source: str
     worker_groups: tuple[WorkerSettings, ...]  # every model's local workers; none if local = 0
+    fleet: tuple[FleetSettings, ...] = ()  # [[fleet]] tables: Ray actors (run.py fleet)
 
     def model(self, name: str) -> ModelSettings:
         """Return the model called `name`; raise ConfigError naming the known ones."""
@@ -299,6 +323,15 @@ def build_workers(table: Mapping[str, Any]) -> WorkerSettings:
     return WorkerSettings(**{k: _typed(DEFAULTS["workers"][k], v) for k, v in values.items()})
 
 
+def build_fleet(table: Mapping[str, Any]) -> FleetSettings:
+    """One validated [[fleet]] table: its Ray keys over FLEET_DEFAULTS, the rest a
+    [[workers]] table's (local = 0)."""
+    ray = {k: _typed(v, table.get(k, v)) for k, v in FLEET_DEFAULTS.items() if k != "model"}
+    rest = {k: v for k, v in table.items() if k not in FLEET_DEFAULTS}
+    worker = build_workers({**rest, "model": table["model"], "local": 0})
+    return FleetSettings(model=table["model"], worker=worker, **ray)
+
+
 def build_model(table: Mapping[str, Any]) -> ModelSettings:
     """Build one model from a validated [[models]] table, filling in defaults."""
     values = {}
@@ -339,4 +372,5 @@ def build_settings(data: Mapping[str, Any], *, source: str, cwd: Path) -> Settin
         data_path=data_path,
         source=source,
         worker_groups=groups,
+        fleet=tuple(build_fleet(table) for table in data["fleet"]),
     )

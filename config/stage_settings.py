@@ -142,6 +142,7 @@ class ApiStageSettings(EveryStage):
     completion_bind: str
     results_retention_s: float
     sweep_interval_s: float
+    dispatch_bind: str  # the demand and deadline projections (api/dispatch_view.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,6 +233,7 @@ def stage_settings(settings: Settings, stage: str, index: int = 0) -> StageSetti
             completion_bind=s.completion.bind,
             results_retention_s=s.completion.results_retention_s,
             sweep_interval_s=s.collector.interval_s,
+            dispatch_bind=s.dispatch.bind,
         )
     if stage == "worker":
         return worker_settings(settings, index)

@@ -31,7 +31,16 @@ from collections.abc import Callable, Mapping, Set
 from typing import Any
 
 from config.defaults import DEFAULTS, MODEL_DEFAULTS, REQUIRED, SECTIONS
-from config.rules import ADDRESS, HTTP_ADDRESS, MODEL_RULES, RULES, WORKER_GROUP_RULES, Rule, clash
+from config.rules import (
+    ADDRESS,
+    FLEET_RULES,
+    HTTP_ADDRESS,
+    MODEL_RULES,
+    RULES,
+    WORKER_GROUP_RULES,
+    Rule,
+    clash,
+)
 from pipeline.core.errors import ConfigError
 
 
@@ -66,6 +75,7 @@ def validate(data: Mapping[str, Any], source: str, overridden: Set[str] = frozen
         _check_table(table, f"[{section}]", f"{section}.", RULES, where)
     _check_models(data["models"], data["broker"]["lanes"], where)
     _check_workers(data["workers"], [m["name"] for m in data["models"]], where)
+    _check_fleet(data["fleet"], [m["name"] for m in data["models"]], where)
     _check_addresses(data, where)
     _check_security(data["security"], where)
 
@@ -222,6 +232,51 @@ def _check_workers(workers: Any, models: list[str], where: Callable[[str], str])
         seen[model] = i
 
 
+def _check_fleet(fleet: Any, models: list[str], where: Callable[[str], str]) -> None:
+    """Each [[fleet]] table names a served model, once, with min <= max (run.py fleet)."""
+    if not isinstance(fleet, list) or not all(isinstance(t, dict) for t in fleet):
+        raise _refuse(
+            where("fleet"),
+            "fleet",
+            fleet,
+            f"has the wrong type ({_describe(fleet)})",
+            "expected an array of tables, written [[fleet]]",
+        )
+    seen: dict[str, int] = {}
+    for i, table in enumerate(fleet):
+        prefix = f"fleet[{i}]."
+        rules = {prefix + key: rule for key, rule in FLEET_RULES.items()}
+        _check_table(table, f"[[fleet]] (table {i + 1})", prefix, rules, where)
+        model = table.get("model", "")
+        if model not in models:
+            raise _refuse(
+                where(prefix + "model"),
+                prefix + "model",
+                model,
+                "names no [[models]] table" if model else "is missing or empty",
+                f"every [[fleet]] table names the model its actors serve: one of "
+                f"{', '.join(models)}",
+            )
+        if model in seen:
+            raise _refuse(
+                where(prefix + "model"),
+                prefix + "model",
+                model,
+                f"repeats fleet[{seen[model]}].model",
+                "give each model one [[fleet]] table (min and max bound its actors)",
+            )
+        seen[model] = i
+        low, high = table.get("min", 0), table.get("max", 1)
+        if low > high:
+            raise _refuse(
+                where(prefix + "min"),
+                prefix + "min",
+                low,
+                f"is above {prefix}max = {high}",
+                "set min <= max (the fewest and the most actors of this model)",
+            )
+
+
 def _check_addresses(data: Mapping[str, Any], where: Callable[[str], str]) -> None:
     bound: dict[str, tuple[str, str]] = {}  # dotted key -> (address, as written), keys so far
     for key, rule in RULES.items():
@@ -279,7 +334,9 @@ def _suggest(key: str, allowed: list[str], prefix: str) -> str:
     if close:
         return f"; did you mean {prefix}{close[0]}?"
     homes = [
-        s for s in SECTIONS if key in DEFAULTS[s] and not prefix.startswith(("models", "workers["))
+        s
+        for s in SECTIONS
+        if key in DEFAULTS[s] and not prefix.startswith(("models", "workers[", "fleet["))
     ]
     return f"; did you mean {homes[0]}.{key}?" if homes else ""
 

@@ -22,6 +22,9 @@
 | `file.py`, `file_format.py` | the dispatch file: its writer; its layout and reading       |
 | `arrivals.py`     | when queued slots arrived (the queue's age)                             |
 | `deadlines.py`    | which jobs have a deadline, from their job records                      |
-| `deadline_order.py` | earlier deadlines first, within a bounded share (a hint)              |
+| `deadline_order.py` | least slack first, within a bounded share (a hint)                    |
+| `demand.py`       | the estimate: workers needed, each deadline job's projected finish      |
+| `demand_view.py`  | the demand's inputs gathered once a second; what status and metrics show |
+| `worker_rates.py` | each worker's measured items/s and tokens/s, from its results           |
 | `report.py`       | the status answer and the metrics: read-only views of the stage         |
 """

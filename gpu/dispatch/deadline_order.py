@@ -1,5 +1,11 @@
-"""Deadline order: higher priority, then earlier deadlines first, as a hint that never
-starves other work.
+"""Deadline order: higher priority, then least slack first, as a hint that never starves
+other work.
+
+Slack is a job's time left less its own work left (in seconds at its model's workers, from
+the demand estimate: gpu/dispatch/demand_view.py sets `lead_s`), so a long job with a near
+deadline goes ahead of a short one with a nearer deadline that is safe anyway. A job whose
+work is not measured yet (no worker rate) ranks by its deadline alone; below, "deadline"
+means this slack key.
 
 Today's order (gpu/dispatch/state.py) takes a model's segments highest shape
 priority first, then oldest, each from its cursor. When some unfinished job
@@ -117,11 +123,12 @@ class JobSpans:
         self.first, self.last, self.deadline = merged_first, merged_last, deadline
 
     def earliest(
-        self, cursor: int, priorities: np.ndarray, paused: np.ndarray
+        self, cursor: int, priorities: np.ndarray, paused: np.ndarray, lead_s: np.ndarray
     ) -> tuple[tuple, int] | None:
-        """((-priority, deadline), slot to start from) of the first waiting job: the highest
-        priority (`priorities`, per job of `jobs`), then the earliest deadline; None when no
-        job with a deadline or a priority waits here. Jobs in `paused` do not wait."""
+        """((-priority, slack key), slot to start from) of the first waiting job: the highest
+        priority (`priorities`, per job of `jobs`), then the least slack (its deadline less
+        `lead_s`, the job's own work in seconds); None when no job with a deadline or a
+        priority waits here. Jobs in `paused` do not wait."""
         ranked = priorities.any()
         if not self._timed and not ranked:
             return None
@@ -133,9 +140,10 @@ class JobSpans:
         if not waiting.any():
             return None
         rows = np.flatnonzero(waiting)
-        order = np.lexsort((begin[rows], self.deadline[rows], -priorities[rows]))
+        slack = self.deadline[rows] - lead_s[rows]  # the common `now` cancels out
+        order = np.lexsort((begin[rows], slack, -priorities[rows]))
         row = rows[order[0]]
-        return (-int(priorities[row]), float(self.deadline[row])), int(begin[row])
+        return (-int(priorities[row]), float(slack[order[0]])), int(begin[row])
 
     def passed(self, start: int, scanned_to: int) -> None:
         """Every slot of start..scanned_to-1 is out or retired now: jobs look on from there."""
@@ -160,6 +168,9 @@ class DeadlineOrder:
         self._run: dict[str, int] = {}  # model -> batches in a row taken ahead of today's order
         self.batches = 0  # batches handed out ahead of today's order (metrics)
         self.paused: set[int] = set()  # jobs whose items are held back (DispatchState's)
+        # job number -> its own work left in seconds at its model's workers (the demand's,
+        # gpu/dispatch/demand_view.py): the slack order; a job not in it ranks by deadline
+        self.lead_s: dict[int, float] = {}
 
     def pick(
         self, model: str, order: Sequence[SegmentQueue], now: float
@@ -210,7 +221,8 @@ class DeadlineOrder:
                 spans = self._spans[work.segment.segment_id] = JobSpans()
             spans.learn(work.segment, work.cursor, work.end, self.deadlines, now)
             priorities = self.deadlines.priorities(spans.jobs)
-            found = spans.earliest(work.cursor, priorities, paused)
+            lead_s = np.array([self.lead_s.get(j, 0.0) for j in spans.jobs.tolist()])
+            found = spans.earliest(work.cursor, priorities, paused, lead_s.reshape(-1))
             if found is not None and (best is None or found[0] < best[0]):
                 best = (found[0], work, found[1])
         return None if best is None else (best[1], best[2])

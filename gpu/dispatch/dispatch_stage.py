@@ -44,6 +44,7 @@ from gpu.dispatch.arrivals import Arrivals
 from gpu.dispatch.batch import Batch, item_array
 from gpu.dispatch.batch_ids import BatchIds
 from gpu.dispatch.deadlines import JobDeadlines
+from gpu.dispatch.demand_view import Demand
 from gpu.dispatch.forward import ToCompletion
 from gpu.dispatch.inbox import cancelled_jobs, read_inbox
 from gpu.dispatch.item_errors import ItemErrors
@@ -82,6 +83,7 @@ class DispatchStage(Stage[DispatchStageSettings]):
         self.config = config
         self.data_dir = DataDir(settings.data_path).ensure()
         now = time.monotonic()  # the stage's start; after it, time comes from step(now)
+        self.wall_offset_s = time.time() - now  # `wall(now)`: the wall clock on step's clock
         self.deadlines = JobDeadlines(self.data_dir.root, self.log)  # from job records
         self.deadlines.refresh(now)
         self.state = DispatchState(config.lease_s, config.max_attempts, self.deadlines)
@@ -108,6 +110,7 @@ class DispatchStage(Stage[DispatchStageSettings]):
         self.reclaimed = collections.Counter()  # cause -> items put back in the queue (metrics)
         self.arrivals = Arrivals()  # when queued slots became durable: the queue's age
         self.samples: collections.deque = collections.deque(maxlen=11)  # (t, out, retired)
+        self.demand = Demand(config.demand_horizon_s)  # gpu/dispatch/demand_view.py
         grace_until = now + config.reregister_grace_s
         self.finder = WorkFinder(
             self.data_dir, self.state, self.arrivals, self.shapes, self.counts, self.log
@@ -124,6 +127,7 @@ class DispatchStage(Stage[DispatchStageSettings]):
         self.state.cancelled_jobs.update(cancelled_jobs(self.data_dir.root, self.log))
         self.state.paused.jobs.update(paused_marks(self.data_dir.root, self.log))
         self.state.loaded()  # lease and session timeouts count from here (invariant 9)
+        self.demand.refresh(self, now)  # then once per rescan
         self.context = zmq.Context()
         self.gate = ServerGate(self.context, settings.security)  # CURVE, when keys are set
         self.workers = wire.open_socket(self.context, zmq.ROUTER)
@@ -184,6 +188,7 @@ class DispatchStage(Stage[DispatchStageSettings]):
                 session.idle_marks.append((now, session.idle_s))
             self.finder.rescan(now)
             self.deadlines.refresh(now)  # new jobs' deadlines; finished jobs forgotten
+            self.demand.refresh(self, now)  # workers needed, deadline projections, slack
             self.item_errors.resend(now)
             reclaim_stalled(self, now)
             self.state.sweep_cancelled()
@@ -362,6 +367,11 @@ class DispatchStage(Stage[DispatchStageSettings]):
             self.send(message.route[0], MT.RESULTS_REFUSED, answer)
             return
         self.to_completion.results(message)  # docs/dispatch.md: results pass through unparsed
+        batch = self.state.lease(meta["batch_id"])
+        if batch is not None and not meta.get("resent"):  # the worker's measured rate
+            items = item_array(message, "items")
+            n = 0 if items is None else len(items)
+            self.demand.rates.results(session_id, batch.model, n, batch.lane, batch.handed_s, now)
         self.state.answered(session_id, meta["batch_id"])
         if not meta.get("resent"):
             self.stall.answered(session_id, now)
@@ -370,6 +380,10 @@ class DispatchStage(Stage[DispatchStageSettings]):
     def stats(self, now: float) -> dict:
         """Queues, queue age, workers, dispatches, reclaims and dead letters (docs/metrics.md)."""
         return dispatch_metrics(self, now)
+
+    def wall(self, now: float) -> float:
+        """Wall seconds since the epoch at `now` (step's clock, a fake one in tests)."""
+        return now + self.wall_offset_s
 
     def send(self, route: bytes, kind: MT, meta: dict, arrays: dict | None = None) -> None:
         try:

@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 
+from gpu.dispatch.demand_view import ModelDemand, oldest_ages
 from gpu.dispatch.sessions import WORKER_FIGURES
 from pipeline.core import item_seq
 from pipeline.core.item_error_codes import ItemErrorCode
@@ -27,13 +28,10 @@ def dispatch_metrics(stage, now: float) -> dict:
     models = [m.name for m in stage.settings.models]
     queued: collections.Counter = collections.Counter()
     tokens: collections.Counter = collections.Counter()
-    oldest = dict.fromkeys(models, 0.0)
+    oldest = oldest_ages(stage, wall_s)
     for q in stage.state.queue_depth():
         queued[(q.model, str(q.lane))] += q.waiting
         tokens[(q.model, str(q.lane))] += q.waiting * q.lane
-        arrived = stage.arrivals.arrived(q.segment_id, q.cursor) if q.waiting else None
-        if arrived is not None:
-            oldest[q.model] = max(oldest.get(q.model, 0.0), wall_s - arrived)
     sessions = collections.Counter(dict.fromkeys(models, 0))
     in_flight: collections.Counter = collections.Counter()
     leases: collections.Counter = collections.Counter()
@@ -83,6 +81,26 @@ def dispatch_metrics(stage, now: float) -> dict:
         "fabric_worker_in_flight_items": dict(in_flight),
         "fabric_worker_leases": dict(leases),
         **figures,
+        **demand_metrics(stage.demand.models),
+    }
+
+
+def demand_metrics(models: dict[str, ModelDemand]) -> dict:
+    """The demand signal per model (gpu/dispatch/demand_view.py); a rate not measured yet
+    has no series."""
+    rows = models.items()
+    return {
+        "fabric_workers_needed": {(m,): d.workers_needed for m, d in rows},
+        "fabric_items_pending": {(m,): d.items_pending for m, d in rows},
+        "fabric_tokens_pending": {(m,): d.tokens_pending for m, d in rows},
+        "fabric_oldest_pending_age_seconds": {(m,): d.oldest_pending_age_s for m, d in rows},
+        "fabric_worker_items_per_second": {
+            (m,): d.worker_items_per_s for m, d in rows if d.worker_items_per_s is not None
+        },
+        "fabric_worker_tokens_per_second": {
+            (m,): d.worker_tokens_per_s for m, d in rows if d.worker_tokens_per_s is not None
+        },
+        "fabric_jobs_at_risk": {(m,): d.jobs_at_risk for m, d in rows},
     }
 
 
@@ -170,6 +188,11 @@ def broker_status(stage, now: float) -> dict:
         # local workers that died, and those waiting out a restart backoff (the supervisor's)
         "local_workers": read_restarts(stage.data_dir.root),
         "leases": oldest_leases(stage, now),
+        # per model: workers needed and its inputs; per job with a deadline: its projection
+        # (gpu/dispatch/demand_view.py, as of the last rescan)
+        "demand": {model: row.to_json() for model, row in stage.demand.models.items()},
+        "deadline_jobs": {str(job_no): row for job_no, row in stage.demand.jobs.items()},
+        "work_left": stage.demand.work_left,  # per model: pending and in flight
     }
 
 

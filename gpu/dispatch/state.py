@@ -117,6 +117,10 @@ class DispatchState(Reclaiming):
                 self.deadline_order.forget(work.segment.segment_id)
         return [work.segment for work in gone]
 
+    def queues(self) -> list[SegmentQueue]:
+        """Every known segment's queue (read-only use: the demand, gpu/dispatch/demand_view.py)."""
+        return list(self._work.values())
+
     def segments(self) -> list[Segment]:
         return [w.segment for w in self._work.values()]
 

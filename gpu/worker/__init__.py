@@ -18,6 +18,7 @@ dispatch's modules.
 | `options`       | `WorkerOptions`: the flags, the config, the argv of a worker     |
 | `faults`        | fault injection for tests (`WorkerOptions.fault`)                      |
 | `worker_stage`  | `WorkerStage`: a local worker run by the supervisor              |
+| `hosted`        | `HostedWorker`: a session on a thread of another process (a Ray actor), drained on request |
 
 This package imports nothing itself: import the module you need.
 """

@@ -5,6 +5,7 @@ ways a worker starts.
 |-------------------------------------|---------------------------------------------|
 | `python run.py worker ...`          | `WorkerOptions.from_args` (flags: `add_arguments`) |
 | a local worker of the supervisor    | `WorkerOptions.from_settings` (`[workers]`, `[[workers]]`) |
+| a Ray actor of `run.py fleet`       | `WorkerOptions.of_group` (a `[[fleet]]` table's worker keys) |
 | a test or benchmark launching one   | `WorkerOptions(...).argv()`: the flags that `from_args` reads back |
 
 Defaults are `config/defaults.py`'s `[workers]` table. CURVE keys are not
@@ -19,6 +20,7 @@ import os
 from dataclasses import dataclass, field
 
 from config.defaults import DEFAULTS
+from config.settings import WorkerSettings
 from config.stage_settings import WorkerStageSettings
 from gpu.worker.faults import PHASES
 from pipeline.transport.security import ClientCurve, internal_curve
@@ -158,27 +160,52 @@ class WorkerOptions:
         key, and its share of this host's cores for a CPU engine."""
         from pipeline.transport.topology import client_address  # the broker's host only
 
-        group = settings.group
-        engine = group.engine or settings.model_engine or "echo"
+        threads = max(1, (os.cpu_count() or 1) // max(1, settings.local_workers))
+        return cls.of_group(
+            settings.group,
+            settings.model,
+            settings.model_engine,
+            settings.model_tokenizer,
+            threads,  # the cores shared among local workers
+            broker=client_address(settings.dispatch.bind),
+            heartbeat=client_address(settings.dispatch.heartbeat_bind),
+            curve=internal_curve(settings),  # a local worker uses the broker's own key
+        )
+
+    @classmethod
+    def of_group(
+        cls,
+        group: WorkerSettings,
+        model: str,
+        model_engine: str,
+        model_tokenizer: str,
+        threads: int,
+        broker: str,
+        heartbeat: str | None,
+        curve: ClientCurve | None,
+    ) -> WorkerOptions:
+        """The options of a worker of `group` (a [workers] table, or a [[fleet]] table's
+        worker keys): the group's engine, else the model's; a CPU engine on `threads` cores."""
+        engine = group.engine or model_engine or "echo"
         options: dict = {}
         if engine == "simulated":
             options["tokens_per_s"] = group.simulated_tokens_per_s
-        elif engine in ("minilm", "transformers"):  # the cores shared among local workers
-            options["threads"] = max(1, (os.cpu_count() or 1) // max(1, settings.local_workers))
-        elif engine == "openai" and settings.model_tokenizer:  # to carry the upstream's text
-            options["tokenizer"] = settings.model_tokenizer  # the model's own tokenizer
+        elif engine in ("minilm", "transformers"):
+            options["threads"] = threads
+        elif engine == "openai" and model_tokenizer:  # to carry the upstream's text
+            options["tokenizer"] = model_tokenizer  # the model's own tokenizer
         options.update(group.options)
         return cls(
-            broker=client_address(settings.dispatch.bind),
-            model=settings.model,
-            heartbeat=client_address(settings.dispatch.heartbeat_bind),
+            broker=broker,
+            model=model,
+            heartbeat=heartbeat,
             batch_items=group.batch_items,
             batch_tokens=group.batch_tokens,
             prefetch=group.prefetch,
             drain_s=group.drain_s,
             target_batch_s=group.target_batch_s,
             batch_timeout_s=group.batch_timeout_s,
-            curve=internal_curve(settings),  # a local worker uses the broker's own key
+            curve=curve,
             engine=engine,
             engine_options=options,
         )

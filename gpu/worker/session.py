@@ -181,6 +181,11 @@ class Worker:
         elif self._idle_since is None:
             self._idle_since = now
 
+    def idle_seconds(self, now: float) -> float:
+        """Seconds this session has held no batch to run (waiting for work), up to `now`."""
+        since = self._idle_since
+        return max(0.0, self.idle_s + (now - since if since is not None else 0.0))
+
     def _send(self, kind: MT, meta: dict, arrays: dict | None = None) -> bool:
         return self.connection.send(kind, meta, arrays)
 
@@ -220,7 +225,6 @@ class Worker:
     def _report(self, now: float) -> None:
         self.last_report = now
         queued = [b for b, h in self.held.items() if h.state == "queued"]
-        idle_s = self.idle_s + (now - self._idle_since if self._idle_since is not None else 0.0)
         self._send(
             MT.REPORT,
             {
@@ -228,7 +232,7 @@ class Worker:
                 "queued": queued,
                 # for the broker's metrics (docs/metrics.md): totals since this worker started
                 **self.engine_thread.figures(),
-                "idle_s": round(max(0.0, idle_s), 3),
+                "idle_s": round(self.idle_seconds(now), 3),
             },
             {"held": self._held_items()},
         )

@@ -15,5 +15,7 @@ FAILED = (
 CANNOT_WRITE = 8  # `batch`: OUT or its state dir cannot be written (a read-only directory)
 ENGINE_CANNOT_START = 10  # a local worker: its engine failed to load (an EngineError: the model,
 # its options, the host); its log's last ERROR line says why, and `status` and `batch` show it
+DEADLINE_AT_RISK = 11  # `submit --deadline-strict`: the job would not finish by its deadline
+# with the workers there are; refused before any line was stored (it says why)
 ALL_FAILED = 9  # `batch`: every line has its outcome, but not one succeeded: only error lines
 INTERRUPTED = 130  # Ctrl-C (SIGINT): `batch`, `submit`, `demo` stopped; the same command resumes

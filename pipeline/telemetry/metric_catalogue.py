@@ -134,6 +134,60 @@ METRICS: dict[str, Metric] = _catalogue(
         "Item errors dispatch sent to completion that completion has not retired yet",
         "dispatch",
     ),
+    # dispatch: demand (gpu/dispatch/demand_view.py; docs/dispatch.md, Demand and deadlines)
+    Metric(
+        "fabric_workers_needed",
+        GAUGE,
+        ("model",),
+        "Workers that would do the model's pending work in time: every job with a deadline "
+        "by it, the rest within dispatch.demand_horizon_s; at least 1 while any is pending or "
+        "in flight, 0 when idle",
+        "dispatch",
+    ),
+    Metric(
+        "fabric_items_pending",
+        GAUGE,
+        ("model",),
+        "Items waiting to be handed out (not on lease; paused jobs' items not counted)",
+        "dispatch",
+    ),
+    Metric(
+        "fabric_tokens_pending",
+        GAUGE,
+        ("model",),
+        "Prompt tokens waiting to be handed out, counted at the lane size",
+        "dispatch",
+    ),
+    Metric(
+        "fabric_oldest_pending_age_seconds",
+        GAUGE,
+        ("model",),
+        "How long the oldest pending item has waited (0 when none waits)",
+        "dispatch",
+    ),
+    Metric(
+        "fabric_worker_items_per_second",
+        GAUGE,
+        ("model",),
+        "One worker's measured rate on the model, items per second of the time it held work "
+        "(the mean over its workers; no series until measured)",
+        "dispatch",
+    ),
+    Metric(
+        "fabric_worker_tokens_per_second",
+        GAUGE,
+        ("model",),
+        "One worker's measured rate on the model, lane-padded prompt tokens per second of "
+        "the time it held work (no series until measured)",
+        "dispatch",
+    ),
+    Metric(
+        "fabric_jobs_at_risk",
+        GAUGE,
+        ("model",),
+        "Jobs with a deadline whose projected finish, with the workers there are, is past it",
+        "dispatch",
+    ),
     # dispatch: workers (one series per worker session)
     Metric(
         "fabric_worker_sessions",
