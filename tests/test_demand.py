@@ -16,8 +16,8 @@ import numpy as np
 from dispatch_stepped import FAST, LANE, MT, SteppedDispatch
 from test_deadline_dispatch import MODEL, dispatch_state, make_job, write_segment
 
-from cli.deadline_promise import promise
 from gpu.dispatch.demand import project_new
+from gpu.dispatch.promise import promise
 from pipeline.core import item_seq
 
 BATCH = 10
