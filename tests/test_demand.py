@@ -167,3 +167,23 @@ def test_a_reclaim_does_not_hand_the_slack_order_back_to_the_oldest_job(data_dir
 
 def jobs_of_batch(batch) -> list[int]:
     return np.unique(item_seq.job_of(batch.items["seq"])).tolist()
+
+
+def test_a_new_job_is_projected_beside_work_without_a_deadline(tmp_path):
+    """No job has a deadline: a job submitted now with one would take 3 batches in 4 beside
+    the 600 waiting items (the oldest work keeps 1 in 4): 100 lines of 5 worker-seconds take
+    5 / 0.75 s of one worker, over 2 workers."""
+    d = SteppedDispatch(tmp_path, PATIENT).open()
+    try:
+        workers = [d.worker(max_items=BATCH), d.worker(max_items=BATCH)]
+        plain = make_job(d.data_dir.root, "plain", None)
+        write_segment(d.data_dir, 1, [(plain, 620)]).close()
+        d.step(1.1)
+        measure(d, workers)
+        info = d.broker_info()
+        assert info["work_jobs"]["echo"]["0"]["items"] == 600  # all of it, as the oldest
+        now = d.stage.wall(d.now)
+        new = project_new(info, "echo", 100, now + 3600, 0, now)
+        assert new.finish_s == pytest_approx(now + 100 * ITEM_S / 0.75 / 2)
+    finally:
+        d.close()

@@ -33,6 +33,7 @@ from gpu.dispatch.worker_rates import WorkerRates
 from pipeline.core import item_seq
 
 BINCOUNT_SPAN = 1 << 16  # job numbers within this span are counted with bincount
+ALL_WORK = 0  # `work_jobs`' job while no job has a deadline: all the work, as the oldest job
 
 
 @dataclass
@@ -123,7 +124,9 @@ class Demand:
             need = workers_needed(mine, total_s, items > 0, workers, rate, wall_now, self.horizon_s)
             projections = project(mine, workers, rate, wall_now) if rate.known else []
             if rate.known:
-                self.work_jobs[model] = {str(j.job_no): work_row(j) for j in mine}
+                everything = [JobWork(ALL_WORK, math.inf, 0, items, tokens)] if items else []
+                ahead = mine or everything  # jobs counted only while one has a deadline
+                self.work_jobs[model] = {str(j.job_no): work_row(j) for j in ahead}
                 for job in mine:  # the slack order's lead: the whole work at these workers
                     lead_s[job.job_no] = (job.whole_s or 0.0) / max(1, workers)
             due = [j for j in mine if math.isfinite(j.deadline_s)]
