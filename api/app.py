@@ -109,6 +109,7 @@ def make_app(
     add_control_routes(app, batches, owner_of)  # POST /v1/batches/{id}/pause, /resume
     dispatch = DispatchView(dispatch_address, client_curve(settings.security))
     add_demand_route(app, dispatch, owner_of)  # GET /v1/fabric/demand (an extension)
+    app.state.dispatch_view = dispatch  # closed with the stage
     job_numbers = JobNumbers(root.parent)  # a batch's job is named after it
 
     # ---- files -----------------------------------------------------------------------------

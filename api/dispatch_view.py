@@ -42,7 +42,14 @@ class DispatchView:
         self._lock = threading.Lock()
         self._answer: dict[str, Any] | None = None
         self._error: FabricError | None = None
+        self._client: DispatchClient | None = None
         self._at = -1e18
+
+    def close(self) -> None:
+        """Close the client to dispatch (a new one is made when asked again)."""
+        if self._client is not None:
+            self._client.close()
+            self._client = None
 
     def status(self) -> dict[str, Any]:
         """BROKER_INFO; FabricError when dispatch does not answer (or none is known)."""
@@ -52,10 +59,12 @@ class DispatchView:
             if time.monotonic() - self._at > FRESH_S:
                 self._at = time.monotonic()  # a failure too is not asked again for FRESH_S
                 try:
-                    with DispatchClient(self.address, ASK_TIMEOUT_S, 1, self.curve) as client:
-                        self._answer, self._error = client.broker_status(), None
+                    if self._client is None:  # one client, kept (under the lock)
+                        self._client = DispatchClient(self.address, ASK_TIMEOUT_S, 1, self.curve)
+                    self._answer, self._error = self._client.broker_status(), None
                 except FabricError as exc:
                     self._answer, self._error = None, exc
+                    self.close()  # a fresh socket next time
             if self._answer is None:
                 raise self._error or FabricError("dispatch did not answer")
             return self._answer
