@@ -83,6 +83,7 @@ class ApiStage(Stage[ApiStageSettings]):
         endpoints = tuple(sorted({e for m in settings.models for e in m.endpoints}))
         app = make_app(settings, root, endpoints, client_address(settings.dispatch_bind))
         self.route_stats = app.state.route_stats
+        self.dispatch_view = app.state.dispatch_view  # its client to dispatch, closed at the end
         self.sock = listening_socket(settings.api.bind, settings.api.processes > 1)
         config = uvicorn.Config(
             app,
@@ -176,6 +177,8 @@ class ApiStage(Stage[ApiStageSettings]):
             self.results.close()
         if getattr(self, "sock", None) is not None:
             self.sock.close()
+        if getattr(self, "dispatch_view", None) is not None:
+            self.dispatch_view.close()
 
     def stats(self, now: float) -> dict | None:
         figures = self.route_stats.stats()

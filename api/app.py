@@ -26,7 +26,14 @@ from api.batch_limits import check_limits
 from api.batch_record import BatchRecord
 from api.batch_store import BatchStore, idempotent_batch_id, new_batch_id, to_openai
 from api.control_routes import add_control_routes, priority_of
-from api.dispatch_view import DispatchView, JobNumbers, add_demand_route
+from api.dispatch_view import (
+    STRICT_KEY,
+    DispatchView,
+    JobNumbers,
+    add_demand_route,
+    promised,
+    strict_deadline,
+)
 from api.errors import ApiError, invalid, not_found
 from api.file_store import PURPOSE_INPUT, FileStore
 from api.keys import KeyRing
@@ -102,6 +109,7 @@ def make_app(
     add_control_routes(app, batches, owner_of)  # POST /v1/batches/{id}/pause, /resume
     dispatch = DispatchView(dispatch_address, client_curve(settings.security))
     add_demand_route(app, dispatch, owner_of)  # GET /v1/fabric/demand (an extension)
+    app.state.dispatch_view = dispatch  # closed with the stage
     job_numbers = JobNumbers(root.parent)  # a batch's job is named after it
 
     # ---- files -----------------------------------------------------------------------------
@@ -242,6 +250,18 @@ def make_app(
         key = request.headers.get("idempotency-key")
         batch_id = idempotent_batch_id(owner, key) if key else new_batch_id()
         now = int(time.time())
+        answer = dispatch.promise(  # before anything is stored: the deadline's answer
+            files.content_path(source), settings.models, now + window_s, priority_of(metadata)
+        )
+        if answer is not None and answer.at_risk and strict_deadline(metadata):
+            raise ApiError(
+                400,
+                f"refused ({STRICT_KEY}): {answer.words}; nothing was created. Add workers, "
+                "give a longer completion_window, or leave out the metadata "
+                f"{STRICT_KEY}",
+                param="completion_window",
+                code="deadline_at_risk",
+            )
         record = BatchRecord(
             id=batch_id,
             owner=owner,
@@ -261,7 +281,8 @@ def make_app(
                 param="Idempotency-Key",
                 code="idempotency_key_reused",
             )
-        return batch_object(record)
+        out = batch_object(record)
+        return promised(out, answer) if made and answer is not None else out
 
     @app.get("/v1/batches")
     def list_batches(request: Request, limit: int = 20, after: str | None = None) -> dict:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,8 @@ from fastapi import FastAPI, Request
 
 from api.errors import ApiError
 from collector.results_client import DispatchClient
+from config.settings import ModelSettings
+from gpu.dispatch.promise import Promise, lines_per_model, promise
 from pipeline.core.deadline_words import deadline_words
 from pipeline.core.errors import FabricError
 from pipeline.store.job_files import JobFiles
@@ -26,6 +28,7 @@ from pipeline.transport.security import ClientCurve
 PROJECTED_KEY = "fabric_projected_finish_at"  # metadata: unix seconds, as a string
 AT_RISK_KEY = "fabric_deadline_at_risk"  # metadata: "true" or "false"
 DEADLINE_KEY = "fabric_deadline_status"  # metadata: "on track (projected 04:10)", ...
+STRICT_KEY = "fabric_deadline_strict"  # metadata: "true" refuses a batch projected late
 FRESH_S = 1.0  # an answer younger than this is used again (dispatch refreshes once a second)
 ASK_TIMEOUT_S = 2.0
 
@@ -39,7 +42,14 @@ class DispatchView:
         self._lock = threading.Lock()
         self._answer: dict[str, Any] | None = None
         self._error: FabricError | None = None
+        self._client: DispatchClient | None = None
         self._at = -1e18
+
+    def close(self) -> None:
+        """Close the client to dispatch (a new one is made when asked again)."""
+        if self._client is not None:
+            self._client.close()
+            self._client = None
 
     def status(self) -> dict[str, Any]:
         """BROKER_INFO; FabricError when dispatch does not answer (or none is known)."""
@@ -49,10 +59,12 @@ class DispatchView:
             if time.monotonic() - self._at > FRESH_S:
                 self._at = time.monotonic()  # a failure too is not asked again for FRESH_S
                 try:
-                    with DispatchClient(self.address, ASK_TIMEOUT_S, 1, self.curve) as client:
-                        self._answer, self._error = client.broker_status(), None
+                    if self._client is None:  # one client, kept (under the lock)
+                        self._client = DispatchClient(self.address, ASK_TIMEOUT_S, 1, self.curve)
+                    self._answer, self._error = self._client.broker_status(), None
                 except FabricError as exc:
                     self._answer, self._error = None, exc
+                    self.close()  # a fresh socket next time
             if self._answer is None:
                 raise self._error or FabricError("dispatch did not answer")
             return self._answer
@@ -77,6 +89,17 @@ class DispatchView:
             return self.status().get("deadline_jobs", {}).get(str(job_no))
         except FabricError:
             return None
+
+    def promise(
+        self, path: Path, models: Sequence[ModelSettings], deadline_s: float, priority: int
+    ) -> Promise | None:
+        """The answer for a batch about to be created from the input file at `path`, due at
+        `deadline_s` (gpu/dispatch/promise.py); None when dispatch does not answer."""
+        try:
+            info = self.status()
+        except FabricError:
+            return None
+        return promise(info, lines_per_model(path, models), deadline_s, priority)
 
     def with_projection(self, batch: dict[str, Any], job_no: int | None) -> dict[str, Any]:
         """OpenAI's Batch object `batch` with, in its metadata (string values, so the official
@@ -111,6 +134,20 @@ class JobNumbers:
             except (FileNotFoundError, JobRecordError, OSError, KeyError):
                 return None
         return self._known[job_id]
+
+
+def strict_deadline(metadata: dict[str, str] | None) -> bool:
+    return str((metadata or {}).get(STRICT_KEY, "")).lower() in ("true", "1", "yes")
+
+
+def promised(batch: dict[str, Any], answer: Promise) -> dict[str, Any]:
+    """The Batch object just created, with the submit-time answer in its metadata."""
+    extra = {DEADLINE_KEY: answer.words}
+    if answer.measured:
+        extra[AT_RISK_KEY] = "true" if answer.at_risk else "false"
+    if answer.finish_s is not None:
+        extra[PROJECTED_KEY] = str(int(answer.finish_s))
+    return {**batch, "metadata": {**(batch.get("metadata") or {}), **extra}}
 
 
 def add_demand_route(app: FastAPI, view: DispatchView, owner_of: Callable[[Request], str]) -> None:

@@ -168,10 +168,10 @@ def submit_command(args: argparse.Namespace) -> int:
 
 
 def deadline_answer(args: argparse.Namespace, settings, deadline: float) -> int | None:
-    """Say whether the job is on track for `deadline` (cli/deadline_promise.py); the exit code
+    """Say whether the job is on track for `deadline` (gpu/dispatch/promise.py); the exit code
     when --deadline-strict refuses it (at risk, or no answer to check with), else None."""
-    from cli.deadline_promise import lines_per_model, promise
     from collector.results_client import DispatchClient
+    from gpu.dispatch.promise import lines_per_model, promise
     from pipeline.core.errors import FabricError
     from pipeline.transport.topology import client_address
 
@@ -191,7 +191,8 @@ def deadline_answer(args: argparse.Namespace, settings, deadline: float) -> int 
             )
             return exitcodes.UNAVAILABLE
         return None
-    answer = promise(info, lines_per_model(args.file, settings), deadline, args.priority)
+    counts = lines_per_model(args.file, settings.models)
+    answer = promise(info, counts, deadline, args.priority)
     if answer.at_risk and args.deadline_strict:
         print(
             f"refused (--deadline-strict): {answer.words}; nothing stored. Add workers, move "

@@ -52,6 +52,28 @@ def job_fields(job: dict[str, Any]) -> tuple[str, str, str, str]:
     return progress, str(job.get("failed", "-")), f"{job.get('rate', 0):.0f}/s", left
 
 
+def demand_rows(info: dict[str, Any]) -> list[list[Any]]:
+    """Per model with work or workers: workers there and needed, items pending, the oldest's
+    wait, one worker's measured rate ("-" until measured), jobs whose deadline is at risk."""
+    rows = []
+    for model, d in sorted(info.get("demand", {}).items()):
+        if not (d["workers"] or d["workers_needed"] or d["items_pending"]):
+            continue
+        rate = d["worker_items_per_s"]
+        rows.append(
+            [
+                model,
+                d["workers"],
+                d["workers_needed"],
+                d["items_pending"],
+                duration(d["oldest_pending_age_s"]),
+                "-" if rate is None else f"{rate:.0f}",
+                d["jobs_at_risk"],
+            ]
+        )
+    return rows
+
+
 def render_broker(info: dict[str, Any]) -> str:
     """Queue depth per model and lane, in-flight items, workers and rates."""
     queues: dict[tuple[str, int], list[int]] = defaultdict(lambda: [0, 0, 0])
@@ -90,6 +112,23 @@ def render_broker(info: dict[str, Any]) -> str:
             or [["(no workers)", "", "", "", "", ""]],
         ),
     ]
+    demand = demand_rows(info)
+    if demand:  # docs/dispatch.md, "Demand and deadlines"
+        parts += [
+            "",
+            _table(
+                [
+                    "model",
+                    "workers",
+                    "needed",
+                    "pending",
+                    "oldest",
+                    "items/s per worker",
+                    "at risk",
+                ],
+                demand,
+            ),
+        ]
     for stage in info.get("local_workers", ()):
         parts.append(f"local {stage['stage']}: {describe(stage)}")
     for name, what in sorted(info.get("damaged_segments", {}).items()):

@@ -11,6 +11,7 @@ one fact a line, with no escape codes:
 | `broker`       | in flight, rates in and out, dead-lettered and corrupt items   |
 | `lane`         | one per model and lane with queued work: items, tokens at most, age of the oldest segment |
 | `worker`       | one per session: model, batches held, items done, items/s, idle share, silence |
+| `demand`       | one per model with work or workers: workers there and needed, items pending, oldest wait, one worker's items/s, jobs at risk |
 | `job`          | one per job shown: state, done/total and percent, failed, rate, time left |
 | `deadline`     | one per job shown with a deadline: when, on track or at risk (dispatch's projection) |
 | `restart`      | one per recent stage death in the supervisor's log             |
@@ -31,7 +32,7 @@ from collections import defaultdict
 from typing import Any, TextIO
 
 from collector.status_sources import Snapshot, Sources
-from collector.status_view import deadline_line, duration, job_done, job_fields
+from collector.status_view import deadline_line, demand_rows, duration, job_done, job_fields
 from pipeline.core import exitcodes
 from pipeline.process.stage import StopFlags
 from pipeline.process.stage_restarts import describe
@@ -109,6 +110,11 @@ def plain_lines(snap: Snapshot, address: str) -> list[str]:
             )
         if not workers:
             lines.append("worker (no workers)")
+        for model, there, needed, pending, oldest, rate, at_risk in demand_rows(info):
+            lines.append(
+                f"demand {model} workers={there} needed={needed} pending={pending} "
+                f"oldest={oldest} per_worker={rate}/s at_risk={at_risk}"
+            )
         for stage in info.get("local_workers", ()):
             lines.append(f"worker {stage['stage']} (local) {describe(stage)}")
     for job in snap.jobs:
@@ -187,7 +193,13 @@ def rich_view(snap: Snapshot, address: str):
                 )
         if not workers.row_count:
             workers.add_row("(no workers)", "", "", "", "", "", "")
-        parts += [lanes, workers]
+        demand = table(
+            "Demand", "model", "workers", "needed", "pending", "oldest", "items/s per worker",
+            "at risk", left=1,
+        )  # fmt: skip
+        for row in demand_rows(info):
+            demand.add_row(*(str(cell) for cell in row))
+        parts += [lanes, workers] + ([demand] if demand.row_count else [])
     if snap.jobs or snap.jobs_note is None:
         jobs = table(
             "Jobs", "job", "state", "progress", "done", "failed", "rate", "time left", left=3

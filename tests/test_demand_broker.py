@@ -127,11 +127,22 @@ def test_a_deadline_is_promised_or_refused_and_its_projection_shown_while_it_run
     client = openai.OpenAI(base_url=url, api_key="any", max_retries=0)
     requests = tmp_path / "requests.jsonl"
     requests_file(requests, 40, "/v1/embeddings")
+    input_file = upload(client, requests).id
+    before = {b.id for b in client.batches.list()}
+    with pytest.raises(openai.BadRequestError) as refused_batch:  # behind "roomy": late
+        client.batches.create(
+            input_file_id=input_file,
+            endpoint="/v1/embeddings",
+            completion_window="1s",
+            metadata={"fabric_deadline_strict": "true"},
+        )
+    assert refused_batch.value.code == "deadline_at_risk"
+    assert "at risk (projected " in refused_batch.value.message
+    assert {b.id for b in client.batches.list()} == before  # nothing was created
     batch = client.batches.create(
-        input_file_id=upload(client, requests).id,
-        endpoint="/v1/embeddings",
-        completion_window="24h",
+        input_file_id=input_file, endpoint="/v1/embeddings", completion_window="24h"
     )
+    assert (batch.metadata or {})["fabric_deadline_status"].startswith("on track (projected ")
 
     def live():  # it waits behind "roomy" (less slack): seconds of work ahead of it
         seen = client.batches.retrieve(batch.id)  # the official client's type validates it

@@ -151,10 +151,11 @@ class JobSpans:
         self.first[inside] = scanned_to  # a job that begins before `start` keeps its place
 
     def rewind(self, slot: int) -> None:
-        """A slot came back (a reclaim): jobs with slots from there look again from it, and
-        slots from there are read again (a job dropped when the cursor passed it is back)."""
-        back = (self.last >= slot) & (self.first > slot)
-        self.first[back] = slot
+        """Slots from `slot` came back (a reclaim): they are read again, and a job found
+        among them takes its place back there (`learn` merges the least first slot; a job
+        dropped when the cursor passed it is back). A job not among them keeps its place:
+        moving every later job back to `slot` made its pick start at the cursor, which reads
+        as today's order, so the oldest job got every batch until the cursor reached it."""
         self.read_to = min(self.read_to, slot)
 
 

@@ -7,18 +7,18 @@ measured rate (gpu/dispatch/worker_rates.py): a job's lane-padded prompt tokens 
 worker's tokens/s, or, where only a line count is known (a job not submitted yet), its items
 over the worker's items/s.
 
-* `workers_needed`: the least N for which, with N workers, every job with a deadline is done
-  by it (taking them in deadline order, the order that meets the most deadlines) and all
-  the work is done within `horizon_s`:
+`schedule` replays the order dispatch follows (gpu/dispatch/deadline_order.py) on one
+worker's capacity: 3 batches in 4 to the first job in slack order (higher priority, then
+the least slack: its deadline less its whole work at the workers there are), 1 in 4 to the
+oldest job (today's order: jobs by number), all to one job when both orders name it, and all
+to the oldest while no job has a deadline or a priority. It gives T_k, the worker-seconds
+until job k is done. With n workers everything goes n times as fast, so:
 
-      N = max(ceil(W / horizon_s), max over deadline jobs k of ceil(A_k / (d_k - now)))
-
-  W: all pending and in-flight work; A_k: the work of the jobs due by d_k, plus the share
-  other work takes meanwhile (`with_share`); `d_k - now` is at least `LATE_FLOOR_S`. At
-  least 1 while anything is pending or in flight; 0 when nothing is; the workers there are
-  now (at least 1) while the rate is not measured yet.
-* `project`: each deadline job's finish with the N workers there are, in slack order
-  (dispatch's: gpu/dispatch/deadline_order.py), and the workers that would finish it in time.
+* job k's projected finish is `now + T_k / n`; `ceil(T_k / (d_k - now))` workers make it;
+* `workers_needed` = max(ceil(W / horizon_s), max over deadline jobs k of
+  ceil(T_k / max(d_k - now, LATE_FLOOR_S))), W all the pending and in-flight work; at least 1
+  while anything is pending or in flight, 0 when nothing is, and the workers there are now
+  (at least 1) while no rate is measured.
 """
 
 from __future__ import annotations
@@ -29,17 +29,19 @@ from dataclasses import dataclass
 from gpu.dispatch.deadline_order import DEADLINE_RUN
 
 LATE_FLOOR_S = 10.0  # the least time left counted for a deadline that is near or past
+SLACK_SHARE = DEADLINE_RUN / (DEADLINE_RUN + 1)  # of the batches, while today's order differs
 
 
 @dataclass(frozen=True)
 class JobWork:
-    """One unfinished job's work still to do, of one model."""
+    """One unfinished job's work still to do, of one model; `deadline_s` inf: none."""
 
     job_no: int
     deadline_s: float  # wall seconds since the epoch
     priority: int
     items: int  # pending and in flight
     tokens: int | None  # lane-padded; None: not known (a job not stored yet: its items count)
+    whole_s: float | None = None  # its whole work (the slack order's); None: `items`, `tokens`
 
 
 @dataclass(frozen=True)
@@ -77,21 +79,41 @@ class Projection:
         return self.finish_s is None or self.finish_s > self.deadline_s
 
 
-def with_share(ahead_s: float, other_s: float) -> float:
-    """Worker-seconds until `ahead_s` of deadline-ordered work is done while `other_s` of work
-    without a deadline also waits: dispatch gives it one batch in DEADLINE_RUN + 1 (the
-    minimum share), so up to ahead_s / DEADLINE_RUN of it goes meanwhile."""
-    return ahead_s + min(other_s, ahead_s / DEADLINE_RUN)
-
-
 def ceil_workers(work_s: float, window_s: float) -> int:
     return max(0, math.ceil(work_s / window_s - 1e-9))
 
 
-def slack_key(job: JobWork, own_s: float, workers: int) -> tuple[int, float]:
-    """Dispatch's order among deadline jobs: higher priority, then less slack (the deadline
-    less the job's own work at the workers there are: the common `now` cancels out)."""
-    return (-job.priority, job.deadline_s - own_s / max(1, workers))
+def schedule(jobs: list[JobWork], rate: Rate, workers: int) -> dict[int, float]:
+    """Per job: T, the worker-seconds until it is done in dispatch's order (module
+    docstring), on the capacity of one worker. Only where `rate.known`."""
+    left = {j.job_no: rate.seconds(j.items, j.tokens) for j in jobs}
+    whole = {j.job_no: j.whole_s if j.whole_s is not None else left[j.job_no] for j in jobs}
+    n = max(1, workers)
+    ranked = [j for j in jobs if math.isfinite(j.deadline_s) or j.priority]
+    slack = sorted(
+        ranked, key=lambda j: (-j.priority, j.deadline_s - whole[j.job_no] / n, j.job_no)
+    )
+    oldest = sorted(jobs, key=lambda j: j.job_no)
+    done: dict[int, float] = {}
+    clock = 0.0
+    s = o = 0
+    while len(done) < len(jobs):
+        while s < len(slack) and slack[s].job_no in done:
+            s += 1
+        while oldest[o].job_no in done:
+            o += 1
+        first, old = (slack[s].job_no if s < len(slack) else None), oldest[o].job_no
+        if first is None or first == old:
+            shares = {old: 1.0}
+        else:
+            shares = {first: SLACK_SHARE, old: 1.0 - SLACK_SHARE}
+        step = min(left[job] / share for job, share in shares.items())
+        clock += step
+        for job, share in shares.items():
+            left[job] -= step * share
+            if left[job] <= 1e-9 * (1.0 + step):
+                done[job] = clock
+    return done
 
 
 def workers_needed(
@@ -103,66 +125,64 @@ def workers_needed(
     now_s: float,
     horizon_s: float,
 ) -> int:
-    """The documented N (module docstring). `jobs`: the deadline jobs; `total_s`: all the
-    model's pending and in-flight work in worker-seconds (None: rate unknown); `busy`:
-    anything pending or in flight."""
+    """The documented N (module docstring). `jobs`: every job with work left, with a deadline
+    or not; `total_s`: all the model's pending and in-flight work in worker-seconds (None:
+    rate unknown); `busy`: anything pending or in flight."""
     if not busy:
         return 0
     if total_s is None or not rate.known:
         return max(1, workers)
     need = ceil_workers(total_s, horizon_s)
-    timed = sorted(jobs, key=lambda j: j.deadline_s)
-    other_s = max(0.0, total_s - sum(rate.seconds(j.items, j.tokens) for j in timed))
-    ahead_s = 0.0
-    for job in timed:
-        ahead_s += rate.seconds(job.items, job.tokens)
-        window_s = max(job.deadline_s - now_s, LATE_FLOOR_S)
-        need = max(need, ceil_workers(with_share(ahead_s, other_s), window_s))
+    finish = schedule(jobs, rate, workers)
+    for job in jobs:
+        if math.isfinite(job.deadline_s):
+            window_s = max(job.deadline_s - now_s, LATE_FLOOR_S)
+            need = max(need, ceil_workers(finish[job.job_no], window_s))
     return max(1, need)
 
 
-def project(
-    jobs: list[JobWork], total_s: float, workers: int, rate: Rate, now_s: float
-) -> list[Projection]:
-    """Each deadline job's finish with `workers`, in slack order (dispatch's): the work of
-    the jobs before it and its own, plus the minimum share of other work (`with_share`),
-    spread over the workers. Only where `rate.known`."""
-    own = {j.job_no: rate.seconds(j.items, j.tokens) for j in jobs}
-    other_s = max(0.0, total_s - sum(own.values()))
+def project(jobs: list[JobWork], workers: int, rate: Rate, now_s: float) -> list[Projection]:
+    """Each deadline job's finish with `workers` (module docstring), in job order. `jobs`:
+    every job with work left. Only where `rate.known`."""
+    finish = schedule(jobs, rate, workers)
     answer = []
-    ahead_s = 0.0
-    for job in sorted(jobs, key=lambda j: slack_key(j, own[j.job_no], workers)):
-        ahead_s += own[job.job_no]
-        work_s = with_share(ahead_s, other_s)
-        finish = now_s + work_s / workers if workers else None
+    for job in jobs:
+        if not math.isfinite(job.deadline_s):
+            continue
+        t = finish[job.job_no]
         left_s = job.deadline_s - now_s
-        needed = max(1, ceil_workers(work_s, left_s)) if left_s > 0 else None
-        answer.append(Projection(job.job_no, job.deadline_s, finish, workers, needed))
+        needed = max(1, ceil_workers(t, left_s)) if left_s > 0 else None
+        end = now_s + t / workers if workers else None
+        answer.append(Projection(job.job_no, job.deadline_s, end, workers, needed))
     return answer
 
 
-NEW_JOB = -1  # the job number a job not submitted yet goes by in `project_new`
+NEW_JOB = 1 << 62  # the job number a job not submitted yet goes by: the newest
 
 
 def project_new(
     info: dict, model: str, items: int, deadline_s: float, priority: int, now_s: float
 ) -> Projection | None:
     """The projection of a job not stored yet, of `items` lines of `model`, among the jobs
-    dispatch's status answer (`info`, BROKER_INFO) lists: its `demand`, `work_left` and
-    `deadline_jobs`. None when no rate is measured for the model (no guess)."""
+    dispatch's status answer (`info`, BROKER_INFO) lists in `work_jobs` (every job with work
+    left, for its `demand`'s model). None when no rate is measured for the model (no guess)."""
     row = info.get("demand", {}).get(model)
     if row is None:
         return None
     rate = Rate(row["worker_items_per_s"], row["worker_tokens_per_s"])
     if not rate.known:
         return None
-    left = info.get("work_left", {}).get(model, {"items": 0, "tokens": 0})
     jobs = [
-        JobWork(int(no), j["deadline_s"], j["priority"], j["items"], j["tokens"])
-        for no, j in info.get("deadline_jobs", {}).items()
-        if j["model"] == model
+        JobWork(
+            int(no),
+            math.inf if j["deadline_s"] is None else j["deadline_s"],
+            j["priority"],
+            j["items"],
+            j["tokens"],
+            j["whole_s"],
+        )
+        for no, j in info.get("work_jobs", {}).get(model, {}).items()
     ]
     new = JobWork(NEW_JOB, deadline_s, priority, items, None)
-    total_s = rate.seconds(left["items"], left["tokens"]) + rate.seconds(items)
-    mine = project([*jobs, new], total_s, row["workers"], rate, now_s)
+    mine = project([*jobs, new], row["workers"], rate, now_s)
     return next(p for p in mine if p.job_no == NEW_JOB)

@@ -192,7 +192,7 @@ def broker_status(stage, now: float) -> dict:
         # (gpu/dispatch/demand_view.py, as of the last rescan)
         "demand": {model: row.to_json() for model, row in stage.demand.models.items()},
         "deadline_jobs": {str(job_no): row for job_no, row in stage.demand.jobs.items()},
-        "work_left": stage.demand.work_left,  # per model: pending and in flight
+        "work_jobs": stage.demand.work_jobs,  # per model, per job: its work left
     }
 
 

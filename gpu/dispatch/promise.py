@@ -1,4 +1,5 @@
-"""`submit --deadline`: before any line is sent, the broker's projection of the job's finish
+"""A deadline promised or refused: before any line of a job is sent (`submit --deadline`,
+an HTTP batch's `completion_window`), the broker's projection of its finish
 (docs/completion.md, "Deadlines promised or refused").
 
 The file's lines are counted per model (a line's `body.model`, an alias counted as its
@@ -12,13 +13,14 @@ from __future__ import annotations
 
 import collections
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-from config.settings import Settings
+from config.settings import ModelSettings
 from gpu.dispatch.demand import project_new
 from pipeline.core.deadline_words import deadline_words
 
@@ -27,12 +29,14 @@ from pipeline.core.deadline_words import deadline_words
 class Promise:
     words: str  # "on track (projected 04:10)", "at risk (...)", "no projection: ..."
     at_risk: bool  # measured and late: what --deadline-strict refuses
+    measured: bool = False  # a projection was made (a rate is measured for every model)
+    finish_s: float | None = None  # the projected finish (wall seconds), when there is one
 
 
-def lines_per_model(path: str | Path, settings: Settings) -> collections.Counter:
+def lines_per_model(path: str | Path, models: Sequence[ModelSettings]) -> collections.Counter:
     """Lines of the file per [[models]] name (aliases folded in)."""
-    names = {m.name: m.name for m in settings.models}
-    names.update({alias: m.name for m in settings.models for alias in m.aliases})
+    names = {m.name: m.name for m in models}
+    names.update({alias: m.name for m in models for alias in m.aliases})
     counts: collections.Counter = collections.Counter()
     with open(path, "rb") as lines:
         for line in lines:
@@ -71,4 +75,6 @@ def promise(
     if unmeasured:
         return Promise(deadline_words(unmeasured[0], now), False)
     worst = max(rows, key=lambda r: (r["at_risk"], r["projected_finish_s"] or float("inf")))
-    return Promise(deadline_words(worst, now), bool(worst["at_risk"]))
+    return Promise(
+        deadline_words(worst, now), bool(worst["at_risk"]), True, worst["projected_finish_s"]
+    )
