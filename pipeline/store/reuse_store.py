@@ -265,7 +265,9 @@ class ReuseWriter:
             os.fdatasync(self.fd)
             os.close(self.fd)
             self.file += 1
-        self.fd = os.open(data_path(self.root, self.file), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        self.fd = os.open(
+            data_path(self.root, self.file), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644
+        )
         self.size = os.fstat(self.fd).st_size
         fsync_dir(self.root)
 
