@@ -12,11 +12,13 @@ import time
 from pathlib import Path
 
 import pytest
-from broker import WORDS, Broker, submit, write_config
+from broker import WORDS, Broker, free_port, submit, write_config
+from client_commands import run_cli
 from conftest import assert_check_clean, wait_for
 from test_dispatch_pipeline import assert_each_once, fetch, job_info
 
 from pipeline.core import exitcodes
+from pipeline.store.datadir import DataDir
 
 EMBED = "/v1/embeddings"
 CHAT = "/v1/chat/completions"
@@ -34,10 +36,11 @@ model = "gen"
 """
 
 
-def start(tmp_path: Path, rate: float = 5e6, revision: str = "") -> Broker:
+def start(tmp_path: Path, rate: float = 5e6, revision: str = "", api_port: int = 0) -> Broker:
     config = tmp_path / "broker.toml"
     if not config.exists():
-        config = write_config(tmp_path)
+        api = f'[api]\nenabled = true\nbind = "127.0.0.1:{api_port}"\n' if api_port else ""
+        config = write_config(tmp_path, extra=api)
         text = config.read_text().replace("[workers]\nlocal = 0\n", WORKERS.format(rate=rate))
         config.write_text(text + GEN_MODEL)
     text = config.read_text()
@@ -113,7 +116,7 @@ def sent_to_workers(b: Broker, model: str, path: Path, out: Path, *args: str) ->
 @pytest.fixture(scope="module")
 def broker(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("reuse")
-    b = start(tmp_path)
+    b = start(tmp_path, api_port=free_port())
     try:
         yield b
         assert b.stop() == exitcodes.OK, b.stderr
@@ -137,6 +140,8 @@ def test_a_file_run_twice_with_reuse_runs_only_what_changed(broker, tmp_path):
     assert_each_once(tmp_path / "second.jsonl", n)
     assert second["usage"] == first["usage"]  # usage as first measured
     assert b.metric("fabric_items_reused_total", model="sim") >= n
+    shown = run_cli("status", second["job"], "--config", str(b.config))
+    assert f"reused     {n} lines" in shown.stdout, shown.stdout
     # one line's text changed: that line runs, the others are reused
     lines[7] = embed_line(7, text="w1 w2 w3 w999")
     sent, third = sent_to_workers(
@@ -193,7 +198,7 @@ def test_a_parameter_or_a_sampled_request_without_seed_runs_again(broker, tmp_pa
 def test_new_weights_run_again_and_a_broker_killed_mid_job_delivers_each_line_once(tmp_path):
     n, old = 400, 200
     lines = [embed_line(i) for i in range(n)]
-    b = start(tmp_path, rate=20_000.0)  # slow enough to kill it with work in flight
+    b = start(tmp_path, rate=2_000.0)  # slow enough to kill it with work in flight
     try:
         run(b, write(tmp_path / "old.jsonl", lines[:old]), tmp_path / "o1.jsonl", "--reuse")
         done = submit(b.config, write(tmp_path / "all.jsonl", lines), "--reuse")
@@ -205,7 +210,7 @@ def test_new_weights_run_again_and_a_broker_killed_mid_job_delivers_each_line_on
         assert_check_clean(
             b.data_dir
         )  # found lines not stored yet are not lost: the journal has them
-        b = start(tmp_path, rate=20_000.0)
+        b = start(tmp_path, rate=2_000.0)
         info = wait_for(
             lambda: (i := job_info(b, job))["state"] == "completed" and i,
             "the job to complete after the restart",
@@ -227,3 +232,77 @@ def test_new_weights_run_again_and_a_broker_killed_mid_job_delivers_each_line_on
         assert_check_clean(b.data_dir)
     finally:
         b.close()
+
+
+def test_batch_runs_share_one_index_so_a_changed_input_runs_only_its_changes(tmp_path):
+    from test_oneshot import RUN_BOUND_S, batch
+
+    def completions(n: int, changed: int = 0) -> list[dict]:
+        lines = []
+        for i in range(n):
+            ids = [1 + i % 50, 2 + i % 13, 3] if i >= changed else [7, 7, 7, 100 + i]
+            body = {"model": "echo", "prompt_token_ids": ids, "temperature": 0, "max_tokens": 3}
+            lines.append(
+                {"custom_id": f"e{i}", "method": "POST", "url": "/v1/completions", "body": body}
+            )
+        return lines
+
+    index, log = tmp_path / "index", tmp_path / "batch.err"
+    runs = [("a", completions(100)), ("b", completions(100, changed=10))]
+    for name, lines in runs:
+        args = (str(write(tmp_path / f"{name}.jsonl", lines)), "-o", str(tmp_path / f"{name}.out"))
+        proc = batch(*args, "--model", "echo", "--reuse", "--reuse-index", str(index), log=log)
+        assert proc.wait(timeout=RUN_BOUND_S) == exitcodes.OK, log.read_text()[-3000:]
+    said = log.read_text()
+    assert "(0 errors, 0 reused)" in said and "(0 errors, 90 reused)" in said, said
+    first, second = bodies(tmp_path / "a.out"), bodies(tmp_path / "b.out")
+    assert len(second) == 100 and all(second[k] == first[k] for k in second if int(k[1:]) >= 10)
+    assert all(second[f"e{i}"] != first[f"e{i}"] for i in range(10))
+    for name, _ in runs:
+        assert_check_clean(DataDir(tmp_path / f"{name}.out.fabric" / "data"))
+
+
+def test_an_http_batch_asks_for_reuse_in_its_metadata_and_says_how_many_lines_took_it(
+    broker, tmp_path
+):
+    import openai
+
+    b = broker
+    client = openai.OpenAI(base_url=f"http://{b.settings.api.bind}/v1", api_key="k", max_retries=0)
+    lines = [embed_line(5000 + i) for i in range(30)]
+    file = client.files.create(
+        file=("in.jsonl", write(tmp_path / "in.jsonl", lines).read_bytes()), purpose="batch"
+    )
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.batches.create(
+            input_file_id=file.id,
+            endpoint=EMBED,
+            completion_window="24h",
+            metadata={"fabric_reuse": "yes"},
+        )
+    assert "fabric_reuse" in str(refused.value)
+
+    def batch_run(name: str):
+        created = client.batches.create(
+            input_file_id=file.id,
+            endpoint=EMBED,
+            completion_window="24h",
+            metadata={"fabric_reuse": "true"},
+        )
+
+        def done():
+            batch = client.batches.retrieve(created.id)
+            return (
+                batch if batch.status in ("completed", "failed", "expired", "cancelled") else None
+            )
+
+        finished = wait_for(done, "the batch to end", timeout_s=60)
+        assert finished.status == "completed", finished
+        out = tmp_path / name
+        out.write_bytes(client.files.content(finished.output_file_id).content)
+        return finished, bodies(out)
+
+    first, first_bodies = batch_run("first.jsonl")
+    second, second_bodies = batch_run("second.jsonl")
+    assert first.metadata["fabric_reused"] == "0" and second.metadata["fabric_reused"] == "30"
+    assert second.request_counts.completed == 30 and second_bodies == first_bodies

@@ -370,6 +370,8 @@ class CompletionStage(Stage[CompletionStageSettings]):
         try:
             self.intake.rejected_lines(view)
             self.reuse.store_found(view)  # lines the reuse index answered (reuse.py)
+            if view.reuse and self.finishing.done(view):  # done now: its results indexed
+                self.reuse.flush(now, force=True)
         except DiskFullError as exc:
             self.disk.failed(exc, now)
 

@@ -63,10 +63,20 @@ class ResultReuse:
         self.lost = 0  # found lines whose record was gone (metrics)
         self.next_flush = 0.0
         self.next_evict = 0.0
+        self.unavailable = False  # the index could not be opened for writing in this life
 
-    def _writer(self) -> ReuseWriter:
-        if self.writer is None:
-            self.writer = ReuseWriter(self.data_root, self.retention_s, self.max_bytes)
+    def _writer(self) -> ReuseWriter | None:
+        if self.writer is None and not self.unavailable:
+            try:
+                self.writer = ReuseWriter(self.data_root, self.retention_s, self.max_bytes)
+            except OSError as exc:  # another broker indexes into a shared one, or a full disk
+                self.unavailable = True
+                self.log.warning(
+                    "reuse index %s not opened for writing (%s): this broker reuses what it "
+                    "holds but adds nothing to it until it restarts",
+                    reuse_dir(self.data_root),
+                    exc,
+                )
         return self.writer
 
     def store_found(self, view: JobView) -> None:
@@ -123,8 +133,11 @@ class ResultReuse:
         if not len(ok):
             return
         kept = rows.take(ok) if len(ok) < len(index) else rows
+        writer = self._writer()
+        if writer is None:
+            return
         try:
-            self._writer().append(
+            writer.append(
                 keys[ok],
                 ((flags[ok] >> 4) & 0xF).astype(np.uint8),
                 status[ok].astype(np.uint8),
@@ -145,8 +158,11 @@ class ResultReuse:
                 self.writer.pending = []
         if now >= self.next_evict and reuse_dir(self.data_root).exists():
             self.next_evict = now + EVICT_S
+            writer = self._writer()
+            if writer is None:
+                return
             try:
-                dropped = self._writer().evict()
+                dropped = writer.evict()
             except OSError as exc:
                 self.log.warning("reuse index: eviction failed (tried again later): %s", exc)
                 return

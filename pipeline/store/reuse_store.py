@@ -8,6 +8,7 @@ retention and size cap (`[reuse]` in the config, docs/completion.md "Result reus
 | `table.bin`       | key -> (data file, offset, length): pipeline/store/reuse_table.py |
 | `data-<n>.log`    | result records, appended; a new file past `FILE_BYTES` |
 | `data-<n>.evicted`| a data file whose entries left the table; removed `GRACE_S` after |
+| `lock`            | flocked by the one writer while it is open |
 
 A record is a 48-byte header (`RECORD`) then the payload, padded to 8 bytes;
 `check` is a CRC-32 of the header after it and the payload. The completion
@@ -27,6 +28,7 @@ front found just before still reads its result.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import time
@@ -198,6 +200,13 @@ class ReuseWriter:
     def __init__(self, data_root: Path, retention_s: float, max_bytes: int) -> None:
         self.root = reuse_dir(data_root)
         self.root.mkdir(parents=True, exist_ok=True)
+        # one writer at a time (a shared index: `run.py batch --reuse`); BlockingIOError if not
+        self.lock_fd = os.open(self.root / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(self.lock_fd)
+            raise
         self.retention_s = retention_s
         self.max_bytes = max_bytes
         path = self.root / TABLE_FILE
@@ -338,3 +347,4 @@ class ReuseWriter:
                 self.fd = -1
             self.table.sync()
             self.table.close()
+            os.close(self.lock_fd)  # the lock goes with it
