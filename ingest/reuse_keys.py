@@ -169,17 +169,13 @@ class ReuseFinder:
         if hit.any():
             if self.shapes is None:
                 self.shapes = InternTable(self.data_root)
+            shape_ids = [self.shapes.id_for(shape.as_dict()) for shape in chunk.shapes]
+            models, shapes = chunk.model_index.tolist(), chunk.shape_index.tolist()
+            places = where.tolist()
             for j in np.flatnonzero(hit).tolist():
                 i = int(keyed[j])
-                shape = chunk.shapes[int(chunk.shape_index[i])]
                 found.reused.append(
-                    [
-                        lines[i],
-                        texts[j],
-                        chunk.models[int(chunk.model_index[i])],
-                        self.shapes.id_for(shape.as_dict()),
-                        *map(int, where[j]),
-                    ]
+                    [lines[i], texts[j], chunk.models[models[i]], shape_ids[shapes[i]], *places[j]]
                 )
         for j in np.flatnonzero(~hit).tolist():
             found.lines.append(lines[int(keyed[j])])

@@ -161,3 +161,43 @@ def test_a_writer_sigkilled_while_indexing_leaves_every_entry_readable(tmp_path)
     writer.close()
     assert (ReuseReader(tmp_path).lookup(more)[:, 0] > 0).all()
     assert check_data_dir(DataDir(tmp_path)).clean
+
+
+def test_results_that_come_before_their_chunk_is_committed_are_indexed_once_it_is(tmp_path):
+    """Dispatch hands items out once their writer synced them, before the front's commit
+    record names their keys: completion holds such results and indexes them later."""
+    import logging
+
+    from collector.completion.record_format import flags_of
+    from collector.completion.reuse import ResultReuse
+    from collector.job_view import JobView
+    from ingest.jobs import JobRegistry
+    from ingest.reuse_keys import key_hex
+    from pipeline.core.result_kinds import ResultKind, ResultStatus
+    from pipeline.store.job_files import JobFiles
+
+    registry = JobRegistry(tmp_path)
+    job = registry.create("j1", chunk_lines=10, reuse=True)
+    job.accept(0, 1, 3)
+    registry.touch(job)
+    registry.flush()
+    view = JobView(JobFiles(tmp_path), "j1")
+    reuse = ResultReuse(tmp_path, None, 3600.0, 1 << 30, logging.getLogger("test"))  # type: ignore[arg-type]
+    flags = np.full(3, flags_of(ResultStatus.RESULT, ResultKind.VECTOR), np.uint32)
+    reuse.note(view, np.arange(3), flags, payloads(3), np.ones(3, np.uint32))
+    keys = keys_of(3, seed=5)
+    job.commit(
+        0,
+        [1, 2, 3],
+        ["a", "b", "c"],
+        3,
+        [],
+        True,
+        reuse={"rk": {"lines": [1, 2, 3], "keys": "".join(key_hex(keys))}},
+    )
+    registry.touch(job)
+    registry.flush()
+    reuse.flush(0.0, force=True)
+    assert (ReuseReader(tmp_path).lookup(keys)[:, 0] > 0).all()
+    reuse.close()
+    registry.close()

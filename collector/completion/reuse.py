@@ -35,11 +35,13 @@ from pipeline.core.result_kinds import ResultKind, ResultStatus
 from pipeline.store.reuse_store import ReuseWriter, read_results, reuse_dir
 
 FLUSH_S = 1.0
+MAX_WAITING = 1 << 20  # results waiting for their commit record; beyond, not indexed
 EVICT_S = 60.0
 LOST = (
     f"{ItemErrorCode.REUSE_LOST}: the stored result of an identical earlier request was "
     "evicted or damaged before this line took it; submit the line again"
 )
+LOST_BYTES = LOST.encode()
 
 
 class ResultReuse:
@@ -64,6 +66,9 @@ class ResultReuse:
         self.next_flush = 0.0
         self.next_evict = 0.0
         self.unavailable = False  # the index could not be opened for writing in this life
+        # results whose chunk's commit record was not read yet: (view, index, flags, rows, prompt)
+        self.waiting: list[tuple] = []
+        self.waiting_items = 0
 
     def _writer(self) -> ReuseWriter | None:
         if self.writer is None and not self.unavailable:
@@ -100,33 +105,49 @@ class ResultReuse:
     def _store(self, view: JobView, model: str, found, results) -> None:
         model_id = self.completion_log.models.id_for({"model": model})
         index = np.array([int(r[0]) - 1 for r in found], np.int64)
-        flags = np.zeros(len(found), np.uint32)
+        ok = np.array([r is not None for r in results], bool)
+        kept = [r for r in results if r is not None]
+        status = np.full(len(found), ResultStatus.ERROR, np.uint32)
+        kind = np.full(len(found), ResultKind.TEXT, np.uint32)
+        status[ok] = [r.status for r in kept]
+        kind[ok] = [r.kind for r in kept]
+        shape = np.where(ok, np.array([int(r[3]) for r in found], np.uint32), 0)
+        flags = flags_of(status, kind, np.where(ok, model_id, 0), shape)
         prompt = np.zeros(len(found), np.uint32)
-        bodies = []
-        for i, (entry, result) in enumerate(zip(found, results, strict=True)):
-            if result is None:
-                flags[i] = flags_of(ResultStatus.ERROR, ResultKind.TEXT)
-                bodies.append(LOST.encode())
-                self.lost += 1
-                continue
-            flags[i] = flags_of(result.status, result.kind, model_id, int(entry[3]))
-            prompt[i] = result.prompt_tokens
-            bodies.append(result.payload)
+        prompt[ok] = [r.prompt_tokens for r in kept]
+        bodies = [LOST_BYTES if r is None else r.payload for r in results]
         stored = self.completion_log.record_direct(
             view.job_id, view.job_no, index, flags, prompt, bodies
         )
         self.reused[model] += stored
-        if self.lost:
+        lost = int((~ok).sum())
+        if lost:
+            self.lost += lost
             self.log.warning(
-                "job %s: %d reused line(s) lost their stored result", view.job_id, self.lost
+                "job %s: %d reused line(s) lost their stored result", view.job_id, lost
             )
 
     def note(
         self, view: JobView, index: np.ndarray, flags: np.ndarray, rows: Ragged, prompt
     ) -> None:
-        """A reusing job's results as stored: those with a request key go into the index."""
+        """A reusing job's results as stored: those with a request key go into the index. A
+        result can come before completion read its chunk's commit record (or before the front
+        wrote it): those wait, and are tried again at each flush."""
         if not view.reuse or not len(index):
             return
+        known = view.known(index)
+        if not known.all():
+            view.refresh()
+            known = view.known(index)
+        if not known.all():
+            late = np.flatnonzero(~known)
+            if self.waiting_items < MAX_WAITING:
+                self.waiting.append(
+                    (view, index[late], flags[late], rows.take(late), np.asarray(prompt)[late])
+                )
+                self.waiting_items += len(late)
+            index, flags, prompt = index[known], flags[known], np.asarray(prompt)[known]
+            rows = rows.take(np.flatnonzero(known))
         keys = view.request_keys(index)
         status = flags & np.uint32(0xF)
         ok = np.flatnonzero(keys.any(axis=1) & (status == ResultStatus.RESULT))
@@ -149,6 +170,10 @@ class ResultReuse:
 
     def flush(self, now: float, force: bool = False) -> None:
         """Index what was appended (at most every FLUSH_S unless `force`); evict every EVICT_S."""
+        if self.waiting and (force or now >= self.next_flush):
+            waiting, self.waiting, self.waiting_items = self.waiting, [], 0
+            for view, index, flags, rows, prompt in waiting:
+                self.note(view, index, flags, rows, prompt)
         if self.writer is not None and self.writer.pending and (force or now >= self.next_flush):
             self.next_flush = now + FLUSH_S
             try:

@@ -133,51 +133,54 @@ class ReuseReader:
 
 def read_results(data_root: Path, keys: np.ndarray, where: np.ndarray) -> list[StoredResult | None]:
     """The records at `where` ([n, 3]: file, offset, length), each checked against its key;
-    None for one that is gone, torn or not that key's."""
+    None for one that is gone, torn or not that key's. One read per data file (the span of
+    its records asked for), headers parsed at once; a CRC per record."""
     root = reuse_dir(data_root)
-    out: list[StoredResult | None] = []
-    files: dict[int, object] = {}
-    try:
-        for (k0, k1), (file, offset, length) in zip(keys.tolist(), where.tolist(), strict=True):
-            f = files.get(file)
-            if f is None:
-                f = files[file] = _open_data(root, int(file))
-            out.append(_read_one(f, int(k0), int(k1), int(offset), int(length)))
-    finally:
-        for f in files.values():
-            if f is not None:
-                f.close()  # type: ignore[attr-defined]
+    out: list[StoredResult | None] = [None] * len(keys)
+    files, offsets, lengths = (where[:, i].astype(np.int64) for i in range(3))
+    for file in np.unique(files).tolist():
+        mine = np.flatnonzero((files == file) & (lengths >= RECORD.itemsize))
+        if not len(mine):
+            continue
+        start = int(offsets[mine].min())
+        span = _read_span(
+            root, int(file), start, int((offsets[mine] + lengths[mine]).max()) - start
+        )
+        if span is None:
+            continue
+        whole = offsets[mine] + lengths[mine] - start <= len(span)
+        mine = mine[whole]
+        at = offsets[mine] - start
+        raw = np.frombuffer(span, np.uint8)
+        heads = raw[at[:, None] + np.arange(RECORD.itemsize)].copy().view(RECORD).reshape(-1)
+        sizes = heads["payload_bytes"].astype(np.int64)
+        good = (
+            (heads["magic"] == RECORD_MAGIC)
+            & (heads["k0"] == keys[mine, 0])
+            & (heads["k1"] == keys[mine, 1])
+            & (RECORD.itemsize + sizes <= lengths[mine])
+        )
+        for j in np.flatnonzero(good).tolist():
+            a, size = int(at[j]), int(sizes[j])
+            payload = span[a + RECORD.itemsize : a + RECORD.itemsize + size]
+            head = span[a : a + RECORD.itemsize]
+            if record_check(head, payload) == int(heads["check"][j]):
+                h = heads[j]
+                out[int(mine[j])] = StoredResult(
+                    int(h["kind"]), int(h["status"]), int(h["prompt_tokens"]), payload
+                )
     return out
 
 
-def _open_data(root: Path, file: int):
+def _read_span(root: Path, file: int, start: int, size: int) -> bytes | None:
     for evicted in (False, True):
         try:
-            return open(data_path(root, file, evicted), "rb")
+            with open(data_path(root, file, evicted), "rb") as f:
+                f.seek(start)
+                return f.read(size)
         except FileNotFoundError:
             continue
     return None
-
-
-def _read_one(f, k0: int, k1: int, offset: int, length: int) -> StoredResult | None:
-    if f is None or length < RECORD.itemsize:
-        return None
-    f.seek(offset)
-    raw = f.read(length)
-    if len(raw) != length:
-        return None
-    head = np.frombuffer(raw, RECORD, 1)[0]
-    size = int(head["payload_bytes"])
-    if (
-        int(head["magic"]) != RECORD_MAGIC
-        or (int(head["k0"]), int(head["k1"])) != (k0, k1)
-        or RECORD.itemsize + size > length
-    ):
-        return None
-    payload = raw[RECORD.itemsize : RECORD.itemsize + size]
-    if record_check(raw[: RECORD.itemsize], payload) != int(head["check"]):
-        return None
-    return StoredResult(int(head["kind"]), int(head["status"]), int(head["prompt_tokens"]), payload)
 
 
 def data_files(root: Path) -> list[tuple[int, bool, Path]]:
