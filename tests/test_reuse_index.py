@@ -201,3 +201,14 @@ def test_results_that_come_before_their_chunk_is_committed_are_indexed_once_it_i
     assert (ReuseReader(tmp_path).lookup(keys)[:, 0] > 0).all()
     reuse.close()
     registry.close()
+
+
+def test_a_writer_starts_a_new_data_file_each_eighth_of_the_retention(tmp_path):
+    """Retention drops whole files: a file that took appends all along would never go."""
+    writer = ReuseWriter(tmp_path, retention_s=800.0, max_bytes=1 << 30)
+    t0 = 1_800_000_000 * 10**9
+    write(writer, keys_of(10, 1), now_ns=t0)
+    write(writer, keys_of(10, 2), now_ns=t0 + 50 * 10**9)  # same file
+    write(writer, keys_of(10, 3), now_ns=t0 + 101 * 10**9)  # past 800 / 8 s: a new one
+    writer.close()
+    assert len(data_files(reuse_dir(tmp_path))) == 2

@@ -6,7 +6,7 @@ retention and size cap (`[reuse]` in the config, docs/completion.md "Result reus
 | file              | what |
 |-------------------|------|
 | `table.bin`       | key -> (data file, offset, length): pipeline/store/reuse_table.py |
-| `data-<n>.log`    | result records, appended; a new file past `FILE_BYTES` |
+| `data-<n>.log`    | result records, appended; a new file past `FILE_BYTES`, after an eighth of the retention (a day at most), and at each writer's start |
 | `data-<n>.evicted`| a data file whose entries left the table; removed `GRACE_S` after |
 | `lock`            | flocked by the one writer while it is open |
 
@@ -225,6 +225,7 @@ class ReuseWriter:
         self.file = max(numbers, default=0) + 1  # a new file per writer life: no torn tail
         self.fd = -1
         self.size = 0
+        self.roll_at_ns = 0
         self.pending: list[np.ndarray] = []  # SLOT rows appended, not yet synced and indexed
         self.added = 0  # entries indexed by this writer (metrics)
 
@@ -242,8 +243,8 @@ class ReuseWriter:
         if not n:
             return
         now_ns = time.time_ns() if now_ns is None else now_ns
-        if self.fd < 0 or self.size > FILE_BYTES:
-            self._roll()
+        if self.fd < 0 or self.size > FILE_BYTES or now_ns > self.roll_at_ns:
+            self._roll(now_ns)
         sizes = np.diff(rows.offsets).astype(np.int64)
         lengths = (RECORD.itemsize + sizes + 7) // 8 * 8
         starts = self.size + offsets_of(lengths)[:-1]
@@ -272,7 +273,10 @@ class ReuseWriter:
         self.size += len(data)
         self.pending.append(slots)
 
-    def _roll(self) -> None:
+    def _roll(self, now_ns: int) -> None:
+        # a file takes appends for at most an eighth of the retention (a day at most), so that
+        # retention, which drops whole files, drops entries at most that much past their time
+        self.roll_at_ns = now_ns + int(min(self.retention_s / 8, 86400.0) * 1e9)
         if self.fd >= 0:
             os.fdatasync(self.fd)
             os.close(self.fd)
