@@ -24,6 +24,7 @@ from starlette.requests import ClientDisconnect
 
 from api.batch_limits import check_limits
 from api.batch_record import BatchRecord
+from api.batch_reuse import reuse_of
 from api.batch_store import BatchStore, idempotent_batch_id, new_batch_id, to_openai
 from api.control_routes import add_control_routes, priority_of
 from api.dispatch_view import (
@@ -240,6 +241,7 @@ def make_app(
                 param="metadata",
             )
         priority_of(metadata)  # a 400 now for a fabric_priority that is not an integer
+        reuse_of(metadata)  # likewise for a fabric_reuse that is not "true" or "false"
         problem = webhooks.batch_url_problem(owner, metadata)
         if problem:
             raise invalid(problem, param="metadata")

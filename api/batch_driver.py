@@ -46,6 +46,7 @@ from api.batch_events import BatchEvents
 from api.batch_files import BatchFiles
 from api.batch_limits import job_limits, stopped_errors
 from api.batch_record import BatchRecord, Ending
+from api.batch_reuse import reuse_of, with_reused
 from api.batch_store import ACCEPT_PARTIAL_KEY, ERRORS, OUTPUT, BatchStore
 from api.batch_validation import Checked, check_and_send, error
 from api.control_routes import priority_of
@@ -176,6 +177,7 @@ class BatchDriver:
                 stop=stop,
                 job_priority=priority_of(record.metadata),
                 limits=job_limits(record.metadata),
+                reuse=reuse_of(record.metadata),
             )
             self._validating[batch_id] = (future, stop, path)
             log.info("batch %s: validating, its lines sent as job %s", batch_id, batch_id)
@@ -285,6 +287,7 @@ class BatchDriver:
                 deadline=record.expires_at,
                 job_priority=priority_of(record.metadata),
                 limits=job_limits(record.metadata),
+                reuse=reuse_of(record.metadata),
             )
             log.info("batch %s: submitting %s as job %s", batch_id, path, batch_id)
 
@@ -353,8 +356,9 @@ class BatchDriver:
             finished = is_terminal(info["state"]) and not info["undelivered"]
         finished = finished and submitted
         counts, usage = _counts(info, record), info.get("usage")
-        if counts != record.request_counts or usage != record.usage:
-            record.request_counts, record.usage = counts, usage
+        metadata = with_reused(record.metadata, info)  # `fabric_reused` (api/batch_reuse.py)
+        if counts != record.request_counts or usage != record.usage or metadata != record.metadata:
+            record.request_counts, record.usage, record.metadata = counts, usage, metadata
             if not finished:
                 self.batches.put(record)
         if record.error_file_id is None and self.out.has_errors(batch_id):

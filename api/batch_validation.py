@@ -92,11 +92,13 @@ def check_and_send(
     stop: threading.Event,
     job_priority: int = 0,
     limits: dict[str, Any] | None = None,
+    reuse: bool = False,
 ) -> Checked:
     """Check every line of `path` and send the lines as job `batch_id` while none is bad (with
     `accept_partial`, while no line is for another url; `job_priority`: the job's, from the
     metadata); see the module docstring. `stop` set (the batch was cancelled or expired
-    meanwhile) ends the sending too. `limits`: the job's caps (api/batch_limits.py)."""
+    meanwhile) ends the sending too. `limits`: the job's caps (api/batch_limits.py); `reuse`:
+    its lines take stored results (api/batch_reuse.py)."""
     status = producer.job_status(batch_id)
     chunk_items = int(producer.catalog()["chunk_items"])
     lines = int(status["chunk_lines"]) if status["exists"] else lines_per_chunk(path, chunk_items)
@@ -125,6 +127,7 @@ def check_and_send(
             deadline=deadline,
             job_priority=job_priority,
             limits=limits,
+            reuse=reuse,
         )
         checked.sent_all = True
     except Held:

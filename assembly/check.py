@@ -8,6 +8,7 @@ It spans the stores of several floors, so it is composed here:
 | job records that fail their checksum or share a job number | ingest/job_check.py |
 | the vector stores                     | collector/vectors/check.py |
 | acknowledged items that have neither a result nor a readable LIVE slot (a DEAD marker with no result, an EMPTY marker over a valid slot, a rotten slot an acknowledged chunk covers) | collector/losses.py |
+| the reuse index: damaged table, entries that fail their check or point at a gone or damaged record | pipeline/store/reuse_check.py |
 
 With `fix`, it repairs what can be repaired without losing an acknowledged
 item and says what it did; a lost item gets a `corrupt_input` error result,
@@ -22,6 +23,7 @@ from collector.vectors.check import check_vectors
 from ingest.job_check import check_job_records
 from pipeline.store.check import CheckReport, Finding, check_logs
 from pipeline.store.datadir import DataDir
+from pipeline.store.reuse_check import check_reuse
 
 
 def check_data_dir(data_dir: DataDir, fix: bool = False) -> CheckReport:
@@ -34,6 +36,9 @@ def check_data_dir(data_dir: DataDir, fix: bool = False) -> CheckReport:
     report.findings.extend(vector_findings)
     report.fixed.extend(vector_fixed)
     report.findings.extend(check_job_records(data_dir.root))
+    reuse_findings, reuse_fixed = check_reuse(data_dir.root, fix)
+    report.findings.extend(reuse_findings)
+    report.fixed.extend(reuse_fixed)
     for x in lost:
         report.findings.append(
             Finding(data_dir.root / "jobs" / x.job_id, "lost-items", x.line(), True)

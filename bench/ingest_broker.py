@@ -45,6 +45,7 @@ class Model:
     name: str
     tokenizer: str = ""  # path of a tokenizer.json; "" = token ids only
     endpoints: tuple[str, ...] = ("/v1/embeddings",)
+    engine: str = "echo"  # bench/reuse.py runs the simulated engine
 
 
 def _toml(value: object) -> str:
@@ -93,7 +94,7 @@ def write_config(
         for name, keys in base.items()
     )
     text += "".join(
-        f'\n[[models]]\nname = "{m.name}"\nengine = "echo"\nendpoints = {_toml(m.endpoints)}\n'
+        f'\n[[models]]\nname = "{m.name}"\nengine = "{m.engine}"\nendpoints = {_toml(m.endpoints)}\n'
         + (f'tokenizer = "{m.tokenizer}"\n' if m.tokenizer else "")
         for m in models
     )

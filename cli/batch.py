@@ -66,6 +66,7 @@ START_TIMEOUT_S = 300.0  # for the broker to answer (recovery of a large data di
 ERRORS_SUFFIX = ".errors.jsonl"
 # What --engine E brings without --tokenizer: the tokenizer and the longest prompt.
 ENGINE_TOKENIZERS = {"minilm": ("gpu/minilm/tokenizer.json", 256)}
+DEFAULT_REUSE_INDEX = Path("~/.cache/inference-fabric/reuse")  # `batch --reuse` without --config
 
 
 class OneShotError(FabricError):
@@ -85,6 +86,8 @@ class OneShot:
     workers: int = 1
     aliases: tuple[str, ...] = ()  # --alias: other names the lines may give the model
     limits: dict | None = None  # --max-errors and the other caps (pipeline/core/job_limits.py)
+    reuse: bool = False  # --reuse: lines take stored results of identical earlier requests
+    reuse_index: Path | None = None  # without --config: the index shared by every run
 
     @property
     def state_dir(self) -> Path:
@@ -223,6 +226,8 @@ def run_oneshot(run: OneShot) -> int:
         job_id = run.job_id()
         resumed = _claim_output(run, job_id)
         wait_for_lock(settings.data_path, say)
+        if run.reuse and run.config is None:
+            _share_reuse_index(settings.data_path, run.reuse_index or DEFAULT_REUSE_INDEX, say)
     except BaseException:
         if made:
             shutil.rmtree(run.state_dir, ignore_errors=True)
@@ -284,6 +289,7 @@ def _drive(run: OneShot, settings, job_id: str, broker, progress: ProgressLine, 
             run.input,
             job_id,
             limits=run.limits,
+            reuse=run.reuse,
             progress=lambda r, lines: progress.show(f"{job_id}: submitting, line {lines}"),
         )
     say(_queued(job_id, report))
@@ -323,9 +329,10 @@ def _drive(run: OneShot, settings, job_id: str, broker, progress: ProgressLine, 
         progress.show(_progress_text(job_id, report, progress.tty), final=True)
     done, total = job_done(info)
     failed = int(info.get("failed", 0))
+    reused = f", {info['reused']} reused" if info.get("reused") is not None else ""
     say(
         f"job {job_id}: {info.get('state')}; {done} of {total} lines have their outcome "
-        f"({failed} errors); this run wrote {report.written} results to {run.output} and "
+        f"({failed} errors{reused}); this run wrote {report.written} results to {run.output} and "
         f"{report.errors} error lines to {run.errors}"
     )
     if not (is_terminal(info.get("state")) and total is not None and done >= total):
@@ -334,6 +341,32 @@ def _drive(run: OneShot, settings, job_id: str, broker, progress: ProgressLine, 
         say(f"no line succeeded: all {total} lines failed; {first_error(run.errors)}")
         return exitcodes.ALL_FAILED
     return exitcodes.OK
+
+
+def _share_reuse_index(data_path: Path, index: Path, say) -> None:
+    """Make the private broker's reuse index (`<data dir>/reuse`) the shared one at `index`,
+    so that every `batch --reuse` run finds what earlier runs, of any input, computed; one
+    broker at a time indexes into it (pipeline/store/reuse_store.py locks it)."""
+    from pipeline.store.reuse_store import REUSE_DIR
+
+    index = index.expanduser().absolute()
+    link = data_path / REUSE_DIR
+    try:
+        index.mkdir(parents=True, exist_ok=True)
+        if link.is_symlink() and Path(os.readlink(link)) == index:
+            return
+        if link.is_symlink():
+            link.unlink()
+        elif link.exists():  # an index of this data dir's own: kept, and used
+            say(f"--reuse: {link} is this output's own index; {index} is not used")
+            return
+        data_path.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(index, target_is_directory=True)
+    except OSError as exc:
+        raise OutputError(
+            f"--reuse-index {index}: {exc.strerror or exc}; choose a directory this user can "
+            "write with --reuse-index DIR"
+        ) from None
 
 
 def _queued(job_id: str, report) -> str:
@@ -399,6 +432,18 @@ def add_parser(commands) -> None:
         help="without --config: another name the lines may give the model, e.g. gpt-4o-mini "
         "(repeatable); the output's model repeats it",
     )
+    batch.add_argument(
+        "--reuse",
+        action="store_true",
+        help="lines identical to an earlier deterministic request take its stored result "
+        "instead of running (docs/batch.md, Result reuse)",
+    )
+    batch.add_argument(
+        "--reuse-index",
+        type=Path,
+        metavar="DIR",
+        help=f"without --config: the reuse index every run shares (default {DEFAULT_REUSE_INDEX})",
+    )
     limit_options(batch)
     batch.set_defaults(handler=_batch)
 
@@ -422,5 +467,7 @@ def _batch(args) -> int:
             args.workers,
             tuple(args.alias),
             limits_of(args),
+            args.reuse,
+            args.reuse_index,
         )
     )

@@ -73,6 +73,12 @@ def add_parser(commands) -> None:
         'Webhooks); alone: the url of the [[api.webhooks]] table of owner "cli", whose '
         "secret signs it in any case",
     )
+    submit.add_argument(
+        "--reuse",
+        action="store_true",
+        help="lines identical to an earlier deterministic request take its stored result "
+        "instead of running (docs/completion.md, Result reuse)",
+    )
     submit.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for an answer")
     submit.add_argument("--attempts", type=int, default=10, help="tries per chunk before giving up")
     limit_options(submit)
@@ -138,6 +144,7 @@ def submit_command(args: argparse.Namespace) -> int:
                 job_priority=args.priority,
                 notify=notify,
                 limits=limits,
+                reuse=args.reuse,
             )
     except BrokerUnavailableError as exc:
         line.say(f"error: {exc}")

@@ -53,6 +53,9 @@ class JobView:
         self.priority: int = record_priority(meta)  # at submit; a client may change it
         self.notify: str = str(meta.get("notify", ""))  # `submit --notify URL`, or ""
         self.limits = record_limits(meta)  # its caps (pipeline/core/job_limits.py)
+        self.reuse = bool(meta.get("reuse", False))  # `submit --reuse` (ingest/reuse_keys.py)
+        self.found: list[list[Any]] = []  # its commit records' `reused` lines, not yet taken
+        self._keys: collections.OrderedDict[int, tuple] = collections.OrderedDict()
         self.journal = files.journal_path(job_id)
         self.offset = 0
         self.progress = ChunkProgress(keep_errors=False)
@@ -121,6 +124,7 @@ class JobView:
             if self.progress.apply(record, span):
                 self.first_lines[int(record["first"])] = record["c"]
                 self.rejected.extend(record["errors"])
+                self.found.extend(record.get("reused", ()))
                 self.lines.add(record.get("parts", ()))
                 for name in record.get("names", ()):
                     self._name_number(name)
@@ -147,6 +151,50 @@ class JobView:
             lasts = [chunks[self.first_lines[f]].last for f in firsts.tolist()]
             self._spans = (firsts, np.array(lasts, np.int64))
         return self._spans
+
+    @property
+    def reused_count(self) -> int:
+        """Lines its commit records say took a stored result (result reuse)."""
+        return self.progress.reused
+
+    def request_keys(self, indexes) -> np.ndarray:
+        """The request key (ingest/reuse_keys.py) of each item index as [n, 2] u8, from its
+        chunk's commit record (`rk`); zeros for one without (not deterministic, a fan-out
+        part, or its chunk not committed yet)."""
+        index = np.asarray(indexes, np.int64)
+        out = np.zeros((len(index), 2), np.uint64)
+        lines = index + 1
+        firsts = self._committed()[0]
+        at = np.searchsorted(firsts, lines, side="right") - 1
+        for k in np.unique(at).tolist():
+            if k < 0:
+                continue
+            mine = np.flatnonzero(at == k)
+            chunk_lines, keys = self._keys_of(self.first_lines[int(firsts[k])])
+            if not len(chunk_lines):
+                continue
+            pos = np.minimum(np.searchsorted(chunk_lines, lines[mine]), len(chunk_lines) - 1)
+            hit = chunk_lines[pos] == lines[mine]
+            out[mine[hit]] = keys[pos[hit]]
+        return out
+
+    def _keys_of(self, chunk: int) -> tuple[np.ndarray, np.ndarray]:
+        cached = self._keys.get(chunk)
+        if cached is None:
+            record = journal_record_at(self.journal, self.progress.chunks[chunk].span)
+            rk = record.get("rk") or {"lines": [], "keys": ""}
+            text = rk["keys"]
+            pairs = [
+                (int(text[i : i + 16], 16), int(text[i + 16 : i + 32], 16))
+                for i in range(0, len(text), 32)
+            ]
+            lines = np.asarray(rk["lines"], np.int64)
+            keys = np.array(pairs, np.uint64).reshape(-1, 2)
+            order = np.argsort(lines, kind="stable")
+            cached = self._keys[chunk] = (lines[order], keys[order])
+            while len(self._keys) > CHUNKS_CACHED:
+                self._keys.popitem(last=False)
+        return cached
 
     def take_rejected(self) -> list[list[Any]]:
         taken, self.rejected = self.rejected, []

@@ -182,6 +182,8 @@ def render_job(info: dict[str, Any]) -> str:
     if info.get("stopped"):
         stop = info["stopped"]
         lines.append(f"  stopped    {stop['code']} ({stop['limit']}): {stop['message']}")
+    if info.get("reused") is not None:  # `submit --reuse` (docs/completion.md, Result reuse)
+        lines.append(f"  reused     {info['reused']} lines took an identical earlier result")
     if info.get("fanout"):
         fan = info["fanout"]
         lines.append(f"  parts      {fan['parts']} in {fan['lines']} lines of several parts")

@@ -135,6 +135,11 @@ DEFAULTS: Final[dict[str, Any]] = {
         # Largest request accepted from a results client, in bytes (1 MiB); a peer that
         # sends more is disconnected.
         "max_message_bytes": 1024 * 1024,
+        # The reuse index (`submit --reuse`, docs/completion.md "Result reuse") keeps a
+        # stored result this long after its data file was last written (30 days) ...
+        "reuse_retention_s": 30 * 86400.0,
+        # ... and its data files within this many bytes (16 GiB), the oldest evicted first.
+        "reuse_max_bytes": 16 * 1024**3,
     },
     "vectors": {
         # Address of the vector shard manager: searches, reads and stats from users.
@@ -281,6 +286,10 @@ MODEL_DEFAULTS: Final[dict[str, Any]] = {
     # unique across every model's names and aliases. The output's `model` is the name the line
     # used; everything else (segments, workers, metrics) knows the model by `name`.
     "aliases": [],
+    # What the model's weights are, declared by the operator (a Hugging Face revision, a
+    # digest, a date): part of the model fingerprint result reuse keys on. "" = the engine's
+    # pinned weights where it pins them (minilm, transformers), else the model is not reused.
+    "revision": "",
 }
 
 # The keys of one [[fleet]] table (`run.py fleet --ray ADDRESS`, gpu workers as Ray actors;
@@ -316,6 +325,17 @@ ENGINE_ENDPOINTS: Final[dict[str, list[str]]] = {
 # `tokenizer` nor `vocab_size` still has its token ids checked at ingest. echo and simulated
 # take any id; transformers and vllm load a model named at the worker, unknown here.
 ENGINE_VOCAB_SIZE: Final[dict[str, int]] = {"minilm": 30522}
+
+# The weights an engine fixes, for the model fingerprint that result reuse keys on (a model's
+# `revision` is used instead when set). minilm loads only its pinned file (gpu/engines/minilm.py
+# checks this sha256); echo and simulated compute their output from the input alone.
+# transformers, vllm and openai load what their workers are told: they need a `revision`.
+MINILM_SHA256: Final = "8199be6f699a395f99f89df973f9dc5285fbcfcdb2ae1a4e1201dab014f3d2a6"
+ENGINE_PINNED_WEIGHTS: Final[dict[str, str]] = {
+    "minilm": f"sha256:{MINILM_SHA256}",
+    "echo": "builtin",
+    "simulated": "builtin",
+}
 
 # Every endpoint a model may list.
 ENDPOINTS: Final[tuple[str, ...]] = (*_EMBEDDINGS, *_COMPLETIONS)

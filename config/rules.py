@@ -236,6 +236,8 @@ RULES: Final[dict[str, Rule]] = {
     "completion.results_retention_s": interval("seconds", zero_ok=True),
     "completion.page_items": count(1),
     "completion.max_message_bytes": count(4096, " (4 KiB)"),
+    "completion.reuse_retention_s": interval("seconds", zero_ok=False),
+    "completion.reuse_max_bytes": count(1),
     "vectors.bind": ADDRESS,
     "vectors.flush_ms": interval("milliseconds", zero_ok=False),
     "vectors.shard_bytes": count(MIN_SEGMENT_BYTES),
@@ -363,6 +365,11 @@ MODEL_RULES: Final[dict[str, Rule]] = {
         "list of strings",
         f"a list of other names for the model, each {NAME_RULE}",
         _aliases_problem,
+    ),
+    "revision": Rule(
+        "string",
+        'a declared revision of the weights (at most 128 characters), or ""',
+        lambda v: None if len(v) <= 128 else "is longer than 128 characters",
     ),
 }
 

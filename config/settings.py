@@ -111,6 +111,8 @@ class CompletionSettings:
     results_retention_s: float
     page_items: int
     max_message_bytes: int
+    reuse_retention_s: float = 30 * 86400.0
+    reuse_max_bytes: int = 16 * 1024**3
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,6 +244,7 @@ class ModelSettings:
     vocab_size: int  # 0 = from the tokenizer or the engine (ingest.catalog.vocab_size)
     endpoints: tuple[str, ...]
     aliases: tuple[str, ...] = ()  # other names input lines may give it (the output repeats them)
+    revision: str = ""  # the weights as the operator declares them (result reuse's fingerprint)
 
 
 @dataclass(frozen=True, slots=True)

@@ -68,6 +68,7 @@ from ingest.parked_chunks import ParkedChunks
 from ingest.peer_guard import PeerGuard
 from ingest.producer_replies import ProducerReplies
 from ingest.reconcile import stored_by_earlier_try
+from ingest.reuse_keys import ReuseFinder
 from pipeline.core.errors import DiskFullError, FabricError, IngestError, WireError
 from pipeline.core.job_states import JobState
 from pipeline.process.stage import Stage
@@ -95,6 +96,7 @@ class FrontStage(Stage[FrontStageSettings]):
         self.data_dir = DataDir(settings.data_path)
         self.registry = JobRegistry(settings.data_path)
         self.catalog = ModelCatalog.from_settings(settings)
+        self.reuse = ReuseFinder(settings.data_path, settings.models)  # `submit --reuse` jobs
         self.chunk_timeout_s = settings.ingest.chunk_timeout_s
         self.limits = wire.WireLimits(max_bytes=settings.ingest.max_message_bytes)
         self.context = zmq.Context()
@@ -229,6 +231,7 @@ class FrontStage(Stage[FrontStageSettings]):
                 priority=priority,
                 notify=notify,
                 limits=limits,
+                reuse=meta.get("reuse") is True,  # `submit --reuse`: the first chunk's counts
             )
         self.jobs_by_no[job.job_no] = job
         job.check_takes(deliver, chunk_lines)
@@ -264,7 +267,13 @@ class FrontStage(Stage[FrontStageSettings]):
                 f"not {chunk.first_line}..{chunk.last_line}"
             )
         checked = self._check(job, chunk, state, chunk_digests(message.arrays))
-        chunk = checked.chunk
+        chunk, already, reuse = checked.chunk, checked.already, None
+        if job.reuse:  # lines the reuse index answers leave the chunk here (ingest/reuse_keys.py)
+            sent, reuse = self.reuse.take(chunk)
+            if reuse.reused:
+                ids = dict(zip(chunk.line.tolist(), chunk.custom_ids, strict=True))
+                already = sorted(already + [(r[0], ids[r[0]]) for r in reuse.reused])
+            chunk = sent
         deadline_ns = round((now + self.chunk_timeout_s) * 1e9)  # `now` is CLOCK_MONOTONIC
         flight = Inflight(
             job=job,
@@ -274,10 +283,11 @@ class FrontStage(Stage[FrontStageSettings]):
             deadline_s=now + self.chunk_timeout_s + DEADLINE_MARGIN_S,
             deadline_ns=deadline_ns,
             expected=None if chunk.needs_tokenizing else chunk.n_items,
-            already=checked.already,
+            already=already,
             digests=checked.digests,
             written=checked.written,
             nbytes=nbytes,
+            reuse=reuse,
         )
         landing = Landing(self.epoch, self.life, deadline_ns)
         job.accept(number, chunk.first_line, chunk.last_line, landing=landing)  # every try

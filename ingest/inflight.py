@@ -20,6 +20,7 @@ from ingest.input_chunk import InputChunk, fanout_record
 from ingest.jobs import Job
 from ingest.line_errors import LineError
 from ingest.model_aliases import WrittenNames
+from ingest.reuse_keys import ReuseFound
 
 DEADLINE_MARGIN_S = 5.0  # the front waits this much past the writers' deadline
 
@@ -41,6 +42,7 @@ class Inflight:
     digests: tuple[np.ndarray, np.ndarray] = (np.zeros(0, np.uint64), np.zeros(0, np.uint64))
     nbytes: int = 0  # the chunk's arrays as received, for ingest.*inflight_bytes
     written: WrittenNames | None = None  # the aliases its lines gave (ingest/model_aliases.py)
+    reuse: ReuseFound | None = None  # a reusing job's lines found in the index, and keys
 
     @property
     def key(self) -> tuple[int, int]:
@@ -85,6 +87,8 @@ class Inflight:
                 record["parts"] = parts
         if self.written is not None:
             record.update(self.written.record(record["lines"]))
+        if self.reuse is not None and (reuse := self.reuse.record()):
+            record["reuse"] = reuse
         return record
 
 

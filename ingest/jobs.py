@@ -90,6 +90,7 @@ class Job:
         self.deliver = deliver
         self.progress = ChunkProgress()
         self.custom_ids = CustomIdSet()
+        self.reuse = False  # `submit --reuse`: its lines take stored results (ingest/reuse_keys.py)
 
     @property
     def chunks(self) -> dict[int, ChunkEntry]:
@@ -150,13 +151,15 @@ class Job:
         parts: list[list[int]] | None = None,
         names: list[str] | None = None,
         name_ix: list[int] | None = None,
+        reuse: dict[str, Any] | None = None,
     ) -> None:
         """Record that every item of `chunk` is durable (durable at flush).
 
         `digests` are those of `ids` (ingest.custom_ids.digests), if known; passing them
         says the ids were checked for repeats in the job already (the front's recheck).
         `parts` the chunk's fan-out lines, `[line, parts, index of part 1]`; `names` the
-        aliases its stored lines gave and `name_ix` which each gave (pipeline/store/job_files.py).
+        aliases its stored lines gave and `name_ix` which each gave (pipeline/store/job_files.py);
+        `reuse` its `reused` lines and request keys `rk` (ingest/reuse_keys.py).
         """
         state = self.chunks[chunk]
         record = {
@@ -176,6 +179,8 @@ class Job:
             record["names"] = names
             if name_ix is not None:
                 record["name_ix"] = name_ix
+        if reuse:
+            record.update(reuse)
         self.journal.append(record)
         self._apply(record, digests)
         # the front knows no results: once every chunk is in, its journal says queued (and it
@@ -256,6 +261,7 @@ class JobRegistry:
             journal,
             meta.get("deliver", DELIVER_FILE),
         )
+        job.reuse = bool(meta.get("reuse", False))
         for record in journal.records:
             job._apply(record)
         self._jobs[job_id] = job
@@ -271,6 +277,7 @@ class JobRegistry:
         priority: int = 0,
         notify: str = "",
         limits: dict[str, Any] | None = None,
+        reuse: bool = False,
     ) -> Job:
         """Create a job durably (directory, job.json, empty journal); its chunks have
         `chunk_lines` lines and its results go where `deliver` says (`parse_deliver`).
@@ -281,7 +288,8 @@ class JobRegistry:
         `priority` (higher first, within a minimum share for the rest) likewise.
         `notify`: the URL completion POSTs the job's end to (`submit --notify`), if any.
         `limits`: the job's caps (`parse_limits_field`), if it has any; completion reads them
-        from the record (collector/completion/caps.py)."""
+        from the record (collector/completion/caps.py). `reuse`: its lines take the stored
+        results of identical earlier requests (`submit --reuse`, ingest/reuse_keys.py)."""
         directory = self.files.directory(job_id)  # IngestError: not an allowed id
         job_no = self._counter.next()  # DiskFullError when the disk is full
         created_ns = time.time_ns()
@@ -302,12 +310,15 @@ class JobRegistry:
             meta["notify"] = notify
         if limits:
             meta["limits"] = limits
+        if reuse:
+            meta["reuse"] = True
         try:
             self.files.write_record(job_id, meta)
         except OSError as exc:  # a full disk: nothing of the job exists; the producer retries
             raise disk_error(exc, self.files.record_path(job_id), "creating the job") from exc
         journal = RecordLog(self.files.journal_path(job_id))
         job = Job(job_id, job_no, created_ns, chunk_lines, directory, journal, deliver)
+        job.reuse = reuse
         self._jobs[job_id] = job
         return job
 

@@ -181,6 +181,7 @@ class Producer(BrokerClient):
         job_priority: int = 0,
         notify: str = "",
         limits: dict[str, Any] | None = None,
+        reuse: bool = False,
     ) -> SubmitReport:
         """Send every line of an OpenAI Batch JSONL file; return when all of it is durable.
         `parsed`: (chunk_lines, the chunks of `iter_batch_input(source, ..., chunk_lines)`) from
@@ -194,7 +195,8 @@ class Producer(BrokerClient):
         deadline and priority it was created with. `notify`: a URL the broker POSTs the job's
         end to (collector/completion/job_webhooks.py), likewise kept. `limits`: the job's
         caps (pipeline/core/job_limits.py `JobLimits.to_record`), recorded with a new job
-        likewise.
+        likewise. `reuse`: the job's lines take the stored results of identical earlier
+        requests (docs/completion.md, "Result reuse"), likewise.
         """
         job_id = job_id or new_job_id()
         status = self.job_status(job_id)
@@ -225,6 +227,7 @@ class Producer(BrokerClient):
                 job_priority,
                 notify,
                 limits,
+                reuse,
             )
 
     def submit_tokens(
@@ -281,6 +284,7 @@ class Producer(BrokerClient):
         job_priority: int = 0,
         notify: str = "",
         limits: dict[str, Any] | None = None,
+        reuse: bool = False,
     ) -> SubmitReport:
         report = SubmitReport(job_id)
         self._backing_off.clear()
@@ -321,6 +325,8 @@ class Producer(BrokerClient):
                     meta["notify"] = notify
                 if limits:
                     meta["limits"] = limits
+                if reuse:
+                    meta["reuse"] = True
                 self.send(MT.SUBMIT_CHUNK, meta, arrays)
                 pending[chunk.index] = (meta, arrays, time.monotonic(), 1)
             if pending:

@@ -61,7 +61,7 @@ def test_the_api_submits_a_batch_as_a_job_whose_deadline_is_its_expires_at():
             self.calls = []
 
         def submit_file(
-            self, path, job_id, deadline=None, parsed=None, job_priority=0, limits=None
+            self, path, job_id, deadline=None, parsed=None, job_priority=0, limits=None, reuse=False
         ):
             self.calls.append((path, job_id, deadline, job_priority, limits))
 

@@ -53,6 +53,7 @@ from collector.completion.intake import ResultIntake
 from collector.completion.job_status import JobStatus
 from collector.completion.job_webhooks import JobWebhooks
 from collector.completion.results_log import CompletionLog
+from collector.completion.reuse import ResultReuse
 from collector.job_view import JobIndex, JobView
 from config.stage_settings import CompletionStageSettings
 from gpu.work_protocol import ITEM_DTYPE
@@ -94,6 +95,13 @@ class CompletionStage(Stage[CompletionStageSettings]):
             self.shapes,
             self.inputs.get,
             settings.max_attempts,
+            self.log,
+        )
+        self.intake.reuse = self.reuse = ResultReuse(  # `submit --reuse` (reuse.py)
+            settings.data_path,
+            self.completion_log,
+            self.config.reuse_retention_s,
+            self.config.reuse_max_bytes,
             self.log,
         )
         self.status = JobStatus(self.completion_log, self.intake.worker_time)
@@ -165,6 +173,7 @@ class CompletionStage(Stage[CompletionStageSettings]):
             self.next_tidy = now + TIDY_S
             self._tidy(now)
             self.disk.settle(now)
+        self.reuse.flush(now)  # results of reusing jobs indexed; eviction
 
     def _wait_ms(self, now: float) -> int:
         """How long the next step may wait for a message: `poll_ms` while results wait for the
@@ -350,15 +359,19 @@ class CompletionStage(Stage[CompletionStageSettings]):
         rejected lines stay in the view for a later try.
         """
         view.refresh()
-        if not view.rejected:
+        if not view.rejected and not view.found:
             return
         if self.finishing.finished(view.job_id):
             view.take_rejected()
+            view.found = []
             return
         if not self.disk.ready(now):
             return
         try:
             self.intake.rejected_lines(view)
+            self.reuse.store_found(view)  # lines the reuse index answered (reuse.py)
+            if view.reuse and self.finishing.done(view):  # done now: its results indexed
+                self.reuse.flush(now, force=True)
         except DiskFullError as exc:
             self.disk.failed(exc, now)
 
@@ -397,6 +410,8 @@ class CompletionStage(Stage[CompletionStageSettings]):
                 self._finish_if_done(view, now)
 
     def _finish_if_done(self, view: JobView, now: float) -> None:
+        if view.reuse and self.finishing.done(view):  # its results indexed before it finishes
+            self.reuse.flush(now, force=True)
         try:
             self.finishing.finish_if_done(view)
         except DiskFullError as exc:  # finished at a later tidy
@@ -426,6 +441,11 @@ class CompletionStage(Stage[CompletionStageSettings]):
         if getattr(self, "webhooks", None) is not None:
             self.webhooks.close()
         self.intake.worker_time.write(math.inf)  # each job's worker-seconds as they stand
+        if getattr(self, "reuse", None) is not None:
+            try:
+                self.reuse.close()  # what was appended is indexed
+            except OSError as exc:
+                self.log.error("closing the reuse index: %s", exc)
         try:
             self.completion_log.close()
         except DiskFullError as exc:  # seals not durable: recovery finds them open, harmless

@@ -21,5 +21,14 @@ def completion_figures(intake: ResultIntake, delivered: int, stopped: int, more:
         "fabric_results_refused_total": {(c,): intake.refused[c] for c in CAUSES[1:]},
         "fabric_jobs_stopped_by_limit_total": stopped,
         "fabric_worker_seconds_total": round(intake.worker_time.added_s, 3),
+        **(reuse_figures(intake.reuse) if intake.reuse is not None else {}),
         **more,
+    }
+
+
+def reuse_figures(reuse) -> dict:
+    """Result reuse's figures (collector/completion/reuse.py)."""
+    return {
+        "fabric_items_reused_total": {(model,): n for model, n in reuse.reused.items()},
+        "fabric_reuse_index_entries": reuse.writer.entries if reuse.writer is not None else 0,
     }

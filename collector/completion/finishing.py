@@ -71,10 +71,13 @@ class JobFinisher:
         """Finish the job if every item has a result (or an error result) and it has not
         finished yet. Its results must be durable (no sync pending). DiskFullError: not
         finished (the caller tries again at its next tidy)."""
-        total = view.total
-        done = total is not None and self.completion_log.completed(view.job_id) >= total
-        if done and not self.finished(view.job_id):
+        if self.done(view) and not self.finished(view.job_id):
             self.finish(view)
+
+    def done(self, view: JobView) -> bool:
+        """Every item of the job has a result (or an error result)."""
+        total = view.total
+        return total is not None and self.completion_log.completed(view.job_id) >= total
 
     def finish(self, view: JobView) -> None:
         """Seal the job's completion segments and note when it finished (for retention)."""

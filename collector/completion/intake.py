@@ -27,12 +27,13 @@ import numpy as np
 from collector.completion.record_format import flags_of
 from collector.completion.result_check import CAUSES, HAND_BACK, ResultCheck, expected_for
 from collector.completion.results_log import CompletionLog, Results
+from collector.completion.reuse import ResultReuse
 from collector.completion.worker_time import WorkerTime, engine_seconds
 from collector.job_view import JobIndex, JobView
 from gpu.work_protocol import ITEM_DTYPE
 from pipeline.core.errors import DiskFullError
 from pipeline.core.item_error_codes import ItemErrorCode
-from pipeline.core.item_seq import job_of
+from pipeline.core.item_seq import index_of, job_of
 from pipeline.core.ragged import Ragged, offsets_problem
 from pipeline.core.result_kinds import ResultKind, ResultStatus
 from pipeline.store.intern_table import InternTable
@@ -102,6 +103,7 @@ class ResultIntake:
         self.duplicates = {SENT_AGAIN: 0, COMPUTED_AGAIN: 0}
         self.refused: collections.Counter[str] = collections.Counter()  # cause -> results
         self.worker_time = WorkerTime(jobs.files, log)  # engine seconds per job (worker_time.py)
+        self.reuse: ResultReuse | None = None  # the stage's (collector/completion/reuse.py)
 
     def results(self, message: wire.Message) -> None:
         """Store a worker's results; acknowledged at the next flush. DiskFullError: not
@@ -258,6 +260,10 @@ class ResultIntake:
             )
             self.stored += recorded.stored
             self.worker_time.add(job_id, engine_s * recorded.stored)
+            view = self.jobs.view(job_id) if self.reuse is not None else None
+            if self.reuse is not None and view is not None and view.reuse:  # into the index
+                index = index_of(items["seq"][pick]).astype(np.int64)
+                self.reuse.note(view, index, status[pick], mine, prompt[pick])
             self.duplicates[why] = self.duplicates.get(why, 0) + recorded.duplicates
             if recorded.duplicates:
                 self.log.info(

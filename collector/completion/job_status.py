@@ -84,6 +84,8 @@ class JobStatus:
                 "total_tokens": prompt_tokens + completion_tokens,
             },
             "worker_s": round(self.worker_time.of(job_id), 3),
+            # `submit --reuse`: lines that took an identical earlier request's result (reuse.py)
+            "reused": view.reused_count if view.reuse else None,
             "limits": view.limits.to_record() or None,
             "stopped": None
             if stop is None

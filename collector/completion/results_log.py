@@ -274,24 +274,33 @@ class CompletionLog:
 
         Stored unless the item already has a result; durable at `sync_outputs()`.
         """
+        texts = [r.encode("utf-8")[: SIZE_CLASSES[-1] - 64] for r in reasons]
+        flags = np.full(len(texts), flags_of(ResultStatus.ERROR, ResultKind.TEXT), np.uint32)
+        return self.record_direct(job_id, job_no, index, flags, np.zeros(len(texts)), texts)
+
+    def record_direct(
+        self, job_id: str, job_no: int, index: np.ndarray, flags, prompt, bodies: list[bytes]
+    ) -> int:
+        """Results for items that never reached the input log (rejected lines, and lines the
+        reuse index answered: collector/completion/reuse.py), each `flags`, `prompt` tokens and
+        body. Stored unless the item already has a result; durable at `sync_outputs()`."""
         job = self.load_job(job_id)
         index = index.astype(np.int64)
         fresh = np.flatnonzero(~job.seen(index))
         if not len(fresh):
             return 0
-        texts = [reasons[i].encode("utf-8")[: SIZE_CLASSES[-1] - 64] for i in fresh.tolist()]
+        texts = [bodies[i] for i in fresh.tolist()]
         payload = np.frombuffer(b"".join(texts), np.uint8)
         sizes = np.array([len(t) for t in texts], np.int64)
         starts = offsets_of(sizes)[:-1]
         seq = seq_of(job_no, index[fresh])
-        flags = np.full(len(fresh), flags_of(ResultStatus.ERROR, ResultKind.TEXT), np.uint32)
         self._store(
             job,
             job_no,
             seq,
             index[fresh],
-            flags,
-            np.zeros(len(fresh), np.uint32),
+            np.asarray(flags, np.uint32)[fresh],
+            np.asarray(prompt, np.uint32)[fresh],
             payload,
             starts,
             sizes,

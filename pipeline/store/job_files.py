@@ -21,7 +21,7 @@ Chunk events in `chunks.log`, in order of their durability:
 | record                                                         | meaning |
 |----------------------------------------------------------------|---------|
 | `{"e": "accept", "c", "first", "last", "ns"}` (+ `"ep", "life", "dl"`) | chunk c (lines first..last) may have items in the log from here on; written for every try the front sends on, with that try's landing: the broker life (`ep`), the front's life (`life`) and the writers' CLOCK_MONOTONIC deadline (`dl`, ns) for its records (absent in older journals) |
-| `{"e": "commit", "c", "first", "last", "lines", "ids", "stored", "errors", "final"}` (+ `"parts"`, `"names"`, `"name_ix"`) | every item of chunk c is durable; `lines`/`ids` map line numbers to custom_ids (one entry per line); `stored` counts lines; `errors` are the rejected lines (`[line, custom_id, code, message]`); `parts`, only when some stored line has several parts: `[line, k, first]` per such line, its parts 1..k-1 at indexes first..first+k-2 (docs/completion.md, "Lines and parts"), with a fourth entry `n` when the line asked for n > 1 samples of each prompt (parts i*n..i*n+n-1 share prompt i; absent: 1, every part its own prompt, as in every older journal); a record without `parts` (every older journal) has one part per line; `names`, only when some stored line named its model by an alias (`[[models]] aliases`): the aliases the chunk's stored lines gave, and `name_ix`, one entry per entry of `lines`, 0 = the line gave its model's own name, k = `names[k - 1]` (absent: every stored line gave `names[0]`); the output's `model` repeats that name (ingest/model_aliases.py); a record without `names` (every older journal) gave the models' own names |
+| `{"e": "commit", "c", "first", "last", "lines", "ids", "stored", "errors", "final"}` (+ `"parts"`, `"names"`, `"name_ix"`) | every item of chunk c is durable; `lines`/`ids` map line numbers to custom_ids (one entry per line); `stored` counts lines; `errors` are the rejected lines (`[line, custom_id, code, message]`); `parts`, only when some stored line has several parts: `[line, k, first]` per such line, its parts 1..k-1 at indexes first..first+k-2 (docs/completion.md, "Lines and parts"), with a fourth entry `n` when the line asked for n > 1 samples of each prompt (parts i*n..i*n+n-1 share prompt i; absent: 1, every part its own prompt, as in every older journal); a record without `parts` (every older journal) has one part per line; `names`, only when some stored line named its model by an alias (`[[models]] aliases`): the aliases the chunk's stored lines gave, and `name_ix`, one entry per entry of `lines`, 0 = the line gave its model's own name, k = `names[k - 1]` (absent: every stored line gave `names[0]`); the output's `model` repeats that name (ingest/model_aliases.py); a record without `names` (every older journal) gave the models' own names; `reused`, only for a `--reuse` job whose lines the reuse index answered: `[line, key, model, shape id, data file, offset, length]` per such line (counted in `lines`, `ids` and `stored`, never sent on: completion stores the result found, ingest/reuse_keys.py), and `rk`, `{"lines", "keys"}`: the request keys (32 hex digits each, concatenated) of its other deterministic lines, whose results completion indexes |
 | `{"e": "state", "state"}`                                      | the front moved the job to `validating` or `queued` |
 
 Only a chunk's first commit counts (a retried chunk may be committed twice).
@@ -261,6 +261,7 @@ class ChunkProgress:
         self.state = JobState.VALIDATING  # the front's state: validating or queued
         self.stored = 0
         self.rejected = 0
+        self.reused = 0  # stored lines that took an earlier identical request's result
         self.final_chunk: int | None = None
 
     def apply(self, record: dict[str, Any], span: tuple[int, int] | None = None) -> bool:
@@ -287,6 +288,7 @@ class ChunkProgress:
             chunk.span = span
             self.stored += int(record["stored"])
             self.rejected += len(record["errors"])
+            self.reused += len(record.get("reused", ()))
             if record["final"]:
                 c = record["c"]
                 self.final_chunk = c if self.final_chunk is None else min(self.final_chunk, c)
@@ -351,14 +353,19 @@ def journal_record_at(path: Path, span: tuple[int, int]) -> dict[str, Any]:
 
 
 def acknowledged_indexes(path: Path) -> np.ndarray:
-    """Item indexes of every committed chunk of a journal (int64, sorted): line - 1 of each
-    stored line, and the part-region indexes of its fan-out lines' other parts."""
+    """Item indexes of every committed chunk of a journal that went into the input log (int64,
+    sorted): line - 1 of each stored line, and the part-region indexes of its fan-out lines'
+    other parts. Lines the reuse index answered (`reused`) are left out: they never reach the
+    input log, and completion stores their results from this journal."""
     progress = ChunkProgress(keep_errors=False)
     records, _ = journal_records(path)
     found = []
     for record, span in records:
         if progress.apply(record, span):
-            found.append(np.asarray(record["lines"], np.int64) - 1)
+            lines = np.asarray(record["lines"], np.int64)
+            if record.get("reused"):
+                lines = lines[~np.isin(lines, [r[0] for r in record["reused"]])]
+            found.append(lines - 1)
             found.extend(part_indexes(record.get("parts", ())))
     return np.unique(np.concatenate(found)) if found else np.empty(0, np.int64)
 

@@ -303,6 +303,21 @@ METRICS: dict[str, Metric] = _catalogue(
         "completion",
     ),
     Metric(
+        "fabric_items_reused_total",
+        COUNTER,
+        ("model",),
+        "Lines of --reuse jobs that took the stored result of an identical earlier request "
+        "instead of running, by model",
+        "completion",
+    ),
+    Metric(
+        "fabric_reuse_index_entries",
+        GAUGE,
+        (),
+        "Results in the reuse index (0 until completion indexed one since its start)",
+        "completion",
+    ),
+    Metric(
         "fabric_jobs_stopped_by_limit_total",
         COUNTER,
         (),
