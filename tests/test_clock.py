@@ -159,6 +159,10 @@ WALL_CLOCK_ALLOWED = {
     "collector/completion/job_webhooks.py": "a job's end event's created_at (unix seconds)",
     "collector/webhook_outbox.py": "webhook-timestamp and its retry times (unix seconds, on disk)",
     "collector/completion/control.py": "the pause mark's time (a timestamp for people)",
+    "gpu/dispatch/dispatch_stage.py": "the wall clock's offset from step's clock, read once at "
+    "start: deadlines are wall times written in job records",
+    "gpu/dispatch/promise.py": "a new job's deadline (a wall time) against the time it is asked",
+    "pipeline/store/reuse_store.py": "a reuse data file's roll time and retention (file mtimes)",
 }
 
 

@@ -52,6 +52,7 @@ def test_job_info_carries_the_usage(data_dir):
         job_id, job_no, total, cancelled, created_ns, deliver = "job-c", 7, 10, False, 0, "file"
         lines = LineTable()  # no line of several parts
         paused, current_priority, limits, stopped = False, 0, JobLimits(), None
+        reuse, reused_count = False, 0  # a job without `--reuse`
 
     worker_time = WorkerTime(JobFiles(data_dir.root), logging.getLogger("test"))
     info = JobStatus(log, worker_time).info(View(), False, 0.0)

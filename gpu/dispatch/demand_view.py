@@ -23,7 +23,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -111,7 +110,7 @@ class Demand:
                 sessions[session.model].append(session_id)
         self.rates.keep_only(set(stage.sessions))
         jobs = self._jobs(stage, per_job, now)
-        oldest = oldest_ages(stage, time.time())
+        oldest = oldest_ages(stage, wall_now)
         models = {m.name for m in stage.settings.models} | {m for m, _ in pending | flying}
         self.models, self.jobs, self.work_jobs, lead_s = {}, {}, {}, {}
         for model in sorted(models):
