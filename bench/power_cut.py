@@ -129,6 +129,12 @@ class PowerDisk:
         return self
 
     @property
+    def live(self) -> Path:
+        """The backing directory of this life: what the programs on the mount see, synced or
+        not (read it to watch them without going through the mount)."""
+        return self._dir(self.life) / "live"
+
+    @property
     def state(self) -> Path:
         return self._dir(self.life) / "state"
 

@@ -224,6 +224,7 @@ RULES: Final[dict[str, Rule]] = {
         lambda v: None if v == 0 or v >= 2 else "is between 0 and 2",
     ),
     "dispatch.stall_min_s": interval("seconds", zero_ok=False),
+    "dispatch.compact_min_bytes": count(4096, " (4 KiB)"),
     "dispatch.max_message_bytes": count(4096, " (4 KiB)"),
     "completion.bind": ADDRESS,
     "completion.processes": Rule(

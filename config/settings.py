@@ -90,6 +90,7 @@ class DispatchSettings:
     session_max_batches: int
     stall_batch_multiple: float
     stall_min_s: float
+    compact_min_bytes: int
     max_message_bytes: int
 
 

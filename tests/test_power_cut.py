@@ -36,6 +36,10 @@ from pipeline.store.records import RecordLog, read_records
 
 pytestmark = pytest.mark.slow
 
+# After a start dispatch waits this long for workers that still hold work to come back
+# (5 s by default); a power cut takes the local workers with the broker, so no one comes.
+SHORT_GRACE = "reregister_grace_s = 0.5"
+
 
 @pytest.fixture
 def disk(tmp_path):
@@ -65,9 +69,12 @@ class PoweredBroker:
     """A broker whose data dir is a PowerDisk: started, cut, started again."""
 
     def __init__(self, tmp_path: Path, disk: PowerDisk, endpoints: str = "", **config) -> None:
-        """`endpoints`: a TOML list of the urls the models serve (else embeddings only)."""
+        """`endpoints`: a TOML list of the urls the models serve (else embeddings only).
+        Dispatch waits `SHORT_GRACE` after each start for workers still holding work: its
+        only workers are local ones, which die with the power."""
         self.tmp_path = tmp_path
         self.disk = disk
+        config.setdefault("dispatch", SHORT_GRACE)
         self.config = write_config(tmp_path, data_dir=disk.mount_path, **config)
         if endpoints:
             text = self.config.read_text()
@@ -247,6 +254,42 @@ def test_torn_writes_then_a_cut_while_the_dispatch_file_is_replaced_lose_no_ackn
         disk.close()
 
 
+# Dispatch compacts its file when it is over `compact_min_bytes` and three quarters of it are
+# resolved batches (gpu/dispatch/lease_recorder.py). One-item batches write 79 bytes each (a
+# lease of one item and its end): 1 MiB would take 13,000 of them, minutes on this disk, so
+# the broker here compacts from 8 KiB (about 100 batches) by its own trigger all the same.
+COMPACTION = "reregister_grace_s = 0.5\ncompact_min_bytes = 8192"
+DISPATCH_FILE = "dispatch/inflight.log"
+
+
+def test_a_cut_while_dispatch_compacts_its_file_loses_no_acknowledged_line(tmp_path, powered):
+    """A job served in one-item batches grows the dispatch file until dispatch compacts it on
+    its own (over `compact_min_bytes`, mostly resolved batches); the power goes once the
+    compacted file is renamed over the old one and `dispatch/` is not yet synced. The broker
+    comes back, the job ends with each line once, `check` is clean."""
+    pb = powered(workers=2, dispatch=COMPACTION, worker_keys="batch_items = 1\ntarget_batch_s = 0")
+    lines = tmp_path / "in.jsonl"
+    ids = requests_lines(lines, 400)
+    assert submit(pb.config, lines, "--job-id", "j").returncode == 0
+    grown = pb.disk.live / DISPATCH_FILE
+    # Past half the threshold the next rename of the file is compaction's: a broker life
+    # replaces the file at its start only. The file renamed over it is smaller.
+    size = wait_for(lambda: grown.stat().st_size > 4096 and grown.stat().st_size, "growth", 60)
+    pb.disk.arm("rename", DISPATCH_FILE, 1, "after")
+    wait_for(pb.disk.fired, "dispatch to compact its file", 60)
+    assert grown.stat().st_size < size, (grown.stat().st_size, size)
+    pb.cut()
+    wait_for(lambda: pb.broker.job_status("j")["state"] == "completed", "job j to complete", 90)
+    out = tmp_path / "j.out.jsonl"
+    fetched = run_cli("results", "j", "-o", str(out), "--all", "--config", str(pb.config))
+    assert fetched.returncode == 0, fetched.stderr
+    counts = outcomes(out)
+    assert set(counts) == ids, sorted(ids - set(counts))[:5]
+    assert max(counts.values()) == 1, [c for c, n in counts.items() if n > 1][:5]
+    assert pb.broker.stop() == 0, pb.broker.stderr
+    assert_check_clean(pb.broker.data_dir)
+
+
 def test_a_result_file_made_by_a_run_killed_before_its_directory_sync_survives_a_cut(disk):
     """A results client killed between making OUT and syncing its directory: the next run
     opens the file that is there, writes and syncs a page and acknowledges it. A cut then
@@ -343,7 +386,9 @@ def test_a_cut_of_run_py_batch_and_its_private_broker_resumes_each_line_once(tmp
     good = write_jsonl(lines, 300, seed=3)
     out = disk.mount_path / "out.jsonl"
     args = [sys.executable, str(REPO / "run.py"), "batch", str(lines), "-o", str(out)]
-    config = write_config(tmp_path, workers=1, data_dir=disk.mount_path / "data")
+    config = write_config(
+        tmp_path, workers=1, data_dir=disk.mount_path / "data", dispatch=SHORT_GRACE
+    )
     args += ["--config", str(config)]
     log = tmp_path / "batch.err"
     try:
