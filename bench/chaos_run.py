@@ -293,7 +293,9 @@ class Chaos:
         go; a stopped remote worker lives on, as after a kill) or, less often, of the
         results clients' (they are run again by `_tend`)."""
         if self.random.random() < CLIENT_CUT_SHARE:
-            self.power.cut_client()
+            # every results client runs on that machine, whether or not it has a file open
+            fetching = [j.fetch.proc.pid for j in self.jobs if j.fetch and j.fetch.proc]
+            self.power.cut_client(fetching)
             self.report.power_cuts[CLIENT_CUT] += 1
             return
         self.power.cut_broker(self.broker.proc.pid)
