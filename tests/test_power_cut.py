@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import struct
 import subprocess
 import sys
 import threading
@@ -33,6 +34,7 @@ from collector.delivery.result_file import ResultFile
 from ingest.submit_client import Producer
 from pipeline.core.errors import FabricError
 from pipeline.store.records import RecordLog, read_records
+from pipeline.store.segment_format import ENTRIES_OFFSET, HEADER_BYTES, parse_header
 
 pytestmark = pytest.mark.slow
 
@@ -102,6 +104,12 @@ class PoweredBroker:
         first = self.disk.cut(self.broker.proc.pid)
         self.broker.close()
         self.disk.mount()
+        self.start_until_cut(op, glob, nth, when)
+        return first
+
+    def start_until_cut(self, op: str, glob: str, nth: int = 1, when: str = "after") -> None:
+        """Start the broker (stopped, or cut) and cut the power at the armed moment of that
+        start (bench/power_cut.py `arm`); then start it once more on what survived."""
         self.disk.arm(op, glob, nth, when)
         self.lives += 1
         err = self.tmp_path / f"broker-{self.lives}.err"
@@ -114,7 +122,6 @@ class PoweredBroker:
         self.broker.close()
         self.disk.mount()
         self.broker = self._start()
-        return first
 
     def _start_until_cut(self) -> None:
         with contextlib.suppress(AssertionError, TimeoutError):  # the power went out
@@ -286,6 +293,52 @@ def test_a_cut_while_dispatch_compacts_its_file_loses_no_acknowledged_line(tmp_p
     counts = outcomes(out)
     assert set(counts) == ids, sorted(ids - set(counts))[:5]
     assert max(counts.values()) == 1, [c for c, n in counts.items() if n > 1][:5]
+    assert pb.broker.stop() == 0, pb.broker.stderr
+    assert_check_clean(pb.broker.data_dir)
+
+
+def cut_mid_slot(segments: Path) -> None:
+    """Damage the input segment holding the most items as a disk might: cut it (durably)
+    in the middle of its written slots, so the items past the cut are gone."""
+    best = (-1, None)
+    for path in segments.glob("in-*.seg"):
+        header = parse_header(path.read_bytes()[:HEADER_BYTES], path)
+        entries = struct.unpack_from("<Q", path.read_bytes()[:HEADER_BYTES], ENTRIES_OFFSET)[0]
+        best = max(best, (entries, path, header), key=lambda x: x[0])
+    entries, path, header = best
+    assert entries >= 20, best
+    with open(path, "r+b") as f:
+        os.ftruncate(f.fileno(), header.slots_offset + entries // 2 * header.slot_bytes + 9)
+        os.fsync(f.fileno())
+
+
+def test_a_cut_between_moving_a_damaged_segment_aside_and_its_error_results_loses_no_line(
+    tmp_path, powered
+):
+    """A start finds an input segment cut mid-slot: it copies the trusted items to a new
+    segment, moves the file to `damaged/` (directories synced), then gives each item lost
+    with it a `corrupt_input` error result. The power goes after the move, before those
+    results: the next start must still account for them (the file it would have found is
+    aside). Every acknowledged line ends with one outcome, an error for the lost, and
+    `check` is clean."""
+    pb = powered(workers=0)
+    lines = tmp_path / "in.jsonl"
+    good = write_jsonl(lines, 300, seed=7)
+    assert submit(pb.config, lines, "--job-id", "j").returncode == 0
+    assert pb.broker.stop() == 0, pb.broker.stderr
+    cut_mid_slot(pb.disk.mount_path / "segments")
+    pb.config.write_text(pb.config.read_text().replace("local = 0", "local = 1"))
+    # the copy's segment is made (segments/ synced), the file moved aside, segments/ synced
+    pb.start_until_cut("fsyncdir", "segments", 2, "after")
+    wait_for(lambda: pb.broker.job_status("j")["state"] == "completed", "job j to complete", 60)
+    out = tmp_path / "j.out.jsonl"
+    fetched = run_cli("results", "j", "-o", str(out), "--all", "--config", str(pb.config))
+    assert fetched.returncode == 0, fetched.stderr
+    counts = outcomes(out)
+    assert set(counts) == {f"r{i}" for i in good}, sorted({f"r{i}" for i in good} - set(counts))
+    assert max(counts.values()) == 1, [c for c, n in counts.items() if n > 1][:5]
+    errors = out.with_name(out.name + ".errors.jsonl").read_text()
+    assert "corrupt_input" in errors  # the lost items, said so
     assert pb.broker.stop() == 0, pb.broker.stderr
     assert_check_clean(pb.broker.data_dir)
 
