@@ -38,7 +38,13 @@ input segment is collected. A job not finished 600 s after the kills stopped
 is a failure that names what dispatch still holds (segment, slots, session,
 from its `status` answer). It prints the kills of each kind survived and the
 longest a job had work pending after the kills stopped and, unless
-`--quick`, writes the summary to docs/RELIABILITY.md.
+`--quick`, writes the summary to docs/RELIABILITY.md. With power cuts the
+broker's logs go to ROOT/broker-log, off the power-cut disk, so that every
+life's log outlives the cuts.
+
+This module is the command line; the run is bench/chaos_run.py, the checks at
+the end bench/chaos_verify.py, the report and its table bench/chaos_report.py,
+the processes bench/chaos_fleet.py.
 """
 
 from __future__ import annotations
