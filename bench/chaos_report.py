@@ -46,7 +46,9 @@ class Report:
 def summary(report: Report, command: str, facts: dict) -> str:
     kinds = sorted(report.kills.items(), key=lambda kv: (-kv[1], kv[0]))
     lines = [
-        "## Chaos run (bench/chaos.py)",
+        "## Power-cut chaos run (bench/chaos.py --power-cuts)"
+        if report.power_cuts
+        else "## Chaos run (bench/chaos.py)",
         "",
         f"Command: `{command}` ({report.seconds / 60:.1f} min)",
         "",
