@@ -236,3 +236,15 @@ class Client:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(timeout=30)
+
+
+@dataclass
+class Job:
+    """A job of the run: its input, its submit and (once submitted) its results client, and
+    the files that client writes."""
+
+    spec: JobInput
+    submit: Client
+    fetch: Client | None = None
+    out: Path = Path()
+    err: Path = Path()

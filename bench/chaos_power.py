@@ -26,6 +26,8 @@ class PowerCuts:
         if reason:
             raise SystemExit(f"--power-cuts cannot run here: {reason}")
         self.data = PowerDisk(root / "disk-data", root / "data", seed=seed).mount()
+        self.logs = root / "broker-log"
+        self._logs_aside()
         try:
             self.client = PowerDisk(root / "disk-client", root / "client", seed=seed + 1).mount()
         except BaseException:
@@ -42,10 +44,20 @@ class PowerCuts:
         caller starts the broker again)."""
         self.data.cut(broker_pid)
         self.data.mount()
+        self._logs_aside()
 
-    def cut_client(self) -> None:
-        """The results clients' machine loses power (the caller runs them again)."""
-        self.client.cut()
+    def _logs_aside(self) -> None:
+        """The broker's logs go to `ROOT/broker-log`, off the power-cut disk: nothing is
+        acknowledged from them, and every life's log outlives the cuts for the reader of a
+        failed run (on the disk, a cut takes each life's unsynced log with it)."""
+        self.logs.mkdir(exist_ok=True)
+        (self.data.mount_path / "log").symlink_to(self.logs, target_is_directory=True)
+
+    def cut_client(self, clients: list[int]) -> None:
+        """The results clients' machine loses power: `clients` (their pids) die with it,
+        each wherever it is (one between two pages holds no file on the disk), and the
+        caller runs them again."""
+        self.client.cut(*clients)
         self.client.mount()
 
     def close(self) -> None:

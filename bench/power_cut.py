@@ -103,6 +103,13 @@ class PowerDisk:
         live = self._dir(self.life) / "live"
         live.mkdir(parents=True, exist_ok=True)
         self.mount_path.mkdir(parents=True, exist_ok=True)
+        if not os.path.ismount(self.mount_path):
+            left = sorted(p.name for p in self.mount_path.iterdir())
+            if left:  # the mount would hide them: someone wrote with the power off
+                raise RuntimeError(
+                    f"{self.mount_path} holds {left[:5]} while unmounted: a process outlived "
+                    "the power cut and wrote there; cut its tree with the disk (`cut(pid)`)"
+                )
         log = open(self._dir(self.life) / "daemon.log", "w")  # noqa: SIM115
         self.daemon = subprocess.Popen(
             [
@@ -127,6 +134,12 @@ class PowerDisk:
                 raise RuntimeError(f"the power-cut file system did not mount: {said}")
             time.sleep(0.02)
         return self
+
+    @property
+    def live(self) -> Path:
+        """The backing directory of this life: what the programs on the mount see, synced or
+        not (read it to watch them without going through the mount)."""
+        return self._dir(self.life) / "live"
 
     @property
     def state(self) -> Path:

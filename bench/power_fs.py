@@ -158,7 +158,9 @@ class PowerCutFS(mfusepy.Operations):
     def __init__(self, live: Path, state: Path) -> None:
         self.live = str(live)
         self.state = state
-        self.lock = threading.Lock()
+        # Not `self.lock`: mfusepy takes an attribute of that name for the POSIX-lock
+        # operation (and called the Lock for every close); without it the kernel keeps locks.
+        self._lock = threading.Lock()
         self.ids: dict[int, int] = {}  # LIVE inode -> file id
         self.next_id = ROOT
         self.fh_ids: dict[int, int] = {}  # open fd -> file id
@@ -229,7 +231,7 @@ class PowerCutFS(mfusepy.Operations):
             if arm.exists():
                 spec = json.loads(arm.read_text())
                 arm.unlink()
-                with self.lock:
+                with self._lock:
                     self.armed, self.seen = spec, 0
             time.sleep(0.01)
 
@@ -241,7 +243,7 @@ class PowerCutFS(mfusepy.Operations):
         """Call holding the lock, before the operation: None to go on, else "before" or
         "after" (the armed moment). Hangs for ever once the moment has passed."""
         if self.frozen.is_set():
-            self.lock.release()
+            self._lock.release()
             self._hang()
         spec = self.armed
         if spec is None or spec["op"] != op or path is None:
@@ -256,14 +258,14 @@ class PowerCutFS(mfusepy.Operations):
         (self.state / "fired.tmp").write_text(json.dumps({"op": op, "path": path}))
         os.replace(self.state / "fired.tmp", self.state / "fired")
         if spec.get("when", "after") == "before":
-            self.lock.release()
+            self._lock.release()
             self._hang()
         return "after"
 
     def _after(self, moment: str | None) -> None:
         """Call holding the lock, once the operation is done."""
         if moment is not None:
-            self.lock.release()
+            self._lock.release()
             self._hang()
 
     # -- operations -----------------------------------------------------------------
@@ -292,7 +294,7 @@ class PowerCutFS(mfusepy.Operations):
         return {k: getattr(sv, k) for k in (*keys, "f_flag", "f_frsize", "f_namemax")}
 
     def mkdir(self, path, mode):
-        with self.lock:
+        with self._lock:
             moment = self._moment("mkdir", path)
             os.mkdir(self._real(path), mode)
             self._new_id(os.lstat(self._real(path)).st_ino)
@@ -304,21 +306,21 @@ class PowerCutFS(mfusepy.Operations):
         return 0
 
     def rmdir(self, path):
-        with self.lock:
+        with self._lock:
             moment = self._moment("unlink", path)
             os.rmdir(self._real(path))
             self._after(moment)
         return 0
 
     def unlink(self, path):
-        with self.lock:
+        with self._lock:
             moment = self._moment("unlink", path)
             os.unlink(self._real(path))
             self._after(moment)
         return 0
 
     def rename(self, old, new):
-        with self.lock:
+        with self._lock:
             moment = self._moment("rename", new)
             os.rename(self._real(old), self._real(new))
             self._after(moment)
@@ -352,7 +354,7 @@ class PowerCutFS(mfusepy.Operations):
         return fd
 
     def create(self, path, mode, flags=0):
-        with self.lock:
+        with self._lock:
             moment = self._moment("create", path)
             fd = os.open(self._real(path), os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
             fd = self._opened(fd, self._new_id(os.fstat(fd).st_ino))
@@ -364,7 +366,7 @@ class PowerCutFS(mfusepy.Operations):
         # kernel's page cache may read a page a program only writes.
         keep = flags & ~(os.O_APPEND | os.O_ACCMODE | os.O_CREAT | os.O_EXCL | os.O_TRUNC)
         mode = os.O_RDONLY if flags & os.O_ACCMODE == os.O_RDONLY else os.O_RDWR
-        with self.lock:
+        with self._lock:
             fd = os.open(self._real(path), keep | mode)
             ident = self._id(os.fstat(fd).st_ino)
             if flags & os.O_TRUNC:
@@ -377,7 +379,7 @@ class PowerCutFS(mfusepy.Operations):
         return os.pread(fh, size, offset)
 
     def write(self, path, data, offset, fh):
-        with self.lock:
+        with self._lock:
             moment = self._moment("write", path)
             written = os.pwrite(fh, data, offset)
             self._pend(self.fh_ids[fh], b"w", offset, bytes(data[:written]))
@@ -385,7 +387,7 @@ class PowerCutFS(mfusepy.Operations):
         return written
 
     def truncate(self, path, length, fh=None):
-        with self.lock:
+        with self._lock:
             moment = self._moment("truncate", path)
             if fh is None:
                 os.truncate(self._real(path), length)
@@ -400,7 +402,7 @@ class PowerCutFS(mfusepy.Operations):
     def fallocate(self, path, mode, offset, size, fh):
         if mode != 0:
             raise mfusepy.FuseOSError(errno.EOPNOTSUPP)
-        with self.lock:
+        with self._lock:
             self._moment("fallocate", path)
             before = os.fstat(fh).st_size
             os.posix_fallocate(fh, offset, size)
@@ -409,14 +411,14 @@ class PowerCutFS(mfusepy.Operations):
         return 0
 
     def fsync(self, path, datasync, fh):
-        with self.lock:
+        with self._lock:
             moment = self._moment("fsync", path)
             self._sync_file(self.fh_ids[fh])
             self._after(moment)
         return 0
 
     def fsyncdir(self, path, datasync, fh):
-        with self.lock:
+        with self._lock:
             moment = self._moment("fsyncdir", path)
             self._durable_listing(self._real(path))
             self._save_names()
@@ -427,7 +429,7 @@ class PowerCutFS(mfusepy.Operations):
         return 0
 
     def release(self, path, fh):
-        with self.lock:
+        with self._lock:
             self.fh_ids.pop(fh, None)
             os.close(fh)
         return 0

@@ -14,8 +14,11 @@ line gets one (CompletionLog.record_errors), and its job can end saying why.
 
 Only unfinished jobs are accounted (a finished job's results may already be
 collected). Run with the data dir locked and no stage running: at broker
-start after recovery isolated a damaged file or cut a torn tail
-(`run.py` composes it), and by `run.py check` (`--fix` records the losses).
+start after recovery isolated a damaged file or cut a torn tail, or while an earlier start
+left `losses-owed` (written before it moved a damaged file aside, removed once the error
+results are durable: moved aside, the file no longer calls for an accounting, and a power
+cut or kill before the results left its items lost for good) (`run.py` composes it), and by
+`run.py check` (`--fix` records the losses).
 It reads every LIVE slot of the input log once, so it runs only then.
 """
 
@@ -32,6 +35,7 @@ from pipeline.core.errors import SegmentError
 from pipeline.core.item_error_codes import ItemErrorCode
 from pipeline.core.item_seq import job_of, seq_of
 from pipeline.store.datadir import DataDir
+from pipeline.store.durable import fsync_dir, write_whole
 from pipeline.store.job_files import JOURNAL_FILE, JobFiles, acknowledged_indexes
 from pipeline.store.job_record import JobRecordError
 from pipeline.store.salvage import isolate, iter_slots, trusted_header
@@ -221,10 +225,16 @@ def after_recovery(data_dir: DataDir, damaged: list, torn_slots: int) -> list[Lo
     `damaged`: recovery's DamagedFile list; `torn_slots`: how many torn slots it cut
     (a cut slot may have held an acknowledged item whose slot rotted). Returns the losses.
     """
+    owed = data_dir.losses_owed
+    inputs = [d for d in damaged if d.path.parent == data_dir.segments]
+    if inputs or torn_slots:  # durable before the first file moves: a cut or kill between
+        write_whole(owed, b"")  # the move and the error results leaves the mark, not the file
     isolated = [x for d in damaged if (x := isolate(data_dir, d)) is not None]
-    if not isolated and not torn_slots:
+    if not (isolated or torn_slots or owed.exists()):
         return []
     lost = find_lost(data_dir, notes=False)
     if lost:
         record_lost(data_dir, lost)
+    owed.unlink(missing_ok=True)
+    fsync_dir(data_dir.root)
     return lost

@@ -116,6 +116,9 @@ DEFAULTS: Final[dict[str, Any]] = {
         # The demand signal (fabric_workers_needed): work without a deadline should be
         # done within this many seconds (docs/dispatch.md, Demand and deadlines).
         "demand_horizon_s": 300.0,
+        # The dispatch file is compacted to the live leases once it is over this size and
+        # over three quarters of it is resolved batches (1 MiB).
+        "compact_min_bytes": 1024 * 1024,
         # Largest message accepted from a worker (RESULTS, REPORT, ...), in bytes (64 MiB);
         # a peer that sends more is disconnected.
         "max_message_bytes": 64 * 1024 * 1024,

@@ -225,6 +225,7 @@ RULES: Final[dict[str, Rule]] = {
     ),
     "dispatch.stall_min_s": interval("seconds", zero_ok=False),
     "dispatch.demand_horizon_s": interval("seconds", zero_ok=False),
+    "dispatch.compact_min_bytes": count(4096, " (4 KiB)"),
     "dispatch.max_message_bytes": count(4096, " (4 KiB)"),
     "completion.bind": ADDRESS,
     "completion.processes": Rule(

@@ -98,6 +98,7 @@ class DispatchSettings:
     stall_batch_multiple: float
     stall_min_s: float
     demand_horizon_s: float
+    compact_min_bytes: int
     max_message_bytes: int
 
 

@@ -120,7 +120,10 @@ class DispatchStage(Stage[DispatchStageSettings]):
         self.next_rescan = now + RESCAN_S
         (self.data_dir.root / "dispatch").mkdir(exist_ok=True)
         self.leases = LeaseRecorder(
-            self.data_dir.root / "dispatch" / "inflight.log", self.epoch, self.state
+            self.data_dir.root / "dispatch" / "inflight.log",
+            self.epoch,
+            self.state,
+            self.config.compact_min_bytes,
         )
         self.file = self.leases.file
         reload_leases(self, now)  # gpu/dispatch/registration.py

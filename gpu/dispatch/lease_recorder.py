@@ -17,15 +17,18 @@ from gpu.dispatch.file import DispatchFile
 from gpu.dispatch.file_format import Lease
 from gpu.dispatch.state import DispatchState
 
-COMPACT_GARBAGE_RATIO = 0.75  # compact when more of the file than this is garbage ...
-COMPACT_MIN_BYTES = 1 << 20  # ... and it is bigger than this
+COMPACT_GARBAGE_RATIO = 0.75  # compact when more of the file than this is garbage, and
+# it is bigger than [dispatch] compact_min_bytes
 
 
 class LeaseRecorder:
     """Opens the dispatch file (`reloaded`: the leases of this broker life still out)."""
 
-    def __init__(self, path: Path, epoch: int, state: DispatchState) -> None:
+    def __init__(
+        self, path: Path, epoch: int, state: DispatchState, compact_min_bytes: int
+    ) -> None:
         self.state = state
+        self.compact_min_bytes = compact_min_bytes
         self.file, self.reloaded = DispatchFile.open(path, epoch)
         self.recorded: set[int] = {lease.batch_id for lease in self.reloaded}
 
@@ -48,6 +51,6 @@ class LeaseRecorder:
     def maybe_compact(self) -> None:
         if (
             self.file.garbage_ratio > COMPACT_GARBAGE_RATIO
-            and self.file.file_bytes > COMPACT_MIN_BYTES
+            and self.file.file_bytes > self.compact_min_bytes
         ):
             self.file.compact([Lease(b.batch_id, b.session, b.items) for b in self.state.leases()])

@@ -16,8 +16,9 @@ class Housekeeping:
 
     `check_files(settings)`: before anything binds, raise ConfigError when a file the
     config names does not load (tokenizers). `after_recovery(data_dir, damaged, torn)`:
-    when recovery found damage, before any stage starts, isolate damaged input segments
-    and give lost items their error results; returns the losses (each with `.line()`).
+    when recovery found damage (or an earlier start left `losses-owed`), before any stage
+    starts, isolate damaged input segments and give lost items their error results;
+    returns the losses (each with `.line()`).
     `collector`: removes finished segment files (`offer(summaries)`, `step(now)`,
     `sweep(data_dir, retention_s)`; `next_step_s()`: when `step` has a retry due, or None).
     """

@@ -220,8 +220,8 @@ class Supervisor:
             len(report.damaged),
             report.elapsed_s,
         )
-        if report.damaged or report.torn():
-            self._after_recovery(report)
+        if report.damaged or report.torn() or self.data_dir.losses_owed.exists():
+            self._after_recovery(report)  # owed: an earlier start moved damage aside, then died
         # Input segments go at once; completion segments wait for their job's retention (sweep).
         if self.collector is not None:
             self.collector.offer(

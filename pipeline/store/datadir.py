@@ -5,6 +5,7 @@
 | `<data_dir>/broker.lock`     | flock held exclusively by the broker (or check --fix); holds its pid |
 | `<data_dir>/segments/`       | the input log: `in-<id>.<model>.s<shape>.l<lane>.seg` (the model's name file-safe: pipeline/core/file_names.py) |
 | `<data_dir>/damaged/`        | damaged input segments moved aside at start (pipeline/store/salvage.py); never read by a stage |
+| `<data_dir>/losses-owed`     | written before a start moves a damaged segment aside, removed once the lost items have their error results (collector/losses.py); present at a start: account again |
 | `<data_dir>/completion/`     | the completion log: `out-<id>.<job>.s0.l<size class>.seg` (collector/completion/results_log.py) |
 | `<data_dir>/next-segment-id` | the lowest id not yet handed out (text)         |
 | `<data_dir>/next-batch-id`   | dispatch's batch ids: the lowest not yet reserved (text, blocks of 2^20) |
@@ -32,6 +33,7 @@ class DataDir:
         self.segments = self.root / "segments"
         self.completion = self.root / "completion"
         self.damaged = self.root / "damaged"
+        self.losses_owed = self.root / "losses-owed"
         self.log = self.root / "log"
         self._lock_fd = -1
 

@@ -181,7 +181,9 @@ def isolate(data_dir: DataDir, damaged: DamagedFile) -> Isolated | None:
     if header is not None and len(words):
         into = _copy(data_dir, header, words)
     aside = data_dir.damaged / path.name
-    data_dir.damaged.mkdir(exist_ok=True)
+    if not data_dir.damaged.is_dir():
+        data_dir.damaged.mkdir()
+        fsync_dir(data_dir.root)  # its name, before a file is moved into it
     os.rename(path, aside)
     fsync_dir(data_dir.damaged)
     fsync_dir(data_dir.segments)
