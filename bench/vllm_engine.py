@@ -118,7 +118,10 @@ def main() -> int:
                 ("batches", len(batches)),
                 ("items per batch", float(batches["items"].mean())),
                 ("engine busy, % of the pipeline's wall", 100 * engine_s / seconds),
-                ("engine busy -> LLM.generate alone, s", engine_s - len(ids) / alone[-1]),
+                (
+                    "engine busy less LLM.generate alone (same pair), s",
+                    engine_s - len(ids) / alone[-1],
+                ),
             ):
                 fed.setdefault(name, []).append(value)
             print(
