@@ -1,6 +1,7 @@
 """The `vllm` engine in the pipeline against vLLM's offline `LLM.generate` alone, same prompts.
 
-    python bench/vllm_engine.py [--prompts 200] [--max-tokens 16] [--pairs 3] [--no-docs]
+    python bench/vllm_engine.py [--prompts 200] [--max-tokens 16] [--pairs 3]
+                                [--batch-items N] [--no-docs]
 
 In one run, with vLLM (its CPU build here, a GPU where there is one) serving SmolLM2:
 
@@ -18,7 +19,8 @@ A and B alternate (A, B, A, B ...), both engines loaded and warmed up before the
 is the median of the per-pair ratios B / A of items/s: target >= 95%. The table also says
 how the worker's engine was fed (batches, items per batch, the engine's busy share of the
 wall time, gaps between batches) and how many prompts got the same ids on both sides.
-Writes its section of docs/BENCHMARKS.md unless `--no-docs`.
+Writes its section of docs/BENCHMARKS.md unless `--no-docs` (with `--batch-items N`, the
+worker's `batch_items` instead of the default, a section of its own).
 """
 
 from __future__ import annotations
@@ -82,6 +84,9 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=200, help="prompts per run (200)")
     parser.add_argument("--max-tokens", type=int, default=16, help="new tokens per prompt (16)")
     parser.add_argument("--pairs", type=int, default=3, help="A, B pairs (3)")
+    parser.add_argument(
+        "--batch-items", type=int, default=0, help="the worker's batch_items (0: the default)"
+    )
     parser.add_argument("--dir", default=str(REPO / "var" / "bench-vllm-engine"))
     parser.add_argument("--no-docs", action="store_true", help="do not rewrite the docs")
     args = parser.parse_args()
@@ -100,7 +105,10 @@ def main() -> int:
     }
     alone, piped, same = [], [], []
     fed: dict[str, list[float]] = {}
-    with JobBroker(bench_dir, model, {"model": MODEL, "options": {"model": str(directory)}}) as b:
+    workers: dict = {"model": MODEL, "options": {"model": str(directory)}}
+    if args.batch_items:
+        workers["batch_items"] = args.batch_items
+    with JobBroker(bench_dir, model, workers) as b:
         llm, options = offline_llm(directory)  # loads while the worker loads its own
         generate_alone(llm, ids[:WARM_PROMPTS], args.max_tokens)
         b.run_job(ids[:WARM_PROMPTS], args.max_tokens, "warm-up")  # waits for the worker
@@ -155,8 +163,19 @@ def main() -> int:
         "Row 3: ids can differ between a batch of all prompts and smaller ones (floating "
         "point sums in another order): vLLM does not promise batch invariance.",
     ]
+    name = "bench/vllm_engine.py" + (
+        f" --batch-items {args.batch_items}" if args.batch_items else ""
+    )
+    if args.batch_items:
+        notes.append(
+            f"The worker's `batch_items` is {args.batch_items} (default 256, vLLM's "
+            "`max_num_seqs`): a batch larger than what vLLM runs at once leaves vLLM a queue "
+            "of its own, so a sequence that ends frees its slot for the next at once, as in "
+            "one `LLM.generate` call; at 256 each batch ends with its slowest sequence and the "
+            "next begins with its prefill alone."
+        )
     body = render_section(
-        "The vllm engine against vLLM alone (bench/vllm_engine.py)",
+        f"The vllm engine against vLLM alone ({name})",
         "The `vllm` engine in the pipeline against vLLM's offline `LLM.generate` alone, the "
         "same prompts and sampling, in interleaved pairs on the same host.",
         command_line(),
@@ -167,7 +186,7 @@ def main() -> int:
     )
     print(body)
     if not args.no_docs:
-        write_section(DOC, "bench/vllm_engine.py", body)
+        write_section(DOC, name, body)
     shutil.rmtree(bench_dir, ignore_errors=True)
     return 0
 
