@@ -203,7 +203,8 @@ def main() -> int:
             "start_concurrency": c,
         }
         with JobBroker(bench_dir, model, {"model": MODEL, "options": options}) as b:
-            client_alone(server.base_url, ids[:WARM_PROMPTS], args.max_tokens, c)
+            # every prompt once first: the server's prefix cache then holds them for A and B
+            client_alone(server.base_url, ids, args.max_tokens, c)
             b.run_job(ids[:WARM_PROMPTS], args.max_tokens, "warm-up")
             for pair in range(args.pairs):
                 seconds, client_cpu, reference = client_alone(
@@ -257,7 +258,8 @@ def main() -> int:
         f"Prompts: {len(ids)} token-id prompts (SmolLM2's tokenizer over the demo corpus, each "
         f"cut to 16-48 tokens), `max_tokens` {args.max_tokens}, temperature 0; {c} requests "
         f"in flight both ways; {args.pairs} pairs, each the async client then the pipeline, "
-        "back to back, against the same server.",
+        "back to back, against the same server, after the client sent every prompt once (so "
+        "vLLM's prefix cache holds them for both sides).",
         "A: `httpx.AsyncClient` in this process, one coroutine per request in flight, each "
         "sending the next prompt when its answer is in (keep-alive connections); the body "
         "is the one the `openai` engine sends. B: a private broker (default lanes and batch "
