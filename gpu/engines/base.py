@@ -8,6 +8,7 @@ tells the failures apart.
 |---|---|
 | life | `load()` once, in the worker process, before the first batch; then `run(batch)` per batch, on one thread |
 | in | `EngineBatch`: `task` (EMBED or GENERATE), `tokens` uint32 `[n, lane]` zero padded on the right (often a non-contiguous view into the batch's slots: read, never write), `lengths` uint32 `[n]`, `max_tokens` (GENERATE's output budget), `shape` (a dict: temperature, top_p, seed, stop, stop_token_ids, top_logprobs; empty: greedy, no stop strings) |
+| batch size | the worker asks for batches of about `target_batch_s` by the engine's measured speed, or full ones (`batch_items`, `batch_tokens`) for an engine whose `wants_full_batches` is True (it runs a batch's items together by itself: vLLM, an upstream server) |
 | out | `EngineResult` with `len(errors) == n`, in the batch's order: `errors[i]` None or item i's own error (a non-empty str). EMBED: `embeddings` float32 `[n, dim]` (an errored item's row is zeros). GENERATE: `tokens` flat uint32 and `offsets` int64 `[n + 1]` from 0, non-decreasing, ending at `len(tokens)`; item i's ids are `tokens[offsets[i]:offsets[i + 1]]`, at most `max_tokens` of them, none for an errored item; with the shape's `top_logprobs` k, also `logprobs` float32 `[len(tokens)]` and `top_ids` uint32 / `top_logprobs` float32 `[len(tokens), k]` |
 | item errors | an item of 0 tokens, one whose length passes its lane, one with an id outside the model's vocabulary, one too long for the model (prompt, plus `max_tokens` when generating) gets its own error; the other items of its batch run as if it were not there |
 | the other task | a batch of a task the engine does not serve gets the same error for every item (an embed-only engine thus refuses stop strings, seeds and `max_tokens`) |
@@ -154,6 +155,11 @@ class Engine:
     """
 
     name: ClassVar[str] = "engine"
+    # True for an engine that runs a batch's items together by itself (vLLM's continuous
+    # batching, the requests in flight to an upstream server): its speed grows with the items
+    # a batch gives it, so the worker asks for full batches (`batch_items`, `batch_tokens`)
+    # instead of sizing them to `target_batch_s` from its measured tokens/s (gpu/worker/session.py)
+    wants_full_batches: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)

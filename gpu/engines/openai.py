@@ -72,6 +72,7 @@ class OpenAIEngine(Engine):
     """A client of an OpenAI-compatible server; see the module docstring."""
 
     name = "openai"
+    wants_full_batches = True  # up to max_concurrency of its items in flight at once
 
     def __init__(
         self,

@@ -113,6 +113,7 @@ class VllmEngine(Engine):
     """vLLM's offline LLM on this host's GPU(s) or CPU; see the module docstring."""
 
     name = "vllm"
+    wants_full_batches = True  # vLLM schedules up to max_num_seqs (256) of them at once
 
     def __init__(
         self,

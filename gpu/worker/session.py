@@ -119,10 +119,11 @@ class Worker:
         self.engine_thread.close()  # its wake fd (the connection polled it), then the engine
 
     def token_budget(self) -> int:
-        """Tokens to ask for: what the engine does in about `target_batch_s` (within bounds)."""
+        """Tokens to ask for: what the engine does in about `target_batch_s` (within bounds);
+        the most there is for an engine that `wants_full_batches`."""
         limit = self.options.batch_tokens
         target = self.options.target_batch_s
-        if target <= 0:
+        if target <= 0 or getattr(self.engine, "wants_full_batches", False):
             return limit
         tokens_per_s = self.engine_thread.tokens_per_s
         if tokens_per_s is None:  # not measured yet: start small, it grows after a batch
