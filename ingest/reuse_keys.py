@@ -71,23 +71,26 @@ def fingerprints(
     models: Sequence[ModelSettings],
     workers: Sequence[WorkerSettings] = (),
     fleet: Sequence[FleetSettings] = (),
-) -> dict[str, str | None]:
-    """Every model's fingerprint, the weights of local workers digested once (at start)."""
+) -> tuple[dict[str, str | None], dict[str, str]]:
+    """(every model's fingerprint, why each model without one has none), the weights of local
+    workers digested once (at start)."""
     cache = DigestCache(Path(data_root) / REUSE_DIR / CACHE_FILE)
     first = models[0].name if models else ""
-    out = {}
+    out: dict[str, str | None] = {}
+    whys: dict[str, str] = {}
     for model in models:
         served, why = served_weights(model, workers, fleet, cache, first_model=first)
         out[model.name] = fingerprint(model, served)
-        if out[model.name] is None:
-            log.info(
-                "model %s: no fingerprint, its lines never reuse (%s); declare its weights "
-                "with `revision` in its [[models]] table to reuse them",
-                model.name,
-                why or f"engine {model.engine} pins no weights",
-            )
+        if out[model.name] is not None:
+            continue
+        if model.revision or model.engine in ENGINE_PINNED_WEIGHTS or served:
+            why = f"its tokenizer file {model.tokenizer} cannot be read"
+        else:
+            why += "; declare its weights with `revision` in its [[models]] table to reuse them"
+        whys[model.name] = why
+        log.info("model %s: no fingerprint, its lines never reuse (%s)", model.name, why)
     cache.save()
-    return out
+    return out, whys
 
 
 def deterministic(shape: Shape) -> bool:
@@ -165,9 +168,12 @@ class ReuseFound:
     )  # [line, key, model, shape, file, offset, length]
     lines: list[int] = field(default_factory=list)  # the other keyed lines ...
     keys: list[str] = field(default_factory=list)  # ... and their keys
+    unkeyed: dict[str, str] = field(default_factory=dict)  # model without a fingerprint -> why
 
     def record(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
+        if self.unkeyed:
+            out["nofp"] = self.unkeyed
         if self.reused:
             out["reused"] = self.reused
         if self.lines:
@@ -186,7 +192,7 @@ class ReuseFinder:
         fleet: Sequence[FleetSettings] = (),
     ) -> None:
         self.data_root = Path(data_root)
-        self.fingerprints = fingerprints(self.data_root, models, workers, fleet)
+        self.fingerprints, self.why = fingerprints(self.data_root, models, workers, fleet)
         self.reader = ReuseReader(data_root)
         self.shapes: InternTable | None = None
         self.found = 0  # lines taken from the index (metrics)
@@ -196,6 +202,9 @@ class ReuseFinder:
         keys = request_keys(chunk, self.fingerprints)
         keyed = np.flatnonzero(keys.any(axis=1))
         found = ReuseFound()
+        for m in np.unique(chunk.model_index).tolist():  # for `status` (its `reuse_off`)
+            if chunk.models[m] in self.why:
+                found.unkeyed[chunk.models[m]] = self.why[chunk.models[m]]
         if not len(keyed):
             return chunk, found
         where = self.reader.lookup(keys[keyed])

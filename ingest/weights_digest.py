@@ -156,7 +156,7 @@ def served_weights(
     digested engine without a `revision`: the others say theirs (ingest/reuse_keys.py).
     `first_model`: the model a [[workers]] table without `model` serves (the first one)."""
     if model.engine not in DIGESTED_ENGINES or model.revision:
-        return None, f"engine {model.engine} is not digested"
+        return None, f"engine {model.engine}: the front cannot see the weights it serves"
     if any(f.model == model.name for f in fleet):
         return None, "its [[fleet]] actors load weights on other hosts"
     groups = [g for g in workers if g.local and (g.model or first_model) == model.name]

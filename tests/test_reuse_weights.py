@@ -6,17 +6,20 @@ weights it cannot see (a Hugging Face id, remote workers, a fleet) that keep nee
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import time
 from pathlib import Path
 
-from broker import write_config
+from broker import Broker, submit, write_config
+from conftest import assert_check_clean, wait_for
 
 from config import load_settings
 from config.defaults import SMOLLM2_SHA256
 from config.stage_settings import stage_settings
 from ingest.front_stage import FrontStage
 from ingest.weights_digest import CACHE_FILE, DigestCache, directory_sha256, served_weights
+from pipeline.core import exitcodes
 from pipeline.store.datadir import DataDir
 from pipeline.store.reuse_store import REUSE_DIR
 
@@ -209,3 +212,40 @@ def test_the_front_fingerprints_a_model_directory_and_keeps_its_digests_in_the_d
     flip_a_byte(directory / "model.safetensors", HOUR_AGO_NS + 7 * 10**9)
     changed = front_fingerprint(tmp_path, directory)
     assert changed is not None and changed != first  # new weights: every line runs again
+
+
+def test_status_says_why_a_reusing_job_s_model_never_reuses(tmp_path):
+    """A `--reuse` job on a vllm model with no local workers and an openai one: their lines
+    never reuse, and `status` names each model and why (no error: the lines are accepted and
+    run as without --reuse)."""
+    hub = (
+        '[[models]]\nname = "hub"\nengine = "vllm"\nendpoints = ["/v1/completions"]\n'
+        '[[models]]\nname = "up"\nengine = "openai"\nendpoints = ["/v1/completions"]\n'
+    )
+    config = write_config(tmp_path, extra=hub)  # no local workers: the lines wait
+    lines = [
+        {
+            "custom_id": f"{model}{i}",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": model, "prompt": [1, 2, 3 + i], "max_tokens": 2, "temperature": 0},
+        }
+        for i in range(3)
+        for model in ("hub", "up")
+    ]
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    b = Broker(config).start()
+    try:
+        done = submit(config, path, "--reuse")
+        assert done.returncode == exitcodes.OK, done.stderr
+        job = done.stdout.strip().splitlines()[-1]
+        off = wait_for(lambda: b.job_status(job).get("reuse_off"), "status's reuse_off")
+        assert set(off) == {"hub", "up"}
+        assert "no local [[workers]]" in off["hub"] and "revision" in off["hub"]
+        assert "engine openai: the front cannot see" in off["up"]
+        assert b.job_status(job)["reused"] == 0
+        assert b.stop() == exitcodes.OK, b.stderr
+    finally:
+        b.close()
+    assert_check_clean(b.data_dir)
