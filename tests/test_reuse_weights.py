@@ -13,6 +13,8 @@ from pathlib import Path
 
 from broker import Broker, submit, write_config
 from conftest import assert_check_clean, wait_for
+from smollm2 import SMOL_TOML, model_dir, needs_model, shared_root
+from test_reuse import bodies, run, write
 
 from config import load_settings
 from config.defaults import SMOLLM2_SHA256
@@ -26,7 +28,7 @@ from pipeline.store.reuse_store import REUSE_DIR
 HOUR_AGO_NS = time.time_ns() - 3600 * 10**9
 
 
-def model_dir(path: Path) -> Path:
+def a_model_dir(path: Path) -> Path:
     """A model directory as vLLM and transformers read one, plus files that are not the model,
     every file modified an hour ago (not racily new: its digest is kept)."""
     path.mkdir(parents=True)
@@ -55,7 +57,7 @@ def fresh_digest(directory: Path, tmp_path: Path) -> str | None:
 
 
 def test_a_directory_digest_follows_its_weight_bytes_not_other_files_or_mtimes(tmp_path):
-    directory = model_dir(tmp_path / "smol")
+    directory = a_model_dir(tmp_path / "smol")
     first = fresh_digest(directory, tmp_path)
     assert first is not None and len(first) == 64
 
@@ -76,7 +78,7 @@ def test_a_directory_digest_follows_its_weight_bytes_not_other_files_or_mtimes(t
 def test_the_digests_are_kept_for_the_next_start_and_a_changed_file_is_read_again(
     tmp_path, monkeypatch
 ):
-    directory = model_dir(tmp_path / "smol")
+    directory = a_model_dir(tmp_path / "smol")
     reads: list[str] = []
     real = hashlib.file_digest
 
@@ -152,7 +154,7 @@ def test_settings_from_a_config_file_give_local_weights_and_say_why_others_have_
     tmp_path, monkeypatch
 ):
     monkeypatch.chdir(tmp_path)  # the workers' `models/smol` is relative, as the front's cwd
-    directory = model_dir(tmp_path / "models" / "smol")
+    directory = a_model_dir(tmp_path / "models" / "smol")
     config = tmp_path / "fabric.toml"
     config.write_text(WORKERS)
     settings = load_settings(config)
@@ -201,7 +203,7 @@ def front_fingerprint(tmp_path: Path, directory: Path) -> str | None:
 def test_the_front_fingerprints_a_model_directory_and_keeps_its_digests_in_the_data_dir(
     tmp_path,
 ):
-    directory = model_dir(tmp_path / "smol")
+    directory = a_model_dir(tmp_path / "smol")
     first = front_fingerprint(tmp_path, directory)
     assert first is not None and first.startswith("transformers|dir-sha256:")
     assert (tmp_path / "data" / REUSE_DIR / CACHE_FILE).is_file()
@@ -245,6 +247,51 @@ def test_status_says_why_a_reusing_job_s_model_never_reuses(tmp_path):
         assert "no local [[workers]]" in off["hub"] and "revision" in off["hub"]
         assert "engine openai: the front cannot see" in off["up"]
         assert b.job_status(job)["reused"] == 0
+        assert b.stop() == exitcodes.OK, b.stderr
+    finally:
+        b.close()
+    assert_check_clean(b.data_dir)
+
+
+@needs_model
+def test_a_model_directory_served_by_a_local_transformers_worker_reuses_its_results(
+    tmp_path, tmp_path_factory
+):
+    """End to end: a broker whose local worker loads SmolLM2 from a model directory (no
+    `revision`); the same file run twice with --reuse: the second run takes every line from
+    the index, with the first run's bodies."""
+    from gpu.engines.transformers import smollm2_tokenizer_path
+
+    weights = model_dir(shared_root(tmp_path_factory))
+    config = write_config(
+        tmp_path,
+        workers=1,
+        worker_keys=f'model = "smol"\nengine = "transformers"\n'
+        f'options = {{model = "{weights}", threads = 1}}',
+    )
+    config.write_text(config.read_text() + SMOL_TOML.format(tokenizer=smollm2_tokenizer_path()))
+    lines = [
+        {
+            "custom_id": f"s{i}",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {
+                "model": "smol",
+                "prompt": f"Count to {i}:",
+                "max_tokens": 3,
+                "temperature": 0,
+            },
+        }
+        for i in range(4)
+    ]
+    path = write(tmp_path / "in.jsonl", lines)
+    b = Broker(config).start()
+    try:
+        first = run(b, path, tmp_path / "first.jsonl", "--reuse")
+        assert first["reused"] == 0 and first["reuse_off"] is None
+        second = run(b, path, tmp_path / "second.jsonl", "--reuse")
+        assert second["reused"] == 4
+        assert bodies(tmp_path / "second.jsonl") == bodies(tmp_path / "first.jsonl")
         assert b.stop() == exitcodes.OK, b.stderr
     finally:
         b.close()
