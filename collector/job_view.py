@@ -55,6 +55,7 @@ class JobView:
         self.limits = record_limits(meta)  # its caps (pipeline/core/job_limits.py)
         self.reuse = bool(meta.get("reuse", False))  # `submit --reuse` (ingest/reuse_keys.py)
         self.found: list[list[Any]] = []  # its commit records' `reused` lines, not yet taken
+        self.no_fingerprint: dict[str, str] = {}  # `nofp`: model -> why its lines never reuse
         self._keys: collections.OrderedDict[int, tuple] = collections.OrderedDict()
         self.journal = files.journal_path(job_id)
         self.offset = 0
@@ -125,6 +126,7 @@ class JobView:
                 self.first_lines[int(record["first"])] = record["c"]
                 self.rejected.extend(record["errors"])
                 self.found.extend(record.get("reused", ()))
+                self.no_fingerprint.update(record.get("nofp", {}))
                 self.lines.add(record.get("parts", ()))
                 for name in record.get("names", ()):
                     self._name_number(name)

@@ -184,6 +184,8 @@ def render_job(info: dict[str, Any]) -> str:
         lines.append(f"  stopped    {stop['code']} ({stop['limit']}): {stop['message']}")
     if info.get("reused") is not None:  # `submit --reuse` (docs/completion.md, Result reuse)
         lines.append(f"  reused     {info['reused']} lines took an identical earlier result")
+    for model, why in (info.get("reuse_off") or {}).items():  # no model fingerprint
+        lines.append(f"  reuse off  model {model}: its lines never reuse ({why})")
     if info.get("fanout"):
         fan = info["fanout"]
         lines.append(f"  parts      {fan['parts']} in {fan['lines']} lines of several parts")

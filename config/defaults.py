@@ -332,8 +332,11 @@ ENGINE_VOCAB_SIZE: Final[dict[str, int]] = {"minilm": 30522}
 # The weights an engine fixes, for the model fingerprint that result reuse keys on (a model's
 # `revision` is used instead when set). minilm loads only its pinned file (gpu/engines/minilm.py
 # checks this sha256); echo and simulated compute their output from the input alone.
-# transformers, vllm and openai load what their workers are told: they need a `revision`.
+# transformers and vllm load what their workers are told: the front digests it where it can
+# (ingest/weights_digest.py: SmolLM2's pinned GGUF, a local file or directory); openai needs a
+# `revision`.
 MINILM_SHA256: Final = "8199be6f699a395f99f89df973f9dc5285fbcfcdb2ae1a4e1201dab014f3d2a6"
+SMOLLM2_SHA256: Final = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 ENGINE_PINNED_WEIGHTS: Final[dict[str, str]] = {
     "minilm": f"sha256:{MINILM_SHA256}",
     "echo": "builtin",

@@ -25,6 +25,7 @@ from config.settings import (
     BrokerSettings,
     CompletionSettings,
     DispatchSettings,
+    FleetSettings,
     IngestSettings,
     MetricsSettings,
     ModelSettings,
@@ -77,10 +78,13 @@ class RingStage(EveryStage):
 @dataclass(frozen=True, slots=True)
 class FrontStageSettings(RingStage):
     """The front (ingest/front_stage.py): producers, the job registry, the model catalog,
-    and the rings to the routers (whose count the ring layout needs)."""
+    and the rings to the routers (whose count the ring layout needs); the workers and fleet
+    tables for the weights result reuse digests (ingest/weights_digest.py)."""
 
     security: SecuritySettings
     models: tuple[ModelSettings, ...]
+    worker_groups: tuple[WorkerSettings, ...] = ()
+    fleet: tuple[FleetSettings, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,7 +208,16 @@ def stage_settings(settings: Settings, stage: str, index: int = 0) -> StageSetti
     s = settings
     if stage == "front":
         return FrontStageSettings(
-            s.data_path, s.metrics, s.broker, s.ingest, s.router, s.writers, s.security, s.models
+            s.data_path,
+            s.metrics,
+            s.broker,
+            s.ingest,
+            s.router,
+            s.writers,
+            s.security,
+            s.models,
+            s.worker_groups,
+            s.fleet,
         )
     if stage == "tokenizer":
         return TokenizerStageSettings(

