@@ -274,6 +274,13 @@ class Ring:
         return int(self._words[3])
 
     @property
+    def creator_pid(self) -> int:
+        """The process that created the ring: a broker's supervisor creates every ring of its
+        life, so a replacement by another process means another broker life."""
+        self._check_open()
+        return int(_HEADER.unpack_from(self._view, 0)[5])
+
+    @property
     def used_bytes(self) -> int:
         """Bytes published and not yet released, wrap gaps included."""
         tail = self.tail  # tail first: head read later is never behind it
