@@ -343,7 +343,7 @@ class FrontStage(Stage[FrontStageSettings]):
             if flight is None:
                 continue  # late news of a chunk that already failed or finished
             if message.type == MT.APPEND_ACK:
-                flight.acked += int(meta["count"])
+                flight.count_acked(message.arrays.get("index"), int(meta["count"]))
             elif message.type == MT.TOKENIZED:
                 if meta.get("failed"):
                     self._fail(flight, f"tokenizing failed: {meta['failed']}", retryable=True)

@@ -35,7 +35,8 @@ class Inflight:
     deadline_ns: int  # writers drop its records after this (CLOCK_MONOTONIC ns)
     expected: int | None  # items sent on; None until a tokenizer reports
     already: list[tuple[int, str]] = field(default_factory=list)  # (line, custom_id) stored before
-    acked: int = 0
+    acked: int = 0  # distinct items the writers acknowledged (acked_index's length)
+    acked_index: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint32))
     errors: list[LineError] = field(default_factory=list)
     sent: bool = False
     pieces: deque | None = None  # records still to put into the router's ring
@@ -47,6 +48,16 @@ class Inflight:
     @property
     def key(self) -> tuple[int, int]:
         return (self.job.job_no, self.chunk.index)
+
+    def count_acked(self, index: np.ndarray | None, count: int) -> None:
+        """A writer's APPEND_ACK: `index` the items it made durable. Each item counts once,
+        however often it is acknowledged (its records delivered twice: docs/ingest.md,
+        "Exactly once into the log"); an answer that names no items counts `count`."""
+        if index is None:
+            self.acked += count
+            return
+        self.acked_index = np.union1d(self.acked_index, index.astype(np.uint32, copy=False))
+        self.acked = len(self.acked_index)
 
     @property
     def complete(self) -> bool:

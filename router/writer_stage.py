@@ -62,6 +62,7 @@ from router.sync_thread import SyncThread, Ticket
 
 MAX_RECORDS_PER_STEP = 256
 Chunk = tuple[int, int]  # (job_no, chunk)
+NEVER_NS = 2**63  # a deadline later than any
 
 
 @dataclass
@@ -69,6 +70,7 @@ class StepAppends:
     """What one step appended, answered once its sync is back."""
 
     durable: dict[Chunk, int] = field(default_factory=lambda: defaultdict(int))  # items placed
+    index: dict[Chunk, list] = field(default_factory=lambda: defaultdict(list))  # which ones
     failed: dict[Chunk, str] = field(default_factory=dict)  # chunk -> why refused
     placed: dict[int, int] = field(default_factory=dict)  # segment id -> end of what it placed
     syncs: list = field(default_factory=list)  # (appender, its begin_sync list)
@@ -115,6 +117,9 @@ class WriterStage(Stage[WriterStageSettings]):
         self.appended_by_key: Counter = Counter()  # (model, lane) -> items appended (metrics)
         self.fsync_s = Histogram(FSYNC_BUCKETS_S)  # one group commit per observation
         self.disk = FullDisk(self.log, "chunks that need new space are refused, retryably")
+        # (job_no, chunk, deadline_ns) -> item indices this life appended for that try (sorted)
+        self.tries: dict[tuple[int, int, int], np.ndarray] = {}
+        self.tries_due_ns = NEVER_NS  # the earliest deadline among them: when to forget some
 
     def _appender(self, key: tuple[str, int, int]) -> SegmentAppender:
         appender = self.appenders.get(key)
@@ -170,6 +175,10 @@ class WriterStage(Stage[WriterStageSettings]):
         self.disk.settle(now)
         for appender in self.appenders.values():
             appender.maybe_rotate(now)  # a seal is synced with the next hand-off
+        if round(now * 1e9) > self.tries_due_ns:  # a try past its deadline appends no more
+            now_ns = round(now * 1e9)
+            self.tries = {key: seen for key, seen in self.tries.items() if key[2] >= now_ns}
+            self.tries_due_ns = min((key[2] for key in self.tries), default=NEVER_NS)
 
     def _wait(self, wait_ms: int) -> tuple[bool, bool]:
         """Wait up to `wait_ms` for a wakeup or the in-flight sync; (woken, sync back)."""
@@ -240,7 +249,9 @@ class WriterStage(Stage[WriterStageSettings]):
         for (job_no, chunk), count in batch.durable.items():
             if (job_no, chunk) not in failed:
                 self._tell(
-                    wire.MessageType.APPEND_ACK, {"job_no": job_no, "chunk": chunk, "count": count}
+                    wire.MessageType.APPEND_ACK,
+                    {"job_no": job_no, "chunk": chunk, "count": count},
+                    arrays={"index": np.concatenate(batch.index[(job_no, chunk)])},
                 )
                 self.appended += count
         for (job_no, chunk), reason in failed.items():
@@ -300,6 +311,10 @@ class WriterStage(Stage[WriterStageSettings]):
             return
         if chunk in batch.failed:
             return
+        fresh = self._not_yet_appended(keyed)
+        if fresh is None:
+            return
+        keyed = fresh
         try:
             placed = self._appender((keyed.model, keyed.shape, keyed.lane)).append(
                 seq_of(keyed.job_no, keyed.index),
@@ -309,6 +324,13 @@ class WriterStage(Stage[WriterStageSettings]):
                 keyed.tokens,
             )
             batch.durable[chunk] += len(keyed.index)
+            batch.index[chunk].append(np.array(keyed.index))  # a copy: the ring is released
+            try_key = (keyed.job_no, keyed.chunk, keyed.deadline_ns)
+            seen = self.tries.get(try_key)
+            self.tries_due_ns = min(self.tries_due_ns, keyed.deadline_ns)
+            self.tries[try_key] = (
+                np.sort(keyed.index) if seen is None else np.union1d(seen, keyed.index)
+            )
             self.appended_by_key[(keyed.model, str(keyed.lane))] += len(keyed.index)
             for segment_id, first, count in placed.tolist():
                 batch.placed[segment_id] = max(batch.placed.get(segment_id, 0), first + count)
@@ -317,6 +339,37 @@ class WriterStage(Stage[WriterStageSettings]):
             batch.failed[chunk] = str(exc)
             self.disk.failed(exc, now)
             self.disk.refused()
+
+    def _not_yet_appended(self, keyed: Keyed) -> Keyed | None:
+        """The record less the items this life already appended for the same try of its
+        chunk (same job, chunk and deadline: a record delivered twice, by a ring read again
+        or routed again); None when none is left. Appended twice, the items would be
+        acknowledged twice and the chunk's commit would count them twice."""
+        seen = self.tries.get((keyed.job_no, keyed.chunk, keyed.deadline_ns))
+        if seen is None:
+            return keyed
+        fresh = ~np.isin(keyed.index, seen, assume_unique=True)
+        if fresh.all():
+            return keyed
+        self.log.warning(
+            "job %d chunk %d: %d item(s) came again after this writer appended them; appended once",
+            keyed.job_no,
+            keyed.chunk,
+            int((~fresh).sum()),
+        )
+        if not fresh.any():
+            return None
+        return Keyed(
+            keyed.job_no,
+            keyed.chunk,
+            keyed.deadline_ns,
+            keyed.model,
+            keyed.shape,
+            keyed.lane,
+            keyed.index[fresh],
+            keyed.lengths[fresh],
+            keyed.tokens[fresh],
+        )
 
     def _announce(self, placed: dict[int, int]) -> None:
         """Tell dispatch what is durable now; a lost notice is found by its rescan."""
@@ -343,9 +396,9 @@ class WriterStage(Stage[WriterStageSettings]):
         """True while any input ring holds records."""
         return any(p.ring is not None and p.ring.used_bytes for p in self.ports)
 
-    def _tell(self, msg_type, meta, flags=0) -> None:
+    def _tell(self, msg_type, meta, flags=0, arrays=None) -> None:
         try:
-            wire.send(self.acks, msg_type, meta, flags=flags)
+            wire.send(self.acks, msg_type, meta, arrays, flags=flags)
         except FabricError as exc:  # the front restarting: the chunk times out and is retried
             self.log.warning(
                 "could not tell the front about job %s chunk %s: %s",

@@ -144,3 +144,47 @@ def test_a_front_restarted_alone_holds_a_retried_chunk_until_the_first_try_canno
         while opened:
             dies()
         context.term()
+
+
+def test_items_acknowledged_twice_are_stored_once(tmp_path, front):
+    """Two acknowledgements of the same items of a chunk (its records appended twice, by two
+    consumers of one ring: chaos seed 33071's chaos-0021, whose commits said 482 stored for
+    241 lines) count each item once: the commit says the chunk's lines, not twice them, and
+    the job's total is one outcome per line."""
+    from ingest.error_wire import errors_to_wire
+
+    stage, producer, tokenizer = front
+    wire.send(producer, MT.SUBMIT_CHUNK, *text_chunk(tmp_path, stage.settings, "twice"))
+
+    def taken() -> bool:
+        stage.step(T0)
+        return len(stage.inflight) == 1 and not stage.forwarding.waiting
+
+    wait_for(taken, "the front to accept the chunk and send it to a tokenizer", 10)
+    assert wire.recv(tokenizer, 5000).type == MT.TOKENIZE
+    job_no = stage.registry.get("twice").job_no
+    context = zmq.Context()
+    reports = wire.open_socket(
+        context, zmq.PUSH, connect=internal_address(stage.settings, "front"), linger_ms=1000
+    )
+    try:
+        index = np.arange(8, dtype=np.uint32)
+        for _ in range(2):  # the writer's answer for each copy
+            ack = {"job_no": job_no, "chunk": 0, "count": 8}
+            wire.send(reports, MT.APPEND_ACK, ack, {"index": index})
+        report = {"job_no": job_no, "chunk": 0, "forwarded": 8, "errors": []}
+        wire.send(reports, MT.TOKENIZED, report, errors_to_wire([]))
+
+        def committed() -> bool:
+            stage.step(T0 + 1)
+            return not stage.inflight
+
+        wait_for(committed, "the chunk's commit", 10)
+        answer = wire.recv(producer, 5000)
+        assert answer is not None and answer.type == MT.CHUNK_ACK, answer
+        job = stage.registry.get("twice")
+        assert job.chunks[0].committed is not None
+        assert job.stored == 8, f"stored {job.stored} for 8 lines"
+    finally:
+        reports.close(0)
+        context.term()

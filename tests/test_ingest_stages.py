@@ -187,10 +187,10 @@ def test_a_writer_appends_the_next_step_while_the_last_syncs_and_acks_only_after
     acked_before_sync: list[int] = []
     tell = writer.stage._tell
 
-    def watched_tell(msg_type, meta, flags=0) -> None:
+    def watched_tell(msg_type, meta, flags=0, arrays=None) -> None:
         if msg_type == wire.MessageType.APPEND_ACK and sync.returned == 0:
             acked_before_sync.append(meta["chunk"])
-        tell(msg_type, meta, flags)
+        tell(msg_type, meta, flags, arrays)
 
     writer.stage._tell = watched_tell
     try:
@@ -295,3 +295,30 @@ def test_a_router_waiting_for_a_full_writer_ring_keeps_its_input_record(tmp_path
         for ring, spec in ((front_ring, front_spec), (writer_ring, writer_spec)):
             ring.close()
             Ring.unlink(spec.name)
+
+
+def test_a_record_delivered_twice_is_appended_and_acknowledged_once(tmp_path):
+    """The same KEYED record twice in a writer's ring (what a ring read again by a second
+    consumer, or a record routed again, delivers): its items are appended once and the chunk
+    acknowledged for them once. Counted twice, the chunk's commit says it stored twice its
+    lines and its job waits for ever for results that never come (docs/ingest.md,
+    "Exactly once into the log")."""
+    writer = SteppedWriter(tmp_path)
+    try:
+        writer.put(0)
+        writer.put(0)
+        writer.step_until_answered({0})
+        wait_for(
+            lambda: writer.stage.step(1000.0) or writer.stage.syncer.in_flight is None,
+            "the writer's last sync",
+            10,
+        )
+        acks = [writer.answers[0]]
+        while (message := wire.recv(writer.front, 200)) is not None:
+            acks.append(message)  # a second answer for the chunk, if the copy was appended
+        assert all(m.type == wire.MessageType.APPEND_ACK for m in acks), [m.meta for m in acks]
+        assert sum(m.meta["count"] for m in acks) == 2, [m.meta for m in acks]
+        assert writer.stage.appended == 2, "the second copy must not reach the log"
+        assert sorted(np.concatenate([m.arrays["index"] for m in acks]).tolist()) == [0, 1]
+    finally:
+        writer.close()

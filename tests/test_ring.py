@@ -25,6 +25,7 @@ from pipeline.core.errors import RingError
 from pipeline.transport.ring import HEADER_BYTES, RECORD_HEADER_BYTES, Ring
 from pipeline.transport.ring_layout import record_arrays
 from pipeline.transport.ring_names import NAME_MAX_CHARS, ring_name
+from pipeline.transport.ring_port import RingPort
 
 END_KIND = 1000
 STALL_S = 60.0  # a child that makes no progress this long reports failure and exits
@@ -398,3 +399,35 @@ def test_a_replaced_ring_is_told_apart_by_its_creation_time_without_mapping_it()
         first.close()
         Ring.unlink(name)
     assert Ring.created_ns_of(name) is None
+
+
+def _create_elsewhere(name: str) -> None:
+    Ring.create(name, 4096).close()
+
+
+def test_a_port_re_attaches_its_own_supervisor_s_replacement_but_not_another_broker_life_s():
+    """A stage's port follows a ring its supervisor replaced; a ring created again by another
+    process is a newer broker life's (the stage outlived its own, which ended): joining it
+    would make two consumers of one ring, each writer appending every record (chaos seed
+    33071's chaos-0021, each chunk stored twice), so the port raises and the stage stops."""
+    name = "/iftest.port.life.0"
+    port = RingPort(name, check_s=0.0)
+    try:
+        first = Ring.create(name, 4096)
+        assert port.get() is not None and port.ring.created_ns == first.created_ns
+        second = Ring.create(name, 4096)  # this process (the supervisor) replacing it
+        assert port.get().created_ns == second.created_ns
+        newer_life = multiprocessing.get_context("fork").Process(
+            target=_create_elsewhere, args=(name,)
+        )
+        newer_life.start()
+        newer_life.join(30)
+        assert newer_life.exitcode == 0
+        with pytest.raises(RingError, match="newer broker life"):
+            port.get()
+        assert port.ring is None
+        first.close()
+        second.close()
+    finally:
+        port.close()
+        Ring.unlink(name)

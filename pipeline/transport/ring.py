@@ -55,7 +55,8 @@ it. This path is argued, not tested here: our CI runs on x86-64.
 
 A ring survives the death of either side: records published and not yet
 released are still there when the consumer's replacement attaches, and it
-reads them again (at-least-once; the writer downstream deduplicates). A
+reads them again (at-least-once; a writer appends an item of a chunk's try once,
+docs/ingest.md "Exactly once into the log"). A
 producer that dies between reserve() and commit() published nothing. The
 supervisor owns the ring's life: create() at start, unlink() at shutdown.
 A handle belongs to one thread.
@@ -271,6 +272,13 @@ class Ring:
         """When create() made this ring; a replacement under the same name has another value."""
         self._check_open()
         return int(self._words[3])
+
+    @property
+    def creator_pid(self) -> int:
+        """The process that created the ring: a broker's supervisor creates every ring of its
+        life, so a replacement by another process means another broker life."""
+        self._check_open()
+        return int(_HEADER.unpack_from(self._view, 0)[5])
 
     @property
     def used_bytes(self) -> int:

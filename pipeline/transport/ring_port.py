@@ -6,6 +6,13 @@ chunks involved and producers retry them). A `RingPort` notices a
 replacement by the ring's creation time and re-attaches, at most every
 `check_s` and whenever the ring looks stuck (full for a producer, empty for
 a consumer).
+
+It re-attaches only a ring created by the process that created the one it had: the
+supervisor of its own broker life. A ring created again by another process belongs to
+a newer broker life on the same data dir, started while this stage of an ended life
+still runs (it dies with its supervisor, but not at once): joining it would make two
+consumers of one ring, each appending or routing every record, so `get` raises
+RingError and the stage stops instead.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ class RingPort:
         self.check_s = check_s
         self.ring: Ring | None = None
         self._created_ns: int | None = None
+        self._creator_pid: int | None = None  # the supervisor of this stage's broker life
         self._checked_s = 0.0
 
     def get(self, now_s: float | None = None) -> Ring | None:
@@ -45,12 +53,21 @@ class RingPort:
                 )
                 self.ring.close()
             try:
-                self.ring = Ring.attach(self.name)
+                ring = Ring.attach(self.name)
             except RingError as exc:
                 log.warning("cannot attach ring %s yet: %s", self.name, exc)
                 self.ring = None
                 return None
-            self._created_ns = created
+            creator = ring.creator_pid
+            if self._creator_pid is not None and creator != self._creator_pid:
+                ring.close()
+                self.ring = None
+                raise RingError(
+                    f"ring {self.name} was created again by process {creator}, not by this "
+                    f"stage's supervisor (process {self._creator_pid}): a newer broker life "
+                    "runs on this data dir and this stage belongs to an ended one; it stops"
+                )
+            self.ring, self._creator_pid, self._created_ns = ring, creator, created
         return self.ring
 
     def stale(self) -> None:

@@ -36,7 +36,7 @@ others may be added freely):
 | 6     | JOB_STATUS   | producer -> front          | job: str                                      |
 | 7     | JOB_INFO     | front -> producer          | job: str, exists: bool                        |
 | 10    | ITEM_BATCH   | stage -> next stage        | ring: str, start: int, end: int, count: int   |
-| 11    | APPEND_ACK   | writer -> upstream         | (none; e.g. ring, end, segment, first, count) |
+| 11    | APPEND_ACK   | writer -> front            | job_no: int, chunk: int, count: int; array `index` (u4: the items made durable, counted once each by the front) |
 | 12    | TOKENIZE     | front -> tokenizer         | job_no: int, index: int, deadline_ns: int     |
 | 13    | TOKENIZED    | tokenizer -> front         | job_no: int, chunk: int, forwarded: int, errors: list |
 | 20    | PING         | any -> any                 | (none)                                        |
