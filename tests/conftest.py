@@ -18,6 +18,7 @@ import bytecode
 import numpy as np
 import pytest
 import smollm2
+import vllm_runs
 import xdist_schedule
 import zygote
 from batches import KEY, LANE, SLOT_BYTES, appender, make_batch  # noqa: F401 (for the tests)
@@ -28,6 +29,10 @@ from pipeline.transport.ports import release_ports, reserved_ports
 # One SmolLM2 broker for the session (tests/smollm2.py). Defined here, once: a fixture
 # bound in each test module would be one fixture per module, and one broker and worker each.
 smol_broker = smollm2.smol_broker
+# The same for the real vLLM runs (tests/vllm_runs.py): the skip where vLLM is missing, and the
+# one broker with a vllm worker that tests/test_vllm_broker.py and tests/test_doors.py share.
+vllm_host = vllm_runs.vllm_host
+vllm_broker = vllm_runs.vllm_broker
 
 FUZZ_SCALE = float(os.environ.get("FABRIC_FUZZ_SCALE", "1"))
 
@@ -75,7 +80,9 @@ def pytest_collection_modifyitems(config, items) -> None:
       in that group;
     - `slow` tests, tests that ask for a longer timeout than the default, and groups go first
       (they take seconds to a minute each), then the rest in file order, which fills the gaps;
-      `--no-loadscope-reorder` keeps this order."""
+      `--no-loadscope-reorder` keeps this order;
+    - the real vLLM runs (one group) in the order of tests/vllm_runs.py `ORDER`, so that each
+      vLLM engine starts once and ends after its last user."""
     first: list = []
     rest: list = []
     groups: dict[str, str] = {}
@@ -88,9 +95,34 @@ def pytest_collection_modifyitems(config, items) -> None:
         heavy = item.nodeid in groups or item.get_closest_marker("slow") is not None
         heavy = heavy or _asks_for_more_time(item)
         (first if heavy else rest).append(item)
-    items[:] = first + rest
+    items[:] = _vllm_runs_in_order(first + rest)
     if hasattr(config, "workerinput"):
         xdist_schedule.write_groups(config.workerinput["workerid"], groups)
+
+
+def _in_vllm_group(item) -> bool:
+    mark = item.get_closest_marker("xdist_group")
+    return mark is not None and mark.args[0] == vllm_runs.GROUP
+
+
+def _vllm_runs_in_order(items: list) -> list:
+    """`items` with those of the vLLM group, in their places, sorted by their module's place in
+    tests/vllm_runs.py `ORDER` (stable: each module's own order kept)."""
+    places = [i for i, item in enumerate(items) if _in_vllm_group(item)]
+    order = vllm_runs.ORDER
+    rank = {m: r for r, m in enumerate(order)}
+    runs = sorted((items[i] for i in places), key=lambda t: rank.get(t.module.__name__, len(order)))
+    items = list(items)
+    for place, item in zip(places, runs, strict=True):
+        items[place] = item
+    return items
+
+
+def pytest_runtest_teardown(item, nextitem) -> None:
+    """As the vLLM group's last test ends, its engines end (tests/vllm_runs.py `close_all`):
+    an idle vLLM engine still takes a share of a core from the tests after it."""
+    if _in_vllm_group(item) and (nextitem is None or not _in_vllm_group(nextitem)):
+        vllm_runs.close_all()
 
 
 def _asks_for_more_time(item) -> bool:

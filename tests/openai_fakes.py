@@ -156,8 +156,8 @@ class _ProxyHandler(_Quiet):
             proxy.most_in_flight = max(proxy.most_in_flight, proxy.in_flight)
         try:
             self._act(proxy, action, data)
-        except (BrokenPipeError, ConnectionResetError):
-            self.close_connection = True  # the engine gave up on this request (its timeout)
+        except OSError:  # the engine gave up on this request (its timeout), or the upstream
+            self.close_connection = True  # is down or too slow: closed without an answer
         finally:
             with proxy.lock:
                 proxy.in_flight -= 1
@@ -175,12 +175,15 @@ class _ProxyHandler(_Quiet):
                 proxy.closing.wait(proxy.stall_s)  # a stall, until the proxy closes
             self.close_connection = True
         else:
-            conn = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=30)
-            headers = {"Content-Type": "application/json"}
-            conn.request("POST", self.path, data, headers)
-            answer = conn.getresponse()
-            payload = answer.read()
-            conn.close()
+            conn = http.client.HTTPConnection(
+                "127.0.0.1", proxy.upstream_port, timeout=proxy.upstream_timeout_s
+            )
+            try:  # an upstream too slow: closed here, and the engine's request without answer
+                conn.request("POST", self.path, data, {"Content-Type": "application/json"})
+                answer = conn.getresponse()
+                payload = answer.read()
+            finally:
+                conn.close()
             if action == "drop":  # the whole length promised, half of it sent
                 self.send_response(answer.status)
                 self.send_header("Content-Length", str(len(payload)))
@@ -197,6 +200,7 @@ class FaultProxy(_Server):
 
     def __init__(self, upstream: FakeOpenAI) -> None:
         self.upstream_port = upstream.port
+        self.upstream_timeout_s = 30.0  # no answer from the upstream for this long: closed
         self.mode = "pass"
         self.script: collections.deque[str] = collections.deque()
         self.retry_after = "0.2"

@@ -50,14 +50,9 @@ from smollm2 import MODEL_MARKS, model_dir, shared_root
 from test_api_broker import BODY_TYPES as OPENAI_TYPES
 from test_api_broker import finish, lines_of, upload
 from test_dispatch_pipeline import cli
-from test_vllm_engine import (  # noqa: F401 (vllm_host: the fixture)
-    GENERATE_MODEL,
-    START_S,
-    VLLM_MARKS,
-    engine_options_for,
-    vllm_host,
-)
 from tokenizers import Tokenizer
+from vllm_runs import GENERATE_MODEL, VLLM_MARKS
+from vllm_runs import model_toml as vllm_model_toml
 
 from gpu.engines.smollm2_dir import SMOLLM2
 from pipeline.core import exitcodes
@@ -114,7 +109,7 @@ CASES = {
     ),
     "minilm": Case("minilm", "embed", EMBED_FILES, max_tokens=256),
     "transformers": Case("transformers", "gen", GEN_FILES, max_tokens=8192),
-    "vllm": Case("vllm", "gen", GEN_FILES, max_tokens=8192),
+    "vllm": Case("vllm", "gen", GEN_FILES),  # its tables: tests/vllm_runs.py `model_toml`
 }
 ENGINES = [
     pytest.param("echo"),
@@ -122,8 +117,9 @@ ENGINES = [
     pytest.param("transformers", marks=MODEL_MARKS),  # the SmolLM2 process (tests/smollm2.py)
     pytest.param(
         "vllm",
-        marks=(*VLLM_MARKS, pytest.mark.timeout(1800)),  # a first start may compile the model;
-        # `served` skips it, with the reason, without vLLM (tests/test_vllm_engine.py `vllm_host`)
+        marks=(*VLLM_MARKS, pytest.mark.timeout(1800)),  # its broker: tests/vllm_runs.py's
+        # `vllm_broker`, shared with tests/test_vllm_broker.py; skipped, with the reason,
+        # without vLLM (tests/vllm_runs.py `vllm_host`)
     ),
 ]
 pytestmark = pytest.mark.timeout(600)  # a case's first test starts its broker and runs a door
@@ -157,6 +153,8 @@ def by_url(path: Path) -> dict[str, list[bytes]]:
 # ---- the engine's broker ---------------------------------------------------------------------
 def model_toml(case: Case, tmp_path_factory) -> str:
     """The case's model (with its aliases) and a local worker group for it."""
+    if case.engine == "vllm":  # the shared vllm broker's tables
+        return vllm_model_toml(ALIASES[case.model])
     options = engine_options(case, tmp_path_factory)
     aliases = ", ".join(f'"{a}"' for a in ALIASES[case.model])
     shown = ", ".join(f"{k} = {json.dumps(v)}" for k, v in options.items())
@@ -177,12 +175,8 @@ options = {{{shown}}}
 def engine_options(case: Case, tmp_path_factory) -> dict:
     if case.engine == "transformers":  # the saved weights load in a second (tests/smollm2.py)
         return {"model": str(model_dir(shared_root(tmp_path_factory))), "threads": 1}
-    if case.engine == "vllm":  # two brokers hold it at once: the case's and the batch door's
-        # eager: a start without vLLM's graph compilation is about 30 s instead of 100 on 2
-        # cores; float32: the doors' greedy texts must agree, and in bfloat16 a batch of
-        # other items turned SmolLM2's "The prime number that" into "The prime number I"
-        options = {"enforce_eager": True, "dtype": "float32"}
-        return {"model": GENERATE_MODEL, **options, **engine_options_for("generate")}
+    if case.engine == "vllm":  # tests/vllm_runs.py `model_toml` writes its options
+        return {"model": GENERATE_MODEL}
     return {}
 
 
@@ -227,13 +221,17 @@ def served(request, tmp_path_factory):
     """One broker per engine, with the api on, for the submit and http doors; at the end it
     must stop cleanly and its data dir check clean."""
     case = CASES[request.param]
-    if case.engine == "vllm":
-        request.getfixturevalue("vllm_host")
     tmp = tmp_path_factory.mktemp(f"doors-{case.engine}")
+    if case.engine == "vllm":  # the shared broker (tests/vllm_runs.py): stopped as they end
+        broker = request.getfixturevalue("vllm_broker")
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{broker.api_port}/v1", api_key="any", max_retries=0
+        )
+        yield Served(case, broker, client, tmp, tmp_path_factory)
+        return
     port = free_port()
     config = case_config(tmp / "broker", case, tmp_path_factory, port)
-    start_s = START_S if case.engine == "vllm" else 60  # a worker is up once its engine loaded
-    broker = Broker(config, stderr_path=tmp / "broker.err").start(timeout_s=start_s)
+    broker = Broker(config, stderr_path=tmp / "broker.err").start(timeout_s=60)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="any", max_retries=0)
     try:
         yield Served(case, broker, client, tmp, tmp_path_factory)

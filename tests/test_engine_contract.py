@@ -24,7 +24,7 @@ then the batch goes back whole (tests/test_openai_engine.py).
 
 SmolLM2's entry runs in the SmolLM2 test process (tests/smollm2.py `MODEL_MARKS`); the vLLM
 entries need vLLM, on a GPU or its CPU build (skipped with the reason otherwise, marked `vllm`:
-tests/test_vllm_engine.py `require_vllm_host`), and share that module's engines (`started`).
+tests/vllm_runs.py `require_vllm_host`), and share its in-process engines (`started`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import numpy as np
 import pytest
 from openai_fakes import SHARED_CONTEXT_TOKENS, shared_upstream
 from smollm2 import MODEL_MARKS, loaded_engine
-from test_vllm_engine import VLLM_MARKS, require_vllm_host, started
+from vllm_runs import VLLM_MARKS, require_vllm_host, started
 
 from collector.completion.result_check import OK, Expected, ResultCheck, expected_kind
 from gpu.engines.base import EMBED, GENERATE, Engine, EngineBatch, TransientEngineError

@@ -370,14 +370,20 @@ def test_an_engine_that_cannot_start_stops_the_batch_and_status_names_it(tmp_pat
     missing = tmp_path / "no-such-model"  # a model directory that is not there
     config = broken_engine_config(tmp_path, "transformers", f'model = "{missing}"')
     assert_batch_stops_on_the_engine(config, tmp_path, str(missing), RUN_BOUND_S)
-    b = Broker(config).launch()  # a broker of its own on it: never all up
+    assert_status_names_the_engine(config, str(missing), timeout_s=120)
+
+
+def assert_status_names_the_engine(config: Path, words: str, timeout_s: float) -> None:
+    """A broker of its own on `config` (never all up: its worker's engine cannot start):
+    `status` names the worker's exit and the engine's message (containing `words`)."""
+    b = Broker(config).launch()
     try:
         said = wait_for(
-            lambda: (lambda s: s if str(missing) in s else None)(
+            lambda: (lambda s: s if words in s else None)(
                 run_cli("status", "--config", str(config)).stdout
             ),
             "status to name the engine's error",
-            timeout_s=120,
+            timeout_s=timeout_s,
         )
         # restarting, or (on a loaded host, between two looks) running again a moment before
         # it dies the same way: either way status names the exit and its cause

@@ -1,19 +1,22 @@
-"""The `vllm` engine in a real broker: a `[[workers]]` table with `engine = "vllm"` and
-`options = {model = DIR}`, no other engine option, serving SmolLM2 on vLLM's CPU build (or a GPU).
+"""The `vllm` engine in a real broker: a `[[workers]]` table with `engine = "vllm"`, serving
+SmolLM2 on vLLM's CPU build (or a GPU), with no memory option (the engine picks the CPU
+backend's share of RAM).
 
-Marked `vllm` and skipped with the reason where vLLM is not importable (tests/test_vllm_engine.py
-`require_vllm_host`; .ci/run runs them in a venv with vLLM's CPU build). One broker for the
-module (a vLLM start costs a minute or more of CPU on 2 cores); vLLM's own offline `LLM` for
-the reference answers is the engine of tests/test_vllm_engine.py `started`, on the same
-directory with the same options (none), so both sides run the same model the same way.
+Marked `vllm` and skipped with the reason where vLLM is not importable (failed instead in CI:
+tests/vllm_runs.py `require_vllm_host`). The broker is tests/vllm_runs.py's `vllm_broker`,
+shared with tests/test_doors.py's vllm case (a vLLM start costs half a minute of CPU on 2
+cores); its worker's options are the in-process engine's (`engine_options`: eager, float32),
+so vLLM's own offline `LLM` (`started("generate")`) gives the reference answers, taken once
+before the broker starts (`offline`).
 
 | test | proves |
 |------|--------|
 | greedy lines | each completion's tokens are the ones `LLM.generate` gives for the same prompt ids at temperature 0: the same ids (the body's `token_ids`), text, each token's text (logprobs) and count (usage) |
 | sampling | `n` > 1 with a seed: n choices, the same on a second job; `stop` strings cut the text before them; `max_tokens` bounds each choice; logprobs are vLLM's own |
 | bad items | a prompt past the model's context and an id past its vocabulary get their own error lines from the engine's checks (the model's table gives ingest a longer limit and a larger vocabulary, so that both reach the worker); the other lines of the job get results |
-| the broker stopped | vLLM's engine processes end with the worker (`Engine.close`), none left behind |
 | engine process killed | SIGKILL to vLLM's engine process mid-job: the worker hands its batches back and exits, the supervisor starts it again, every line ends exactly once, nothing dead-lettered |
+| the broker stopped | vLLM's engine processes end with the worker (`Engine.close`), none left behind (tests/vllm_runs.py `SharedBroker.close`, as the vLLM tests end) |
+| cannot start | a model directory that is not there, or 0.99 of the host's RAM (which vLLM's CPU backend refuses): `run.py batch` stops with the engine's own message, and `status` names it |
 """
 
 from __future__ import annotations
@@ -21,71 +24,62 @@ from __future__ import annotations
 import json
 import os
 import signal
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from broker import Broker, submit, write_config
-from conftest import assert_check_clean, wait_for
+from broker import Broker, submit
+from conftest import wait_for
 from test_dispatch_pipeline import assert_each_once, fetch, finished
 from test_fanout import errors, line, outputs, write
-from test_vllm_engine import START_S, VLLM_MARKS, close_started, require_vllm_host, started
 from tokenizers import Tokenizer
+from vllm_runs import (
+    START_S,
+    VLLM_MARKS,
+    close_started,
+    engine_processes,
+    require_vllm_host,
+    started,
+)
 
 from gpu.engines.smollm2_dir import smollm2_cache_dir, write_smollm2_dir
 from gpu.engines.transformers import smollm2_tokenizer_path
-from pipeline.core import exitcodes
 
 pytestmark = list(VLLM_MARKS)
-
-SMOL_VLLM = """
-[[models]]
-name = "smol"
-engine = "vllm"
-tokenizer = "{tokenizer}"
-max_tokens = 16384
-vocab_size = 65536
-[[workers]]
-model = "smol"
-target_batch_s = 0
-batch_items = 8
-options = {{model = "{model}"}}
-"""
 PROMPTS = ["The capital of France is", "Once upon a time, there", "1, 2, 3, 4,", "The sea is"]
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """A broker whose one local worker runs the vllm engine on SmolLM2's directory with no
-    other option; at the end it stops cleanly and its data dir checks clean."""
-    require_vllm_host()
-    model = write_smollm2_dir(smollm2_cache_dir())  # the directory `model = "smollm2"` caches
-    tmp_path = tmp_path_factory.mktemp("vllm-broker")
-    config = write_config(tmp_path, workers=0)
-    text = config.read_text().replace("[workers]\nlocal = 0\n", "")
-    config.write_text(text + SMOL_VLLM.format(tokenizer=smollm2_tokenizer_path(), model=model))
-    b = Broker(config).start(timeout_s=START_S)
-    try:
-        yield b
-        engines = engine_processes(b)
-        assert engines, "the worker runs vLLM's engine processes"
-        assert b.stop() == exitcodes.OK, b.stderr
-        wait_for(  # the worker closes its engine as it ends (Engine.close)
-            lambda: not any(Path(f"/proc/{pid}").exists() for pid in engines),
-            "vLLM's engine processes to end with the worker",
-            timeout_s=60,
-        )
-    finally:
-        b.close()
-    assert_check_clean(b.data_dir)
+@dataclass(frozen=True)
+class Offline:
+    """vLLM's own offline answers to the prompts (`PROMPTS`, as ids) the tests send."""
+
+    greedy: list  # RequestOutput per prompt: temperature 0, 12 tokens
+    counting: str  # prompt 2's text, greedy, 24 tokens: it reaches the stop string " 7"
+    scored: object  # prompt 3's CompletionOutput, greedy, 6 tokens, with 2 logprobs a step
+    decode: object  # vLLM's tokenizer's decode
 
 
-@pytest.fixture(scope="module")
-def offline():
-    """vLLM's own offline `LLM` on the same directory (the in-process engine's); this module
-    is the in-process engines' last user: they close at its end."""
+@pytest.fixture(scope="session")
+def offline() -> Offline:
+    """vLLM's offline `LLM.generate` on the prompts, in process, with the workers' options;
+    named before `vllm_broker` (fixtures of one scope start in the order a test names them),
+    so that the in-process engines close before the broker's starts (tests/vllm_runs.py)."""
     require_vllm_host()
-    yield started("generate")
+    engine = started("generate")
+    llm, params = engine._llm, engine._sampling_params
+    ids = [{"prompt_token_ids": p} for p in prompt_ids()]
+    answers = Offline(
+        greedy=llm.generate(ids, params(temperature=0.0, max_tokens=12), use_tqdm=False),
+        counting=llm.generate(ids[2], params(temperature=0.0, max_tokens=24), use_tqdm=False)[0]
+        .outputs[0]
+        .text,
+        scored=llm.generate(
+            ids[3], params(temperature=0.0, max_tokens=6, logprobs=2), use_tqdm=False
+        )[0].outputs[0],
+        decode=llm.get_tokenizer().decode,
+    )
     close_started()
+    return answers
 
 
 def prompt_ids() -> list[list[int]]:
@@ -107,22 +101,18 @@ def run_job(b: Broker, tmp_path: Path, job: str, lines: list[dict], timeout_s=60
 
 
 def completion(ids: list[int], custom_id: str, **body) -> dict:
-    return line(custom_id, "/v1/completions", model="smol", prompt_token_ids=ids, **body)
+    return line(custom_id, "/v1/completions", model="gen", prompt_token_ids=ids, **body)
 
 
-def test_greedy_lines_give_the_token_ids_of_vllm_offline_generate(served, offline, tmp_path):
+def test_greedy_lines_give_the_token_ids_of_vllm_offline_generate(offline, vllm_broker, tmp_path):
     ids = prompt_ids()
     lines = [
         completion(p, f"greedy-{i}", max_tokens=12, temperature=0, logprobs=0)
         for i, p in enumerate(ids)
     ]
-    got = run_job(served, tmp_path, "greedy", lines)
-    params = offline._sampling_params(temperature=0.0, max_tokens=12)
-    reference = offline._llm.generate(
-        [{"prompt_token_ids": p} for p in ids], params, use_tqdm=False
-    )
-    decode = offline._llm.get_tokenizer().decode
-    for i, out in enumerate(reference):
+    got = run_job(vllm_broker, tmp_path, "greedy", lines)
+    decode = offline.decode
+    for i, out in enumerate(offline.greedy):
         expected = list(out.outputs[0].token_ids)
         if out.outputs[0].finish_reason == "stop":
             expected = expected[:-1]  # the EOS: the broker returns the tokens before it
@@ -135,7 +125,7 @@ def test_greedy_lines_give_the_token_ids_of_vllm_offline_generate(served, offlin
         assert body["usage"]["prompt_tokens"] == len(ids[i])
 
 
-def test_n_seed_stop_strings_max_tokens_and_logprobs(served, offline, tmp_path):
+def test_n_seed_stop_strings_max_tokens_and_logprobs(offline, vllm_broker, tmp_path):
     ids = prompt_ids()
     sampled = {"temperature": 0.9, "seed": 7, "max_tokens": 10}
     lines = [
@@ -144,24 +134,17 @@ def test_n_seed_stop_strings_max_tokens_and_logprobs(served, offline, tmp_path):
         completion(ids[0], "short", max_tokens=3, temperature=0),
         completion(ids[3], "scored", max_tokens=6, temperature=0, logprobs=2),
     ]
-    first = run_job(served, tmp_path, "shapes-1", lines)
-    again = run_job(served, tmp_path, "shapes-2", lines[:1])
+    first = run_job(vllm_broker, tmp_path, "shapes-1", lines)
+    again = run_job(vllm_broker, tmp_path, "shapes-2", lines[:1])
     choices = first["n3"]["response"]["body"]["choices"]
     assert [c["index"] for c in choices] == [0, 1, 2]
     assert all(len(c["text"]) > 0 for c in choices)
+    assert len({c["text"] for c in choices}) > 1  # sampled: not three copies of one
     assert [c["text"] for c in choices] == [
         c["text"] for c in again["n3"]["response"]["body"]["choices"]
     ]  # a seed gives the same samples, job after job
     stopped = first["stop"]["response"]["body"]["choices"][0]
-    greedy = (
-        offline._llm.generate(
-            [{"prompt_token_ids": ids[2]}],
-            offline._sampling_params(temperature=0.0, max_tokens=24),
-            use_tqdm=False,
-        )[0]
-        .outputs[0]
-        .text
-    )
+    greedy = offline.counting
     assert " 7" in greedy, greedy  # the counting prompt does reach the stop string
     assert stopped["text"] == greedy[: greedy.index(" 7")]
     assert stopped["finish_reason"] == "stop"
@@ -169,11 +152,7 @@ def test_n_seed_stop_strings_max_tokens_and_logprobs(served, offline, tmp_path):
     assert short["usage"]["completion_tokens"] == 3
     assert short["choices"][0]["finish_reason"] == "length"
     scored = first["scored"]["response"]["body"]["choices"][0]["logprobs"]
-    reference = offline._llm.generate(
-        [{"prompt_token_ids": ids[3]}],
-        offline._sampling_params(temperature=0.0, max_tokens=6, logprobs=2),
-        use_tqdm=False,
-    )[0].outputs[0]
+    reference = offline.scored
     steps = zip(reference.logprobs, reference.token_ids, strict=True)
     chosen = [step[t].logprob for step, t in steps]
     assert scored["token_logprobs"] == pytest.approx(
@@ -182,7 +161,7 @@ def test_n_seed_stop_strings_max_tokens_and_logprobs(served, offline, tmp_path):
     assert all(len(top) == 2 for top in scored["top_logprobs"])
 
 
-def test_an_item_past_the_context_or_the_vocabulary_fails_alone(served, tmp_path):
+def test_an_item_past_the_context_or_the_vocabulary_fails_alone(vllm_broker, tmp_path):
     ids = prompt_ids()
     lines = [
         completion(ids[0], "fine", max_tokens=4, temperature=0),
@@ -190,7 +169,7 @@ def test_an_item_past_the_context_or_the_vocabulary_fails_alone(served, tmp_path
         completion([1, 49_152, 2], "past-vocab", max_tokens=4),  # its vocabulary: 49,152 ids
         completion(ids[1], "fine-too", max_tokens=4, temperature=0),
     ]
-    got = run_job(served, tmp_path, "bad-items", lines)
+    got = run_job(vllm_broker, tmp_path, "bad-items", lines)
     assert got["fine"]["response"]["status_code"] == 200
     assert got["fine-too"]["response"]["status_code"] == 200
     failed = errors(tmp_path / "bad-items.out.jsonl")
@@ -199,26 +178,9 @@ def test_an_item_past_the_context_or_the_vocabulary_fails_alone(served, tmp_path
         assert words in json.dumps(failed[bad]), failed[bad]  # the engine's own check
 
 
-def engine_processes(b: Broker) -> list[int]:
-    """The pids of vLLM's engine processes under the broker's worker (its descendants)."""
-    worker = b.pids()["worker-0"]
-    found, todo = [], [worker]
-    while todo:
-        parent = todo.pop()
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                try:
-                    fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-                except OSError:
-                    continue
-                if int(fields[1]) == parent:
-                    found.append(int(entry.name))
-                    todo.append(int(entry.name))
-    return found
-
-
 @pytest.mark.timeout(2 * START_S + 600)
-def test_the_engine_process_killed_mid_job_every_line_ends_once(served, tmp_path):
+def test_the_engine_process_killed_mid_job_every_line_ends_once(vllm_broker, tmp_path):
+    served = vllm_broker
     ids = prompt_ids()
     lines = [completion(ids[i % 4], f"kill-{i}", max_tokens=24, temperature=0) for i in range(48)]
     job = "killed"
@@ -250,7 +212,14 @@ def test_the_engine_process_killed_mid_job_every_line_ends_once(served, tmp_path
 
 @pytest.mark.parametrize("case", ["missing-model", "memory-refused"])
 def test_an_engine_that_cannot_start_stops_the_batch_with_its_own_message(case, tmp_path):
-    from test_oneshot import assert_batch_stops_on_the_engine, broken_engine_config
+    """`run.py batch` stops with the engine's message; for the memory share vLLM's CPU
+    backend refuses, `status` on a broker of that config names it too (tests/test_oneshot.py
+    checks the same for a missing model directory on the transformers engine)."""
+    from test_oneshot import (
+        assert_batch_stops_on_the_engine,
+        assert_status_names_the_engine,
+        broken_engine_config,
+    )
 
     require_vllm_host()
     if case == "missing-model":
@@ -266,3 +235,5 @@ def test_an_engine_that_cannot_start_stops_the_batch_with_its_own_message(case, 
         words = "gpu_memory_utilization = 0.99 reserves"
     config = broken_engine_config(tmp_path, "vllm", options)
     assert_batch_stops_on_the_engine(config, tmp_path, words, START_S)
+    if case == "memory-refused":
+        assert_status_names_the_engine(config, words, timeout_s=START_S)

