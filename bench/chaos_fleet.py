@@ -150,6 +150,7 @@ class BrokerProcess:
             env=self.env,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            start_new_session=True,  # a power cut kills its whole session (bench/power_cut.py)
         )
         deadline = time.monotonic() + timeout_s
         while not self.all_up():

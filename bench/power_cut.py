@@ -65,6 +65,23 @@ def _children() -> dict[int, list[int]]:
     return tree
 
 
+def _session_of(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[3])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _in_sessions(sessions: set[int]) -> set[int]:
+    """Processes of `sessions`: a child forked while its tree was being killed is in none
+    of the trees walked, but in its parent's session."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and _session_of(int(entry.name)) in sessions:
+            found.add(int(entry.name))
+    return found
+
+
 def _users(mount: Path) -> set[int]:
     """Processes with a file, a mapping or a working directory under `mount`."""
     prefix = str(mount) + "/"
@@ -189,9 +206,17 @@ class PowerDisk:
                 todo.extend(tree.get(pid, []))
         victims |= _users(self.mount_path)
         victims -= me
+        # sessions of their own (a broker started with start_new_session), never ours
+        sessions = {_session_of(pid) for pid in trees} - {None, os.getsid(0)}
         for pid in victims:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        for _ in range(3):  # what was forked while the trees were being killed
+            late = _in_sessions(sessions) - victims - me
+            for pid in late:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            victims |= late
         (connection / "abort").write_text("1")
         self.daemon.kill()
         self.daemon.wait(timeout=30)
