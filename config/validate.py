@@ -207,11 +207,33 @@ def _check_workers(workers: Any, models: list[str], where: Callable[[str], str])
             f"has the wrong type ({_describe(workers)})",
             "expected a [workers] table or [[workers]] tables, one per model",
         )
+    _check_model_tables(
+        workers,
+        "workers",
+        WORKER_GROUP_RULES,
+        models,
+        where,
+        f"every [[workers]] table names the model it serves: one of {', '.join(models)}",
+        "give each model one [[workers]] table (its count sets how many processes)",
+    )
+
+
+def _check_model_tables(
+    tables: list[dict],
+    name: str,
+    table_rules: Mapping[str, Any],
+    models: list[str],
+    where: Callable[[str], str],
+    fix_missing: str,
+    fix_repeated: str,
+) -> None:
+    """Each of the [[NAME]] tables `tables` follows `table_rules` and names a served model,
+    one table per model (the [[workers]] and [[fleet]] tables)."""
     seen: dict[str, int] = {}
-    for i, table in enumerate(workers):
-        prefix = f"workers[{i}]."
-        rules = {prefix + key: rule for key, rule in WORKER_GROUP_RULES.items()}
-        _check_table(table, "[[workers]]", prefix, rules, where)
+    for i, table in enumerate(tables):
+        prefix = f"{name}[{i}]."
+        rules = {prefix + key: rule for key, rule in table_rules.items()}
+        _check_table(table, f"[[{name}]] (table {i + 1})", prefix, rules, where)
         model = table.get("model", "")
         if model not in models:
             raise _refuse(
@@ -219,15 +241,15 @@ def _check_workers(workers: Any, models: list[str], where: Callable[[str], str])
                 prefix + "model",
                 model,
                 "names no [[models]] table" if model else "is missing or empty",
-                f"every [[workers]] table names the model it serves: one of {', '.join(models)}",
+                fix_missing,
             )
         if model in seen:
             raise _refuse(
                 where(prefix + "model"),
                 prefix + "model",
                 model,
-                f"repeats workers[{seen[model]}].model",
-                "give each model one [[workers]] table (its count sets how many processes)",
+                f"repeats {name}[{seen[model]}].model",
+                fix_repeated,
             )
         seen[model] = i
 
@@ -242,30 +264,17 @@ def _check_fleet(fleet: Any, models: list[str], where: Callable[[str], str]) -> 
             f"has the wrong type ({_describe(fleet)})",
             "expected an array of tables, written [[fleet]]",
         )
-    seen: dict[str, int] = {}
+    _check_model_tables(
+        fleet,
+        "fleet",
+        FLEET_RULES,
+        models,
+        where,
+        f"every [[fleet]] table names the model its actors serve: one of {', '.join(models)}",
+        "give each model one [[fleet]] table (min and max bound its actors)",
+    )
     for i, table in enumerate(fleet):
         prefix = f"fleet[{i}]."
-        rules = {prefix + key: rule for key, rule in FLEET_RULES.items()}
-        _check_table(table, f"[[fleet]] (table {i + 1})", prefix, rules, where)
-        model = table.get("model", "")
-        if model not in models:
-            raise _refuse(
-                where(prefix + "model"),
-                prefix + "model",
-                model,
-                "names no [[models]] table" if model else "is missing or empty",
-                f"every [[fleet]] table names the model its actors serve: one of "
-                f"{', '.join(models)}",
-            )
-        if model in seen:
-            raise _refuse(
-                where(prefix + "model"),
-                prefix + "model",
-                model,
-                f"repeats fleet[{seen[model]}].model",
-                "give each model one [[fleet]] table (min and max bound its actors)",
-            )
-        seen[model] = i
         low, high = table.get("min", 0), table.get("max", 1)
         if low > high:
             raise _refuse(
