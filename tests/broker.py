@@ -19,7 +19,7 @@ from conftest import wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.core.errors import FabricError
-from pipeline.process.supervisor_report import all_up, read_report, stage_pids
+from pipeline.process.supervisor_report import all_up, left_from_last_life, read_report, stage_pids
 from pipeline.store.datadir import DataDir
 from pipeline.store.segment import Segment
 from pipeline.transport.ports import free_loopback_ports
@@ -290,16 +290,15 @@ class Broker:
 
     def kill(self) -> None:
         """SIGKILL the supervisor, and wait until its stages are gone too: each dies with it
-        (its parent-death signal) but takes a moment to exit, and until it has, its ports are
-        bound, so a broker started at once on the same config would be refused (exit 3)."""
-        try:
-            stages = list(self.pids().values())
-        except (OSError, ValueError):  # no readable report yet: no stage was started
-            stages = []
+        but takes a moment to exit, and until it has, its ports are bound. A broker started
+        on the same data dir waits for them itself (`left_from_last_life`); one started on a
+        data dir made again, or after a power cut took the report, could not, and would be
+        refused (exit 3)."""
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(timeout=30)
         self._close_stderr()
-        wait_for(lambda: not any(map(_running, stages)), "the killed broker's stages to exit", 30)
+        root = self.data_dir.root
+        wait_for(lambda: not left_from_last_life(root), "the killed broker's stages to exit", 30)
 
     def _close_stderr(self) -> None:
         """Close the pipe of the broker's stderr: one left to the garbage collector is a
@@ -320,15 +319,6 @@ class Broker:
         self._close_stderr()  # it may have exited by itself
         for ring in ring_specs(self.settings):
             Ring.unlink(ring.name)
-
-
-def _running(pid: int) -> bool:
-    """Whether process `pid` still runs (a zombie has let go of its sockets: not running)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
 
 
 def submit(config: Path, path: Path, *args: str, timeout_s: float = 120) -> CompletedProcess:
