@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.process.supervisor_report import all_up, read_report, stage_pids
+from pipeline.process.supervisor_report import all_up, read_report, stage_pids, still_running
 from pipeline.transport.ports import free_loopback_ports
 
 REPO = Path(__file__).resolve().parents[1]
@@ -182,20 +182,12 @@ class BrokerProcess:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(timeout=30)
         deadline = time.monotonic() + 30
-        while any(_alive(pid) for pid in stages) and time.monotonic() < deadline:
+        while any(still_running(pid) for pid in stages) and time.monotonic() < deadline:
             time.sleep(0.05)
 
     def stop(self) -> int:
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout=120)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
 
 
 class Client:

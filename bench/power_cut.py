@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from bench.power_fs import materialize
+from pipeline.process.supervisor_report import still_running
 
 REPO = Path(__file__).resolve().parents[1]
 FUSECTL = Path("/sys/fs/fuse/connections")
@@ -222,7 +223,7 @@ class PowerDisk:
         self.daemon.wait(timeout=30)
         subprocess.run(["fusermount3", "-u", "-z", str(self.mount_path)], check=False)
         deadline = time.monotonic() + 30
-        while any(Path(f"/proc/{pid}").exists() and _alive(pid) for pid in victims):
+        while any(still_running(pid) for pid in victims):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"processes {sorted(victims)} outlived a power cut")
             time.sleep(0.02)
@@ -232,12 +233,3 @@ class PowerDisk:
         the backing directory)."""
         if self.daemon is not None and self.daemon.poll() is None:
             self._power_off(())
-
-
-def _alive(pid: int) -> bool:
-    """Not yet reaped is alive only if not a zombie."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"

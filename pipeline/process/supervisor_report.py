@@ -109,11 +109,24 @@ def left_from_last_life(data_root: Path) -> list[int]:
         except OSError:
             continue  # gone
         fields = stat[stat.rindex(")") + 2 :].split()
-        if fields[0] == "Z" and not _threads_exiting(pid):
+        if not still_running(pid, fields[0]):
             continue  # exited; only its parent's wait is left
         if boot + int(fields[19]) / tick <= written + 1.0:
             left.append(pid)
     return left
+
+
+def still_running(pid: int, state: str | None = None) -> bool:
+    """Whether process `pid` still holds what it had open (ports included): it exists and is
+    not a zombie, or is a zombie whose other threads are still exiting. `state`: its state
+    letter from /proc/PID/stat, when the caller has read it already."""
+    if state is None:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return False
+        state = stat[stat.rindex(")") + 2]
+    return state != "Z" or _threads_exiting(pid)
 
 
 def _threads_exiting(pid: int) -> bool:
